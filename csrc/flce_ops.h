@@ -1,0 +1,37 @@
+// Op signatures and the argument checks every backend shares (torch side only; kernels never
+// include this file).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace flce {
+
+using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+using PartialStatsFn = at::Tensor(const at::Tensor& input, const at::Tensor& weight,
+                                  const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                                  int64_t vocab_start, int64_t ignore_index, double softcap);
+using CombineFn = Tensor3(const at::Tensor& partials, const at::Tensor& target,
+                          int64_t vocab_size, int64_t ignore_index, double label_smoothing,
+                          double z_loss);
+using BackwardFn = Tensor3(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+                           const at::Tensor& input, const at::Tensor& weight,
+                           const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                           const at::Tensor& stats, int64_t vocab_start, int64_t vocab_size,
+                           int64_t ignore_index, double label_smoothing, double z_loss,
+                           double softcap, std::array<bool, 3> output_mask);
+
+// Checks shared by all backends. Python validates first with argument names; these keep a
+// direct torch.ops.flce call from reaching a kernel with inconsistent arguments.
+void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+                       const std::optional<at::Tensor>& bias);
+void check_combine_args(const at::Tensor& partials, const at::Tensor& target);
+void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+                         const at::Tensor& input, const at::Tensor& weight,
+                         const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                         const at::Tensor& stats);
+
+}  // namespace flce

@@ -1,0 +1,189 @@
+// flce/math.h: the numerics of flce, once, for every backend.
+//
+// Torch-free and header-only: the CPU backend (csrc/cpu), the CUDA kernels (csrc/cuda) and the
+// host unit tests (tests/cpp) include this file and nothing else defines these formulas.
+// See shared NUMERICS.md / docs/numerics.md for the derivations.
+//
+// Do not compile users of this header with -ffast-math / --use_fast_math: Kahan compensation
+// and the NaN-propagating comparisons below rely on IEEE semantics.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define FLCE_HD __host__ __device__ __forceinline__
+#else
+#define FLCE_HD inline
+#endif
+
+namespace flce {
+
+FLCE_HD float neg_inf() { return -INFINITY; }
+
+// ---------------------------------------------------------------------------------------------
+// Online logsumexp over the non-target logits of a row.
+//
+// State (m, s): m is the running max, s = sum exp(z - m). The empty state is (-inf, 0).
+// NaN logits poison s (never silently dropped: fmaxf would ignore them).
+// ---------------------------------------------------------------------------------------------
+struct OnlineLse {
+  float m;
+  float s;
+};
+
+FLCE_HD OnlineLse lse_empty() { return OnlineLse{neg_inf(), 0.f}; }
+
+// Add one logit z.
+FLCE_HD void lse_add(OnlineLse& st, float z) {
+  if (z > st.m) {
+    // st.m may be -inf: exp(-inf) = 0 rescales an empty sum to 0.
+    st.s = st.s * expf(st.m - z) + 1.f;
+    st.m = z;
+  } else {
+    // z <= m, or z is NaN (then s becomes NaN).  z = m = -inf only with -inf inputs: NaN, fine.
+    st.s += expf(z - st.m);
+  }
+}
+
+// Merge two partial states (different vocab tiles, threads or ranks). Order-independent up to
+// rounding; callers that need bitwise determinism merge in a fixed order.
+FLCE_HD OnlineLse lse_merge(OnlineLse a, OnlineLse b) {
+  if (b.m == neg_inf() && b.s == 0.f) return a;  // b empty
+  if (a.m == neg_inf() && a.s == 0.f) return b;  // a empty
+  const float m = a.m > b.m ? a.m : b.m;         // a NaN -> m = b.m, but a.s*exp(NaN) -> NaN
+  return OnlineLse{m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+}
+
+// Merge a tile whose max and shifted sum were computed in two passes (max first, then
+// sum exp(z - tile_max)).
+FLCE_HD void lse_add_tile(OnlineLse& st, float tile_max, float tile_sum) {
+  st = lse_merge(st, OnlineLse{tile_max, tile_sum});
+}
+
+// log(sum exp) of the state; -inf for the empty state.
+FLCE_HD float lse_value(OnlineLse st) {
+  if (st.s == 0.f) return neg_inf();
+  return st.m + logf(st.s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar helpers, stable at every argument.
+// ---------------------------------------------------------------------------------------------
+
+// log(1 + exp(x)); exact 0 at -inf, x at +inf, NaN in NaN out.
+FLCE_HD float softplus(float x) {
+  if (x > 0.f) return x + log1pf(expf(-x));
+  return log1pf(expf(x));
+}
+
+// 1 / (1 + exp(-x)), without overflow for either sign.
+FLCE_HD float sigmoid(float x) {
+  if (x >= 0.f) return 1.f / (1.f + expf(-x));
+  const float e = expf(x);
+  return e / (1.f + e);
+}
+
+// log(exp(a) + exp(b)).
+FLCE_HD float logaddexp(float a, float b) {
+  const float mx = a > b ? a : b;
+  const float mn = a > b ? b : a;
+  if (mn == neg_inf()) return mx;  // also covers a = b = -inf
+  return mx + log1pf(expf(mn - mx));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softcap (Gemma 2): z = cap * tanh(u / cap) on the raw logit u; cap <= 0 disables it.
+// ---------------------------------------------------------------------------------------------
+FLCE_HD float softcap_apply(float u, float cap) { return cap > 0.f ? cap * tanhf(u / cap) : u; }
+
+// dz/du given the capped logit z.
+FLCE_HD float softcap_grad(float z, float cap) {
+  if (!(cap > 0.f)) return 1.f;
+  const float r = z / cap;
+  return 1.f - r * r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-row loss and gradient coefficients.
+//
+// Row statistics (fp32): lse_x = logsumexp over j != t, z_t = target logit, sum_z = sum over all
+// j of z_j (label smoothing only). An ignored row has no target: z_t = -inf, lse_x = lse.
+//
+//   nll   = softplus(lse_x - z_t)                         (collapse-safe lse - z_t)
+//   lse   = logaddexp(lse_x, z_t)
+//   loss  = (1 - eps) nll + eps (lse - sum_z / V) + w lse^2
+// ---------------------------------------------------------------------------------------------
+struct LossOptions {
+  float label_smoothing;  // eps
+  float z_loss;           // w
+  float softcap;          // <= 0: none
+  int64_t vocab_size;     // global V (the smoothing mean)
+};
+
+struct RowLoss {
+  float loss;
+  float lse;
+};
+
+FLCE_HD RowLoss row_loss(float lse_x, float z_t, float sum_z, bool ignored, const LossOptions& o) {
+  const float lse = logaddexp(lse_x, z_t);
+  if (ignored) return RowLoss{0.f, lse};
+  float loss = softplus(lse_x - z_t);
+  if (o.label_smoothing != 0.f) {
+    const float eps = o.label_smoothing;
+    loss = (1.f - eps) * loss + eps * (lse - sum_z / static_cast<float>(o.vocab_size));
+  }
+  if (o.z_loss != 0.f) loss += o.z_loss * lse * lse;
+  return RowLoss{loss, lse};
+}
+
+// The gradient of one row with respect to its (capped) logits, from upstream g = dL/dloss_row
+// and g_lse = dL/dlse_row:
+//   dz_j = A p_j - U                  (j != t)
+//   dz_t = (A - B) p_t - B q_t - U    with q_t = 1 - p_t = sigmoid(lse_x - z_t), exact when fp32
+//                                     would round p_t to 1 (the collapse-safe target term)
+//   A = g (1 + 2 w lse) + g_lse,  B = g (1 - eps),  U = g eps / V,  p_j = exp(z_j - lse).
+struct RowGrad {
+  float lse;  // p_j = exp(z_j - lse)
+  float a;
+  float u;
+  float dz_t;  // the whole target-column gradient (before softcap)
+};
+
+FLCE_HD RowGrad row_grad(float lse_x, float z_t, bool ignored, float g, float g_lse,
+                         const LossOptions& o) {
+  RowGrad r;
+  r.lse = logaddexp(lse_x, z_t);
+  if (ignored) g = 0.f;
+  const float eps = o.label_smoothing;
+  r.a = g * (1.f + 2.f * o.z_loss * r.lse) + g_lse;
+  const float b = g * (1.f - eps);
+  r.u = g * eps / static_cast<float>(o.vocab_size);
+  const float p_t = sigmoid(z_t - lse_x);
+  const float q_t = sigmoid(lse_x - z_t);
+  r.dz_t = (r.a - b) * p_t - b * q_t - r.u;
+  return r;
+}
+
+// Gradient of a non-target logit z (capped), before the softcap chain rule.
+FLCE_HD float logit_grad(const RowGrad& r, float z) { return r.a * expf(z - r.lse) - r.u; }
+
+// ---------------------------------------------------------------------------------------------
+// Compensated summation in fp32.
+//
+// Kahan: y = x - c; t = s + y; c = (t - s) - y; s = t.
+// Neumaier's variant (used here) also stays exact when |x| > |s|, which happens when a large
+// target-column contribution lands on a small running sum.
+// The compensation c collects the low-order parts that s lost; kahan_result() folds it in once,
+// at the end. Branch-free so that loops over tiles vectorize.
+// ---------------------------------------------------------------------------------------------
+FLCE_HD void kahan_add(float& s, float& c, float x) {
+  const float t = s + x;
+  c += fabsf(s) >= fabsf(x) ? (s - t) + x : (x - t) + s;
+  s = t;
+}
+
+FLCE_HD float kahan_result(float s, float c) { return s + c; }
+
+}  // namespace flce
