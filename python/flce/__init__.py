@@ -1,0 +1,7 @@
+"""flce: fused, collapse-safe linear cross-entropy for large-vocabulary language models."""
+from . import reference
+from ._ops import ops
+from .api import LinearCrossEntropy, linear_cross_entropy
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops"]
+__version__ = "0.1.0"

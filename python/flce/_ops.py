@@ -1,0 +1,66 @@
+"""Fake (meta) kernels and autograd for the flce::* ops declared in csrc/ops.cpp."""
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.flce.*)
+
+ops = torch.ops.flce
+
+
+@torch.library.register_fake("flce::partial_stats")
+def _partial_stats_fake(input, weight, target, bias, vocab_start, ignore_index, softcap):
+    return input.new_empty((input.shape[0], 4), dtype=torch.float32)
+
+
+@torch.library.register_fake("flce::combine")
+def _combine_fake(partials, target, vocab_size, ignore_index, label_smoothing, z_loss):
+    n = partials.shape[1]
+    return (
+        partials.new_empty((n,)),
+        partials.new_empty((n,)),
+        partials.new_empty((n, 2)),
+    )
+
+
+@torch.library.register_fake("flce::forward")
+def _forward_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap):
+    n = input.shape[0]
+    f32 = dict(dtype=torch.float32, device=input.device)
+    return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
+            input.new_empty((n, 2), **f32))
+
+
+def _grad_like(t, wanted):
+    return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else t.new_empty((0,))
+
+
+@torch.library.register_fake("flce::backward")
+def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, stats, vocab_start,
+                   vocab_size, ignore_index, label_smoothing, z_loss, softcap, output_mask):
+    grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
+    return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap = inputs
+    _, _, stats = output
+    ctx.save_for_backward(input, weight, target, bias, stats)
+    ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
+
+
+def _backward(ctx, grad_loss, grad_lse, grad_stats):
+    input, weight, target, bias, stats = ctx.saved_tensors
+    ignore_index, label_smoothing, z_loss, softcap = ctx.options
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[3]]
+    if not any(mask):
+        return None, None, None, None, None, None, None, None
+    if grad_loss is None:
+        grad_loss = stats.new_zeros(()).expand(stats.shape[0])
+    gi, gw, gb = ops.backward(grad_loss, grad_lse, input, weight, target, bias, stats, 0,
+                              weight.shape[0], ignore_index, label_smoothing, z_loss, softcap,
+                              mask)
+    return (gi if mask[0] else None, gw if mask[1] else None, None,
+            gb if mask[2] else None, None, None, None, None)
+
+
+torch.library.register_autograd("flce::forward", _backward, setup_context=_setup_context)

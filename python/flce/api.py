@@ -1,0 +1,166 @@
+"""The public API: ``flce.linear_cross_entropy`` and ``flce.LinearCrossEntropy``."""
+import torch
+
+from . import _ops
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap):
+    for name, t in (("input", input), ("weight", weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flce: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"flce: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if input.dim() < 1:
+        raise ValueError("flce: input must have shape (..., D), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}")
+    if input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"flce: input's last dimension ({input.shape[-1]}) must equal weight's "
+                         f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    if target.shape != input.shape[:-1]:
+        raise ValueError(f"flce: target must have shape {tuple(input.shape[:-1])} (input's "
+                         f"leading dimensions), got {tuple(target.shape)}")
+    if target.dtype.is_floating_point or target.dtype.is_complex:
+        raise TypeError(f"flce: target must hold class indices (an integer tensor), got "
+                        f"{target.dtype}; probability targets are not supported")
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"flce: input must be float32, bfloat16 or float16, got {input.dtype} "
+                        "(use flce.reference for float64)")
+    if weight.dtype not in (input.dtype, torch.float32):
+        raise TypeError(f"flce: weight must have input's dtype ({input.dtype}) or be float32 "
+                        f"master weights, got {weight.dtype}")
+    devices = {("input", input.device), ("weight", weight.device), ("target", target.device)}
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"flce: bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"flce: bias must have shape ({weight.shape[0]},), got "
+                             f"{tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
+                            f"{bias.dtype}")
+        devices.add(("bias", bias.device))
+    if len({d for _, d in devices}) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in sorted(devices, key=lambda x: x[0]))
+        raise ValueError(f"flce: all tensors must be on one device, got {listing}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"flce: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"flce: z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"flce: softcap must be a positive number or None, got {softcap}")
+
+
+def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,
+                         reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
+                         return_lse=False, linear_weight=None, linear_bias=None, options=None):
+    r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
+
+    A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
+    on the arguments they share (``linear_weight`` and ``linear_bias`` are accepted as torch's
+    keyword names; torch's ``options`` chunking hints are ignored, flce picks its own tiles).
+    The ``[N, V]`` logits are never materialized.
+
+    Args:
+        input: ``(..., D)`` hidden states, float32, bfloat16 or float16.
+        weight: ``(V, D)`` classifier (``lm_head.weight``), input's dtype or float32 master
+            weights (then the computation runs in input's dtype and ``weight.grad`` comes out in
+            float32 straight from flce's float32 accumulators).
+        target: ``(...)`` class indices in ``[0, V)`` or ``ignore_index``.
+        bias: optional ``(V,)``.
+        ignore_index: rows with this target contribute no loss and no gradient and are not
+            counted by ``"mean"`` (``None`` means -100, as in torch).
+        reduction: ``"mean"`` (over non-ignored tokens) | ``"sum"`` | ``"none"`` (shape ``(...)``).
+        label_smoothing: torch semantics, ``(1 - eps) nll + eps (lse - mean_j z_j)``.
+        z_loss: adds ``z_loss * lse**2`` per token (PaLM).
+        softcap: applies ``softcap * tanh(z / softcap)`` to the logits (Gemma 2).
+        return_lse: also return the per-token logsumexp, shape ``(...)``, float32.
+
+    Returns:
+        The loss in float32 (whatever the input dtype), and the lse when ``return_lse``.
+    """
+    weight = _alias("weight", weight, "linear_weight", linear_weight)
+    bias = _alias("bias", bias, "linear_bias", linear_bias)
+    if weight is None or target is None:
+        raise TypeError("flce: linear_cross_entropy needs input, weight and target")
+    del options
+    if ignore_index is None:
+        ignore_index = -100
+    _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap)
+
+    # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
+    parallel = _vocab_parallel_dispatch()
+    if parallel is not None and parallel.is_vocab_sharded(weight):
+        return parallel.linear_cross_entropy_dtensor(
+            input, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            return_lse=return_lse)
+
+    lead = target.shape
+    x = input.reshape(-1, input.shape[-1])
+    t = target.reshape(-1).to(torch.int64)
+    loss, lse, _ = _ops.ops.forward(x, weight, t, bias, int(ignore_index), float(label_smoothing),
+                                    float(z_loss), float(softcap or 0.0))
+    loss = reduce_loss(loss, t, ignore_index, reduction, lead)
+    if return_lse:
+        return loss, lse.reshape(lead)
+    return loss
+
+
+def _alias(name, value, torch_name, torch_value):
+    if torch_value is None:
+        return value
+    if value is not None:
+        raise TypeError(f"flce: pass either {name} or {torch_name}, not both")
+    return torch_value
+
+
+def reduce_loss(loss, target, ignore_index, reduction, shape):
+    """Reduce per-token losses as torch does (mean over non-ignored tokens), without host syncs."""
+    if reduction == "none":
+        return loss.reshape(shape)
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / (target != ignore_index).sum()
+
+
+def _vocab_parallel_dispatch():
+    try:
+        from . import parallel
+    except ImportError:
+        return None
+    return parallel if hasattr(parallel, "is_vocab_sharded") else None
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """``nn.Module`` form of :func:`linear_cross_entropy`; call as ``module(input, weight, target)``."""
+
+    def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                 softcap=None, return_lse=False):
+        super().__init__()
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"flce: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.return_lse = return_lse
+
+    def forward(self, input, weight, target, bias=None):
+        return linear_cross_entropy(input, weight, target, bias=bias,
+                                    ignore_index=self.ignore_index, reduction=self.reduction,
+                                    label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                    softcap=self.softcap, return_lse=self.return_lse)
+
+    def extra_repr(self):
+        return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
+                f"softcap={self.softcap}")

@@ -1,0 +1,73 @@
+"""A pure-PyTorch linear cross-entropy with flce's semantics: the test oracle.
+
+Collapse-safe (``softplus(lse_x - z_t)``, not ``lse - z_t``), every option of
+:func:`flce.linear_cross_entropy`, any dtype. It materializes the ``[N, V]`` logits, so use it in
+float64 on small and medium shapes to check an implementation, not to train.
+Autograd through it gives the collapse-safe gradient: the target column's gradient is
+``-sigmoid(lse_x - z_t)`` (computed by autograd of the softplus form), not ``p_t - 1``.
+"""
+import torch
+
+__all__ = ["linear_cross_entropy", "logits_cross_entropy"]
+
+
+def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, z_loss=0.0, softcap=None, return_lse=False,
+                         vocab_size=None):
+    """Collapse-safe cross-entropy of ``logits`` ``[N, V]`` against ``target`` ``[N]``.
+
+    Computes in the dtype of ``logits`` (pass float64 for a reference). ``vocab_size`` is the
+    label-smoothing denominator (default ``V``).
+    """
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    n, v = logits.shape
+    vocab_size = v if vocab_size is None else vocab_size
+    valid = target != ignore_index
+    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    z_t = logits.gather(1, safe_t[:, None])[:, 0]
+    is_t = torch.zeros_like(logits, dtype=torch.bool)
+    is_t.scatter_(1, safe_t[:, None], valid[:, None])
+    # Ignored rows have no target: every logit enters lse_x.
+    lse_x = torch.logsumexp(logits.masked_fill(is_t, float("-inf")), dim=1)
+    z_t = torch.where(valid, z_t, torch.full_like(z_t, float("-inf")))
+    lse = torch.logaddexp(lse_x, z_t)
+    loss = torch.nn.functional.softplus(lse_x - z_t)
+    # softplus's threshold (20) switches to x, which is fine; for lse_x - z_t -> -inf it is exp.
+    if label_smoothing:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - logits.sum(1) / vocab_size)
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    loss = _reduce(loss, valid, reduction)
+    return (loss, lse) if return_lse else loss
+
+
+def linear_cross_entropy(input, weight, target, *, bias=None, ignore_index=-100,
+                         reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
+                         return_lse=False):
+    """``logits_cross_entropy(input @ weight.T + bias, target, ...)`` in the input's dtype."""
+    d = input.shape[-1]
+    logits = input.reshape(-1, d) @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    out = logits_cross_entropy(logits, target.reshape(-1), ignore_index=ignore_index,
+                               reduction=reduction, label_smoothing=label_smoothing,
+                               z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+    if reduction == "none":
+        shape = target.shape
+        out = (out[0].reshape(shape), out[1].reshape(shape)) if return_lse else out.reshape(shape)
+    elif return_lse:
+        out = (out[0], out[1].reshape(target.shape))
+    return out
+
+
+def _reduce(loss, valid, reduction):
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        # torch semantics: mean over non-ignored tokens; 0/0 = nan when every token is ignored.
+        return loss.sum() / valid.sum()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
