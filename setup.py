@@ -80,14 +80,14 @@ if use_cuda:
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
 include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
 # No -ffast-math anywhere: the Kahan compensation and NaN propagation need IEEE arithmetic.
-cxx_flags = ["-O3", "-std=c++17", "-fno-math-errno", "-DPy_LIMITED_API=0x03090000"]
+cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-DPy_LIMITED_API=0x03090000"]
 define_macros = []
 ext_kwargs = {}
 
 if use_cuda:
     sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
     include_dirs += _nvidia_wheel_includes()
-    nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     if os.environ.get("FLCE_PTXAS_VERBOSE") == "1":
         nvcc_flags += ["-Xptxas=-v"]
     define_macros.append(("FLCE_WITH_CUDA", "1"))
