@@ -26,6 +26,7 @@ Error metrics
                               with the CUDA caching allocator, likely with glibc on CPU).
 """
 import math
+import os as _os
 
 import pytest
 import torch
@@ -224,8 +225,75 @@ def assert_close_to_ref(x, ref, dtype, *, factor=2.0, abs_floor=0.0, what="value
                            f"{tol.flatten()[((x - ref).abs() - tol).flatten().argmax()].item():.3e}")
 
 
+def assert_grad_close(got, ref, *, what="grad", factor=None, norm_factor=None):
+    """A gradient in its own dtype against float64: element-wise (garbage anywhere) and
+    norm-wise (precision), with the GRAD_FACTOR / GRAD_NORM_FACTOR tolerances."""
+    dt = got.dtype
+    assert_close_to_ref(got, ref, dt, factor=factor or GRAD_FACTOR[dt], what=what)
+    err = rel_err(got, ref) / torch.finfo(dt).eps if ref.abs().sum() > 0 else 0.0
+    if _os.environ.get("FLCE_TEST_VERBOSE"):
+        print(f"{what} {dt}: norm-wise rel err {err:.3f} eps")
+    assert err <= (norm_factor or GRAD_NORM_FACTOR[dt]), (what, err)
+
+
 def poison_allocator(*shapes_dtypes, device="cpu"):
     """Allocate, NaN-fill and free tensors of the given (shape, dtype) so that the next
     allocations of those sizes likely reuse poisoned memory (see module docstring)."""
     bufs = [torch.full(s, math.nan, dtype=dt, device=device) for s, dt in shapes_dtypes]
     del bufs
+
+
+# check_flce tolerances, in units of eps(dtype). Element-wise bounds are relative to
+# max(|ref|, rms(ref)) and catch garbage anywhere; the norm-wise bound on gradients holds the
+# precision (fp32 gradients with cancellation have element errors far above their norm's).
+LOSS_FACTOR = 32.0  # the loss is fp32 whatever the input dtype: fp32-level error
+GRAD_FACTOR = {torch.float32: 1024.0, torch.bfloat16: 1.0, torch.float16: 1.0}
+GRAD_NORM_FACTOR = {torch.float32: 64.0, torch.bfloat16: 0.35, torch.float16: 0.35}
+
+
+def check_flce(x, w, t, b=None, *, return_lse=False, grads=True, loss_factor=LOSS_FACTOR,
+               grad_factor=None, seed=123, **opts):
+    """Run flce.linear_cross_entropy forward + backward and compare every element with the
+    float64 reference (``assert_close_to_ref``). Upstream gradients are random (fresh, nonzero)
+    for reduction="none" and for the lse. Returns (loss, lse or None, grads dict)."""
+    reduction = opts.get("reduction", "mean")
+    g = gen(seed)
+    leaves = {"input": x, "weight": w}
+    if b is not None:
+        leaves["bias"] = b
+    leaves = {k: v.detach().clone().requires_grad_(grads) for k, v in leaves.items()}
+    out = flce.linear_cross_entropy(leaves["input"], leaves["weight"], t, bias=leaves.get("bias"),
+                                    return_lse=return_lse, **opts)
+    loss, lse = out if return_lse else (out, None)
+    assert loss.dtype == torch.float32
+    up = torch.rand(t.shape, generator=g, dtype=torch.float64) + 0.5
+    up_lse = torch.rand(t.shape, generator=g, dtype=torch.float64) - 0.5
+    x64, w64, b64 = (None if a is None else a.detach().cpu().requires_grad_(grads)
+                     for a in as_f64(x, w, b))
+    rout = flce.reference.linear_cross_entropy(x64, w64, t.cpu(), bias=b64, return_lse=True,
+                                               **opts)
+    rloss, rlse = rout
+    assert loss.shape == rloss.shape
+    if reduction == "mean" and not (t != opts.get("ignore_index", -100)).any():
+        assert torch.isnan(loss).all() and torch.isnan(rloss).all()
+    else:
+        assert_close_to_ref(loss, rloss, torch.float32, factor=loss_factor, what="loss")
+    if return_lse:
+        assert lse.shape == t.shape and lse.dtype == torch.float32
+        assert_close_to_ref(lse, rlse, torch.float32, factor=loss_factor, what="lse")
+    result = {}
+    if grads:
+        def total(l, s, u, ul):
+            tot = (l * u).sum() if reduction == "none" else l
+            if return_lse:
+                tot = tot + (s * ul).sum()
+            return tot
+        total(loss, lse, up.float().to(loss.device), up_lse.float().to(loss.device)).backward()
+        total(rloss, rlse, up, up_lse).backward()
+        refs = {"input": x64.grad, "weight": w64.grad, "bias": None if b64 is None else b64.grad}
+        for name, leaf in leaves.items():
+            gr = leaf.grad
+            assert gr is not None and gr.shape == leaf.shape and gr.dtype == leaf.dtype, name
+            assert_grad_close(gr, refs[name], what=f"grad {name}", factor=grad_factor)
+            result[name] = gr
+    return loss, lse, result
