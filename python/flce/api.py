@@ -5,6 +5,11 @@ import torch
 
 from . import _ops
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
+
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,7 +103,7 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
     _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap)
 
     # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
-    parallel = _vocab_parallel_dispatch()
+    parallel = _vocab_parallel_dispatch(weight)
     if parallel is not None and parallel.is_vocab_sharded(weight):
         return parallel.linear_cross_entropy_dtensor(
             input, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
@@ -134,7 +139,11 @@ def reduce_loss(loss, target, ignore_index, reduction, shape):
     return total / (target != ignore_index).sum()
 
 
-def _vocab_parallel_dispatch():
+def _vocab_parallel_dispatch(weight):
+    # Only a DTensor weight can be vocab-sharded. Checking that first keeps the import (and its
+    # ImportError, which torch.compile(fullgraph=True) cannot trace) off the plain path.
+    if _DTensor is None or not isinstance(weight, _DTensor):
+        return None
     try:
         from . import parallel
     except ImportError:
