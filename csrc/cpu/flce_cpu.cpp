@@ -24,6 +24,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/epilogue.h"
 #include "cpu/tile_gemm.h"
 #include "flce/math.h"
 #include "flce_ops.h"
@@ -75,15 +76,7 @@ void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t b
   const float* b = o.bias.defined() ? o.bias.data_ptr<float>() + v0 : nullptr;
   if (b == nullptr && !(cap > 0.f)) return;
   at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = tile + r * BLOCK_V;
-      if (b) {
-        for (int64_t j = 0; j < bv; ++j) row[j] += b[j];
-      }
-      if (cap > 0.f) {
-        for (int64_t j = 0; j < bv; ++j) row[j] = softcap_apply(row[j], cap);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) cpu::row_bias_softcap(tile + r * BLOCK_V, b, bv, cap);
   });
 }
 
@@ -119,28 +112,24 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
       logit_tile(o, n0, bn, v0, bv, cap, tile);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          const float* row = tile + r * BLOCK_V;
+          float* row = tile + r * BLOCK_V;
           const int64_t tr = t[n0 + r];
-          // The target's column in this tile, or -1.
+          // The target's column in this tile, or -1; it is masked out of (max, sum exp).
           const int64_t tl = row_ignored(tr, ignore_index) ? -1 : tr - vocab_start - v0;
-          float mx = neg_inf();
-          float sum_z = 0.f;
-          bool nan = false;
-          for (int64_t j = 0; j < bv; ++j) {
-            const float z = row[j];
-            sum_z += z;
-            nan |= std::isnan(z);
-            if (j != tl) mx = std::max(mx, z);
+          const bool has_t = tl >= 0 && tl < bv;
+          float z_target = 0.f;
+          if (has_t) {
+            z_target = row[tl];
+            row[tl] = neg_inf();
+            zt[r] = z_target;
           }
-          float s = 0.f;
-          if (mx != neg_inf()) {
-            for (int64_t j = 0; j < bv; ++j) {
-              if (j != tl) s += std::exp(row[j] - mx);
-            }
-          }
-          if (nan) s = NAN;  // std::max drops NaN; the state must not
+          const float mx = cpu::row_max(row, bv);
+          // An all -inf tile (only the target, or -inf logits) adds nothing: exp(-inf - -inf)
+          // would be NaN.
+          const float s = mx == neg_inf() ? 0.f : cpu::row_sum_exp(row, bv, mx);
           lse_add_tile(lse[r], mx, s);
-          if (tl >= 0 && tl < bv) zt[r] = row[tl];
+          if (has_t) row[tl] = z_target;
+          const float sum_z = cpu::row_sum(row, bv);
           kahan_add(sz[r], szc[r], sum_z);
         }
       });
@@ -207,10 +196,7 @@ struct KahanAcc {
   void add_rows(const float* x, int64_t rows, int64_t ldx) const {
     at::parallel_for(0, rows, grain(width), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        float* s = sum + r * width;
-        float* c = comp + r * width;
-        const float* xr = x + r * ldx;
-        for (int64_t j = 0; j < width; ++j) kahan_add(s[j], c[j], xr[j]);
+        cpu::row_kahan_add(sum + r * width, comp + r * width, x + r * ldx, width);
       }
     });
   }
@@ -304,18 +290,14 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
         const RowGrad rg = row_grad(st[2 * i], st[2 * i + 1], ign, g[i], glse ? glse[i] : 0.f, opt);
         const int64_t tl = ign ? -1 : t[i] - vocab_start - v0;
         float* row = tile + r * BLOCK_V;
-        for (int64_t j = 0; j < bv; ++j) {
-          const float z = row[j];
-          const float dz = j == tl ? rg.dz_t : logit_grad(rg, z);
-          row[j] = dz * softcap_grad(z, cap);
-        }
+        const bool has_t = tl >= 0 && tl < bv;
+        const float z_target = has_t ? row[tl] : 0.f;
+        cpu::row_grad_fill(row, bv, rg, cap);
+        if (has_t) row[tl] = rg.dz_t * softcap_grad(z_target, cap);
         if (split) {
-          auto* h = hi.data_ptr<at::BFloat16>() + r * BLOCK_V;
-          auto* l = lo.data_ptr<at::BFloat16>() + r * BLOCK_V;
-          for (int64_t j = 0; j < bv; ++j) {
-            h[j] = at::BFloat16(row[j]);
-            l[j] = at::BFloat16(row[j] - static_cast<float>(h[j]));
-          }
+          auto* h = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>()) + r * BLOCK_V;
+          auto* l = reinterpret_cast<uint16_t*>(lo.data_ptr<at::BFloat16>()) + r * BLOCK_V;
+          cpu::row_split_bf16(row, h, l, bv);
         }
       }
     });
