@@ -80,6 +80,19 @@ FLCE_CLONES void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int6
   }
 }
 
+void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha) {
+  if (dtype == Dtype::f32) {
+    const float* xf = static_cast<const float*>(x);
+    for (int64_t j = 0; j < n; ++j) out[j] = alpha * xf[j];
+  } else if (dtype == Dtype::bf16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t j = 0; j < n; ++j) out[j] = alpha * bf16_value(xb[j]);
+  } else {
+    const _Float16* xh = static_cast<const _Float16*>(x);
+    for (int64_t j = 0; j < n; ++j) out[j] = alpha * static_cast<float>(xh[j]);
+  }
+}
+
 FLCE_CLONES void row_kahan_add(float* s, float* c, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) kahan_add(s[j], c[j], x[j]);

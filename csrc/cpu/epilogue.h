@@ -22,6 +22,10 @@ void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap);
 void row_bias_softcap(float* z, const float* bias, int64_t n, float cap);
 // g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even.
 void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n);
+enum class Dtype { f32, bf16, f16 };
+
+// out[j] = alpha * x[j] for a row x stored as dtype.
+void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha);
 // (s, c) += x elementwise with Neumaier compensation.
 void row_kahan_add(float* s, float* c, const float* x, int64_t n);
 

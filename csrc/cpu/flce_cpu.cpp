@@ -48,6 +48,7 @@ struct Operands {
   at::Tensor w;     // [V, D], compute dtype
   at::Tensor bias;  // [V] fp32 or undefined
   at::ScalarType dtype;
+  cpu::Dtype row_dtype;  // the same, for the epilogue loops
   int64_t n, v, d;
 };
 
@@ -55,6 +56,9 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
                  const std::optional<at::Tensor>& bias) {
   Operands o;
   o.dtype = input.scalar_type();
+  o.row_dtype = o.dtype == at::kFloat      ? cpu::Dtype::f32
+                : o.dtype == at::kBFloat16 ? cpu::Dtype::bf16
+                                           : cpu::Dtype::f16;
   o.x = input.contiguous();
   o.w = weight.to(o.dtype).contiguous();  // fp32 master weights: one cast copy
   if (bias) o.bias = bias->to(at::kFloat).contiguous();
@@ -78,6 +82,11 @@ void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t b
   at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) cpu::row_bias_softcap(tile + r * BLOCK_V, b, bv, cap);
   });
+}
+
+// Row i of a row-major [rows, D] operand (input or weight in the compute dtype).
+const void* operand_row(const at::Tensor& m, int64_t i) {
+  return static_cast<const char*>(m.data_ptr()) + i * m.size(1) * m.element_size();
 }
 
 bool row_ignored(int64_t t, int64_t ignore_index) { return t == ignore_index; }
@@ -279,6 +288,9 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
   at::Tensor x32 = (!split && o.dtype != at::kFloat) ? o.x.to(at::kFloat) : at::Tensor();
   at::Tensor w32 = (!split && o.dtype != at::kFloat) ? o.w.to(at::kFloat) : at::Tensor();
   std::vector<float> te(need_e ? BLOCK_N * d : 0), tc(need_c ? BLOCK_V * d : 0);
+  // Per tile row: the target's column in the tile (-1 if elsewhere) and its gradient.
+  std::vector<int64_t> t_col(BLOCK_N);
+  std::vector<float> t_grad(BLOCK_N);
 
   auto process = [&](int64_t n0, int64_t bn, int64_t v0, int64_t bv, KahanAcc* eacc,
                      KahanAcc* cacc, KahanAcc* bacc) {
@@ -293,7 +305,12 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
         const bool has_t = tl >= 0 && tl < bv;
         const float z_target = has_t ? row[tl] : 0.f;
         cpu::row_grad_fill(row, bv, rg, cap);
-        if (has_t) row[tl] = rg.dz_t * softcap_grad(z_target, cap);
+        // The target column leaves the tile: its gradient (about -1 while the others are about
+        // 1/V) would dominate every fp32 partial sum of the tile GEMMs, whose rounding error
+        // scales with those partial sums. It is added on its own below, exactly once per row.
+        t_col[r] = has_t ? tl : -1;
+        t_grad[r] = has_t ? rg.dz_t * softcap_grad(z_target, cap) : 0.f;
+        if (has_t) row[tl] = 0.f;
         if (split) {
           auto* h = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>()) + r * BLOCK_V;
           auto* l = reinterpret_cast<uint16_t*>(lo.data_ptr<at::BFloat16>()) + r * BLOCK_V;
@@ -302,13 +319,17 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
       }
     });
     if (bacc) {
-      // Column sums of the tile in row order, then one Kahan add per column.
+      // Column sums of the tile in row order, then one Kahan add per column; the target
+      // columns' gradients are Kahan-added one by one.
       std::vector<float> colsum(bv, 0.f);
       for (int64_t r = 0; r < bn; ++r) {
         const float* row = tile + r * BLOCK_V;
         for (int64_t j = 0; j < bv; ++j) colsum[j] += row[j];
       }
       bacc->add_rows(colsum.data(), 1, bv);  // bacc points at column v0, width bv
+      for (int64_t r = 0; r < bn; ++r) {
+        if (t_col[r] >= 0) kahan_add(bacc->sum[t_col[r]], bacc->comp[t_col[r]], t_grad[r]);
+      }
     }
     // The gradient tile's operands: (hi, lo) bf16 pair, or the fp32 tile.
     const int64_t es = o.x.element_size();
@@ -328,6 +349,15 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                     GemmOperand{w, d, false}, 0.f, te.data(), d);
       }
       eacc->add_rows(te.data(), bn, d);
+      // dE[n] += dz_t W[t]: one scaled row per row that has its target in this tile.
+      at::parallel_for(0, bn, grain(d), [&](int64_t r0, int64_t r1) {
+        std::vector<float> prod(d);
+        for (int64_t r = r0; r < r1; ++r) {
+          if (t_col[r] < 0) continue;
+          cpu::row_scale(prod.data(), operand_row(o.w, v0 + t_col[r]), o.row_dtype, d, t_grad[r]);
+          cpu::row_kahan_add(eacc->sum + r * d, eacc->comp + r * d, prod.data(), d);
+        }
+      });
     }
     if (need_c) {
       // dC[v0:v0+bv] += G^T [bv, bn] @ X[n0:n0+bn] [bn, D]
@@ -343,6 +373,13 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                     GemmOperand{x, d, false}, 0.f, tc.data(), d);
       }
       cacc->add_rows(tc.data(), bv, d);
+      // dC[t] += dz_t X[n], in row order: rows that share a target add to one row of dC.
+      std::vector<float> prod(d);
+      for (int64_t r = 0; r < bn; ++r) {
+        if (t_col[r] < 0) continue;
+        cpu::row_scale(prod.data(), operand_row(o.x, n0 + r), o.row_dtype, d, t_grad[r]);
+        cpu::row_kahan_add(cacc->sum + t_col[r] * d, cacc->comp + t_col[r] * d, prod.data(), d);
+      }
     }
   };
 
