@@ -21,6 +21,11 @@ Error metrics
   ``rel_err(x, ref)``         norm-wise relative error ``||x - ref|| / ||ref||`` in float64.
   ``max_rel_err(x, ref)``     element-wise ``max |x - ref| / |ref|``.
   ``round_floor(ref, dtype)`` ``rel_err`` of just rounding ``ref`` to ``dtype``: the floor.
+  ``assert_close_to_ref(x, ref, dtype, factor)``  element-wise, relative to
+                              max(|ref|, rms(ref)) * eps(dtype): catches garbage anywhere.
+  ``assert_grad_close(g, ref)``  element-wise (GRAD_FACTOR) and norm-wise (GRAD_NORM_FACTOR).
+  ``check_flce(x, w, t, b, **opts)``  forward + backward of flce.linear_cross_entropy against
+                              the float64 reference, every element, random upstream gradients.
   ``poison_allocator(...)``   best effort: fill and free blocks of the output sizes so that a
                               kernel that leaves elements unwritten returns NaN there (reliable
                               with the CUDA caching allocator, likely with glibc on CPU).
