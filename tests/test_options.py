@@ -42,6 +42,8 @@ def test_3d_input(device, reduction):
 def test_non_contiguous(device):
     g = gen(7)
     n, v, d = 200, 1500, 40
+    # full buffers on the device first, then the views (a copy to another device would
+    # make them contiguous)
     x = torch.randn(d, 2 * n, generator=g).to(device).T[::2]            # transposed + strided
     w = (torch.randn(v, 3 * d, generator=g) / d ** 0.5).to(device)[:, d:2 * d]  # column slice
     t = torch.randint(0, v, (2 * n,), generator=g).to(device)[1::2]
