@@ -266,7 +266,8 @@ def check_flce(x, w, t, b=None, *, return_lse=False, grads=True, loss_factor=LOS
     leaves = {"input": x, "weight": w}
     if b is not None:
         leaves["bias"] = b
-    leaves = {k: v.detach().clone().requires_grad_(grads) for k, v in leaves.items()}
+    # detach, not clone: a clone of a strided view would be contiguous
+    leaves = {k: v.detach().requires_grad_(grads) for k, v in leaves.items()}
     out = flce.linear_cross_entropy(leaves["input"], leaves["weight"], t, bias=leaves.get("bias"),
                                     return_lse=return_lse, **opts)
     loss, lse = out if return_lse else (out, None)
