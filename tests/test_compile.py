@@ -1,4 +1,5 @@
-"""torch.library.opcheck of every flce op, and torch.compile(fullgraph=True) of the API."""
+"""torch.library.opcheck of every flce op (all default utilities, test_aot_dispatch_dynamic
+included), and torch.compile(fullgraph=True) of the API."""
 import pytest
 import torch
 
@@ -43,13 +44,18 @@ def test_opcheck_backward(device, mask):
                           (gl, None, x, w, t, None, stats, 0, v, -100, 0.0, 0.0, 0.0, mask))
 
 
-def test_compile_fullgraph(device):
-    """One compiled function: forward and backward agree with eager."""
+@pytest.mark.parametrize("path", ["lse", "mean"])
+def test_compile_fullgraph(device, path):
+    """A compiled function agrees with eager in forward and backward: "lse" returns the lse
+    too (forward op + recomputing backward), "mean" is the plain training call (on CPU the
+    fused sum-and-gradient op)."""
     torch._dynamo.reset()
     x, w, t, b = rand_inputs((2, 50), 400, 32, torch.float32, device, seed=67, bias=True,
                              ignore_frac=0.1)
 
     def fn(x, w, b, t):
+        if path == "mean":
+            return flce.linear_cross_entropy(x, w, t, bias=b, label_smoothing=0.1)
         loss, lse = flce.linear_cross_entropy(x, w, t, bias=b, label_smoothing=0.1,
                                               z_loss=1e-3, return_lse=True)
         return loss + 0.01 * lse.mean()
@@ -64,3 +70,15 @@ def test_compile_fullgraph(device):
     out_e.backward()
     for c, e in zip(leaves_c, leaves_e):
         torch.testing.assert_close(c.grad, e.grad, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("mask", [[True, True, True], [False, True, False]])
+def test_opcheck_sum_and_grad(device, mask):
+    _, _, _, x, w, t, b = _op_args(device)
+    args = (x, w, t, b, -100, 0.1, 1e-3, 5.0, mask)
+    torch.library.opcheck(torch.ops.flce.sum_and_grad.default, args)
+    args = tuple(a.clone().requires_grad_() if i in (0, 1, 3) else a for i, a in enumerate(args))
+    torch.library.opcheck(torch.ops.flce.sum_and_grad.default, args)
+    gw_pair = flce.ops.sum_and_grad(x, w, t, b, -100, 0.1, 1e-3, 5.0, mask)[2]
+    torch.library.opcheck(torch.ops.flce.scale_grad.default,
+                          (gw_pair, torch.tensor(0.25, device=device), torch.bfloat16))

@@ -94,7 +94,9 @@ def _sum_setup_context(ctx, inputs, output):
 def _sum_backward(ctx, grad_sum, *_):
     pairs = ctx.saved_tensors
     scale = grad_sum.to(torch.float64)
-    gi, gw, gb = (ops.scale_grad(p, scale, dt) if needed and p.numel() else None
+    # An unrequested pair is [0]; a requested one [2, *shape] even for an empty input (N = 0),
+    # whose gradient is then the empty [0, D], not None.
+    gi, gw, gb = (ops.scale_grad(p, scale, dt) if needed and p.dim() >= 2 else None
                   for p, dt, needed in zip(pairs, ctx.dtypes, (ctx.needs_input_grad[0],
                                                                ctx.needs_input_grad[1],
                                                                ctx.needs_input_grad[3])))
