@@ -1,0 +1,271 @@
+"""Vocab-parallel flce over torch.distributed (gloo, CPU), against one process and float64.
+
+Each pytest test launches one process group (tests/dist_launch.py: free port, hard timeout) that
+runs every check of this file in sequence: a check that fails raises on its rank, which exits
+non-zero and brings the launch down. All ranks draw the same inputs from the same seeds and
+each takes its shard.
+
+The peer for ``flce.parallel.vocab_parallel_cross_entropy`` is ``megatron_cross_entropy`` below:
+a faithful re-implementation of Megatron-Core's ``_VocabParallelCrossEntropy`` (megatron/core/
+tensor_parallel/cross_entropy.py: all-reduce MAX of the row max, all-reduce SUM of the predicted
+logit, all-reduce SUM of sum-exp, ``loss = log(sum_exp) - predicted``, gradient
+``softmax - onehot``), because megatron-core is not installed here.
+
+Tolerances are relative to floors: an error against float64 is compared with the single-process
+flce result's error and with the error of rounding the float64 answer to float32.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_launch import launch  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+F32_ULP = 2.0 ** -24
+
+
+# ---------------------------------------------------------------------------------------------
+# The pytest side: one launch per world size.
+# ---------------------------------------------------------------------------------------------
+def _run(world_size, timeout=150.0):
+    results = launch(HERE, world_size, args=("--worker",), timeout=timeout)
+    report = "\n".join(f"--- rank {r} (exit {rc}) ---\n{out[-6000:]}"
+                       for r, (rc, out) in enumerate(results))
+    assert all(rc == 0 for rc, _ in results), report
+    assert all("ALL CHECKS PASSED" in out for _, out in results), report
+
+
+def test_world_size_2():
+    _run(2)
+
+
+def test_world_size_4():
+    _run(4)
+
+
+def test_import_is_cheap_and_plain_tensors_are_not_sharded():
+    import subprocess
+
+    code = ("import sys, flce, flce.parallel as p, torch;"
+            "assert not p.is_vocab_sharded(torch.ones(2, 2));"
+            "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor imported';"
+            "flce.linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 4]))")
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+
+
+def test_uninitialized_group_is_a_clear_error():
+    import flce.parallel as p
+
+    with pytest.raises(RuntimeError, match="not initialized"):
+        p.vocab_parallel_linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4),
+                                              torch.tensor([0, 1, 4]))
+    with pytest.raises(RuntimeError, match="not initialized"):
+        p.vocab_parallel_cross_entropy(torch.randn(3, 2, 5), torch.zeros(3, 2, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side.
+# ---------------------------------------------------------------------------------------------
+def megatron_cross_entropy(logits, target, group):
+    """Megatron-Core's vocab-parallel cross-entropy (label_smoothing = 0), re-implemented."""
+    import torch.distributed as dist
+
+    class _Megatron(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, vp_logits, target):
+            vp_logits = vp_logits.float().clone()
+            logits_max = vp_logits.max(dim=-1)[0]
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            part = vp_logits.shape[-1]
+            start = dist.get_rank(group) * part
+            vp_logits -= logits_max.unsqueeze(-1)
+            target_mask = (target < start) | (target >= start + part)
+            masked_target = (target - start).masked_fill(target_mask, 0)
+            logits_2d = vp_logits.view(-1, part)
+            predicted = logits_2d[torch.arange(logits_2d.shape[0]), masked_target.view(-1)]
+            predicted = predicted.clone().view_as(target).masked_fill(target_mask, 0.0)
+            exp_logits = vp_logits.exp_()
+            sum_exp = exp_logits.sum(dim=-1)
+            dist.all_reduce(predicted, group=group)
+            dist.all_reduce(sum_exp, group=group)
+            loss = torch.log(sum_exp) - predicted
+            exp_logits.div_(sum_exp.unsqueeze(-1))
+            ctx.save_for_backward(exp_logits, target_mask, masked_target.view(-1))
+            return loss
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            softmax, target_mask, masked_target_1d = ctx.saved_tensors
+            grad_2d = softmax.view(-1, softmax.shape[-1])
+            rows = torch.arange(grad_2d.shape[0])
+            grad_2d[rows, masked_target_1d] -= 1.0 - target_mask.view(-1).float()
+            return softmax.mul_(grad_output.unsqueeze(-1)), None
+
+    return _Megatron.apply(logits, target)
+
+
+def _margin_inputs(n, v, d, seed, max_margin=200.0):
+    """x [n, d], weight [v, d], target [n] with the target's margin over the other logits
+    spread over [0, max_margin] (one in eight rows random, negative margins), float64."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64)
+    t = torch.randint(0, v, (n,), generator=g)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) * 0.3 + 2.0 * w[t] / d ** 0.5
+    z = x @ w.T
+    zt = z.gather(1, t[:, None])[:, 0]
+    other = z.scatter(1, t[:, None], float("-inf")).amax(1)
+    margin0 = (zt - other).clamp_min(1e-3)
+    want = torch.rand(n, generator=g, dtype=torch.float64) * max_margin
+    scale = torch.where(margin0 > 0.5, want / margin0, torch.ones_like(want))
+    keep = torch.rand(n, generator=g) < 0.125
+    x = torch.where(keep[:, None], torch.randn(n, d, generator=g, dtype=torch.float64), x * scale[:, None])
+    return x, w, t
+
+
+def _margins(x, w, t):
+    z = x.double() @ w.double().T
+    zt = z.gather(1, t[:, None])[:, 0]
+    return zt - z.scatter(1, t[:, None], float("-inf")).amax(1)
+
+
+def _rel_err(a, ref):
+    """Max-norm error of a against ref, relative to ref's max-norm."""
+    a, ref = a.double(), ref.double()
+    scale = ref.abs().max().clamp_min(1e-300)
+    return ((a - ref).abs().max() / scale).item()
+
+
+def _floor(ref, dtype=torch.float32):
+    return max(_rel_err(ref.to(dtype), ref), F32_ULP / 4)
+
+
+def _elementwise_rel(a, ref):
+    a, ref = a.double(), ref.double()
+    return ((a - ref).abs() / ref.abs().clamp_min(1e-300)).max().item()
+
+
+def _close_to_single(name, tp, single, ref, dtype=torch.float32, factor=2.0):
+    """tp's error vs float64 within `factor` of max(single process's error, rounding floor)."""
+    e_tp, e_one, floor = _rel_err(tp, ref), _rel_err(single, ref), _floor(ref, dtype)
+    bound = factor * max(e_one, floor)
+    assert e_tp <= bound, (f"{name}: TP error {e_tp:.3g} > {bound:.3g} (single process "
+                           f"{e_one:.3g}, rounding floor {floor:.3g})")
+    return e_tp / floor
+
+
+def _shards(world, v_rows, kind, seed):
+    """Shard sizes summing to v_rows: even, uneven (random, one may be empty)."""
+    if kind == "even":
+        assert v_rows % world == 0
+        return [v_rows // world] * world
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(0, v_rows + 1, (world - 1,), generator=g).tolist())
+    bounds = [0] + cuts + [v_rows]
+    return [bounds[i + 1] - bounds[i] for i in range(world)]
+
+
+def check_fused(rank, world, group, *, n=96, d=24, v_rows=None, shards="even", vocab_size=None,
+                bias=False, dtype=torch.float32, seed=0, seq_par=False, target_in=None,
+                ignore_frac=0.2, ignore_index=-100, **options):
+    """One configuration: vocab-parallel loss, lse, dE, dC, db vs one process vs float64."""
+    import flce
+    import flce.parallel as fp
+    from flce import reference
+
+    v_rows = v_rows or 64 * world
+    sizes = _shards(world, v_rows, shards, seed)
+    vocab = vocab_size or v_rows
+    x64, w64, t = _margin_inputs(n * (world if seq_par else 1), v_rows, d, seed)
+    t = t % vocab if target_in is None else target_in(t, sizes)
+    g = torch.Generator().manual_seed(seed + 1)
+    t = torch.where(torch.rand(t.shape, generator=g) < ignore_frac, torch.full_like(t, ignore_index), t)
+    b64 = torch.randn(v_rows, generator=g, dtype=torch.float64) if bias else None
+    start = sum(sizes[:rank])
+    sl = slice(start, start + sizes[rank])
+    reduction = options.get("reduction", "mean")
+    upstream = torch.rand(t.shape, generator=g) + 0.5  # weights the "none" losses
+    lse_up = torch.rand(t.shape, generator=g) - 0.5
+
+    def run(fn, x, w, b):
+        x = x.detach().requires_grad_()
+        w = w.detach().requires_grad_()
+        b = b.detach().requires_grad_() if b is not None else None
+        loss, lse = fn(x, w, b)
+        obj = (loss * upstream).sum() if reduction == "none" else loss
+        (obj + (lse.float() * lse_up).sum()).backward()
+        return loss.detach(), lse.detach(), x.grad, w.grad, None if b is None else b.grad
+
+    opts = dict(options, ignore_index=ignore_index, return_lse=True)
+    x_lp, w_lp = x64.to(dtype), w64.to(dtype)
+    b_lp = b64.to(dtype) if bias else None
+    # float64 oracle and the one-process flce result, over the real vocabulary.
+    ref = run(lambda x, w, b: reference.linear_cross_entropy(x, w[:vocab], t, bias=None if b is None else b[:vocab], **opts),
+              x_lp.double(), w_lp.double(), None if b_lp is None else b_lp.double())
+    one = run(lambda x, w, b: flce.linear_cross_entropy(x, w[:vocab], t, bias=None if b is None else b[:vocab], **opts),
+              x_lp, w_lp, b_lp)
+    tok = slice(rank * n, (rank + 1) * n) if seq_par else slice(None)
+    par = run(lambda x, w, b: fp.vocab_parallel_linear_cross_entropy(
+        x, w, t[tok], group=group, bias_local=b, vocab_size=vocab_size,
+        sequence_parallel=seq_par, **opts), x_lp[tok], w_lp[sl], None if b_lp is None else b_lp[sl])
+
+    ratios = {}
+    for i, name in enumerate(("loss", "lse")):
+        ratios[name] = _close_to_single(name, par[i], one[i], ref[i])
+    ratios["dE"] = _close_to_single("dE", par[2], one[2][tok], ref[2][tok], dtype)
+    ratios["dC"] = _close_to_single("dC", par[3], one[3][sl], ref[3][sl], w_lp.dtype)
+    if bias:
+        ratios["db"] = _close_to_single("db", par[4], one[4][sl], ref[4][sl], w_lp.dtype)
+    # Padding rows: exactly zero gradient.
+    pad = slice(max(0, vocab - start), sizes[rank])
+    assert (par[3][pad] == 0).all() and (bias is False or (par[4][pad] == 0).all())
+    if reduction == "none" and dtype == torch.float32 and not options.get("softcap"):
+        # Collapse-safe: per-token loss accurate where every other peer returns 0.
+        m = _margins(x_lp, w_lp[:vocab], t.clamp_min(0))
+        band = (m > 30) & (m < 70) & (t != ignore_index)
+        if not (options.get("label_smoothing") or options.get("z_loss")) and band.any():
+            rel = _elementwise_rel(par[0][band], ref[0][band])
+            assert rel < 1e-3 and (par[0][band] > 0).all(), f"collapse band rel err {rel:.3g}"
+    return ratios
+
+
+def run_checks(rank, world):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    configs = [
+        dict(shards="even"),
+        dict(shards="uneven", bias=True, reduction="sum"),
+        dict(shards="uneven", reduction="none", seed=3),
+        dict(shards="even", label_smoothing=0.1, z_loss=1e-3, reduction="mean", seed=4),
+        dict(shards="uneven", vocab_size=64 * world - 37, bias=True, label_smoothing=0.05, seed=5),
+        dict(shards="even", softcap=30.0, reduction="none", bias=True, seed=6),
+        dict(shards="uneven", ignore_index=7, z_loss=1e-2, reduction="sum", seed=7),
+        dict(shards="even", seq_par=True, reduction="none", bias=True, seed=8),
+        dict(shards="uneven", seq_par=True, label_smoothing=0.1, seed=9),
+        dict(shards="even", dtype=torch.bfloat16, seed=10),
+        # Every target in rank 0's shard: the other ranks own none.
+        dict(shards="even", target_in=lambda t, sizes: t % sizes[0], reduction="none", seed=11),
+    ]
+    for cfg in configs:
+        ratios = check_fused(rank, world, group, **cfg)
+        if rank == 0:
+            print(cfg, {k: round(v, 2) for k, v in ratios.items()}, flush=True)
+    print("ALL CHECKS PASSED", flush=True)
+
+
+def _worker_main():
+    from dist_launch import init_worker
+
+    rank, world = init_worker()
+    run_checks(rank, world)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker_main()
