@@ -232,6 +232,210 @@ def check_fused(rank, world, group, *, n=96, d=24, v_rows=None, shards="even", v
     return ratios
 
 
+def check_all_ignored(rank, world, group):
+    """Every token ignored: sum 0, zero gradients, lse finite; mean is 0/0 = nan as in torch."""
+    import flce
+    import flce.parallel as fp
+
+    x64, w64, t = _margin_inputs(40, 32 * world, 16, seed=20)
+    t = torch.full_like(t, -100)
+    sl = slice(rank * 32, (rank + 1) * 32)
+    for reduction in ("sum", "mean"):
+        x = x64.float().requires_grad_()
+        w = w64.float()[sl].clone().requires_grad_()
+        loss, lse = fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
+                                                           reduction=reduction, return_lse=True)
+        loss.backward()
+        one = flce.linear_cross_entropy(x64.float(), w64.float(), t, reduction=reduction)
+        if reduction == "sum":
+            assert loss.item() == 0.0 and one.item() == 0.0
+        else:
+            assert torch.isnan(loss) and torch.isnan(one)
+        assert torch.isfinite(lse).all()
+        assert (x.grad == 0).all() and (w.grad == 0).all()
+
+
+def check_input_grad_left_to_caller(rank, world, group):
+    """reduce_input_grad=False: the ranks' dE contributions sum to the reduced dE."""
+    import torch.distributed as dist
+    import flce.parallel as fp
+
+    x64, w64, t = _margin_inputs(48, 24 * world, 16, seed=21)
+    sl = slice(rank * 24, (rank + 1) * 24)
+    grads = []
+    for reduce in (True, False):
+        x = x64.float().requires_grad_()
+        fp.vocab_parallel_linear_cross_entropy(x, w64.float()[sl], t, group=group,
+                                               reduce_input_grad=reduce).backward()
+        grads.append(x.grad)
+    partial = grads[1].clone()
+    dist.all_reduce(partial, group=group)
+    assert not torch.equal(grads[1], grads[0]) or world == 1
+    assert torch.equal(partial, grads[0])
+
+
+def check_dtensor(rank, world, group):
+    """flce.linear_cross_entropy with a DTensor weight Shard(0) (uneven chunks) on a CPU mesh."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    import flce
+
+    mesh = init_device_mesh("cpu", (world,))
+    v = 48 * world - 5  # torch.chunk sharding: the last shard is short
+    x64, w64, t = _margin_inputs(64, v, 16, seed=22)
+    g = torch.Generator().manual_seed(23)
+    b64 = torch.randn(v, generator=g, dtype=torch.float64)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, reduction="mean")
+    x1 = x64.float().requires_grad_()
+    w1 = w64.float().requires_grad_()
+    b1 = b64.float().requires_grad_()
+    one = flce.linear_cross_entropy(x1, w1, t, bias=b1, **opts)
+    one.backward()
+    for dtensor_input in (False, True):
+        w = distribute_tensor(w64.float(), mesh, [Shard(0)]).requires_grad_()
+        b = distribute_tensor(b64.float(), mesh, [Shard(0)]).requires_grad_()
+        x = x64.float()
+        x = distribute_tensor(x, mesh, [Replicate()]) if dtensor_input else x
+        x.requires_grad_()
+        loss = flce.linear_cross_entropy(x, w, t, bias=b, **opts)
+        loss.backward()
+        assert torch.allclose(loss, one, rtol=4 * F32_ULP, atol=0), (loss, one)
+        gx = x.grad.full_tensor() if dtensor_input else x.grad
+        for name, got, want in (("dE", gx, x1.grad), ("dC", w.grad.full_tensor(), w1.grad),
+                                ("db", b.grad.full_tensor(), b1.grad)):
+            err = _rel_err(got, want)
+            assert err < 16 * F32_ULP, f"DTensor {name}: rel err vs one process {err:.3g}"
+        assert tuple(w.grad.placements) == (Shard(0),)
+    # Placements flce cannot take: a clear error, not a wrong answer.
+    w_rep = distribute_tensor(w64.float(), mesh, [Replicate()])
+    try:
+        flce.linear_cross_entropy(x64.float(), w_rep, t)
+    except ValueError as e:
+        assert "Shard(0)" in str(e)
+    else:
+        raise AssertionError("Replicate weight accepted")
+
+
+def _expect(exc, match, fn):
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), f"expected {match!r} in {e}"
+    else:
+        raise AssertionError(f"no {exc.__name__} ({match})")
+
+
+def check_rank_disagreement(rank, world, group):
+    """Mismatched ranks raise the same clear error everywhere instead of hanging."""
+    import flce.parallel as fp
+
+    def call(n=20, d=8, dtype=torch.float32, v=16, target=None, **kw):
+        g = torch.Generator().manual_seed(30)
+        x = torch.randn(n, d, generator=g).to(dtype)
+        w = torch.randn(v, d, generator=g).to(dtype)
+        t = torch.randint(0, v * world, (n,), generator=g) if target is None else target
+        return fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group, **kw)
+
+    _expect(ValueError, "disagree on D", lambda: call(d=8 + (rank == 1)))
+    _expect(ValueError, "disagree on N", lambda: call(n=20 + rank))
+    _expect(ValueError, "disagree on input dtype",
+            lambda: call(dtype=torch.bfloat16 if rank == 0 else torch.float32))
+    _expect(ValueError, "disagree on label_smoothing", lambda: call(label_smoothing=0.1 * rank))
+    _expect(IndexError, "out of range", lambda: call(target=torch.full((20,), 16 * world)))
+    # Rows of the padding are not classes: a target there is out of range too.
+    _expect(IndexError, "out of range", lambda: call(target=torch.full((20,), 16 * world - 2),
+                                                     vocab_size=16 * world - 3))
+    _expect(ValueError, "tile [0, V)", lambda: call(vocab_start=0))
+    call()  # the group still works
+
+
+def check_megatron_dropin(rank, world, group):
+    """vocab_parallel_cross_entropy vs Megatron's algorithm and float64: equal below the
+    collapse margin, accurate above it where Megatron returns 0; -100 rows zeroed; logits
+    untouched; bf16 upcast; same eager and compiled."""
+    import flce.parallel as fp
+    from flce import reference
+
+    seq, batch, part = 24, 4, 40
+    v = part * world
+    x64, w64, t = _margin_inputs(seq * batch, v, 16, seed=40)
+    logits64 = x64 @ w64.T
+    margin = _margins(x64, w64, t)
+    g = torch.Generator().manual_seed(41)
+    t[torch.rand(t.shape, generator=g) < 0.1] = -100
+    upstream = (torch.rand(seq, batch, generator=g) + 0.5)
+    sl = slice(rank * part, (rank + 1) * part)
+    valid = t != -100
+
+    def grads(fn, logits_full, dtype):
+        local = logits_full[:, sl].to(dtype).reshape(seq, batch, part).detach().requires_grad_()
+        before = local.detach().clone()
+        loss = fn(local, t.reshape(seq, batch))
+        (loss * upstream).sum().backward()
+        assert torch.equal(local.detach(), before), "input logits modified"
+        return loss.detach().reshape(-1), local.grad.reshape(-1, part)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        lp = logits64.to(dtype)
+        ref_in = lp.double().requires_grad_()
+        ref = reference.logits_cross_entropy(ref_in, t, reduction="none")
+        (ref * upstream.reshape(-1)).sum().backward()
+        ref_grad = ref_in.grad[:, sl]
+        ours = grads(lambda l, tt: fp.vocab_parallel_cross_entropy(l, tt, tp_group=group), lp, dtype)
+        meg = grads(lambda l, tt: megatron_cross_entropy(l, tt, group), lp, dtype)
+        assert ours[0].dtype == torch.float32 and ours[1].dtype == dtype
+        # Ignored labels: exactly zero loss and gradient (Megatron: finite, nonzero).
+        assert (ours[0][~valid] == 0).all() and (ours[1][~valid] == 0).all()
+        assert torch.isfinite(meg[0]).all()
+        low = valid & (margin < 8)
+        high = valid & (margin > 30) & (margin < 70)
+        assert low.sum() > 10 and high.sum() > 10
+        # Below the collapse margin: as accurate as Megatron (within fp32 rounding).
+        e_ours, e_meg = _elementwise_rel(ours[0][low], ref[low]), _elementwise_rel(meg[0][low], ref[low])
+        assert e_ours <= 2 * max(e_meg, 4 * F32_ULP), (e_ours, e_meg)
+        # Gradients: p_j = exp(z_j - lse) with the row's lse rounded to fp32, as in the fused
+        # kernels (math.h logit_grad), adds |lse| * 2^-24 relative to Megatron's
+        # exp(z_j - max) / sum_exp; beyond that they agree.
+        rows = low.nonzero()[:, 0]
+        lse_ulp = torch.logsumexp(logits64[rows], 1).abs().max().item() * F32_ULP
+        e_ours = _rel_err(ours[1][rows], ref_grad[rows])
+        e_meg = _rel_err(meg[1][rows], ref_grad[rows])
+        bound = 2 * max(e_meg, _floor(ref_grad[rows], dtype)) + 2 * lse_ulp
+        assert e_ours <= bound, (e_ours, e_meg, lse_ulp)
+        # Above it: Megatron's lse - z_t is 0 (relative error 1); ours stays accurate.
+        e_ours = _elementwise_rel(ours[0][high], ref[high])
+        e_meg = _elementwise_rel(meg[0][high], ref[high])
+        assert e_ours < 1e-3 and e_meg > 0.5, (e_ours, e_meg)
+        # The whole gradient, collapse rows included, within the rounding floor of the output.
+        lse_ulp = torch.logsumexp(logits64[valid], 1).abs().max().item() * F32_ULP
+        e_grad, floor = _rel_err(ours[1][valid], ref_grad[valid]), _floor(ref_grad[valid], dtype)
+        assert e_grad <= 2 * floor + 2 * lse_ulp, (e_grad, floor, lse_ulp)
+        if dtype == torch.float32:
+            # Target-column gradient at collapse margins: -sigmoid(lse_x - z_t), nonzero.
+            owned = high & (t >= rank * part) & (t < (rank + 1) * part)
+            if owned.any():
+                r = owned.nonzero()[:, 0]
+                col = (t[r] - rank * part)[:, None]
+                got, want = ours[1][r].gather(1, col), ref_grad[r].gather(1, col)
+                assert (got != 0).all() and _elementwise_rel(got, want) < 1e-3
+                assert (meg[1][r].gather(1, col) == 0).all()
+    # Label smoothing: Megatron's convention = torch's with eps = alpha V / (V - 1), global V.
+    alpha = 0.1
+    ref = reference.logits_cross_entropy(logits64, t, reduction="none",
+                                         label_smoothing=alpha * v / (v - 1))
+    lsm = fp.vocab_parallel_cross_entropy(logits64[:, sl].float().reshape(seq, batch, part),
+                                          t.reshape(seq, batch), alpha, group)
+    assert _rel_err(lsm.reshape(-1), ref) < 8 * F32_ULP
+    # torch.compile traces it (dynamo + AOT autograd; the aot_eager backend skips inductor's
+    # C++ build, which costs ~20 s here) and gives the eager result.
+    fn = lambda l, tt: fp.vocab_parallel_cross_entropy(l, tt, 0.05, tp_group=group)
+    eager = grads(fn, logits64, torch.float32)
+    torch._dynamo.reset()
+    compiled = grads(torch.compile(fn, backend="aot_eager", fullgraph=False), logits64,
+                     torch.float32)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b), _rel_err(a, b)
+
+
 def run_checks(rank, world):
     import torch.distributed as dist
 
@@ -254,6 +458,11 @@ def run_checks(rank, world):
         ratios = check_fused(rank, world, group, **cfg)
         if rank == 0:
             print(cfg, {k: round(v, 2) for k, v in ratios.items()}, flush=True)
+    for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
+                  check_dtensor, check_megatron_dropin):
+        check(rank, world, group)
+        if rank == 0:
+            print(check.__name__, "ok", flush=True)
     print("ALL CHECKS PASSED", flush=True)
 
 
