@@ -283,6 +283,8 @@ def check_dtensor(rank, world, group):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
     import flce
 
+    if world != 4:
+        return  # the first DTensor op costs seconds; 4 ranks give the more uneven chunks
     mesh = init_device_mesh("cpu", (world,))
     v = 48 * world - 5  # torch.chunk sharding: the last shard is short
     x64, w64, t = _margin_inputs(64, v, 16, seed=22)
@@ -467,7 +469,8 @@ def run_checks(rank, world):
     for cfg in configs:
         ratios = check_fused(rank, world, group, **cfg)
         if rank == 0:
-            print(f"{time.perf_counter() - t0:.1f}s", cfg, {k: round(v, 2) for k, v in ratios.items()}, flush=True)
+            print(f"{time.perf_counter() - t0:.1f}s", cfg,
+                  {k: round(v, 2) for k, v in ratios.items()}, flush=True)
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
                   check_megatron_dropin, check_dtensor):
         check(rank, world, group)

@@ -433,7 +433,8 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
         owned = (target >= lo) & (target < lo + v_local)
         tl = torch.where(owned, target - lo, torch.zeros_like(target))[:, None]
         # The upcast is recomputed here rather than saved from the forward.
-        grad = logits.float().sub(lse[:, None]).exp_().mul_(g[:, None]).sub_(u[:, None])
+        grad = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()
+        grad.mul_(g[:, None]).sub_(u[:, None])
         grad.scatter_(1, tl, torch.where(owned[:, None], dz_t[:, None], grad.gather(1, tl)))
         return grad.to(logits.dtype), None, None, None, None, None
 
