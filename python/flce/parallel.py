@@ -63,16 +63,11 @@ def _all_reduce(x, group):
     return x
 
 
-def _reduce_scatter(x, group, world, rank):
+def _reduce_scatter(x, group, world):
     """Sum over ranks of ``x`` ``[world * n, ...]``, this rank's block ``[n, ...]``."""
     dist = _dist()
     x = x.contiguous()
-    n = x.shape[0] // world
-    if dist.get_backend(group) == "gloo":
-        # Gloo has no reduce-scatter; all-reduce and keep this rank's block (same values).
-        dist.all_reduce(x, group=group)
-        return x.narrow(0, rank * n, n).clone()
-    out = x.new_empty((n,) + tuple(x.shape[1:]))
+    out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(out, x, group=group)
     return out
@@ -241,7 +236,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             gb = torch.cat([gb, gb.new_zeros((rows - gb.shape[0],))])
         if mask[0]:
             if sequence_parallel:
-                gi = _reduce_scatter(gi, group, world, rank)
+                gi = _reduce_scatter(gi, group, world)
             elif reduce_input_grad:
                 gi = _all_reduce(gi, group)
         return (gi if mask[0] else None, gw if mask[1] else None,
