@@ -286,8 +286,8 @@ def check_dtensor(rank, world, group):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
     import flce
 
-    if world != 4:
-        return  # the first DTensor op costs seconds; 4 ranks give the more uneven chunks
+    if world != 2:
+        return  # once: the first DTensor op costs seconds of CPU per rank
     mesh = init_device_mesh("cpu", (world,))
     v = 48 * world - 5  # torch.chunk sharding: the last shard is short
     x64, w64, t = _margin_inputs(64, v, 16, seed=22)

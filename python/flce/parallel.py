@@ -210,14 +210,14 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         loss, lse, stats = _ops.ops.combine(gathered, target, layout.vocab_size, ignore_index,
                                             label_smoothing, z_loss)
         ctx.save_for_backward(x, w, b, target, stats)
-        ctx.setup = (group, rank, world, layout, options, reduce_input_grad, sequence_parallel,
+        ctx.setup = (group, world, layout, options, reduce_input_grad, sequence_parallel,
                      weight.shape[0], bias is not None)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
         x, w, b, target, stats = ctx.saved_tensors
-        (group, rank, world, layout, options, reduce_input_grad, sequence_parallel, rows,
+        (group, world, layout, options, reduce_input_grad, sequence_parallel, rows,
          has_bias) = ctx.setup
         ignore_index, label_smoothing, z_loss, softcap = options
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
