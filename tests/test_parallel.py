@@ -447,6 +447,28 @@ def check_megatron_dropin(rank, world, group):
         assert torch.equal(a, b), _rel_err(a, b)
 
 
+def check_fused_compiled(rank, world, group):
+    """The fused path under torch.compile (aot_eager) gives the eager result bitwise."""
+    import flce.parallel as fp
+
+    if world != 2:
+        return
+    x64, w64, t = _margin_inputs(32, 40 * world, 16, seed=50)
+    wl = w64.float()[rank * 40:(rank + 1) * 40]
+
+    def f(x, w):
+        return fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group, label_smoothing=0.1,
+                                                      z_loss=1e-3)
+
+    out = []
+    for fn in (f, torch.compile(f, backend="aot_eager")):
+        x, w = x64.float().requires_grad_(), wl.clone().requires_grad_()
+        loss = fn(x, w)
+        loss.backward()
+        out.append((loss.detach(), x.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
 def run_checks(rank, world):
     import time
 
@@ -478,7 +500,7 @@ def run_checks(rank, world):
             print(f"{time.perf_counter() - t0:.1f}s", cfg,
                   {k: round(v, 2) for k, v in ratios.items()}, flush=True)
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
-                  check_megatron_dropin, check_dtensor):
+                  check_megatron_dropin, check_fused_compiled, check_dtensor):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)
