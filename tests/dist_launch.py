@@ -21,6 +21,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+def flce_path():
+    """The directory holding the flce package this process imports (the installed wheel or
+    python/ of a source tree), so that the ranks import the same one."""
+    import flce
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(flce.__file__)))
+
+
 def launch(script, world_size, args=(), timeout=120.0):
     """Run ``script`` on ``world_size`` ranks; returns ``[(returncode, output), ...]`` by rank.
 
@@ -30,7 +38,7 @@ def launch(script, world_size, args=(), timeout=120.0):
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.path.join(ROOT, "tests"),
+               PYTHONPATH=os.pathsep.join([flce_path(), os.path.join(ROOT, "tests"),
                                            env.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         procs, logs = [], []

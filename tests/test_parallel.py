@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_launch import launch  # noqa: E402
+from dist_launch import flce_path, launch  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 F32_ULP = 2.0 ** -24
@@ -53,7 +53,7 @@ def test_import_is_cheap_and_plain_tensors_are_not_sharded():
             "assert not p.is_vocab_sharded(torch.ones(2, 2));"
             "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor imported';"
             "flce.linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 4]))")
-    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+    env = dict(os.environ, PYTHONPATH=flce_path())
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
 
 
