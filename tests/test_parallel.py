@@ -354,6 +354,12 @@ def check_rank_disagreement(rank, world, group):
     _expect(IndexError, "out of range", lambda: call(target=torch.full((20,), 16 * world - 2),
                                                      vocab_size=16 * world - 3))
     _expect(ValueError, "tile [0, V)", lambda: call(vocab_start=0))
+    # (A shape no rank has used yet: a rank whose call matches an agreed, cached layout skips
+    # the exchange, see docs/parallel.md.)
+    _expect(ValueError, "on every rank or on none",
+            lambda: call(n=21, vocab_start=0 if rank == 0 else None))
+    # Explicit offsets in reverse rank order are a valid layout.
+    call(vocab_start=16 * (world - 1 - rank))
     call()  # the group still works
 
 

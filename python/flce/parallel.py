@@ -121,7 +121,7 @@ def _float_bits(x):
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _layout(group, rank, world, device, meta, explicit_start, explicit_size, check_ranks):
+def _layout(group, rank, world, device, meta, explicit_size, check_ranks):
     """Shard offsets and the global vocabulary for this call, from a cached one-time exchange.
 
     The exchange all-gathers one int64 row per rank (``_META_FIELDS``): every rank sees the same
@@ -142,9 +142,11 @@ def _layout(group, rank, world, device, meta, explicit_start, explicit_size, che
             raise ValueError(f"flce.parallel: ranks disagree on {_META_FIELDS[f]}: "
                              f"{_describe(f, values)} (rank r at position r)")
     sizes = [r[0] for r in rows]
-    if explicit_start:
-        if any(r[1] < 0 for r in rows):
-            raise ValueError("flce.parallel: pass vocab_start on every rank or on none")
+    given = [r[1] >= 0 for r in rows]
+    if any(given) != all(given):
+        raise ValueError(f"flce.parallel: pass vocab_start on every rank or on none; got "
+                         f"{[r[1] if r[1] >= 0 else None for r in rows]} (by rank)")
+    if all(given):
         starts = [r[1] for r in rows]
     else:
         starts = [sum(sizes[:r]) for r in range(world)]
@@ -310,8 +312,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             _DTYPE_CODES[weight_local.dtype], int(bias_local is not None), options[0],
             _float_bits(options[1]), _float_bits(options[2]), _float_bits(softcap),
             _REDUCTION_CODES[reduction], int(bool(sequence_parallel))]
-    layout = _layout(group, rank, world, input.device, meta, vocab_start is not None,
-                     vocab_size is not None, check_ranks)
+    layout = _layout(group, rank, world, input.device, meta, vocab_size is not None,
+                     check_ranks)
     if sequence_parallel:
         t = _all_gather(t, group, world)
         lead = (world * lead[0],) + lead[1:]
