@@ -27,12 +27,6 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-__device__ __forceinline__ int warp_sum(int x) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 // Column of the target within a weight block whose row 0 is vocabulary id col_offset, or -1 when
 // the row is ignored or the block does not hold the target.
 __device__ __forceinline__ int64_t target_column(int64_t t, int64_t ignore_index,

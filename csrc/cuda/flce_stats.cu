@@ -38,7 +38,7 @@ __device__ void fold_tile(const float* epi, RowState* rows, int64_t m0, int64_t 
     const int64_t tcol = rows[r].tcol;
     float z[kPerLane];
     float mx = neg_inf(), sum_z = 0.f;
-    int count = 0;
+    bool nan = false;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int c = lane + 32 * i;
@@ -47,32 +47,34 @@ __device__ void fold_tile(const float* epi, RowState* rows, int64_t m0, int64_t 
       if (col < a.v) {
         z[i] = logit_of(epi[r * Tile::kEpiLd + c], a.bias, col, a.softcap);
         sum_z += z[i];
+        nan |= isnan(z[i]);
         if (col == tcol) {
           rows[r].zt = z[i];  // the single lane (in the whole grid) that owns the target
         } else {
           mx = z[i] > mx ? z[i] : mx;
-          ++count;
         }
       }
     }
     mx = warp_max(mx);
-    count = warp_sum(count);
     float se = 0.f;
+    // Same tile semantics as the CPU backend: a tile without a finite max (no non-target column,
+    // or all -inf, e.g. -inf bias on padded vocabulary entries) adds the empty sum, and a NaN
+    // anywhere in the tile (target included) poisons s, since the max comparisons skip NaN.
+    if (mx != neg_inf()) {
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int64_t col = n0 + lane + 32 * i;
-      // A NaN logit was skipped by the max but poisons the sum here (math.h semantics).
-      if (col < a.v && col != tcol) se += expf(z[i] - mx);
+      for (int i = 0; i < kPerLane; ++i) {
+        const int64_t col = n0 + lane + 32 * i;
+        if (col < a.v && col != tcol) se += expf(z[i] - mx);
+      }
     }
     se = warp_sum(se);
     sum_z = warp_sum(sum_z);
+    nan = __any_sync(0xffffffffu, nan);
     if (lane == 0) {
-      if (count > 0) {
-        OnlineLse st{rows[r].m, rows[r].s};
-        lse_add_tile(st, mx, se);
-        rows[r].m = st.m;
-        rows[r].s = st.s;
-      }
+      OnlineLse st{rows[r].m, rows[r].s};
+      lse_add_tile(st, mx, nan ? NAN : se);
+      rows[r].m = st.m;
+      rows[r].s = st.s;
       kahan_add(rows[r].sum, rows[r].comp, sum_z);
     }
   }
