@@ -94,15 +94,17 @@ at::Tensor aligned_contiguous(const at::Tensor& t) {
   return aligned16(c) ? c : c.clone();
 }
 
-// The operand as a logit-tile kernel reads it, in the compute dtype. The fp32 SIMT tile takes
-// any strides. The tensor-core tile streams 16-byte chunks with cp.async: unit column stride,
-// 16-byte aligned base and rows, and d_pad (d rounded up to 8) columns; otherwise (or for an fp32
-// master weight) this makes one copy, zero-padded (zeros add nothing to the dot products).
-at::Tensor tile_operand(const at::Tensor& t, at::ScalarType compute, int64_t d_pad) {
+// The operand as a logit-tile kernel reads it, in the compute dtype. The exact fp32 SIMT tile
+// takes any strides (chunk == 0). The tensor-core tiles stream 16-byte chunks (`chunk` elements)
+// with cp.async: unit column stride, 16-byte aligned base and rows, and d_pad (d rounded up to a
+// chunk) columns; otherwise (or for an fp32 master weight) this makes one copy, zero-padded
+// (zeros add nothing to the dot products).
+at::Tensor tile_operand(const at::Tensor& t, at::ScalarType compute, int64_t d_pad,
+                        int64_t chunk) {
   at::Tensor x = t.scalar_type() == compute ? t : t.to(compute);
-  if (compute == at::kFloat) return x;
+  if (chunk == 0) return x;
   const bool ok = x.size(1) == d_pad && (x.stride(1) == 1 || d_pad == 0) &&
-                  x.stride(0) % 8 == 0 && aligned16(x);
+                  x.stride(0) % chunk == 0 && aligned16(x);
   if (ok) return x;
   at::Tensor p = at::zeros({x.size(0), d_pad}, x.options());
   p.narrow(1, 0, x.size(1)).copy_(x);
@@ -111,22 +113,33 @@ at::Tensor tile_operand(const at::Tensor& t, at::ScalarType compute, int64_t d_p
 
 struct Prepared {
   at::ScalarType compute;
-  DType dtype;
+  DType dtype;        // tile kind
+  int64_t chunk;      // elements per 16-byte cp.async chunk; 0 for the SIMT tile
   at::Tensor x;       // [n, d_pad] tile operand
   at::Tensor bias32;  // [v] fp32 contiguous, or undefined
   int64_t n, v, d, d_pad;
+
+  at::Tensor operand(const at::Tensor& t) const { return tile_operand(t, compute, d_pad, chunk); }
 };
+
+// fp32 runs on TF32 tensor cores when torch allows TF32 for fp32 matmuls
+// (torch.set_float32_matmul_precision("high" | "medium")), else on the exact SIMT tile.
+bool fp32_uses_tf32() {
+  return at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST;
+}
 
 Prepared prepare(const at::Tensor& input, const at::Tensor& weight,
                  const std::optional<at::Tensor>& bias) {
   Prepared p;
   p.compute = input.scalar_type();
   p.dtype = to_dtype(p.compute);
+  if (p.dtype == DType::kFloat32 && fp32_uses_tf32()) p.dtype = DType::kFloat32Tf32;
+  p.chunk = p.dtype == DType::kFloat32 ? 0 : 16 / input.element_size();
   p.n = input.size(0);
   p.v = weight.size(0);
   p.d = input.size(1);
-  p.d_pad = p.compute == at::kFloat ? p.d : ceil_div(p.d, 8) * 8;
-  p.x = tile_operand(input, p.compute, p.d_pad);
+  p.d_pad = p.chunk == 0 ? p.d : ceil_div(p.d, p.chunk) * p.chunk;
+  p.x = p.operand(input);
   if (bias) p.bias32 = bias->to(at::kFloat).contiguous();
   return p;
 }
@@ -166,7 +179,7 @@ at::Tensor run_partials(const at::Tensor& input, const at::Tensor& weight,
     return at::tensor({-inf, 0.f, -inf, 0.f}, f32).expand({1, n, 4}).contiguous();
   }
   const Prepared p = prepare(input, weight, bias);
-  const at::Tensor w = tile_operand(weight, p.compute, p.d_pad);
+  const at::Tensor w = p.operand(weight);
   const cuda::TileShape ts = cuda::tile_shape(p.dtype);
   const int64_t row_blocks = ceil_div(n, ts.block_n);
   const int64_t vtiles = ceil_div(v, ts.block_v);
@@ -377,7 +390,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
 
   for (int64_t v0 = 0; v0 < v; v0 += chunk) {
     const int64_t vc = std::min(chunk, v - v0);
-    const at::Tensor w = tile_operand(weight.narrow(0, v0, vc), p.compute, p.d_pad);
+    const at::Tensor w = p.operand(weight.narrow(0, v0, vc));
     at::Tensor g = dz.narrow(0, 0, n * vc).view({n, vc});
     cuda::GradParams gp{};
     gp.lin = linear_args(p, w, v0, target, vocab_start + v0, ignore_index, softcap);

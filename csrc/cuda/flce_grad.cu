@@ -133,6 +133,8 @@ cudaError_t launch_grad_logits(const GradParams& p, DType dtype, cudaStream_t st
       return launch<MmaTile<__half>>(p, stream);
     case DType::kFloat32:
       return launch<SimtTile>(p, stream);
+    case DType::kFloat32Tf32:
+      return launch<MmaTile<float>>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -113,6 +113,7 @@ cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t c
   if (count == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32:
+    case DType::kFloat32Tf32:
       scale_store_kernel<float><<<grid_for(count), kThreads, 0, stream>>>(
           static_cast<float*>(out), x, count, inv_scale);
       break;

@@ -148,6 +148,8 @@ cudaError_t launch_partial_stats(const StatsParams& p, DType dtype, cudaStream_t
       return launch<MmaTile<__half>>(p, stream);
     case DType::kFloat32:
       return launch<SimtTile>(p, stream);
+    case DType::kFloat32Tf32:
+      return launch<MmaTile<float>>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -14,7 +14,9 @@
 namespace flce {
 namespace cuda {
 
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// Operand storage and tile kind. kFloat32: exact fp32 (SIMT FMA). kFloat32Tf32: fp32 storage on
+// TF32 tensor cores (only when torch's float32 matmul precision is not "highest").
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat32Tf32 = 3 };
 
 // Tile shape of the logit-tile kernels for one compute dtype: rows (tokens) x vocab columns.
 struct TileShape {
@@ -29,7 +31,7 @@ struct LinearArgs {
   const void* weight;  // [v, d] compute dtype
   const float* bias;   // [v] fp32, or nullptr
   int64_t n, v, d;
-  int64_t input_row_stride, input_col_stride;    // col stride 1 (and aligned) for 16-bit dtypes
+  int64_t input_row_stride, input_col_stride;    // col stride 1 and aligned for tensor cores
   int64_t weight_row_stride, weight_col_stride;
   const int64_t* target;  // [n], stride target_stride
   int64_t target_stride;

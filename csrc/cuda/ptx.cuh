@@ -39,13 +39,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-// d += a * b for one m16n8k16 tile: A row-major [16, 16], B "col" ([8 n][16 k], k contiguous).
+// d += a * b for one tile: A row-major [16, k], B "col" ([8 n][k], k contiguous); k = 16 for
+// bf16/fp16 (m16n8k16), 8 for TF32 (m16n8k8, operands are fp32 bit patterns rounded to TF32).
 template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1);
+__device__ __forceinline__ void mma_step(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1);
 
 template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+__device__ __forceinline__ void mma_step<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
                                                          uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -55,13 +56,36 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const ui
 }
 
 template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4],
+__device__ __forceinline__ void mma_step<__half>(float (&d)[4], const uint32_t (&a)[4],
                                                   uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_step<float>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Fragments as loaded by ldmatrix -> mma operands: 16-bit types are used as is; fp32 is rounded
+// to TF32 (nearest, ties away, as cuBLAS does) instead of letting the mma truncate.
+template <typename T>
+__device__ __forceinline__ void to_mma_operand(uint32_t (&)[4]) {}
+
+template <>
+__device__ __forceinline__ void to_mma_operand<float>(uint32_t (&r)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[i]) : "f"(__uint_as_float(r[i])));
+  }
 }
 
 template <typename T>

@@ -4,9 +4,13 @@
 // softcap. Rows >= n and columns >= v hold zeros (loads are zero-filled), so an epilogue only has
 // to skip them.
 //
-//   MmaTile<T>  bf16/fp16 on tensor cores: mma.sync m16n8k16, ldmatrix, 3-stage cp.async ring.
-//               Needs 16-byte aligned rows, unit column stride and d % 8 == 0 (the binding makes
-//               an aligned, zero-padded copy otherwise).
+//   MmaTile<T>  tensor cores, 3-stage cp.async ring, ldmatrix fragments, fp32 accumulators:
+//               T = bf16/fp16: mma.sync m16n8k16; T = float: TF32 mma.sync m16n8k8 (operands
+//               rounded to TF32 with cvt.rna), used only when torch's float32 matmul precision
+//               allows it. The shared-memory layout is the same in bytes for every T (a 16-byte
+//               chunk holds 8 halves or 4 floats; one mma step consumes 32 bytes of k).
+//               Needs 16-byte aligned rows, unit column stride and d a multiple of one chunk
+//               (the binding makes an aligned, zero-padded copy otherwise).
 //   SimtTile    fp32, exact (FMA on CUDA cores, no TF32): any strides and alignment.
 #pragma once
 
@@ -22,7 +26,8 @@ template <typename T>
 struct MmaTile {
   static constexpr int kBlockN = 128;  // rows per CTA tile
   static constexpr int kBlockV = 128;  // vocab columns per CTA tile
-  static constexpr int kBlockK = 32;   // reduction slice per pipeline stage
+  static constexpr int kBlockK = 64 / sizeof(T);  // reduction slice per stage: 64 bytes of k
+  static constexpr int kMmaK = 32 / sizeof(T);     // k of one mma: 16 (bf16/fp16) or 8 (tf32)
   static constexpr int kStages = 3;
   static constexpr int kWarpsN = 2;  // warp grid over the tile: 2 x 4 warps of [64, 32]
   static constexpr int kWarpsV = 4;
@@ -36,7 +41,7 @@ struct MmaTile {
   // Rows padded by 16 bytes: the 80-byte row stride puts the 8 row addresses of an ldmatrix in
   // 8 distinct 16-byte bank groups (conflict-free) and keeps every row 16-byte aligned.
   static constexpr int kSmemRow = kBlockK + kElemsPerChunk;
-  static constexpr int kStageElems = (kBlockN + kBlockV) * kSmemRow;  // A [128][40] + B [128][40]
+  static constexpr int kStageElems = (kBlockN + kBlockV) * kSmemRow;  // A, B [128][80 bytes]
   static constexpr int kPipeBytes = kStages * kStageElems * static_cast<int>(sizeof(T));
   // fp32 epilogue tile [kBlockN, kEpiLd]; +8 floats keeps the float2 fragment stores of a half
   // warp on distinct banks.
@@ -45,12 +50,12 @@ struct MmaTile {
   static constexpr int kSmemBytes = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;
   static constexpr int kEpiOffset = 0;  // epi aliases the pipeline ring
 
-  static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit operands");
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "16-bit operands or fp32 as TF32");
   static_assert((kSmemRow * sizeof(T)) % 16 == 0, "cp.async / ldmatrix need 16-byte smem rows");
   static_assert((kStageElems * sizeof(T)) % 16 == 0, "stages must stay 16-byte aligned");
   static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "A tile loads split evenly");
   static_assert((kBlockV * kChunksPerRow) % kThreads == 0, "B tile loads split evenly");
-  static_assert(kBlockK % 16 == 0 && kNTiles % 2 == 0, "k16 steps, n8 tiles in ldmatrix pairs");
+  static_assert(kBlockK % kMmaK == 0 && kNTiles % 2 == 0, "whole mma steps, n8 tile pairs");
 
   // Issue the cp.async copies of k-slice [k0, k0 + kBlockK) of rows [0, rows) of src (row stride
   // ld) into dst [kRows][kSmemRow]; missing rows and columns >= d are zero-filled.
@@ -69,27 +74,32 @@ struct MmaTile {
     }
   }
 
-  // acc += A_slice [kBlockN, kBlockK] * B_slice^T for this warp's [64, 32] part.
+  // acc += A_slice [kBlockN, kBlockK] * B_slice^T for this warp's [64, 32] part. ldmatrix moves
+  // 8x8 b16 matrices = 8 rows of 16 bytes; for fp32 a thread's 32-bit word is then one float,
+  // which is exactly the TF32 m16n8k8 fragment layout.
   __device__ static void mma_slice(const T* sA, const T* sB, float (&acc)[kMTiles][kNTiles][4],
                                    int warp_n, int warp_v, int lane) {
 #pragma unroll
-    for (int kk = 0; kk < kBlockK; kk += 16) {
-      uint32_t af[kMTiles][4];  // [16, 16] A fragments
-      uint32_t bf[kNTiles][2];  // [8 n, 16 k] B fragments
+    for (int kk = 0; kk < kBlockK; kk += kMmaK) {
+      uint32_t af[kMTiles][4];  // [16, kMmaK] A fragments
+      uint32_t bf[kNTiles][2];  // [8 n, kMmaK k] B fragments
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
-        // matrices 0..3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (8-15, 8-15)
+        // matrices 0..3 = (rows 0-7, chunk 0), (rows 8-15, chunk 0), (rows 0-7, chunk 1),
+        // (rows 8-15, chunk 1), a chunk being 16 bytes of k
         const int row = warp_n * kWarpN + mi * 16 + (lane % 16);
-        const int col = kk + (lane / 16) * 8;
+        const int col = kk + (lane / 16) * kElemsPerChunk;
         ldmatrix_x4(af[mi], smem_addr(sA + row * kSmemRow + col));
+        to_mma_operand<T>(af[mi]);
       }
 #pragma unroll
       for (int nj = 0; nj < kNTiles / 2; ++nj) {
-        // matrices 0..3 = (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+        // matrices 0..3 = (n 0-7, chunk 0), (n 0-7, chunk 1), (n 8-15, chunk 0), (n 8-15, chunk 1)
         const int row = warp_v * kWarpV + nj * 16 + (lane % 8) + (lane / 16) * 8;
-        const int col = kk + ((lane / 8) % 2) * 8;
+        const int col = kk + ((lane / 8) % 2) * kElemsPerChunk;
         uint32_t r[4];
         ldmatrix_x4(r, smem_addr(sB + row * kSmemRow + col));
+        to_mma_operand<T>(r);
         bf[2 * nj][0] = r[0];
         bf[2 * nj][1] = r[1];
         bf[2 * nj + 1][0] = r[2];
@@ -98,7 +108,7 @@ struct MmaTile {
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni) mma_16816<T>(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+        for (int ni = 0; ni < kNTiles; ++ni) mma_step<T>(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
       }
     }
   }
