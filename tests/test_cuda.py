@@ -103,6 +103,27 @@ def test_options_match_reference(dtype):
 
 
 @requires_gpu
+def test_fp32_tf32_path():
+    # With TF32 allowed for fp32 matmuls, fp32 inputs take the TF32 tensor-core tile.
+    x, w, t, b = _make(300, 1100, 100, torch.float32, bias=True)
+    exact = torch.ops.flce.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        tf32 = torch.ops.flce.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+        gl = torch.ones(300, device="cuda")
+        g_tf32 = torch.ops.flce.backward(gl, None, x, w, t, b, tf32[2], 0, 1100, -100, 0.0, 0.0,
+                                         0.0, [True, True, True])
+    finally:
+        torch.set_float32_matmul_precision(old)
+    g_exact = torch.ops.flce.backward(gl, None, x, w, t, b, exact[2], 0, 1100, -100, 0.0, 0.0,
+                                      0.0, [True, True, True])
+    torch.testing.assert_close(tf32[0], exact[0], rtol=5e-3, atol=5e-3)
+    for a, c in zip(g_tf32, g_exact):
+        assert _rel_err(a, c) < 2e-2
+
+
+@requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_master_weights(dtype):
     x, w, t, b = _make(129, 777, 64, dtype, bias=True, wdtype=torch.float32)
@@ -241,15 +262,22 @@ def _large_ok(bytes_needed):
 def test_large_indices():
     # N * V > 2^31 (the row statistics address logits they never store) and N * D > 2^31 (the
     # input and grad_input are indexed past 2^31 elements).
+    def make_on_gpu(n, v, d):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(n, d, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(v, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+        return x, w, torch.randint(0, v, (n,), device="cuda", generator=g)
+
     n, v, d = 70_000, 32_768, 16
-    x, w, t, _ = _make(n, v, d, torch.bfloat16)
+    x, w, t = make_on_gpu(n, v, d)
     loss, lse, _ = torch.ops.flce.forward(x, w, t, None, -100, 0.0, 0.0, 0.0)
     for i0 in (0, n - 1000):  # spot-check row blocks at both ends in fp32
         xs = x[i0:i0 + 1000].float()
         ref = reference.logits_cross_entropy(xs @ w.float().T, t[i0:i0 + 1000], reduction="none")
         torch.testing.assert_close(loss[i0:i0 + 1000], ref, rtol=1e-4, atol=1e-4)
+    del x, w, t, loss, lse
     n, v, d = 65_600, 64, 32_776  # n * d = 2.15e9
-    x, w, t, _ = _make(n, v, d, torch.bfloat16)
+    x, w, t = make_on_gpu(n, v, d)
     xf = x.requires_grad_()
     loss = flce.linear_cross_entropy(xf, w, t, reduction="sum")
     loss.backward()
