@@ -134,9 +134,12 @@ def test_master_weights(dtype):
     loss = flce.linear_cross_entropy(xf, wf, t, bias=b, reduction="sum")
     loss.backward()
     assert wf.grad.dtype == torch.float32
-    xr, wr, br, rloss, _ = _ref(x, wq, t, b.to(dtype).float() if b is not None else None)
+    # The bias is added in fp32 as given (not rounded to the input dtype), as on the CPU.
+    xr, wr, br, rloss, _ = _ref(x, wq, t, b)
     rloss.sum().backward()
-    assert _rel_err(wf.grad, wr.grad) < TOL[dtype][1]
+    # fp32 grad_weight: the gradient tile reaches the dC GEMM as hi + lo (FLCE_CUDA_SPLIT_GRAD),
+    # so dC is far more accurate than the 16-bit tile alone would allow.
+    assert _rel_err(wf.grad, wr.grad) < 2e-3
     assert _rel_err(xf.grad, xr.grad) < TOL[dtype][1]
 
 

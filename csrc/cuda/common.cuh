@@ -36,6 +36,25 @@ __device__ __forceinline__ int64_t target_column(int64_t t, int64_t ignore_index
   return (c >= 0 && c < cols) ? c : -1;
 }
 
+// Grouped rasterization of a 1-D grid over (row block, column) pairs: consecutive CTAs walk
+// the columns of a group of `group` row blocks, row block fastest. The CTAs resident at any time
+// then share a few input row blocks and a few weight tiles, which stay in L2, instead of
+// streaming every row block of the input from DRAM at each column step.
+struct TileCoord {
+  int64_t row_block;
+  int64_t col;
+};
+
+__device__ __forceinline__ TileCoord grouped_tile(int64_t id, int64_t row_blocks, int64_t cols,
+                                                  int64_t group) {
+  const int64_t per_group = group * cols;
+  const int64_t g = id / per_group;
+  const int64_t first = g * group;
+  const int64_t rows_here = row_blocks - first < group ? row_blocks - first : group;
+  const int64_t in = id - g * per_group;  // < rows_here * cols (only the last group is short)
+  return TileCoord{first + in % rows_here, in / rows_here};
+}
+
 // The logit z = softcap(acc + bias) of column col.
 __device__ __forceinline__ float logit_of(float acc, const float* bias, int64_t col, float cap) {
   if (bias != nullptr) acc += bias[col];

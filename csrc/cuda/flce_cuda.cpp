@@ -363,15 +363,24 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   }
   const float* inv_ptr = inv_scale.defined() ? inv_scale.data_ptr<float>() : nullptr;
 
-  // Vocabulary chunk: the [n, chunk] gradient tile fits the workspace budget.
+  // fp32 grad_weight from 16-bit operands (master weights): the gradient tile goes to the dC
+  // GEMM as hi + lo (two GEMMs), so that dC is not limited by the tile's 16-bit rounding, as the
+  // CPU backend does. grad_input has the input's 16-bit dtype and uses hi alone.
+  // FLCE_CUDA_SPLIT_GRAD=0 turns this off (one GEMM less).
+  static const bool split_enabled = env_flag("FLCE_CUDA_SPLIT_GRAD", true);
+  const bool split_c = split_enabled && need_c && p.compute != at::kFloat &&
+                       grad_c.scalar_type() == at::kFloat;
+
+  // Vocabulary chunk: the [n, chunk] gradient tile(s) fit the workspace budget.
   const cuda::TileShape ts = cuda::tile_shape(p.dtype);
-  const int64_t elt = p.x.element_size();
+  const int64_t elt = p.x.element_size() * (split_c ? 2 : 1);
   int64_t chunk = workspace_bytes() / std::max<int64_t>(1, n * elt);
   chunk = std::max<int64_t>(ts.block_v, chunk / ts.block_v * ts.block_v);
   chunk = std::min<int64_t>({chunk, ceil_div(v, ts.block_v) * ts.block_v,
                              int64_t{65535} * ts.block_v});
   const int64_t row_blocks = ceil_div(n, ts.block_n);
   at::Tensor dz = at::empty({n * std::min(chunk, v)}, input.options().dtype(p.compute));
+  at::Tensor dz_lo = split_c ? at::empty_like(dz) : at::Tensor();
   at::Tensor col_partials = need_b ? at::empty({row_blocks * chunk}, f32) : at::Tensor();
   at::Tensor gb32 = need_b ? at::empty({v}, f32) : at::Tensor();
 
@@ -392,11 +401,13 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
     const int64_t vc = std::min(chunk, v - v0);
     const at::Tensor w = p.operand(weight.narrow(0, v0, vc));
     at::Tensor g = dz.narrow(0, 0, n * vc).view({n, vc});
+    at::Tensor g_lo = split_c ? dz_lo.narrow(0, 0, n * vc).view({n, vc}) : at::Tensor();
     cuda::GradParams gp{};
     gp.lin = linear_args(p, w, v0, target, vocab_start + v0, ignore_index, softcap);
     gp.coef = coef.data_ptr<float>();
     gp.scale = scale.defined() ? scale.data_ptr<float>() : nullptr;
     gp.grad_logits = g.data_ptr();
+    gp.grad_logits_lo = split_c ? g_lo.data_ptr() : nullptr;
     gp.col_partials = need_b ? col_partials.data_ptr<float>() : nullptr;
     check_launch(cuda::launch_grad_logits(gp, p.dtype, stream), "grad_logits");
 
@@ -416,7 +427,15 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
     }
     if (need_c) {
       at::Tensor out = grad_c.narrow(0, v0, vc);
-      if (direct_c) {
+      if (split_c) {
+        // out (fp32) = (hi^T X + lo^T X) / scale
+        if (!tmp_c.defined()) tmp_c = at::empty({chunk, d}, f32);
+        at::Tensor t = tmp_c.narrow(0, 0, vc);
+        gemm_f32(out, g.t(), x_gemm);
+        gemm_f32(t, g_lo.t(), x_gemm);
+        out.add_(t);
+        if (inv_scale.defined()) out.mul_(inv_scale);
+      } else if (direct_c) {
         if (grad_c.scalar_type() == p.compute) {
           at::mm_out(out, g.t(), x_gemm);
         } else {

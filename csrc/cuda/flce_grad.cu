@@ -4,7 +4,9 @@
 //   RowGrad (lse, A, U, dz_t) and a bound on max_j |dz_j| (|A| + |U| + |dz_t|, since p_j <= 1
 //   and the softcap derivative is in [0, 1]) used to pick the power-of-two scale of the 16-bit
 //   gradient tile.
-// grad_logits_kernel: grid (ceil(n / kBlockN), ceil(v / kBlockV)), one logit tile per CTA,
+// grad_logits_kernel: 1-D grid over (row block, vocab tile) pairs, grouped (grouped_tile,
+//   kGroupRows row blocks at a time, so the resident CTAs share rows and weight tiles in L2),
+//   one logit tile per CTA,
 //   recomputed on tensor cores (or SIMT fp32); the epilogue forms the fp32 gradient tile with the
 //   collapse-safe target term and the softcap chain rule, stores scale * dz in the compute dtype
 //   and writes the CTA's fp32 column sums (bias gradient) to its own row of col_partials. No
@@ -37,13 +39,17 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
   p.bound[row] = fabsf(rg.a) + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t));
 }
 
+// Row blocks per rasterization group: 16 x ~16 resident column tiles touch 16 input row blocks
+// and ~16 weight tiles (~33 MiB at D = 4096); each weight chunk is read from DRAM once per group.
+constexpr int64_t kGroupRows = 16;
+
 struct RowCoef {
   RowGrad rg;
   int64_t tcol;
 };
 
 template <typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads) grad_logits_kernel(const GradParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, 2) grad_logits_kernel(const GradParams p) {
   using T = typename TileElem<Tile>::type;
   constexpr int kWarps = Tile::kThreads / 32;
   constexpr int kPerLane = Tile::kBlockV / 32;
@@ -51,8 +57,11 @@ __global__ void __launch_bounds__(Tile::kThreads) grad_logits_kernel(const GradP
   float* epi = reinterpret_cast<float*>(smem + Tile::kEpiOffset);       // [kBlockN, kEpiLd]
   RowCoef* rows = reinterpret_cast<RowCoef*>(smem + Tile::kSmemBytes);  // [kBlockN]
   const LinearArgs& a = p.lin;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * Tile::kBlockN;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * Tile::kBlockV;
+  const int64_t row_blocks = (a.n + Tile::kBlockN - 1) / Tile::kBlockN;
+  const int64_t col_blocks = (a.v + Tile::kBlockV - 1) / Tile::kBlockV;
+  const TileCoord tc = grouped_tile(blockIdx.x, row_blocks, col_blocks, kGroupRows);
+  const int64_t m0 = tc.row_block * Tile::kBlockN;
+  const int64_t n0 = tc.col * Tile::kBlockV;
 
   for (int r = threadIdx.x; r < Tile::kBlockN; r += Tile::kThreads) {
     const int64_t row = m0 + r;
@@ -68,7 +77,8 @@ __global__ void __launch_bounds__(Tile::kThreads) grad_logits_kernel(const GradP
   Tile::compute(a, m0, n0, smem, epi);
 
   const float scale = p.scale != nullptr ? *p.scale : 1.f;
-  T* out = static_cast<T*>(p.grad_logits);  // [n, v], row stride v
+  T* out = static_cast<T*>(p.grad_logits);     // [n, v], row stride v
+  T* lo = static_cast<T*>(p.grad_logits_lo);   // [n, v] or nullptr
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < Tile::kBlockN; r += kWarps) {
     const int64_t row = m0 + r;
@@ -81,7 +91,10 @@ __global__ void __launch_bounds__(Tile::kThreads) grad_logits_kernel(const GradP
       if (row < a.n && col < a.v) {
         const float z = logit_of(epi[r * Tile::kEpiLd + c], a.bias, col, a.softcap);
         dz = (col == rc.tcol ? rc.rg.dz_t : logit_grad(rc.rg, z)) * softcap_grad(z, a.softcap);
-        out[row * a.v + col] = from_float<T>(dz * scale);
+        const float sd = dz * scale;
+        const T hi = from_float<T>(sd);
+        out[row * a.v + col] = hi;
+        if (lo != nullptr) lo[row * a.v + col] = from_float<T>(sd - to_float<T>(hi));
       }
       epi[r * Tile::kEpiLd + c] = dz;
     }
@@ -94,7 +107,7 @@ __global__ void __launch_bounds__(Tile::kThreads) grad_logits_kernel(const GradP
     if (col >= a.v) break;
     float s = 0.f, comp = 0.f;
     for (int r = 0; r < Tile::kBlockN; ++r) kahan_add(s, comp, epi[r * Tile::kEpiLd + c]);
-    p.col_partials[static_cast<int64_t>(blockIdx.x) * a.v + col] = kahan_result(s, comp);
+    p.col_partials[tc.row_block * a.v + col] = kahan_result(s, comp);
   }
 }
 
@@ -108,9 +121,9 @@ cudaError_t launch(const GradParams& p, cudaStream_t stream) {
   const int64_t row_blocks = (p.lin.n + Tile::kBlockN - 1) / Tile::kBlockN;
   const int64_t col_blocks = (p.lin.v + Tile::kBlockV - 1) / Tile::kBlockV;
   if (row_blocks == 0 || col_blocks == 0) return cudaSuccess;
-  if (row_blocks > 0x7fffffff || col_blocks > 65535) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(col_blocks));
-  grad_logits_kernel<Tile><<<grid, Tile::kThreads, kSmem, stream>>>(p);
+  const int64_t ctas = row_blocks * col_blocks;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  grad_logits_kernel<Tile><<<static_cast<unsigned>(ctas), Tile::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 

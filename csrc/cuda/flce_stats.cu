@@ -1,6 +1,8 @@
 // Forward kernel: logit tiles folded straight into per-row online statistics.
 //
-// Grid (ceil(n / kBlockN), splits). CTA (bx, s) owns rows [bx*kBlockN, +kBlockN) and vocab tiles
+// 1-D grid over (row block bx, split s), grouped (grouped_tile, kGroupRows row blocks at a time:
+// the resident CTAs share their input rows and weight tiles in L2). CTA (bx, s) owns rows
+// [bx*kBlockN, +kBlockN) and vocab tiles
 // [s*tiles_per_split, (s+1)*tiles_per_split); it walks its tiles in order, keeps the per-row
 // state (m, s, z_t, sum_z with its Neumaier compensation) in shared memory and writes it once to
 // partials[s] [n, 4]. Splits are merged by launch_combine in split order: no atomics, so the
@@ -16,6 +18,10 @@
 namespace flce {
 namespace cuda {
 namespace {
+
+// Row blocks per rasterization group: with ~33 splits, 8 x 33 CTAs (about the resident count on
+// 132 SMs at 2 CTAs/SM) touch 8 input row blocks and 33 weight tiles: ~41 MiB at D = 4096.
+constexpr int64_t kGroupRows = 8;
 
 // Per-row running state of one CTA (shared memory).
 struct RowState {
@@ -81,14 +87,17 @@ __device__ void fold_tile(const float* epi, RowState* rows, int64_t m0, int64_t 
 }
 
 template <typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads) partial_stats_kernel(const StatsParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, 2) partial_stats_kernel(const StatsParams p) {
   extern __shared__ __align__(16) char smem[];
   float* epi = reinterpret_cast<float*>(smem + Tile::kEpiOffset);  // [kBlockN, kEpiLd]
   RowState* rows = reinterpret_cast<RowState*>(smem + Tile::kSmemBytes);  // [kBlockN]
   const LinearArgs& a = p.lin;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * Tile::kBlockN;
+  const int64_t row_blocks = (a.n + Tile::kBlockN - 1) / Tile::kBlockN;
+  const TileCoord tc = grouped_tile(blockIdx.x, row_blocks, p.splits, kGroupRows);
+  const int64_t m0 = tc.row_block * Tile::kBlockN;
+  const int64_t split = tc.col;
   const int64_t num_tiles = (a.v + Tile::kBlockV - 1) / Tile::kBlockV;
-  const int64_t t_begin = static_cast<int64_t>(blockIdx.y) * p.tiles_per_split;
+  const int64_t t_begin = split * p.tiles_per_split;
   const int64_t t_end = t_begin + p.tiles_per_split < num_tiles ? t_begin + p.tiles_per_split
                                                                  : num_tiles;
   for (int r = threadIdx.x; r < Tile::kBlockN; r += Tile::kThreads) {
@@ -106,7 +115,7 @@ __global__ void __launch_bounds__(Tile::kThreads) partial_stats_kernel(const Sta
     fold_tile<Tile>(epi, rows, m0, n0, a);
     __syncthreads();  // epi (and the pipeline it aliases) is free again
   }
-  float* out = p.partials + static_cast<int64_t>(blockIdx.y) * a.n * 4;
+  float* out = p.partials + split * a.n * 4;
   for (int r = threadIdx.x; r < Tile::kBlockN; r += Tile::kThreads) {
     const int64_t row = m0 + r;
     if (row >= a.n) break;
@@ -127,9 +136,9 @@ cudaError_t launch(const StatsParams& p, cudaStream_t stream) {
   if (attr != cudaSuccess) return attr;
   const int64_t row_blocks = (p.lin.n + Tile::kBlockN - 1) / Tile::kBlockN;
   if (row_blocks == 0 || p.splits == 0) return cudaSuccess;
-  if (row_blocks > 0x7fffffff || p.splits > 65535) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(p.splits));
-  partial_stats_kernel<Tile><<<grid, Tile::kThreads, kSmem, stream>>>(p);
+  const int64_t ctas = row_blocks * p.splits;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  partial_stats_kernel<Tile><<<static_cast<unsigned>(ctas), Tile::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 

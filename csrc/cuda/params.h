@@ -69,13 +69,15 @@ struct RowCoefParams {
 cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream);
 
 // Backward, step 2: the gradient tile dz (times softcap'), stored as scale * dz in the compute
-// dtype into grad_logits [n, v] (contiguous), plus per-row-block column sums of the unscaled fp32
+// dtype into grad_logits [n, v] (contiguous), optionally with its rounding residual (hi + lo
+// carries ~2x the mantissa bits), plus per-row-block column sums of the unscaled fp32
 // dz for the bias gradient.
 struct GradParams {
   LinearArgs lin;
   const float* coef;        // [n, 4] from launch_row_coef
   const float* scale;       // device scalar (power of two), or nullptr for 1
-  void* grad_logits;        // [n, v] compute dtype
+  void* grad_logits;        // [n, v] compute dtype: hi = (T)(scale * dz)
+  void* grad_logits_lo;     // [n, v] compute dtype: (T)(scale * dz - hi), or nullptr
   float* col_partials;      // [ceil(n / block_n), v], or nullptr
 };
 cudaError_t launch_grad_logits(const GradParams& p, DType dtype, cudaStream_t stream);
