@@ -1,6 +1,6 @@
 """Small shapes through every flce CUDA kernel, for compute-sanitizer (memcheck, racecheck).
 
-Covers bf16/fp16/fp32, tails in N, V and D (D % 8 != 0: the padded-copy path), bias, softcap,
+Covers bf16/fp16/fp32 (exact and TF32), tails in N, V and D (D % 8 != 0: the padded-copy path), bias, softcap,
 ignored rows, master weights, vocab-parallel partials + combine and the backward masks."""
 import os
 import sys
@@ -33,5 +33,10 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     case(130, 260, 40, dtype, softcap=20.0)
     case(129, 300, 13, dtype)
 case(67, 200, 24, torch.bfloat16, wdtype=torch.float32)
+case(67, 200, 24, torch.float16, wdtype=torch.float32)
+torch.set_float32_matmul_precision("high")  # fp32 on the TF32 tensor-core tile
+case(130, 260, 40, torch.float32)
+case(129, 300, 13, torch.float32)
+torch.set_float32_matmul_precision("highest")
 torch.cuda.synchronize()
 print("sanitize cases done")
