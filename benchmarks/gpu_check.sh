@@ -53,8 +53,8 @@ export FLCE_CUDA=1 TORCH_CUDA_ARCH_LIST="9.0a" FLCE_PTXAS_VERBOSE=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 if step build 240 "$PY" setup.py build_ext --inplace; then
   step ptxas 20 "$PY" scripts/check_ptxas.py "$OUT/build.log"
-  step test_cuda 120 "$PY" -m pytest -q -x tests/test_cuda.py
-  step test_suite 90 "$PY" -m pytest -q tests --ignore=tests/test_cuda.py
+  step test_cuda 120 "$PY" -m pytest -q -rfEs tests/test_cuda.py tests/test_check_ptxas.py
+  step test_suite 90 "$PY" -m pytest -q -rfE tests --ignore=tests/test_cuda.py --ignore=tests/test_check_ptxas.py
   step memcheck 60 "$SANITIZER" --tool memcheck --error-exitcode 1 --leak-check no \
     "$PY" benchmarks/gpu_sanitize.py
   step racecheck 60 "$SANITIZER" --tool racecheck --error-exitcode 1 \
