@@ -22,6 +22,7 @@ ALLOWANCE = {
     "partial_stats_kernel": (0, 0, 0),
     "grad_logits_kernel": (0, 0, 0),
     "row_coef_kernel": (0, 0, 0),
+    "target_fix_kernel": (0, 0, 0),
     "combine_kernel": (0, 0, 0),
     "column_sum_kernel": (0, 0, 0),
     "kahan_accumulate_kernel": (0, 0, 0),

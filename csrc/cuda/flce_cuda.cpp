@@ -382,6 +382,9 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   at::Tensor dz = at::empty({n * std::min(chunk, v)}, input.options().dtype(p.compute));
   at::Tensor dz_lo = split_c ? at::empty_like(dz) : at::Tensor();
   at::Tensor col_partials = need_b ? at::empty({row_blocks * chunk}, f32) : at::Tensor();
+  // 16-bit tiles: the rounding residual of each row's target entry, added back to dE in fp32.
+  const bool fix_target = need_e && p.compute != at::kFloat;
+  at::Tensor target_resid = fix_target ? at::empty({n}, f32) : at::Tensor();
   at::Tensor gb32 = need_b ? at::empty({v}, f32) : at::Tensor();
 
   // dE = sum over chunks of dz_chunk @ W_chunk, each chunk's fp32 GEMM result Neumaier-added.
@@ -409,6 +412,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
     gp.grad_logits = g.data_ptr();
     gp.grad_logits_lo = split_c ? g_lo.data_ptr() : nullptr;
     gp.col_partials = need_b ? col_partials.data_ptr<float>() : nullptr;
+    gp.target_resid = fix_target ? target_resid.data_ptr<float>() : nullptr;
     check_launch(cuda::launch_grad_logits(gp, p.dtype, stream), "grad_logits");
 
     if (need_e) {
@@ -423,6 +427,23 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                                                    tmp_e.data_ptr<float>(), n * d, inv_ptr,
                                                    stream),
                      "kahan_accumulate");
+      }
+      if (fix_target) {
+        cuda::TargetFixParams fp{};
+        fp.weight = w.data_ptr();
+        fp.weight_row_stride = w.stride(0);
+        fp.n = n;
+        fp.v = vc;
+        fp.d = d;
+        fp.target = target.data_ptr<int64_t>();
+        fp.target_stride = target.stride(0);
+        fp.col_offset = vocab_start + v0;
+        fp.ignore_index = ignore_index;
+        fp.target_resid = target_resid.data_ptr<float>();
+        fp.inv_scale = inv_ptr;
+        fp.sum = sum_e.data_ptr<float>();
+        fp.comp = comp_e.data_ptr<float>();
+        check_launch(cuda::launch_target_fix(fp, p.dtype, stream), "target_fix");
       }
     }
     if (need_c) {

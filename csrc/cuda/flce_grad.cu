@@ -95,6 +95,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) grad_logits_kernel(const Gr
         const T hi = from_float<T>(sd);
         out[row * a.v + col] = hi;
         if (lo != nullptr) lo[row * a.v + col] = from_float<T>(sd - to_float<T>(hi));
+        // The one thread (of the whole grid) holding this row's target entry.
+        if (col == rc.tcol && p.target_resid != nullptr) p.target_resid[row] = sd - to_float<T>(hi);
       }
       epi[r * Tile::kEpiLd + c] = dz;
     }
@@ -127,7 +129,39 @@ cudaError_t launch(const GradParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// One CTA per row; rows without their target in the block return at once.
+template <typename T>
+__global__ void target_fix_kernel(const TargetFixParams p) {
+  const int64_t row = blockIdx.x;
+  const int64_t tcol = target_column(p.target[row * p.target_stride], p.ignore_index,
+                                     p.col_offset, p.v);
+  if (tcol < 0) return;
+  const float r = p.target_resid[row] * (p.inv_scale != nullptr ? *p.inv_scale : 1.f);
+  if (r == 0.f) return;  // the 16-bit tile held dz_t exactly
+  const T* w = static_cast<const T*>(p.weight) + tcol * p.weight_row_stride;
+  float* s = p.sum + row * p.d;
+  float* c = p.comp + row * p.d;
+  for (int64_t j = threadIdx.x; j < p.d; j += blockDim.x) kahan_add(s[j], c[j], r * to_float<T>(w[j]));
+}
+
 }  // namespace
+
+cudaError_t launch_target_fix(const TargetFixParams& p, DType dtype, cudaStream_t stream) {
+  if (p.n == 0 || p.d == 0) return cudaSuccess;
+  if (p.n > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const unsigned grid = static_cast<unsigned>(p.n);
+  switch (dtype) {
+    case DType::kBFloat16:
+      target_fix_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(p);
+      break;
+    case DType::kFloat16:
+      target_fix_kernel<__half><<<grid, 256, 0, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;  // fp32 tiles are exact: nothing to fix
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;

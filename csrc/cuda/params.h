@@ -79,8 +79,28 @@ struct GradParams {
   void* grad_logits;        // [n, v] compute dtype: hi = (T)(scale * dz)
   void* grad_logits_lo;     // [n, v] compute dtype: (T)(scale * dz - hi), or nullptr
   float* col_partials;      // [ceil(n / block_n), v], or nullptr
+  float* target_resid;      // [n]: scale * dz_t - hi of the target entry, for the rows whose
+                            // target is in this block (others untouched), or nullptr
 };
 cudaError_t launch_grad_logits(const GradParams& p, DType dtype, cudaStream_t stream);
+
+// dE rows += (target_resid * inv_scale) * weight[target] with Neumaier compensation, for the
+// rows whose target is in this weight block: the part of the dominant target-column gradient
+// that the 16-bit tile lost, added in fp32 (the CPU backend likewise keeps the target column out
+// of the tile GEMMs).
+struct TargetFixParams {
+  const void* weight;  // [v, d] compute dtype, unit column stride
+  int64_t weight_row_stride;
+  int64_t n, v, d;
+  const int64_t* target;
+  int64_t target_stride;
+  int64_t col_offset, ignore_index;
+  const float* target_resid;  // [n]
+  const float* inv_scale;     // device scalar or nullptr
+  float* sum;                 // [n, d]
+  float* comp;                // [n, d]
+};
+cudaError_t launch_target_fix(const TargetFixParams& p, DType dtype, cudaStream_t stream);
 
 // Merge R partial-stat blocks [R, n, 4] in rank order. finalize = false: write the merged
 // (m, s, z_t, sum_z) to merged [n, 4]. finalize = true: write loss, lse, stats = (lse_x, z_t) and
