@@ -50,6 +50,8 @@ nvidia-smi >"$OUT/nvidia-smi.log" 2>&1 || true
   >"$OUT/env.log" 2>&1 || true
 
 export FLCE_CUDA=1 TORCH_CUDA_ARCH_LIST="9.0a" FLCE_PTXAS_VERBOSE=1
+# The in-place build puts flce._C into python/flce: import flce from there.
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 if step build 240 "$PY" setup.py build_ext --inplace; then
   step ptxas 20 "$PY" scripts/check_ptxas.py "$OUT/build.log"

@@ -1,15 +1,11 @@
 """CUDA-backend tests: registration (runs anywhere), and numerics against the float64 reference
 and the CPU backend, determinism, 64-bit indexing, alignment fallbacks and target errors (need a
 GPU, skipped otherwise)."""
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-import flce  # noqa: E402
-from flce import reference  # noqa: E402
+import flce
+from flce import reference
 
 OPS = ("partial_stats", "combine", "forward", "backward")
 
