@@ -7,6 +7,7 @@ __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap):
@@ -94,8 +95,9 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
         ignore_index = -100
     _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap)
 
-    # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
-    parallel = _vocab_parallel_dispatch()
+    # DTensor weights sharded over the vocabulary go to the vocab-parallel path. Plain tensors
+    # skip the lookup, whose import torch.compile cannot trace.
+    parallel = None if type(weight) in _PLAIN else _vocab_parallel_dispatch()
     if parallel is not None and parallel.is_vocab_sharded(weight):
         return parallel.linear_cross_entropy_dtensor(
             input, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
