@@ -25,9 +25,9 @@ from .. import api
 from ..api import linear_cross_entropy
 
 try:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch built without distributed
-    DTensor = Shard = None
+    DTensor = Replicate = Shard = None
 try:
     from torch.distributed.fsdp import FSDPModule
 except ImportError:
@@ -59,7 +59,16 @@ def _make_hook(state):
         state.hidden = hidden
         if state.keep_logits:
             return None
-        return (hidden[..., :0, :],) + tuple(args[1:])
+        weight = getattr(module, "weight", None)
+        if DTensor is not None and isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
+            # A DTensor head multiplies only DTensors, and DTensor cannot view empty tensors:
+            # one position per sequence, replicated.
+            mesh = weight.device_mesh
+            stub = DTensor.from_local(hidden[..., :1, :].detach(), mesh,
+                                      [Replicate()] * mesh.ndim, run_check=False)
+        else:
+            stub = hidden[..., :0, :]
+        return (stub,) + tuple(args[1:])
     return hook
 
 
