@@ -12,6 +12,15 @@ from hf_models import FAMILIES, VOCAB, batch, tiny_model, transformers
 FP32 = 2.0 ** -24
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models gain nothing from threads, and on a shared machine they oversubscribe it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _shifted(labels):
     return F.pad(labels, (0, 1), value=-100)[..., 1:]
 
@@ -220,10 +229,11 @@ def test_short_training_run_follows_the_unpatched_curve():
     steps_ = torch.randint(1, 4, (8, 4, 1), generator=g)
     corpus = 3 + (starts + steps_ * torch.arange(16)) % (VOCAB - 3)
     base = tiny_model("llama-tied")
-    ref = _train(copy.deepcopy(base), 30, corpus)
-    got = _train(flce.patch(copy.deepcopy(base)), 30, corpus)
+    ref = _train(copy.deepcopy(base), 40, corpus)
+    got = _train(flce.patch(copy.deepcopy(base)), 40, corpus)
     assert ref[-5:].mean() < 0.7 * ref[:5].mean()  # it learns
-    assert (got - ref).abs().max() < 1e-3 * ref.max(), (got - ref).abs().max()
+    # Measured: 2e-6 apart after 40 AdamW steps (fp32 summation order only).
+    assert (got - ref).abs().max() < 1e-5 * ref.max(), (got - ref).abs().max()
 
 
 def test_autocast_bf16_with_fp32_master_weights():
