@@ -17,6 +17,9 @@ FAMILIES = {
     "gemma2": ("gemma2", dict(final_logit_softcapping=1.5, tie_word_embeddings=True)),
     "gemma3": ("gemma3_text", dict(final_logit_softcapping=1.5, tie_word_embeddings=True)),
     "phi3": ("phi3", dict(tie_word_embeddings=False)),
+    # Logit scales the model applies after its head.
+    "cohere": ("cohere", dict(logit_scale=0.5, tie_word_embeddings=True)),
+    "granite": ("granite", dict(logits_scaling=0.5, tie_word_embeddings=False)),
 }
 
 

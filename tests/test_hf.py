@@ -85,12 +85,13 @@ def test_family_loss_and_grads_match_unpatched(family):
     assert out_f.logits is None and out_h.logits.shape == (*ids.shape, VOCAB)
     _assert_close_to_oracle(family, got, ref, oracle)
 
-    softcap = model.config.final_logit_softcapping if "gemma" in family else None
-    if softcap is not None:
-        # The check above can fail: the loss without the config's softcap is far off.
+    config = model.config
+    if any(getattr(config, k, None) is not None
+           for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        # The check above can fail: the loss without the config's logit transform is far off.
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        uncapped = flce.integrations.causal_lm_loss(hidden, model.lm_head.weight, labels)
-        assert abs(uncapped.item() - oracle[0].item()) > 1e3 * abs(got[0] - oracle[0]).item() + 1e-3
+        plain = flce.integrations.causal_lm_loss(hidden, model.lm_head.weight, labels)
+        assert abs(plain.item() - oracle[0].item()) > 1e3 * abs(got[0] - oracle[0]).item() + 1e-3
 
     # Gradient accumulation: two micro-batches normalized by the tokens of both.
     b1, b2 = batch(seed=2), batch(seed=3, pad=5)
@@ -207,6 +208,35 @@ def test_unsupported_models_get_clear_errors():
     model.loss_function = lambda *a, **k: None
     with pytest.raises(TypeError, match="ForCausalLMLoss"):
         flce.patch(model)
+
+
+class _DoubledLogits(transformers.LlamaForCausalLM):
+    """A model that changes its logits in a way no config attribute describes."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        out.logits = out.logits * 2
+        if labels is not None:
+            out.loss = self.loss_function(out.logits, labels, self.config.vocab_size)
+        return out
+
+
+def test_unknown_logit_transform_is_refused_not_dropped():
+    model = tiny_model("llama")
+    model = _DoubledLogits(model.config)
+    flce.patch(model)
+    ids, mask, labels = batch()
+    with pytest.raises(RuntimeError, match="changes them in a way flce does not reproduce"):
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_models_with_their_own_loss_are_refused():
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=32, decoder_layers=1,
+                                     encoder_layers=1, decoder_attention_heads=2,
+                                     encoder_attention_heads=2, decoder_ffn_dim=64,
+                                     encoder_ffn_dim=64)
+    with pytest.raises(TypeError, match="BartForCausalLM is not supported: its forward computes"):
+        flce.patch(transformers.BartForCausalLM(config))
 
 
 def _train(model, steps, corpus):

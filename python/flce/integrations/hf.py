@@ -43,12 +43,14 @@ _PATCHED_CLASSES = {}
 class _HeadState:
     """What the head's pre-hook shares with the patched forward during one call."""
 
-    __slots__ = ("active", "keep_logits", "hidden")
+    __slots__ = ("active", "keep_logits", "probe", "hidden", "verified")
 
     def __init__(self):
         self.active = False
         self.keep_logits = False
+        self.probe = False  # give the head one position per sequence, to check its logits
         self.hidden = None
+        self.verified = False  # the model's logits were found to be what flce computes
 
 
 def _make_hook(state):
@@ -67,7 +69,7 @@ def _make_hook(state):
             stub = DTensor.from_local(hidden[..., :1, :].detach(), mesh,
                                       [Replicate()] * mesh.ndim, run_check=False)
         else:
-            stub = hidden[..., :0, :]
+            stub = hidden[..., :1 if state.probe else 0, :].detach()
         return (stub,) + tuple(args[1:])
     return hook
 
@@ -117,6 +119,14 @@ def _check_class(cls):
     if "labels" not in inspect.signature(cls.forward).parameters:
         raise TypeError(f"flce.patch: {cls.__name__} is not supported: its forward takes no "
                         "`labels` (flce replaces the loss of *ForCausalLM models)")
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        source = None
+    if source is not None and "loss_function" not in source:
+        # e.g. BartForCausalLM: its own loss on labels it does not shift.
+        raise TypeError(f"flce.patch: {cls.__name__} is not supported: its forward computes its "
+                        "own loss instead of transformers' loss_function (ForCausalLMLoss)")
 
 
 def _check_instance(model):
@@ -258,7 +268,11 @@ def _forward(model, original, args, kwargs, return_logits):
 
     head = model.get_output_embeddings()
     state = _install_hook(head)
-    state.active, state.keep_logits, state.hidden = True, bool(want_logits), None
+    # Once per model, in eager mode: check that its logits are what flce computes from the
+    # config (catches a logit transform this module does not know, instead of dropping it).
+    probe = not (state.verified or want_logits or torch.compiler.is_compiling()
+                 or (DTensor is not None and isinstance(head.weight, DTensor)))
+    state.active, state.keep_logits, state.probe, state.hidden = True, bool(want_logits), probe, None
     try:
         out = original(*args, labels=None, return_dict=True, **kwargs)
         hidden = state.hidden
@@ -269,22 +283,75 @@ def _forward(model, original, args, kwargs, return_logits):
                            "embedding (get_output_embeddings()); this model is not supported")
 
     _unshard_fsdp(head)
-    config = model.config
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    loss = causal_lm_loss(hidden, head.weight, labels, bias=getattr(head, "bias", None),
-                          softcap=getattr(text_config, "final_logit_softcapping", None),
+    weight, bias, scale, softcap = _head_from_config(model, head)
+    if probe:
+        _check_logits(model, out.logits, hidden, weight, bias, scale, softcap)
+        state.verified = True
+    loss = causal_lm_loss(hidden, weight, labels, bias=bias, logit_scale=scale, softcap=softcap,
                           num_items_in_batch=kwargs.get("num_items_in_batch"),
                           shift_labels=kwargs.get("shift_labels"),
                           logits_to_keep=kwargs.get("logits_to_keep", 0))
     aux_loss = getattr(out, "aux_loss", None)
     if aux_loss is not None:
-        loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss.to(loss.device)
+        coef = getattr(_text_config(model), "router_aux_loss_coef", 0.0)
+        loss = loss + coef * aux_loss.to(loss.device)
 
     fields = dict(out)
     fields["loss"] = loss
     fields["logits"] = out.logits if want_logits else None
     out = type(out)(**fields)
     return out if return_dict else out.to_tuple()
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _head_from_config(model, head):
+    """The head's weight and bias and the logit transform the model applies after the head.
+
+    transformers' causal LMs transform logits by, at most: a padded vocabulary cut to
+    ``unpadded_vocab_size``; a scale (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``);
+    a tanh softcap (``final_logit_softcapping``, RecurrentGemma's ``logits_soft_cap``, xLSTM's
+    ``output_logit_soft_cap``).
+    """
+    config = _text_config(model)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    unpadded = getattr(config, "unpadded_vocab_size", None)
+    if unpadded is not None and unpadded < weight.shape[0]:
+        weight = weight[:unpadded]
+        bias = None if bias is None else bias[:unpadded]
+    scale = getattr(config, "logit_scale", None)
+    if getattr(config, "logits_scaling", None) is not None:
+        scale = 1.0 / config.logits_scaling
+    softcap = None
+    for name in ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap"):
+        if getattr(config, name, None) is not None:
+            softcap = getattr(config, name)
+            break
+    if scale is not None and not isinstance(scale, (int, float)):
+        scale = None  # not a number: not a logit multiplier
+    return weight, bias, scale, softcap
+
+
+@torch.no_grad()
+def _check_logits(model, logits, hidden, weight, bias, scale, softcap):
+    """Compare the model's logits for the probed positions with flce's view of its head."""
+    probe = hidden[..., :1, :]
+    expected = F.linear(probe, weight, bias).float()
+    if scale is not None:
+        expected = expected * scale
+    if softcap is not None:
+        expected = softcap * torch.tanh(expected / softcap)
+    actual = None if logits is None else logits.float()
+    ok = actual is not None and actual.shape == expected.shape and bool(torch.allclose(
+        actual, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()) + 1e-6))
+    if not ok:
+        raise RuntimeError(
+            f"flce.patch: {type(model).__name__}'s logits are not lm_head(hidden) transformed as "
+            f"its config says (scale={scale}, softcap={softcap}); it changes them in a way flce "
+            "does not reproduce, so it is not supported (unpatch it)")
 
 
 def _unshard_fsdp(head):
@@ -322,8 +389,9 @@ def _op_weight(weight):
     return weight.full_tensor()
 
 
-def causal_lm_loss(hidden, weight, labels, *, bias=None, softcap=None, num_items_in_batch=None,
-                   ignore_index=_IGNORE_INDEX, shift_labels=None, logits_to_keep=0):
+def causal_lm_loss(hidden, weight, labels, *, bias=None, logit_scale=None, softcap=None,
+                   num_items_in_batch=None, ignore_index=_IGNORE_INDEX, shift_labels=None,
+                   logits_to_keep=0):
     """transformers' ``ForCausalLMLoss`` computed by flce from hidden states and the head weight.
 
     Args:
@@ -334,6 +402,8 @@ def causal_lm_loss(hidden, weight, labels, *, bias=None, softcap=None, num_items
         labels: ``(batch, seq)`` unshifted labels (token ``i``'s label is predicted at ``i - 1``),
             ``ignore_index`` where no loss is wanted. When ``shift_labels`` is given it is used
             instead and ``labels`` only decides that a loss is computed.
+        logit_scale: a factor on the logits (Cohere's ``logit_scale``), applied to ``hidden``
+            (with ``bias``, to it too), before the softcap.
         softcap: the model's ``final_logit_softcapping`` (Gemma 2/3).
         num_items_in_batch: when given, the loss is the sum over tokens divided by it (gradient
             accumulation), else the mean over non-ignored tokens.
@@ -356,6 +426,9 @@ def causal_lm_loss(hidden, weight, labels, *, bias=None, softcap=None, num_items
     if torch.is_autocast_enabled(device_type):
         # What the head's matmul would run in; the weight stays float32 master weights.
         hidden = hidden.to(torch.get_autocast_dtype(device_type))
+    if logit_scale is not None and logit_scale != 1:
+        hidden = hidden * logit_scale
+        bias = None if bias is None else bias * logit_scale
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = linear_cross_entropy(hidden, _op_weight(weight), shift_labels,
                                 bias=None if bias is None else _op_weight(bias),
