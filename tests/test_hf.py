@@ -191,6 +191,22 @@ def test_patch_class_string_context_manager_and_unpatch():
         flce.unpatch(cls)
 
 
+def test_a_copy_of_a_patched_model_is_patched_and_independent():
+    model = flce.patch(tiny_model("llama"))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2)
+    ids, mask, labels = batch()
+    got = [m(input_ids=ids, attention_mask=mask, labels=labels) for m in (model, twin)]
+    assert got[0].logits is None and got[1].logits is None
+    flce.unpatch(model)
+    flce.unpatch(twin)
+    for m, out in zip((model, twin), got):
+        ref = m(input_ids=ids, attention_mask=mask, labels=labels)
+        assert ref.logits is not None
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+
+
 def test_unsupported_models_get_clear_errors():
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, vocab_size=VOCAB)

@@ -11,12 +11,17 @@ One generic mechanism for every ``*ForCausalLM`` model, nothing copied from tran
   computed from the recorded hidden states and ``lm_head.weight`` with
   :func:`flce.linear_cross_entropy`, reproducing ``ForCausalLMLoss``: shifted labels (or the
   caller's ``shift_labels``), ``num_items_in_batch`` normalization, ``logits_to_keep``, the
-  config's ``final_logit_softcapping`` and a MoE router ``aux_loss``.
+  logit transform the config describes (softcap, scale, unpadded vocabulary) and a MoE router
+  ``aux_loss``;
+* once per model, the logits the model returns for one position per sequence are compared with
+  that transform, so a model that changes its logits some other way is refused, not silently
+  trained on a different loss.
 
 Calls without ``labels`` (generation, inference) go straight to the original forward.
 """
 import functools
 import inspect
+import types
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +41,7 @@ except ImportError:
 __all__ = ["patch", "unpatch", "patched", "causal_lm_loss"]
 
 _IGNORE_INDEX = -100
-# Classes patched with ``patch(cls)``: class -> (original forward, return_logits default).
+# Classes patched with ``patch(cls)``: class -> its original forward.
 _PATCHED_CLASSES = {}
 
 
@@ -53,25 +58,26 @@ class _HeadState:
         self.verified = False  # the model's logits were found to be what flce computes
 
 
-def _make_hook(state):
-    def hook(module, args):
-        if not state.active:
-            return None
-        hidden = args[0]
-        state.hidden = hidden
-        if state.keep_logits:
-            return None
-        weight = getattr(module, "weight", None)
-        if DTensor is not None and isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
-            # A DTensor head multiplies only DTensors, and DTensor cannot view empty tensors:
-            # one position per sequence, replicated.
-            mesh = weight.device_mesh
-            stub = DTensor.from_local(hidden[..., :1, :].detach(), mesh,
-                                      [Replicate()] * mesh.ndim, run_check=False)
-        else:
-            stub = hidden[..., :1 if state.probe else 0, :].detach()
-        return (stub,) + tuple(args[1:])
-    return hook
+def _capture(module, args):
+    """The head's forward pre-hook. It reads its state from the module, so copies of a patched
+    model (``copy.deepcopy``) each use their own."""
+    state = module._flce_state
+    if not state.active:
+        return None
+    hidden = args[0]
+    state.hidden = hidden
+    if state.keep_logits:
+        return None
+    weight = getattr(module, "weight", None)
+    if DTensor is not None and isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
+        # A DTensor head multiplies only DTensors, and DTensor cannot view empty tensors:
+        # one position per sequence, replicated.
+        mesh = weight.device_mesh
+        stub = DTensor.from_local(hidden[..., :1, :].detach(), mesh, [Replicate()] * mesh.ndim,
+                                  run_check=False)
+    else:
+        stub = hidden[..., :1 if state.probe else 0, :].detach()
+    return (stub,) + tuple(args[1:])
 
 
 def _install_hook(head):
@@ -79,16 +85,15 @@ def _install_hook(head):
     if state is None:
         state = _HeadState()
         head._flce_state = state
-        head._flce_hook = head.register_forward_pre_hook(_make_hook(state))
+        head.register_forward_pre_hook(_capture)
     return state
 
 
 def _remove_hook(head):
-    handle = getattr(head, "_flce_hook", None)
-    if handle is not None:
-        handle.remove()
-        del head._flce_hook
-        del head._flce_state
+    for key, hook in list(head._forward_pre_hooks.items()):
+        if hook is _capture:
+            del head._forward_pre_hooks[key]
+    vars(head).pop("_flce_state", None)
 
 
 def _transformers():
@@ -189,13 +194,17 @@ def patch(model, *, return_logits=None):
     _install_hook(head)
     # Keep a forward someone else set on the instance (accelerate's autocast wrapper, say).
     model._flce_previous_forward = vars(model).get("forward")
+    model._flce_return_logits = return_logits
     original = model.forward
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        return _forward(model, original, args, kwargs, return_logits)
+    @functools.wraps(getattr(original, "__func__", original))
+    def forward(self, *args, **kwargs):
+        # Looked up per call, and bound as a method: a deepcopy of the model calls its own.
+        previous = self._flce_previous_forward
+        original = type(self).forward.__get__(self) if previous is None else previous
+        return _forward(self, original, args, kwargs, self._flce_return_logits)
 
-    model.forward = forward
+    model.forward = types.MethodType(forward, model)
     return model
 
 
@@ -214,6 +223,7 @@ def unpatch(model):
         return model
     if "_flce_previous_forward" in vars(model):
         previous = vars(model).pop("_flce_previous_forward")
+        vars(model).pop("_flce_return_logits", None)
         if previous is None:
             del model.forward
         else:
