@@ -4,7 +4,7 @@ import torch
 transformers = __import__("pytest").importorskip("transformers")
 
 VOCAB = 320
-_COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # Softcaps small enough that dropping them changes the loss by far more than the tolerance.
@@ -25,7 +25,7 @@ FAMILIES = {
 
 def tiny_model(family="llama", seed=0, **overrides):
     model_type, extra = FAMILIES[family]
-    config = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **extra, **overrides})
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

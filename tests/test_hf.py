@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import flce
 from flce import reference
-from hf_models import FAMILIES, VOCAB, batch, tiny_model, transformers
+from hf_models import COMMON, FAMILIES, VOCAB, batch, tiny_model, transformers
 
 FP32 = 2.0 ** -24
 
@@ -103,6 +103,21 @@ def test_family_loss_and_grads_match_unpatched(family):
     flce.unpatch(model)
     ref = _micro_batches(model, (b1, b2), n_items)
     _assert_close_to_oracle(family + " grad-accum", got, ref, oracle)
+
+
+def test_moe_router_aux_loss_is_added():
+    config = transformers.AutoConfig.for_model(
+        "mixtral", **{**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2,
+                      "output_router_logits": True, "router_aux_loss_coef": 0.5})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids, mask, labels = batch()
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert 0.5 * ref.aux_loss.item() > 0.1  # large enough to be missed
+    flce.patch(model)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=0, atol=0)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
 
 
 def test_tied_embeddings_share_the_gradient():
