@@ -338,3 +338,31 @@ def test_torch_compile_fullgraph():
     for n, g in _grads(model).items():
         torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
     torch._dynamo.reset()
+
+
+def test_trainer_with_gradient_accumulation(tmp_path):
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (16, 12), generator=g)
+    labels = ids.clone()
+    labels[::3, :4] = -100  # uneven token counts: num_items_in_batch matters
+    data = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+
+    def train(patch):
+        model = tiny_model("gemma2")
+        if patch:
+            flce.patch(model)
+        args = transformers.TrainingArguments(
+            str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=4, logging_steps=1, learning_rate=1e-3, use_cpu=True, save_strategy="no",
+            report_to=[], disable_tqdm=True, seed=0, data_seed=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+    ref, ref_model = train(False)
+    got, model = train(True)
+    assert len(ref) == 4
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
