@@ -26,17 +26,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .. import api
-from ..api import linear_cross_entropy
-
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch built without distributed
-    DTensor = Replicate = Shard = None
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:
-    FSDPModule = None
+from ..api import _is_dtensor, linear_cross_entropy
 
 __all__ = ["patch", "unpatch", "patched", "causal_lm_loss"]
 
@@ -69,9 +59,11 @@ def _capture(module, args):
     if state.keep_logits:
         return None
     weight = getattr(module, "weight", None)
-    if DTensor is not None and isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
+    if _is_dtensor(weight) and not _is_dtensor(hidden):
         # A DTensor head multiplies only DTensors, and DTensor cannot view empty tensors:
         # one position per sequence, replicated.
+        from torch.distributed.tensor import DTensor, Replicate
+
         mesh = weight.device_mesh
         stub = DTensor.from_local(hidden[..., :1, :].detach(), mesh, [Replicate()] * mesh.ndim,
                                   run_check=False)
@@ -281,7 +273,7 @@ def _forward(model, original, args, kwargs, return_logits):
     # Once per model, in eager mode: check that its logits are what flce computes from the
     # config (catches a logit transform this module does not know, instead of dropping it).
     probe = not (state.verified or want_logits or torch.compiler.is_compiling()
-                 or (DTensor is not None and isinstance(head.weight, DTensor)))
+                 or _is_dtensor(head.weight))
     state.active, state.keep_logits, state.probe, state.hidden = True, bool(want_logits), probe, None
     try:
         out = original(*args, labels=None, return_dict=True, **kwargs)
@@ -368,7 +360,9 @@ def _unshard_fsdp(head):
     # A head that is its own FSDP2 unit was resharded right after its (empty) forward call; bring
     # its full weight back so the loss and FSDP's post-backward reduce-scatter see the unsharded
     # parameter, as they would for the logits of an unpatched model.
-    if FSDPModule is not None and isinstance(head, FSDPModule):
+    # By name, as flce's DTensor check: importing torch.distributed.fsdp would slow `import flce`.
+    if any(c.__name__ == "FSDPModule" and c.__module__.startswith("torch.distributed.fsdp")
+           for c in type(head).__mro__):
         head.unshard()
 
 
@@ -390,11 +384,16 @@ def _op_weight(weight):
     path takes it. Replicated or otherwise sharded weights become a plain tensor with
     ``full_tensor()``, whose backward hands each rank its part of the gradient.
     """
-    if DTensor is None or not isinstance(weight, DTensor):
+    if not _is_dtensor(weight):
         return weight
-    if any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements):
-        parallel = api._vocab_parallel_dispatch()
-        if parallel is not None and parallel.is_vocab_sharded(weight):
+    from torch.distributed.tensor import Shard
+
+    if weight.device_mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),):
+        try:
+            from .. import parallel  # noqa: F401
+        except ImportError:  # a build without flce.parallel: gather instead
+            pass
+        else:
             return weight
     return weight.full_tensor()
 
