@@ -364,5 +364,6 @@ def test_trainer_with_gradient_accumulation(tmp_path):
     got, model = train(True)
     assert len(ref) == 4
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    # Adam turns fp32 rounding of near-zero gradients into O(lr) steps: allow 1% of one step.
     for p, q in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-2 * 1e-3)
