@@ -72,13 +72,15 @@ def test_compile_fullgraph(device, path):
         torch.testing.assert_close(c.grad, e.grad, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
 @pytest.mark.parametrize("mask", [[True, True, True], [False, True, False]])
-def test_opcheck_sum_and_grad(device, mask):
+def test_opcheck_sum_and_grad(device, mask, mean):
     _, _, _, x, w, t, b = _op_args(device)
-    args = (x, w, t, b, -100, 0.1, 1e-3, 5.0, mask)
+    args = (x, w, t, b, -100, 0.1, 1e-3, 5.0, mask, mean)
     torch.library.opcheck(torch.ops.flce.sum_and_grad.default, args)
     args = tuple(a.clone().requires_grad_() if i in (0, 1, 3) else a for i, a in enumerate(args))
     torch.library.opcheck(torch.ops.flce.sum_and_grad.default, args)
-    gw_pair = flce.ops.sum_and_grad(x, w, t, b, -100, 0.1, 1e-3, 5.0, mask)[2]
+    gw_pair = flce.ops.sum_and_grad(x, w, t, b, -100, 0.1, 1e-3, 5.0, mask, mean)[3]
     torch.library.opcheck(torch.ops.flce.scale_grad.default,
-                          (gw_pair, torch.tensor(0.25, device=device), torch.bfloat16))
+                          (gw_pair, torch.tensor(0.25, dtype=torch.float64, device=device),
+                           torch.bfloat16))

@@ -117,14 +117,7 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
             and x.device.type == "cpu"):
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar:
         # compute them in the forward pass, with no recompute.
-        total = _ops.ops.sum_and_grad(*args, mask)[0]
-        if reduction == "sum":
-            return total
-        # All tokens ignored: the mean is 0/0 = NaN as in torch, but the gradients must stay
-        # zero; d(total / 0) = inf would turn the zero gradient pairs into inf * 0 = NaN.
-        count = (t != ignore_index).sum()
-        return torch.where(count > 0, total / count.clamp(min=1),
-                           torch.full_like(total, math.nan))
+        return _ops.ops.sum_and_grad(*args, mask, reduction == "mean")[0]
     loss, lse, _ = _ops.ops.forward(*args)
     loss = reduce_loss(loss, t, ignore_index, reduction, lead)
     if return_lse:
