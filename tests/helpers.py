@@ -225,9 +225,10 @@ def assert_close_to_ref(x, ref, dtype, *, factor=2.0, abs_floor=0.0, what="value
     rms = ref.pow(2).mean().sqrt() if ref.numel() else ref.new_zeros(())
     tol = factor * eps * torch.maximum(ref.abs(), rms) + abs_floor
     bad = (x - ref).abs() > tol
+    worst = ((x - ref).abs() - tol).flatten().argmax()
     assert not bad.any(), (f"{what}: {int(bad.sum())}/{bad.numel()} elements off; worst "
                            f"|err|={(x - ref).abs().max().item():.3e}, tol at worst "
-                           f"{tol.flatten()[((x - ref).abs() - tol).flatten().argmax()].item():.3e}")
+                           f"{tol.flatten()[worst].item():.3e}")
 
 
 def assert_grad_close(got, ref, *, what="grad", factor=None, norm_factor=None):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flce
-from helpers import (as_f64, assert_close_to_ref, assert_grad_close, check_flce, gen, poison_allocator,
-                     rand_inputs, ref_loss_grads, rel_err, round_floor)
+from helpers import (as_f64, assert_close_to_ref, assert_grad_close, check_flce, gen,
+                     poison_allocator, rand_inputs, ref_loss_grads, rel_err, round_floor)
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
           pytest.param(torch.float16, id="fp16")]
