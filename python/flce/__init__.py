@@ -1,7 +1,8 @@
 """flce: fused, collapse-safe linear cross-entropy for large-vocabulary language models."""
 from . import reference
+from ._build import build_info
 from ._ops import ops
 from .api import LinearCrossEntropy, linear_cross_entropy
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops", "build_info"]
 __version__ = "0.1.0"
