@@ -169,7 +169,7 @@ def local_version(archs, cuda_version):
         return env
     if not archs:
         return "cpu"
-    cu = "cu" + "".join(cuda_version.split(".")[:2]) + "0" if cuda_version else "cu"
+    cu = "cu" + "".join(cuda_version.split(".")[:2]) if cuda_version else "cu"
     return ".".join([cu] + [a.sm.replace("_", "") for a in archs])
 
 
@@ -199,8 +199,11 @@ def _info():
 
 
 def _has_cuda_kernels():
+    # forward may stay a composite of partial_stats and combine: either one registered for CUDA
+    # means the backend is there.
     import torch
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key("flce::forward", "CUDA"))
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return bool(has("flce::forward", "CUDA") or has("flce::partial_stats", "CUDA"))
 
 
 def build_info():
@@ -272,7 +275,8 @@ def _main(argv):
         if argv[:1] == ["gencode"] and len(argv) == 3:
             archs = parse_arch_list(argv[1], os.environ.get("FLCE_PTX", "newest"))
             version = validate_for_nvcc(archs, argv[2])
-            print(f"{format_arch_list(archs)}|{version}|{';'.join(gencode_flags(archs))}")
+            # "|" between fields, "," within the arch list: CMake lists split on ";".
+            print(f"{','.join(map(str, archs))}|{version}|{';'.join(gencode_flags(archs))}")
             return 0
         if argv[:1] == ["write-info"] and len(argv) >= 2:
             fields = dict(kv.split("=", 1) for kv in argv[2:])
