@@ -40,12 +40,15 @@ step "copy tracked sources of $ROOT to $WORK/src"
 rm -rf "$WORK/src" && mkdir -p "$WORK/src"
 if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
   # Tracked and untracked-but-not-ignored files: what the next commit would hold.
+  # (--ignore-failed-read: a tracked file deleted in the checkout is skipped.)
   (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | \
-    xargs -0 -I{} sh -c 'test -e "{}" && echo "{}"' | tar -cf - -T -) | tar -xf - -C "$WORK/src"
+    tar --null --ignore-failed-read -cf - -T - 2>/dev/null) | tar -xf - -C "$WORK/src"
 else
   tar -C "$ROOT" --exclude=./build --exclude=./dist --exclude='*.so' -cf - . | tar -xf - -C "$WORK/src"
 fi
-N_CU=$(find "$WORK/src/csrc/cuda" -name '*.cu' 2>/dev/null | wc -l)
+shopt -s nullglob
+CU_FILES=("$WORK"/src/csrc/cuda/*.cu)
+N_CU=${#CU_FILES[@]}
 echo "   $N_CU CUDA source(s) in csrc/cuda"
 
 step "build the wheel: TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-}"
