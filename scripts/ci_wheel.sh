@@ -5,7 +5,7 @@
 #   scripts/ci_wheel.sh                       # TORCH_CUDA_ARCH_LIST="8.0;9.0a;10.0"
 #   TORCH_CUDA_ARCH_LIST="9.0a" scripts/ci_wheel.sh
 #
-# Environment: TORCH_CUDA_ARCH_LIST, FLCE_PTX, CUDA_HOME (default /usr/local/cuda-13.0 when it
+# Environment: TORCH_CUDA_ARCH_LIST, FLCE_PTX, FLCE_CI_WHEEL (check this wheel, skip the build), CUDA_HOME (default /usr/local/cuda-13.0 when it
 # exists), MAX_JOBS (default: the core count), PYTHON (default python3), FLCE_CI_WORK (a scratch
 # directory, default mktemp; kept on failure for inspection), FLCE_CI_KEEP=1 (keep it anyway).
 # The build runs in a copy of the tracked sources, so the checkout's own build (and its
@@ -36,34 +36,42 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step "copy tracked sources of $ROOT to $WORK/src"
-rm -rf "$WORK/src" && mkdir -p "$WORK/src"
-if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
-  # Tracked and untracked-but-not-ignored files: what the next commit would hold.
-  # (--ignore-failed-read: a tracked file deleted in the checkout is skipped.)
-  (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | \
-    tar --null --ignore-failed-read -cf - -T - 2>/dev/null) | tar -xf - -C "$WORK/src"
+if [[ -n "${FLCE_CI_WHEEL:-}" ]]; then
+  WHEEL=$(readlink -f "$FLCE_CI_WHEEL")
+  N_CU=$("$PY" -c "import sys, zipfile; i = {}; exec(zipfile.ZipFile(sys.argv[1]).read('flce/_build_info.py'), i); print(i['INFO']['cuda_sources'])" "$WHEEL")
+  step "checking the given wheel $(basename "$WHEEL") ($N_CU CUDA sources): no build"
 else
-  tar -C "$ROOT" --exclude=./build --exclude=./dist --exclude='*.so' -cf - . | tar -xf - -C "$WORK/src"
-fi
-shopt -s nullglob
-CU_FILES=("$WORK"/src/csrc/cuda/*.cu)
-N_CU=${#CU_FILES[@]}
-echo "   $N_CU CUDA source(s) in csrc/cuda"
+  step "copy tracked sources of $ROOT to $WORK/src"
+  rm -rf "$WORK/src" && mkdir -p "$WORK/src"
+  if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
+    # Tracked and untracked-but-not-ignored files: what the next commit would hold.
+    # (--ignore-failed-read: a tracked file deleted in the checkout is skipped.)
+    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | \
+      tar --null --ignore-failed-read -cf - -T - 2>/dev/null) | tar -xf - -C "$WORK/src"
+  else
+    tar -C "$ROOT" --exclude=./build --exclude=./dist --exclude='*.so' -cf - . | tar -xf - -C "$WORK/src"
+  fi
+  shopt -s nullglob
+  CU_FILES=("$WORK"/src/csrc/cuda/*.cu)
+  N_CU=${#CU_FILES[@]}
+  echo "   $N_CU CUDA source(s) in csrc/cuda"
 
-step "build the wheel: TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-}"
-B0=$(date +%s)
-"$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/dist" "$WORK/src" \
-  > "$WORK/build.log" 2>&1 || { tail -50 "$WORK/build.log"; echo "FAIL: wheel build"; exit 1; }
-WHEEL=$(ls "$WORK"/dist/flce-*.whl)
-echo "   built $(basename "$WHEEL") ($(du -k "$WHEEL" | cut -f1) KiB) in $(( $(date +%s) - B0 ))s"
+  step "build the wheel: TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-}"
+  B0=$(date +%s)
+  "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/dist" "$WORK/src" \
+    > "$WORK/build.log" 2>&1 || { tail -50 "$WORK/build.log"; echo "FAIL: wheel build"; exit 1; }
+  WHEEL=$(ls "$WORK"/dist/flce-*.whl)
+  echo "   built $(basename "$WHEEL") ($(du -k "$WHEEL" | cut -f1) KiB) in $(( $(date +%s) - B0 ))s"
+fi
 
 step "fresh virtual environment (system site-packages for torch) and install"
 rm -rf "$WORK/venv"
-"$PY" -m venv --system-site-packages "$WORK/venv"
+# Without its own pip (3 s instead of 15 s; the system pip installs into it with --python).
+"$PY" -m venv --without-pip --system-site-packages "$WORK/venv"
 VPY="$WORK/venv/bin/python"
-# --no-index without --no-deps: the wheel's torch pin must be met by the torch already installed.
-"$VPY" -m pip install -q --no-index "$WHEEL"
+VPIP=("$PY" -m pip --python "$VPY")
+# No deps: torch comes from the system; the wheel's torch pin is checked below.
+"${VPIP[@]}" install -q --no-index --no-deps "$WHEEL"
 
 step "import and CPU smoke test (from outside the source tree)"
 (cd "$WORK" && "$VPY" - "$TORCH_CUDA_ARCH_LIST" "${FLCE_PTX:-newest}" "$N_CU" "$ROOT" <<'EOF'
@@ -72,6 +80,11 @@ import torch
 import flce
 arch_list, ptx, n_cu, root = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 assert flce.__file__.startswith(sys.prefix), f"imported {flce.__file__}, not the installed wheel"
+import importlib.metadata as md
+pins = [r for r in md.requires("flce") if r.replace(" ", "").startswith("torch")]
+mm = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+print("   requires:", pins, "- installed torch", torch.__version__)
+assert pins == [f"torch=={mm}.*"], f"the wheel must pin the torch it was built with: {pins}"
 info = flce.build_info()
 print("   build_info:", info)
 b = runpy.run_path(os.path.join(root, "python", "flce", "_build.py"))
@@ -102,7 +115,7 @@ step "device code in the wheel vs the arch list"
 if [[ $N_CU -gt 0 ]] && ! "$VPY" -c "
 import runpy, sys; sys.exit(runpy.run_path('$ROOT/scripts/check_wheel.py', run_name='x')['find_cuobjdump']() is None)"; then
   echo "   no cuobjdump found: pip install nvidia-cuda-cuobjdump into the venv"
-  "$VPY" -m pip install -q nvidia-cuda-cuobjdump
+  "${VPIP[@]}" install -q nvidia-cuda-cuobjdump
 fi
 "$VPY" "$ROOT/scripts/check_wheel.py" "$WHEEL" --arch-list "$TORCH_CUDA_ARCH_LIST" \
   --ptx "${FLCE_PTX:-newest}"
