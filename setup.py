@@ -112,7 +112,10 @@ sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
 include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
 # No -ffast-math anywhere: the Kahan compensation and NaN propagation need IEEE arithmetic.
 # -fno-trapping-math (as torch itself builds) only lets the vectorizer if-convert the epilogue.
-cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
+# Py_LIMITED_API: the module is tagged abi3 (py_limited_api below), so it must only use the
+# stable ABI.
+cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd",
+             "-DPy_LIMITED_API=0x03090000"]
 define_macros = []
 ext_kwargs = {}
 

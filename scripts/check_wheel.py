@@ -72,12 +72,15 @@ def listed_targets(cuobjdump, so, what):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("wheel")
-    ap.add_argument("--arch-list", required=True, help="the TORCH_CUDA_ARCH_LIST of the build")
+    ap.add_argument("--arch-list", required=True,
+                    help='the TORCH_CUDA_ARCH_LIST of the build; "" for a CPU-only wheel')
     ap.add_argument("--ptx", default=os.environ.get("FLCE_PTX", "newest"),
                     choices=_build["PTX_POLICIES"])
     args = ap.parse_args()
 
-    archs = _build["parse_arch_list"](args.arch_list, args.ptx)
+    # "" (or "cpu"): a CPU-only wheel, which must carry no device code at all.
+    cpu_only = args.arch_list.strip().lower() in ("", "cpu")
+    archs = [] if cpu_only else _build["parse_arch_list"](args.arch_list, args.ptx)
     want_arch = _build["format_arch_list"](archs)
     want_sass = sorted(a.sm for a in archs)
     # cuobjdump names PTX by its virtual arch with an sm_ prefix (x.1.sm_100.ptx).
@@ -107,7 +110,10 @@ def main():
         n_cu = int(info.get("cuda_sources", 0))
         print(f"  {sos[0]}: {'has' if has_fatbin else 'no'} .nv_fatbin section; build compiled "
               f"{n_cu} CUDA source(s)")
-        if not has_fatbin:
+        if cpu_only:
+            if has_fatbin or info.get("cuda") is not None:
+                failures.append("a CPU-only wheel must have no device code and cuda=None")
+        elif not has_fatbin:
             if n_cu:
                 failures.append(f"{n_cu} CUDA sources were compiled but the extension has no "
                                 "device code")

@@ -4,6 +4,7 @@
 #
 #   scripts/ci_wheel.sh                       # TORCH_CUDA_ARCH_LIST="8.0;9.0a;10.0"
 #   TORCH_CUDA_ARCH_LIST="9.0a" scripts/ci_wheel.sh
+#   FLCE_CUDA=0 scripts/ci_wheel.sh           # the CPU-only wheel (no device code allowed)
 #
 # Environment: TORCH_CUDA_ARCH_LIST, FLCE_PTX, FLCE_CI_WHEEL (check this wheel, skip the build), CUDA_HOME (default /usr/local/cuda-13.0 when it
 # exists), MAX_JOBS (default: the core count), PYTHON (default python3), FLCE_CI_WORK (a scratch
@@ -14,9 +15,16 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0a;10.0"}
-export FLCE_CUDA=1
+export FLCE_CUDA=${FLCE_CUDA:-1}
+[[ "${FLCE_CPU_ONLY:-0}" == 1 ]] && FLCE_CUDA=0
 unset FLCE_CPU_ONLY
+if [[ $FLCE_CUDA == 1 ]]; then
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0a;10.0"}
+  EXPECT_ARCHS=$TORCH_CUDA_ARCH_LIST
+else
+  unset TORCH_CUDA_ARCH_LIST
+  EXPECT_ARCHS=""  # a CPU-only wheel: no device code
+fi
 if [[ -z "${CUDA_HOME:-}" && -x /usr/local/cuda-13.0/bin/nvcc ]]; then
   export CUDA_HOME=/usr/local/cuda-13.0
 fi
@@ -56,7 +64,7 @@ else
   N_CU=${#CU_FILES[@]}
   echo "   $N_CU CUDA source(s) in csrc/cuda"
 
-  step "build the wheel: TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-}"
+  step "build the wheel: FLCE_CUDA=$FLCE_CUDA TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-}"
   B0=$(date +%s)
   "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/dist" "$WORK/src" \
     > "$WORK/build.log" 2>&1 || { tail -50 "$WORK/build.log"; echo "FAIL: wheel build"; exit 1; }
@@ -74,7 +82,7 @@ VPIP=("$PY" -m pip --python "$VPY")
 "${VPIP[@]}" install -q --no-index --no-deps "$WHEEL"
 
 step "import and CPU smoke test (from outside the source tree)"
-(cd "$WORK" && "$VPY" - "$TORCH_CUDA_ARCH_LIST" "${FLCE_PTX:-newest}" "$N_CU" "$ROOT" <<'EOF'
+(cd "$WORK" && "$VPY" - "$EXPECT_ARCHS" "${FLCE_PTX:-newest}" "$N_CU" "$ROOT" <<'EOF'
 import os, runpy, sys
 import torch
 import flce
@@ -88,11 +96,14 @@ assert pins == [f"torch=={mm}.*"], f"the wheel must pin the torch it was built w
 info = flce.build_info()
 print("   build_info:", info)
 b = runpy.run_path(os.path.join(root, "python", "flce", "_build.py"))
-want = b["format_arch_list"](b["parse_arch_list"](arch_list, ptx))
-assert info["arch_list"] == want, (info["arch_list"], want)
-assert info["cuda"] and info["torch"] == torch.__version__, info
-assert info["cuda_sources"] == n_cu, (info["cuda_sources"], n_cu)
-assert info["cuda_backend"] == bool(n_cu), "CUDA kernels registered iff .cu files were built"
+assert info["torch"] == torch.__version__, info
+if arch_list:
+    want = b["format_arch_list"](b["parse_arch_list"](arch_list, ptx))
+    assert info["arch_list"] == want, (info["arch_list"], want)
+    assert info["cuda"] and info["cuda_sources"] == n_cu, (info, n_cu)
+    assert info["cuda_backend"] == bool(n_cu), "CUDA kernels registered iff .cu files were built"
+else:
+    assert info["cuda"] is None and info["arch_list"] == "" and not info["cuda_backend"], info
 torch.manual_seed(0)
 n, v, d = 37, 1001, 24
 x = torch.randn(n, d, requires_grad=True)
@@ -112,10 +123,10 @@ EOF
 )
 
 step "device code in the wheel vs the arch list"
-if [[ $N_CU -gt 0 ]] && ! "$VPY" -c "
+if [[ $FLCE_CUDA == 1 && $N_CU -gt 0 ]] && ! "$VPY" -c "
 import runpy, sys; sys.exit(runpy.run_path('$ROOT/scripts/check_wheel.py', run_name='x')['find_cuobjdump']() is None)"; then
   echo "   no cuobjdump found: pip install nvidia-cuda-cuobjdump into the venv"
   "${VPIP[@]}" install -q nvidia-cuda-cuobjdump
 fi
-"$VPY" "$ROOT/scripts/check_wheel.py" "$WHEEL" --arch-list "$TORCH_CUDA_ARCH_LIST" \
+"$VPY" "$ROOT/scripts/check_wheel.py" "$WHEEL" --arch-list "$EXPECT_ARCHS" \
   --ptx "${FLCE_PTX:-newest}"
