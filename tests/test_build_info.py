@@ -1,6 +1,5 @@
 """flce.build_info(), the arch-list handling shared by setup.py/CMake, and the run-time check
 that names a GPU this build has no code for (mocked: no GPU needed)."""
-import os
 import shutil
 import stat
 
@@ -24,8 +23,6 @@ def test_build_info_describes_this_build():
                                                                         "CUDA"))
     if info["cuda"] is None:  # CPU-only build
         assert info["arch_list"] == "" and info["sass"] == [] and not info["cuda_backend"]
-        assert info["version"].endswith("+cpu") or "+" not in info["version"] or os.environ.get(
-            "FLCE_LOCAL_VERSION")
     else:
         archs = _build.parse_arch_list(info["arch_list"], "none")
         assert info["sass"] == [a.sm for a in archs]
