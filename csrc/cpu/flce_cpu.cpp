@@ -531,10 +531,10 @@ int64_t fused_block_rows(int64_t v) {
 // the 4 of forward + recompute backward). Gradients come back deferred, as fp32
 // (sum, compensation) pairs [2, ...] for scale_grad to scale by the upstream gradient and
 // round once.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
     const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
     const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-    double z_loss, double softcap, std::array<bool, 3> output_mask) {
+    double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean) {
   check_linear_args(input, weight, target, bias);
   const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
@@ -542,6 +542,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
   check_targets(t, o.n, o.v, ignore_index);
   const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, o.v);
   at::Tensor loss_sum = at::empty({}, input.options().dtype(at::kFloat));
+  int64_t count = 0;
+  for (int64_t i = 0; i < o.n; ++i) count += !row_ignored(t[i], ignore_index);
+  // mean: divided in double, rounded once (0/0 = NaN, as torch).
+  const double divisor = mean ? static_cast<double>(count) : 1.0;
+  auto reduced = [&](double sum) {
+    loss_sum.fill_(static_cast<float>(sum / divisor));
+    return loss_sum;
+  };
+  at::Tensor div = at::full({}, divisor, input.options().dtype(at::kDouble));
   const int64_t bn_f = fused_block_rows(o.v);
   if (bn_f == 0) {
     // The vocabulary is too large to keep a row block's logits: forward, then the recompute
@@ -549,12 +558,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
     const at::Tensor partial = partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap);
     auto [loss, lse, stats] = combine_cpu(partial.unsqueeze(0), target, o.v, ignore_index,
                                           label_smoothing, z_loss);
-    loss_sum.copy_(loss.sum());
+    const double total = loss.to(at::kDouble).sum().item<double>();
     const at::Tensor ones = at::ones({o.n}, loss.options());
     auto [e, c, b] = run_backward(o, bias, t, ones.data_ptr<float>(), nullptr,
                                   stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
                                   output_mask, /*deferred=*/true);
-    return {loss_sum, e, c, b};
+    return {reduced(total), div, e, c, b};
   }
   GradPass pass(o, bias, output_mask, /*rows_outer=*/true, bn_f, opt.softcap, /*deferred=*/true);
   std::vector<float> z(bn_f * o.v);  // [bn_f, V]: the row block's logits
@@ -588,9 +597,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
       pass.end_row_block(n0, bn);
     }
   }
-  loss_sum.fill_(kahan_result(ls, lc));
   auto [e, c, b] = pass.finish();
-  return {loss_sum, e, c, b};
+  return {reduced(static_cast<double>(ls) + static_cast<double>(lc)), div, e, c, b};
 }
 
 // grad = dtype((sum + comp) * scale) from a deferred pair [2, ...], in double, rounded once.
