@@ -3,15 +3,15 @@
     python benchmarks/profile.py --n 8192 --v 128256 --d 4096 --dtype bf16        # timing only
     nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx \
         -o flce python benchmarks/profile.py ...                                   # profiled steps
-    ncu --profile-from-start off --clock-control none -k regex:flce --launch-count 1 \
-        python benchmarks/profile.py --steps 1 ...                                 # one kernel
+    ncu --profile-from-start off --clock-control none --kernel-name-base demangled \
+        -k regex:flce:: --launch-count 1 python benchmarks/profile.py --steps 1 ...  # one kernel
     python benchmarks/profile.py --device cpu --n 512 --v 4096 --d 256 --torch-profiler out.json
 
 The profiled steps run between torch.cuda.profiler.start() and stop() (cudaProfilerStart/Stop),
 so nsys with --capture-range=cudaProfilerApi and ncu with --profile-from-start off see exactly
 them and none of the warm-up. Each step is inside NVTX ranges "profile::step", with
-"profile::forward" and "profile::backward" nested; flce's own launches add "flce::..." ranges
-from C++ (docs/profiling.md). The speed of light printed is the GEMM work alone: 2 N V D flops
+"profile::forward" and "profile::backward" nested; flce's CUDA launches add "flce::forward" /
+"flce::backward" ranges from C++ (FLCE_NVTX=0 disables them; docs/profiling.md). The speed of light printed is the GEMM work alone: 2 N V D flops
 per GEMM, 4 GEMMs for a recomputing backward (forward logits, recomputed logits, dE, dC), 3 when
 the forward keeps its exponentials.
 """
