@@ -135,8 +135,10 @@ if use_cuda:
     # Our own -gencode flags: torch.utils.cpp_extension then adds none of its own (its list
     # rejects names such as 10.0f and never adds PTX unless asked).
     nvcc_flags += _build.gencode_flags(archs)
-    threads = os.environ.get("FLCE_NVCC_THREADS") or str(
-        max(1, min(len(archs), int(os.environ["MAX_JOBS"]) // max(1, len(cu_sources)))))
+    # One thread under FLCE_PTXAS_VERBOSE: parallel targets would interleave ptxas's report.
+    threads = os.environ.get("FLCE_NVCC_THREADS") or ("1" if os.environ.get(
+        "FLCE_PTXAS_VERBOSE") == "1" else str(
+            max(1, min(len(archs), int(os.environ["MAX_JOBS"]) // max(1, len(cu_sources))))))
     nvcc_flags += [f"--threads={threads}"]
     if os.environ.get("FLCE_PTXAS_VERBOSE") == "1":
         nvcc_flags += ["-Xptxas=-v"]
