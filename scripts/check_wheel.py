@@ -59,14 +59,18 @@ def find_cuobjdump():
 
 
 def listed_targets(cuobjdump, so, what):
-    """The sm_XY names in `cuobjdump --list-elf` / `--list-ptx` (e.g. 'x.1.sm_90a.cubin')."""
+    """{object: [sm_XY, ...]} from `cuobjdump --list-elf` / `--list-ptx` lines such as
+    'ELF file    2: flce_grad.sm_90a.cubin'."""
     out = subprocess.run([cuobjdump, f"--list-{what}", so], capture_output=True, text=True)
     if out.returncode != 0 and "does not contain device code" not in out.stdout + out.stderr:
         raise RuntimeError(f"{cuobjdump} --list-{what} failed: {out.stderr.strip()}")
     print(f"  cuobjdump --list-{what}:")
     for line in out.stdout.splitlines():
         print(f"    {line}")
-    return sorted(set(re.findall(r"\.(sm_\d+[af]?)\.(?:cubin|ptx)", out.stdout)))
+    per_object = {}
+    for obj, sm in re.findall(r":\s*(\S+?)\.(sm_\d+[af]?)\.(?:cubin|ptx)", out.stdout):
+        per_object.setdefault(obj, set()).add(sm)
+    return {obj: sorted(sms) for obj, sms in per_object.items()}
 
 
 def main():
@@ -126,13 +130,22 @@ def main():
                 failures.append("the extension has device code but no cuobjdump was found "
                                 "(pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP)")
             else:
-                got_sass = listed_targets(cuobjdump, so, "elf")
-                got_ptx = listed_targets(cuobjdump, so, "ptx")
-                print(f"  found SASS {got_sass}, PTX {got_ptx}")
-                if got_sass != want_sass:
-                    failures.append(f"SASS {got_sass} != expected {want_sass}")
-                if got_ptx != want_ptx:
-                    failures.append(f"PTX {got_ptx} != expected {want_ptx}")
+                sass = listed_targets(cuobjdump, so, "elf")
+                ptx = listed_targets(cuobjdump, so, "ptx")
+                # Every compiled .cu must carry exactly the list, not just their union.
+                objects = sorted(set(sass) | set(ptx))
+                print(f"  {len(objects)} device object(s): {', '.join(objects)}")
+                if not objects:
+                    failures.append("cuobjdump lists no device code in a .nv_fatbin extension")
+                if len(objects) != n_cu:
+                    failures.append(f"{len(objects)} device objects for {n_cu} CUDA sources")
+                for obj in objects:
+                    got_sass, got_ptx = sass.get(obj, []), ptx.get(obj, [])
+                    print(f"  {obj}: SASS {got_sass}, PTX {got_ptx}")
+                    if got_sass != want_sass:
+                        failures.append(f"{obj}: SASS {got_sass} != expected {want_sass}")
+                    if got_ptx != want_ptx:
+                        failures.append(f"{obj}: PTX {got_ptx} != expected {want_ptx}")
     for f in failures:
         print(f"FAIL: {f}")
     if not failures:
