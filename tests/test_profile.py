@@ -28,7 +28,12 @@ def test_cpu_trace_has_exactly_the_profiled_steps(tmp_path, capsys):
     names = [e.get("name") for e in events if e.get("ph") == "X"]
     assert names.count("profile::step") == 3, "warm-up steps leaked into the trace, or steps lost"
     assert names.count("profile::forward") == 3 and names.count("profile::backward") == 3
-    assert names.count("flce::forward") == 3 and names.count("flce::backward") == 3
+    # Which flce ops a step runs depends on the path (forward + backward, or the fused
+    # sum_and_grad + scale_grad); every step runs the same ones.
+    flce_ops = {n for n in names if n.startswith("flce::")}
+    assert flce_ops, "no flce op in the trace"
+    for op in flce_ops:
+        assert names.count(op) % 3 == 0, (op, names.count(op))
     out = capsys.readouterr().out
     assert "3 profiled steps after 2 warm-up" in out
     assert "4 GEMMs of 2NVD" in out and "stored exp (3 GEMMs)" in out
