@@ -2,6 +2,7 @@
 """Check that a flce wheel carries GPU code for exactly the arch list it was asked to build.
 
     python scripts/check_wheel.py dist/flce-*.whl --arch-list "8.0;9.0a;10.0" [--ptx newest]
+    python scripts/check_wheel.py python --arch-list "9.0a"     # an in-place/CMake build
 
 Reads flce/_build_info.py from the wheel (its recorded arch list must equal the expected one,
 normalized the same way setup.py normalizes it), then lists the extension's embedded cubins and
@@ -73,9 +74,37 @@ def listed_targets(cuobjdump, so, what):
     return {obj: sorted(sms) for obj, sms in per_object.items()}
 
 
+class _Tree:
+    """A directory holding flce/ (an in-place or CMake build: python/), read like a wheel."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def namelist(self):
+        return sorted(os.path.relpath(p, self.root).replace(os.sep, "/")
+                      for p in glob.glob(os.path.join(self.root, "flce", "*")))
+
+    def read(self, name):
+        with open(os.path.join(self.root, name), "rb") as f:
+            return f.read()
+
+    def extract(self, name, _tmp):
+        return os.path.join(self.root, name)
+
+
+def _open(path):
+    return _Tree(path) if os.path.isdir(path) else zipfile.ZipFile(path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("wheel")
+    ap.add_argument("wheel", help="a wheel, or a directory holding flce/ (e.g. python)")
     ap.add_argument("--arch-list", required=True,
                     help='the TORCH_CUDA_ARCH_LIST of the build; "" for a CPU-only wheel')
     ap.add_argument("--ptx", default=os.environ.get("FLCE_PTX", "newest"),
@@ -93,7 +122,7 @@ def main():
     print(f"  expected arch list {want_arch!r}: SASS {want_sass}, PTX {want_ptx}")
 
     failures = []
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(args.wheel) as whl:
+    with tempfile.TemporaryDirectory() as tmp, _open(args.wheel) as whl:
         names = whl.namelist()
         sos = [n for n in names if re.match(r"flce/_C[.\w-]*\.so$", n)]
         if len(sos) != 1 or "flce/_build_info.py" not in names:
