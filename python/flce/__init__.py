@@ -3,6 +3,9 @@ from . import reference
 from ._build import build_info
 from ._ops import ops
 from .api import LinearCrossEntropy, linear_cross_entropy
+# transformers is imported only when a model is patched.
+from .integrations import patch, patched, unpatch
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops", "build_info"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops", "patch", "unpatch",
+           "patched", "build_info"]
 __version__ = "0.1.0"
