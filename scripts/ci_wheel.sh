@@ -77,6 +77,11 @@ rm -rf "$WORK/venv"
 # Without its own pip (3 s instead of 15 s; the system pip installs into it with --python).
 "$PY" -m venv --without-pip --system-site-packages "$WORK/venv"
 VPY="$WORK/venv/bin/python"
+# When $PY is itself a venv (CI's .venv), --system-site-packages reaches only the base
+# interpreter: a .pth appends $PY's own site-packages (after the new venv's, so the wheel
+# installed here wins over any flce there).
+"$PY" -c "import site; print(''.join(f'import site; site.addsitedir({p!r})\n' for p in site.getsitepackages()))" > \
+  "$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_flce_ci_parent.pth"
 VPIP=("$PY" -m pip --python "$VPY")
 # No deps: torch comes from the system; the wheel's torch pin is checked below.
 "${VPIP[@]}" install -q --no-index --no-deps "$WHEEL"
