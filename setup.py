@@ -4,13 +4,23 @@ Environment:
   FLCE_CUDA=0|1           force the CPU-only (CppExtension) or CUDA (CUDAExtension) build.
                           Unset: CUDA when a CUDA toolkit (nvcc) and a CUDA build of torch are
                           found. A visible GPU is never required.
-  TORCH_CUDA_ARCH_LIST    architectures to compile, e.g. "9.0a" or "8.0;9.0a;10.0+PTX".
-                          Unset: DEFAULT_ARCH_LIST below.
+  FLCE_CPU_ONLY=1         alias of FLCE_CUDA=0.
+  TORCH_CUDA_ARCH_LIST    architectures to compile, e.g. "9.0a" or "8.0;9.0a;10.0+PTX"; checked
+                          against `nvcc --list-gpu-code` before anything compiles.
+                          Unset: DEFAULT_ARCH_LIST in python/flce/_build.py.
+  FLCE_PTX                newest (default) | none | all: which arches also get PTX when no entry
+                          of the list says +PTX.
+  FLCE_LOCAL_VERSION      the wheel's PEP 440 local label; unset: cu130.sm80.sm90a... or cpu;
+                          empty: none.
   CUDA_HOME               the toolkit; else the directory of `nvcc` on PATH, else /usr/local/cuda.
-  MAX_JOBS                parallel compile jobs (ninja), as for every torch extension.
+  MAX_JOBS                parallel compile jobs (ninja); unset: min(cores, GiB of RAM / 3).
+  FLCE_NVCC_THREADS       nvcc --threads (arches of one .cu compiled in parallel); unset: the
+                          cores MAX_JOBS leaves idle when there are fewer .cu files than jobs.
   FLCE_PTXAS_VERBOSE=1    pass -Xptxas -v (registers and spills per kernel, used by CI).
+See docs/build.md.
 """
 import glob
+import importlib.util
 import os
 import shutil
 import sys
@@ -18,10 +28,19 @@ import sys
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
 
-# Ampere, Hopper (wgmma/TMA need the "a" target), Blackwell datacenter and consumer; PTX of the
-# newest so that later GPUs can JIT it.
-DEFAULT_ARCH_LIST = "8.0;9.0a;10.0;12.0+PTX"
+
+def _load_build_helpers():
+    # By path: importing the flce package would need the extension this script is about to build.
+    spec = importlib.util.spec_from_file_location("_flce_build", os.path.join(ROOT, "python",
+                                                                               "flce", "_build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_build = _load_build_helpers()
 
 
 def _find_cuda_home():
@@ -51,6 +70,10 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 def _want_cuda():
     flag = os.environ.get("FLCE_CUDA", "").strip()
+    if os.environ.get("FLCE_CPU_ONLY", "").strip() == "1":
+        if flag == "1":
+            sys.exit("FLCE_CPU_ONLY=1 contradicts FLCE_CUDA=1")
+        flag = "0"
     if flag in ("0", "1"):
         if flag == "1":
             if torch.version.cuda is None:
@@ -73,22 +96,50 @@ def _nvidia_wheel_includes():
     return sorted(set(p for p in out if os.path.isdir(p)))
 
 
+def _default_max_jobs():
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = 8
+    # nvcc with several -gencode targets peaks at 2-3 GiB per job.
+    return max(1, min(os.cpu_count() or 1, int(mem_gib // 3)))
+
+
 use_cuda = _want_cuda()
-if use_cuda:
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+os.environ.setdefault("MAX_JOBS", str(_default_max_jobs()))
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
 include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
 # No -ffast-math anywhere: the Kahan compensation and NaN propagation need IEEE arithmetic.
 # -fno-trapping-math (as torch itself builds) only lets the vectorizer if-convert the epilogue.
-cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
+# Py_LIMITED_API: the module is tagged abi3 (py_limited_api below), so it must only use the
+# stable ABI.
+cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd",
+             "-DPy_LIMITED_API=0x03090000"]
 define_macros = []
 ext_kwargs = {}
 
+archs, cuda_version, cu_sources = [], None, []
 if use_cuda:
-    sources += sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
+    try:
+        archs = _build.parse_arch_list(
+            os.environ.get("TORCH_CUDA_ARCH_LIST") or _build.DEFAULT_ARCH_LIST,
+            os.environ.get("FLCE_PTX", "newest"))
+        cuda_version = _build.validate_for_nvcc(archs, os.path.join(_cuda_home, "bin", "nvcc"))
+    except _build.ArchError as e:
+        sys.exit(f"error: {e}")
+    cu_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + cu_sources
     include_dirs += _nvidia_wheel_includes()
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+    # Our own -gencode flags: torch.utils.cpp_extension then adds none of its own (its list
+    # rejects names such as 10.0f and never adds PTX unless asked).
+    nvcc_flags += _build.gencode_flags(archs)
+    # One thread under FLCE_PTXAS_VERBOSE: parallel targets would interleave ptxas's report.
+    threads = os.environ.get("FLCE_NVCC_THREADS") or ("1" if os.environ.get(
+        "FLCE_PTXAS_VERBOSE") == "1" else str(
+            max(1, min(len(archs), int(os.environ["MAX_JOBS"]) // max(1, len(cu_sources))))))
+    nvcc_flags += [f"--threads={threads}"]
     if os.environ.get("FLCE_PTXAS_VERBOSE") == "1":
         nvcc_flags += ["-Xptxas=-v"]
     define_macros.append(("FLCE_WITH_CUDA", "1"))
@@ -112,9 +163,22 @@ else:
         **ext_kwargs,
     )
 
+try:
+    local = _build.local_version(archs, cuda_version)
+except _build.ArchError as e:
+    sys.exit(f"error: {e}")
+version = VERSION + (f"+{local}" if local else "")
+_torch_mm = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+_build.write_build_info(
+    os.path.join(ROOT, "python", "flce", "_build_info.py"),
+    version=version, torch=torch.__version__, torch_cuda=torch.version.cuda, cuda=cuda_version,
+    arch_list=_build.format_arch_list(archs), sass=[a.sm for a in archs],
+    ptx=[a.compute for a in archs if a.ptx], cuda_sources=len(cu_sources),
+    build_system="setuptools")
+
 setup(
     name="flce",
-    version="0.1.0",
+    version=version,
     description="Fused, collapse-safe linear cross-entropy for large-vocabulary language models",
     package_dir={"": "python"},
     packages=find_packages("python"),
@@ -122,5 +186,6 @@ setup(
     cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
     python_requires=">=3.9",
-    install_requires=["torch>=2.6"],
+    # The extension links torch's C++ ABI, which changes between minor releases.
+    install_requires=[f"torch=={_torch_mm}.*"],
 )

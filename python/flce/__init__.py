@@ -1,10 +1,11 @@
 """flce: fused, collapse-safe linear cross-entropy for large-vocabulary language models."""
 from . import reference
+from ._build import build_info
 from ._ops import ops
 from .api import LinearCrossEntropy, linear_cross_entropy
 # transformers is imported only when a model is patched.
 from .integrations import patch, patched, unpatch
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops", "patch", "unpatch",
-           "patched"]
+           "patched", "build_info"]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from . import _ops
+from . import _build, _ops
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
@@ -96,6 +96,8 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
     if ignore_index is None:
         ignore_index = -100
     _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap)
+    if input.is_cuda:
+        _build.check_cuda_device(input.device)
 
     # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
     if _is_dtensor(weight):

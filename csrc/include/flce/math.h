@@ -71,8 +71,9 @@ FLCE_HD void lse_add(OnlineLse& st, float z) {
     // st.m may be -inf: exp(-inf) = 0 rescales an empty sum to 0.
     st.s = st.s * expf(st.m - z) + 1.f;
     st.m = z;
-  } else {
-    // z <= m, or z is NaN (then s becomes NaN).  z = m = -inf only with -inf inputs: NaN, fine.
+  } else if (z != neg_inf()) {
+    // z <= m, or z is NaN (then s becomes NaN). A -inf logit (a masked column) adds exp(-inf)
+    // = 0; skipping it keeps -inf - -inf = NaN out of a state that is still empty.
     st.s += expf(z - st.m);
   }
 }

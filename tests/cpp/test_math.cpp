@@ -1,0 +1,591 @@
+// Host unit tests of csrc/include/flce/math.h against long double formulas.
+//
+// Each fp32 function is fed fp32 inputs and compared with the long double value of the exact
+// formula at those same inputs, so the tolerance measures the header's own rounding (a few fp32
+// ulps), not the conditioning of the inputs. Where a test claims a property the usual formulas
+// lack (collapse safety, Neumaier over Kahan, -inf/NaN guards), it also shows that the naive
+// variant fails the same check, so the check cannot pass vacuously.
+#include <flce/math.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstring>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "check.h"
+
+using check::kU;
+using check::near_abs;
+using check::near_ulps;
+using LD = long double;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+LD softplus_ld(LD x) { return x > 0 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
+LD sigmoid_ld(LD x) { return x >= 0 ? 1 / (1 + std::exp(-x)) : std::exp(x) / (1 + std::exp(x)); }
+LD logaddexp_ld(LD a, LD b) {
+  const LD mx = std::max(a, b), mn = std::min(a, b);
+  if (std::isinf(mn) && mn < 0) return mx;
+  return mx + std::log1p(std::exp(mn - mx));
+}
+
+LD logsumexp_ld(const std::vector<float>& z) {
+  LD m = -INFINITY;
+  for (float v : z) m = std::max<LD>(m, v);
+  if (std::isinf(m) && m < 0) return m;
+  LD s = 0;
+  for (float v : z) s += std::exp(static_cast<LD>(v) - m);
+  return m + std::log(s);
+}
+
+float lse_sequential(const std::vector<float>& z) {
+  flce::OnlineLse st = flce::lse_empty();
+  for (float v : z) flce::lse_add(st, v);
+  return flce::lse_value(st);
+}
+
+// The two-pass tile form the backends use: the tile's max, then sum exp(z - max), then a merge.
+flce::OnlineLse tile_state(const float* z, size_t n) {
+  float mx = -kInf;
+  bool nan = false;
+  for (size_t j = 0; j < n; ++j) {
+    mx = std::max(mx, z[j]);
+    nan |= std::isnan(z[j]);
+  }
+  float s = 0.f;
+  if (mx != -kInf)
+    for (size_t j = 0; j < n; ++j) s += std::exp(z[j] - mx);
+  return flce::OnlineLse{mx, nan ? kNaN : s};
+}
+
+float lse_tiles(const std::vector<float>& z, size_t tile, bool reverse) {
+  std::vector<flce::OnlineLse> parts;
+  for (size_t j0 = 0; j0 < z.size(); j0 += tile)
+    parts.push_back(tile_state(z.data() + j0, std::min(tile, z.size() - j0)));
+  if (reverse) std::reverse(parts.begin(), parts.end());
+  flce::OnlineLse st = flce::lse_empty();
+  for (const auto& p : parts) flce::lse_add_tile(st, p.m, p.s);
+  return flce::lse_value(st);
+}
+
+// A pairwise merge tree, as a reduction across threads or ranks does it.
+float lse_tree(const std::vector<float>& z, size_t tile) {
+  std::vector<flce::OnlineLse> parts;
+  for (size_t j0 = 0; j0 < z.size(); j0 += tile)
+    parts.push_back(tile_state(z.data() + j0, std::min(tile, z.size() - j0)));
+  while (parts.size() > 1) {
+    std::vector<flce::OnlineLse> next;
+    for (size_t i = 0; i + 1 < parts.size(); i += 2)
+      next.push_back(flce::lse_merge(parts[i], parts[i + 1]));
+    if (parts.size() % 2) next.push_back(parts.back());
+    parts.swap(next);
+  }
+  return flce::lse_value(parts.empty() ? flce::lse_empty() : parts[0]);
+}
+
+std::vector<float> random_row(size_t n, float sigma) {
+  std::vector<float> z(n);
+  for (auto& v : z) v = check::normal(sigma);
+  return z;
+}
+
+bool same_bits(flce::OnlineLse a, flce::OnlineLse b) {
+  return std::memcmp(&a, &b, sizeof a) == 0;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Online logsumexp and its merge.
+// ------------------------------------------------------------------------------------------------
+TEST(lse_matches_long_double) {
+  long double worst = 0;
+  for (size_t n : {1, 2, 3, 17, 1000, 32771}) {
+    for (float sigma : {0.01f, 1.f, 10.f, 1000.f, 1e30f}) {
+      const auto z = random_row(n, sigma);
+      const LD ref = logsumexp_ld(z);
+      // A sum of n positive fp32 terms: relative error grows like sqrt(n) u for random data
+      // (n u worst case); plus the final m + log(s) rounding.
+      const LD tol = (4 * std::sqrt(static_cast<LD>(n)) + 4) * kU + 2 * check::ulp_at(ref);
+      const float got[] = {lse_sequential(z), lse_tiles(z, 1, false), lse_tiles(z, 7, false),
+                           lse_tiles(z, 64, true), lse_tree(z, 5), lse_tree(z, 256)};
+      for (float g : got) {
+        EXPECT(near_abs(g, ref, tol), "n=%zu sigma=%g: got %.9g, long double %.12Lg (tol %.3Lg)",
+               n, sigma, g, ref, tol);
+        worst = std::max(worst, std::fabs(static_cast<LD>(g) - ref) / tol);
+      }
+    }
+  }
+  std::printf("  worst lse error: %.3Lg of the tolerance\n", worst);
+}
+
+TEST(lse_merge_empty_is_identity) {
+  const flce::OnlineLse e = flce::lse_empty();
+  EXPECT(flce::lse_value(e) == -kInf, "lse of nothing is -inf, got %g", flce::lse_value(e));
+  for (int i = 0; i < 100; ++i) {
+    const flce::OnlineLse x{check::normal(50.f), check::uniform(1.f, 1000.f)};
+    EXPECT(same_bits(flce::lse_merge(e, x), x), "merge(empty, x) must be x bit for bit");
+    EXPECT(same_bits(flce::lse_merge(x, e), x), "merge(x, empty) must be x bit for bit");
+  }
+  EXPECT(same_bits(flce::lse_merge(e, e), e), "merge(empty, empty) must stay empty");
+}
+
+TEST(lse_merge_is_order_independent) {
+  for (int trial = 0; trial < 50; ++trial) {
+    const auto z = random_row(1 + check::rng()() % 3000, check::uniform(0.1f, 30.f));
+    const LD ref = logsumexp_ld(z);
+    const LD tol = (4 * std::sqrt(static_cast<LD>(z.size())) + 4) * kU + 2 * check::ulp_at(ref);
+    const float fwd = lse_tiles(z, 32, false), rev = lse_tiles(z, 32, true);
+    EXPECT(near_abs(fwd, ref, tol) && near_abs(rev, ref, tol),
+           "forward %.9g, reversed %.9g, long double %.12Lg", fwd, rev, ref);
+  }
+}
+
+TEST(lse_minus_inf_logits_are_zero_probability) {
+  // -inf logits (a masked, padded vocabulary column) contribute exp(-inf) = 0, anywhere in the
+  // row, including first, in every accumulation form.
+  for (int trial = 0; trial < 20; ++trial) {
+    auto z = random_row(200, 3.f);
+    for (auto& v : z)
+      if (check::uniform(0.f, 1.f) < 0.3f) v = -kInf;
+    z[0] = -kInf;
+    for (size_t j = 64; j < 128; ++j) z[j] = -kInf;  // one whole tile of them
+    const LD ref = logsumexp_ld(z);
+    const LD tol = 64 * kU + 2 * check::ulp_at(ref);
+    EXPECT(near_abs(lse_sequential(z), ref, tol), "lse_add: got %.9g, want %.12Lg",
+           lse_sequential(z), ref);
+    EXPECT(near_abs(lse_tiles(z, 64, false), ref, tol), "tiles: got %.9g, want %.12Lg",
+           lse_tiles(z, 64, false), ref);
+    EXPECT(near_abs(lse_tree(z, 64), ref, tol), "tree: got %.9g, want %.12Lg", lse_tree(z, 64),
+           ref);
+  }
+  const std::vector<float> all(100, -kInf);
+  EXPECT(lse_sequential(all) == -kInf, "all -inf via lse_add: got %g", lse_sequential(all));
+  EXPECT(lse_tiles(all, 16, false) == -kInf, "all -inf via tiles: got %g",
+         lse_tiles(all, 16, false));
+  EXPECT(lse_tree(all, 16) == -kInf, "all -inf via tree: got %g", lse_tree(all, 16));
+}
+
+TEST(lse_nan_is_never_dropped) {
+  // fmax-style maxima ignore NaN; the state must not.
+  for (size_t pos : {size_t(0), size_t(1), size_t(150), size_t(299)}) {
+    auto z = random_row(300, 2.f);
+    z[pos] = kNaN;
+    EXPECT(std::isnan(lse_sequential(z)), "NaN at %zu dropped by lse_add: %g", pos,
+           lse_sequential(z));
+    EXPECT(std::isnan(lse_tiles(z, 64, false)), "NaN at %zu dropped by tiles", pos);
+    EXPECT(std::isnan(lse_tiles(z, 64, true)), "NaN at %zu dropped by reversed tiles", pos);
+    EXPECT(std::isnan(lse_tree(z, 16)), "NaN at %zu dropped by the tree", pos);
+  }
+  const flce::OnlineLse x{3.f, 2.f};
+  for (const flce::OnlineLse bad : {flce::OnlineLse{kNaN, 1.f}, flce::OnlineLse{1.f, kNaN},
+                                    flce::OnlineLse{-kInf, kNaN}}) {
+    EXPECT(std::isnan(flce::lse_value(flce::lse_merge(bad, x))), "merge(NaN state, x) not NaN");
+    EXPECT(std::isnan(flce::lse_value(flce::lse_merge(x, bad))), "merge(x, NaN state) not NaN");
+  }
+}
+
+TEST(lse_plus_inf_is_never_finite) {
+  auto z = random_row(100, 1.f);
+  z[37] = kInf;
+  EXPECT(!std::isfinite(lse_sequential(z)), "+inf logit gave a finite lse %g", lse_sequential(z));
+  EXPECT(!std::isfinite(lse_tiles(z, 16, false)), "+inf logit gave a finite lse (tiles)");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Scalar helpers at extreme arguments.
+// ------------------------------------------------------------------------------------------------
+namespace {
+std::vector<float> extreme_args() {
+  std::vector<float> xs = {0.f, -0.f, 1e-30f, -1e-30f, FLT_TRUE_MIN, -FLT_TRUE_MIN, FLT_MIN,
+                           1e-8f, -1e-8f, 0.5f, -0.5f, 16.6f, -16.6f, 30.f, -30.f, 87.3f, -87.3f,
+                           88.7f, -88.7f, 89.f, -89.f, 103.9f, -103.9f, 104.f, -104.f, 150.f,
+                           -150.f, 1e6f, -1e6f, FLT_MAX, -FLT_MAX};
+  for (float x = -200.f; x <= 200.f; x += 0.37f) xs.push_back(x);
+  for (int i = 0; i < 2000; ++i) xs.push_back(check::uniform(-120.f, 120.f));
+  return xs;
+}
+}  // namespace
+
+TEST(softplus_matches_long_double) {
+  long double worst = 0;
+  for (float x : extreme_args()) {
+    const float got = flce::softplus(x);
+    const LD ref = softplus_ld(x);
+    EXPECT(near_ulps(got, ref, 2), "softplus(%.9g) = %.9g, long double %.12Lg", x, got, ref);
+    worst = std::max(worst, check::ulps_off(got, ref));
+  }
+  EXPECT(flce::softplus(-kInf) == 0.f, "softplus(-inf) must be exactly 0");
+  EXPECT(flce::softplus(kInf) == kInf, "softplus(inf) must be inf");
+  EXPECT(std::isnan(flce::softplus(kNaN)), "softplus(NaN) must be NaN");
+  std::printf("  worst softplus error: %.2Lg ulp\n", worst);
+}
+
+TEST(sigmoid_matches_long_double) {
+  long double worst = 0;
+  for (float x : extreme_args()) {
+    const float got = flce::sigmoid(x);
+    const LD ref = sigmoid_ld(x);
+    EXPECT(near_ulps(got, ref, 2), "sigmoid(%.9g) = %.9g, long double %.12Lg", x, got, ref);
+    worst = std::max(worst, check::ulps_off(got, ref));
+  }
+  EXPECT(flce::sigmoid(-kInf) == 0.f, "sigmoid(-inf) must be 0");
+  EXPECT(flce::sigmoid(kInf) == 1.f, "sigmoid(inf) must be 1");
+  EXPECT(std::isnan(flce::sigmoid(kNaN)), "sigmoid(NaN) must be NaN");
+  std::printf("  worst sigmoid error: %.2Lg ulp\n", worst);
+}
+
+TEST(logaddexp_matches_long_double) {
+  long double worst = 0;
+  const auto xs = extreme_args();
+  for (size_t i = 0; i < xs.size(); i += 3) {
+    for (size_t j = 0; j < xs.size(); j += 7) {
+      const float a = xs[i], b = xs[j];
+      const float got = flce::logaddexp(a, b);
+      const LD ref = logaddexp_ld(a, b);
+      // max + log1p(exp(min - max)): the rounding of each term, which may cancel (a result
+      // near 0 from a negative max), plus the final rounding.
+      const LD mx = std::max<LD>(a, b), term = ref - mx;
+      const LD tol = 2 * kU * (std::fabs(mx) + std::fabs(term)) + check::ulp_at(ref);
+      EXPECT(near_abs(got, ref, tol), "logaddexp(%.9g, %.9g) = %.9g, long double %.12Lg", a, b,
+             got, ref);
+      if (std::isfinite(ref)) worst = std::max(worst, std::fabs(got - ref) / tol);
+    }
+  }
+  EXPECT(flce::logaddexp(-kInf, -kInf) == -kInf, "logaddexp(-inf, -inf) must be -inf");
+  EXPECT(flce::logaddexp(-kInf, 3.f) == 3.f && flce::logaddexp(3.f, -kInf) == 3.f,
+         "logaddexp(-inf, x) must be x exactly");
+  EXPECT(std::isnan(flce::logaddexp(kNaN, 1.f)) && std::isnan(flce::logaddexp(1.f, kNaN)),
+         "logaddexp must propagate NaN from either side");
+  EXPECT(flce::logaddexp(kInf, 1.f) == kInf, "logaddexp(inf, 1) must be inf");
+  std::printf("  worst logaddexp error: %.2Lg of the tolerance\n", worst);
+}
+
+TEST(vexp_matches_long_double) {
+  // The CPU epilogue's vectorizable exp: 2 ulp of exp over [-87.3, 88], 0 below, inf above.
+  long double worst = 0;
+  std::vector<float> xs = {-87.3f, -87.29f, -50.f, -1e-7f, 0.f, -0.f, 1e-7f, 0.5f, 1.f, 10.f,
+                           87.9f, 88.f, std::nextafter(-87.3f, 0.f)};
+  for (float x = -87.3f; x <= 88.f; x += 0.0173f) xs.push_back(x);
+  for (int i = 0; i < 20000; ++i) xs.push_back(check::uniform(-87.3f, 0.f));
+  for (float x : xs) {
+    const float got = flce::vexp(x);
+    const LD ref = std::exp(static_cast<LD>(x));
+    EXPECT(near_ulps(got, ref, 2), "vexp(%.9g) = %.9g, long double %.12Lg (%.2Lg ulp)", x, got,
+           ref, check::ulps_off(got, ref));
+    worst = std::max(worst, check::ulps_off(got, ref));
+  }
+  for (float x : {-87.31f, -100.f, -1e30f, -kInf}) {
+    EXPECT(flce::vexp(x) == 0.f, "vexp(%g) = %g, want 0", x, flce::vexp(x));
+  }
+  for (float x : {88.01f, 100.f, kInf}) {
+    EXPECT(flce::vexp(x) == kInf, "vexp(%g) = %g, want inf", x, flce::vexp(x));
+  }
+  EXPECT(std::isnan(flce::vexp(kNaN)), "vexp(NaN) must be NaN");
+  std::printf("  worst vexp error: %.2Lg ulp\n", worst);
+}
+
+TEST(softcap_matches_long_double) {
+  for (float cap : {1.f, 15.f, 30.f, 50.f}) {
+    for (float u : extreme_args()) {
+      const float z = flce::softcap_apply(u, cap);
+      const LD ref = cap * std::tanh(static_cast<LD>(u) / cap);
+      // Three roundings (u / cap, tanh, cap *); u / cap underflows to subnormals (fewer bits) for |u| < cap * FLT_MIN.
+      EXPECT(near_abs(z, ref, 4 * check::ulp_at(ref) + cap * FLT_TRUE_MIN), "softcap(%.9g, cap %g) = %.9g, long double %.12Lg", u, cap,
+             z, ref);
+      const LD r = static_cast<LD>(z) / cap;
+      EXPECT(near_abs(flce::softcap_grad(z, cap), 1 - r * r, 4 * kU),
+             "softcap_grad(%.9g, %g) = %.9g, want %.12Lg", z, cap, flce::softcap_grad(z, cap),
+             1 - r * r);
+    }
+  }
+  EXPECT(flce::softcap_apply(123.f, 0.f) == 123.f && flce::softcap_grad(5.f, 0.f) == 1.f,
+         "cap <= 0 disables the softcap");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Row loss and gradient at margins 0..200.
+// ------------------------------------------------------------------------------------------------
+namespace {
+
+struct Row {
+  float lse_x, z_t, sum_z;
+  std::vector<float> others;  // non-target logits
+};
+
+// A row whose target beats the best other logit by `margin`; its statistics computed exactly,
+// then rounded to fp32 as a backend hands them over.
+Row make_row(float margin, size_t v) {
+  Row r;
+  r.others = random_row(v - 1, 3.f);
+  const float best = *std::max_element(r.others.begin(), r.others.end());
+  r.z_t = best + margin;
+  r.lse_x = static_cast<float>(logsumexp_ld(r.others));
+  LD sum = r.z_t;
+  for (float z : r.others) sum += z;
+  r.sum_z = static_cast<float>(sum);
+  return r;
+}
+
+const float kMargins[] = {0.f, 0.5f, 1.f, 2.f, 5.f, 10.f, 16.6f, 20.f, 25.f, 30.f, 40.f, 50.f,
+                          70.f, 88.f, 100.f, 104.f, 120.f, 150.f, 200.f};
+
+// Collapse-safe loss of the same fp32 statistics, in long double; ref and a tolerance that
+// scales with the terms of the sum (label smoothing subtracts two similar numbers).
+struct LossRef {
+  LD loss, lse, tol;
+};
+
+LossRef loss_ref(const Row& r, const flce::LossOptions& o) {
+  const LD lse_x = r.lse_x, z_t = r.z_t;
+  const LD nll = softplus_ld(lse_x - z_t);
+  const LD lse = logaddexp_ld(lse_x, z_t);
+  const LD eps = o.label_smoothing, w = o.z_loss;
+  const LD mean = static_cast<LD>(r.sum_z) / static_cast<float>(o.vocab_size);
+  LD loss = nll, scale = std::fabs(nll);
+  if (eps != 0) {
+    loss = (1 - eps) * nll + eps * (lse - mean);
+    scale = std::fabs((1 - eps) * nll) + eps * (std::fabs(lse) + std::fabs(mean));
+  }
+  if (w != 0) {
+    loss += w * lse * lse;
+    scale += w * lse * lse;
+  }
+  // The argument lse_x - z_t is rounded once in fp32 (absolute error ulp(lse_x - z_t)), which
+  // moves softplus by |softplus'| times that: relative error ulp(d) * sigmoid(d) / softplus(d).
+  const LD d = lse_x - z_t;
+  const LD arg_err = check::ulp_at(d) * sigmoid_ld(d) * (1 - eps);
+  return {loss, lse, 8 * kU * scale + arg_err + 2 * std::numeric_limits<float>::denorm_min()};
+}
+
+}  // namespace
+
+TEST(row_loss_matches_long_double_at_all_margins) {
+  const flce::LossOptions variants[] = {{0.f, 0.f, 0.f, 4099}, {0.1f, 0.f, 0.f, 4099},
+                                        {0.f, 1e-4f, 0.f, 4099}, {0.2f, 1e-3f, 0.f, 4099}};
+  int naive_rejected = 0, naive_tried = 0;
+  for (const auto& o : variants) {
+    for (float margin : kMargins) {
+      const Row r = make_row(margin, 4099);
+      const flce::RowLoss got = flce::row_loss(r.lse_x, r.z_t, r.sum_z, false, o);
+      const LossRef ref = loss_ref(r, o);
+      EXPECT(near_abs(got.loss, ref.loss, ref.tol),
+             "margin %g eps %g w %g: loss %.9g, long double %.12Lg (tol %.3Lg)", margin,
+             o.label_smoothing, o.z_loss, got.loss, ref.loss, ref.tol);
+      EXPECT(near_ulps(got.lse, ref.lse, 2), "margin %g: lse %.9g, long double %.12Lg", margin,
+             got.lse, ref.lse);
+      // The same check rejects the usual nll = lse - z_t once fp32 rounds p_t to 1: the test can
+      // tell collapse-safe from collapsing math.
+      if (o.label_smoothing == 0.f && o.z_loss == 0.f && margin >= 30.f && margin <= 100.f) {
+        ++naive_tried;
+        const float naive = flce::logaddexp(r.lse_x, r.z_t) - r.z_t;
+        naive_rejected += !near_abs(naive, ref.loss, ref.tol);
+      }
+    }
+  }
+  EXPECT(naive_tried > 0 && naive_rejected == naive_tried,
+         "the loss check must reject lse - z_t at margins 30..100 (rejected %d of %d)",
+         naive_rejected, naive_tried);
+  // Zero only where the exact value is below fp32's range (margins past ~104 for this row).
+  const Row far = make_row(80.f, 4099);
+  EXPECT(flce::row_loss(far.lse_x, far.z_t, far.sum_z, false, variants[0]).loss > 0.f,
+         "the loss at margin 80 must not collapse to 0");
+}
+
+TEST(row_loss_ignored_rows) {
+  const Row r = make_row(3.f, 4099);
+  const flce::LossOptions o{0.1f, 1e-4f, 0.f, 4099};
+  const flce::RowLoss got = flce::row_loss(r.lse_x, r.z_t, r.sum_z, true, o);
+  EXPECT(got.loss == 0.f, "an ignored row's loss must be exactly 0, got %g", got.loss);
+  EXPECT(near_ulps(got.lse, logaddexp_ld(r.lse_x, r.z_t), 2), "an ignored row still has an lse");
+  // An ignored row has no target: the backends pass z_t = -inf and lse_x = the row's lse.
+  const flce::RowLoss none = flce::row_loss(r.lse_x, -kInf, r.sum_z, true, o);
+  EXPECT(none.loss == 0.f && none.lse == r.lse_x, "ignored row with z_t = -inf: loss %g lse %g",
+         none.loss, none.lse);
+}
+
+TEST(row_grad_matches_long_double_at_all_margins) {
+  const flce::LossOptions variants[] = {{0.f, 0.f, 0.f, 4099}, {0.1f, 0.f, 0.f, 4099},
+                                        {0.f, 1e-4f, 0.f, 4099}, {0.2f, 1e-3f, 0.f, 4099}};
+  int naive_rejected = 0, naive_tried = 0;
+  long double worst_sum = 0;
+  for (const auto& o : variants) {
+    for (float margin : kMargins) {
+      const Row r = make_row(margin, 4099);
+      const float g = check::uniform(0.1f, 2.f);
+      const float g_lse = o.z_loss != 0.f ? check::uniform(-1.f, 1.f) : 0.f;
+      const flce::RowGrad got = flce::row_grad(r.lse_x, r.z_t, false, g, g_lse, o);
+
+      const LD lse_x = r.lse_x, z_t = r.z_t, eps = o.label_smoothing, w = o.z_loss;
+      const LD lse = logaddexp_ld(lse_x, z_t);
+      const LD A = g * (1 + 2 * w * lse) + g_lse, B = g * (1 - eps), U = g * eps / 4099.L;
+      const LD p_t = sigmoid_ld(z_t - lse_x), q_t = sigmoid_ld(lse_x - z_t);
+      const LD dz_t = (A - B) * p_t - B * q_t - U;
+      // Rounding of lse_x - z_t inside the sigmoid moves q_t by q_t (1 - q_t) ulp(d).
+      const LD d = lse_x - z_t;
+      const LD arg_err = (std::fabs(A - B) + B) * q_t * (1 - q_t) * check::ulp_at(d);
+      // A - B cancels when eps and w are small, exposing the roundings of A (observed: got.a)
+      // and of B = g (1 - eps) (exact for eps = 0).
+      const LD ab_err = std::fabs(got.a - A) + (eps != 0 ? 2 * kU * B : 0);
+      const LD tol = ab_err * p_t + 8 * kU * (std::fabs(A - B) * p_t + B * q_t + U) + arg_err +
+                     2 * std::numeric_limits<float>::denorm_min();
+      EXPECT(near_ulps(got.lse, lse, 2), "margin %g: lse %.9g want %.12Lg", margin, got.lse, lse);
+      EXPECT(near_abs(got.a, A, 4 * kU * (std::fabs(A) + std::fabs(g_lse)) + 4 * kU * g),
+             "margin %g: A %.9g want %.12Lg", margin, got.a, A);
+      EXPECT(near_abs(got.u, U, 2 * check::ulp_at(U)), "margin %g: U %.9g want %.12Lg", margin,
+             got.u, U);
+      EXPECT(near_abs(got.dz_t, dz_t, tol), "margin %g eps %g w %g: dz_t %.9g, want %.12Lg (tol %.3Lg)",
+             margin, o.label_smoothing, o.z_loss, got.dz_t, dz_t, tol);
+      // The usual p_t - 1 target gradient fails this check once fp32 rounds p_t to 1.
+      if (o.label_smoothing == 0.f && o.z_loss == 0.f && margin >= 30.f && margin <= 100.f) {
+        ++naive_tried;
+        const float naive = g * (std::exp(r.z_t - flce::logaddexp(r.lse_x, r.z_t)) - 1.f);
+        naive_rejected += !near_abs(naive, dz_t, tol);
+      }
+      // Non-target gradients, and the row's gradient summing to zero (no smoothing/z-loss:
+      // sum_j dz_j = g p_x - g q_t with p_x = sum_{j != t} p_j = q_t).
+      LD row_sum = got.dz_t, non_target = 0;
+      for (size_t j = 0; j < r.others.size(); j += 97) {
+        const float z = r.others[j];
+        // Given this RowGrad (A, U and lse were checked above).
+        const LD want = static_cast<LD>(got.a) * std::exp(static_cast<LD>(z) - got.lse) - got.u;
+        const float have = flce::logit_grad(got, z);
+        // exp's argument z - lse is rounded to fp32 first: relative error ulp(z - lse).
+        const LD arg = static_cast<LD>(z) - static_cast<LD>(got.lse);
+        // vexp (the CPU epilogue's exp) flushes results below FLT_MIN to 0 by design: allow
+        // that absolute floor.
+        const LD tol_j = (8 * kU + check::ulp_at(arg)) * (std::fabs(want + got.u) + got.u) +
+                         std::fabs(got.a) * FLT_MIN + 2 * FLT_TRUE_MIN;
+        EXPECT(near_abs(have, want, tol_j),
+               "margin %g: dz_j(%g) = %.9g want %.12Lg", margin, z, have, want);
+      }
+      if (o.label_smoothing == 0.f && o.z_loss == 0.f) {
+        for (float z : r.others) non_target += flce::logit_grad(got, z);
+        row_sum += non_target;
+        // Relative to the non-target mass g q_t: the collapse-safe pair cancels to fp32 accuracy
+        // (the sum itself carries ~sqrt(V) u of the non-target mass).
+        const LD mass = g * q_t;
+        const LD rel = mass > 0 ? std::fabs(row_sum) / mass : 0;
+        if (mass > 1e-30L) {
+          EXPECT(rel < 200 * kU * std::sqrt(4099.L),
+                 "margin %g: the row gradient sums to %.3Lg, %.3Lg of its non-target mass",
+                 margin, row_sum, rel);
+          worst_sum = std::max(worst_sum, rel);
+        }
+      }
+    }
+  }
+  EXPECT(naive_tried > 0 && naive_rejected == naive_tried,
+         "the dz_t check must reject p_t - 1 at margins 30..100 (rejected %d of %d)",
+         naive_rejected, naive_tried);
+  std::printf("  worst |row gradient sum| / non-target mass: %.3Lg\n", worst_sum);
+}
+
+TEST(row_grad_ignored_rows) {
+  const Row r = make_row(2.f, 4099);
+  const flce::LossOptions o{0.1f, 1e-4f, 0.f, 4099};
+  const flce::RowGrad got = flce::row_grad(r.lse_x, r.z_t, true, 0.7f, 0.f, o);
+  EXPECT(got.a == 0.f && got.u == 0.f && got.dz_t == 0.f,
+         "an ignored row (g_lse = 0) must have zero gradient: a %g u %g dz_t %g", got.a, got.u,
+         got.dz_t);
+  // g_lse (return_lse's upstream gradient) still flows through an ignored row: d lse / dz = p.
+  const flce::RowGrad with_lse = flce::row_grad(r.lse_x, r.z_t, true, 0.7f, 0.25f, o);
+  const LD p_t = sigmoid_ld(static_cast<LD>(r.z_t) - r.lse_x);
+  EXPECT(with_lse.a == 0.25f && with_lse.u == 0.f && near_abs(with_lse.dz_t, 0.25L * p_t, 4 * kU),
+         "ignored row with g_lse: a %g u %g dz_t %g (want %.9Lg)", with_lse.a, with_lse.u,
+         with_lse.dz_t, 0.25L * p_t);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Compensated summation.
+// ------------------------------------------------------------------------------------------------
+namespace {
+// Textbook Kahan (no |x| > |s| branch), to show the series below separates it from Neumaier.
+float classic_kahan(const std::vector<float>& xs) {
+  float s = 0.f, c = 0.f;
+  for (float x : xs) {
+    const float y = x - c;
+    const float t = s + y;
+    c = (t - s) - y;
+    s = t;
+  }
+  return s;
+}
+
+float naive_sum(const std::vector<float>& xs) {
+  float s = 0.f;
+  for (float x : xs) s += x;
+  return s;
+}
+
+float neumaier_sum(const std::vector<float>& xs) {
+  float s = 0.f, c = 0.f;
+  for (float x : xs) flce::kahan_add(s, c, x);
+  return flce::kahan_result(s, c);
+}
+
+LD exact_sum(const std::vector<float>& xs) {
+  // long double has 64 mantissa bits; every partial sum below fits, so this is exact.
+  LD s = 0;
+  for (float x : xs) s += x;
+  return s;
+}
+}  // namespace
+
+TEST(kahan_recovers_terms_below_half_an_ulp) {
+  // 1 followed by 2^20 terms of 2^-25 (a quarter ulp of 1): a plain fp32 sum never moves.
+  std::vector<float> xs(1 + (1u << 20), 0x1p-25f);
+  xs[0] = 1.f;
+  const LD exact = exact_sum(xs);  // 1 + 2^-5, representable
+  const float naive = naive_sum(xs), kahan = neumaier_sum(xs);
+  EXPECT(static_cast<LD>(kahan) == exact, "compensated sum %.9g, exact %.12Lg", kahan, exact);
+  EXPECT(check::ulps_off(naive, exact) > 1000, "the series must defeat the naive sum (%.9g)",
+         naive);
+}
+
+TEST(neumaier_survives_a_term_larger_than_the_sum) {
+  const std::vector<float> xs = {1.f, 1e20f, 1.f, -1e20f};
+  EXPECT(neumaier_sum(xs) == 2.f, "Neumaier sum %g, want exactly 2", neumaier_sum(xs));
+  EXPECT(classic_kahan(xs) != 2.f && naive_sum(xs) != 2.f,
+         "the series must defeat classic Kahan (%g) and the naive sum (%g)", classic_kahan(xs),
+         naive_sum(xs));
+}
+
+TEST(kahan_on_random_ill_conditioned_series) {
+  int naive_worse = 0, trials = 0;
+  long double worst = 0;
+  for (int trial = 0; trial < 10; ++trial) {
+    // Large terms that cancel at the end, small ones in between: the running sum is ~1e10
+    // (ulp 1024) while the answer is the sum of the O(1) terms.
+    std::vector<float> xs, bigs;
+    for (int i = 0; i < 20000; ++i) {
+      bigs.push_back(check::uniform(1e6f, 2e6f));
+      xs.push_back(bigs.back());
+      xs.push_back(check::normal(1.f));
+    }
+    for (float b : bigs) xs.push_back(-b);
+    LD abs_sum = 0;
+    for (float x : xs) abs_sum += std::fabs(static_cast<LD>(x));
+    const LD exact = exact_sum(xs);
+    const float kahan = neumaier_sum(xs), naive = naive_sum(xs);
+    // Neumaier: |err| <= 2u |S| + O(n u^2) sum |x|.
+    const LD bound = 2 * kU * std::fabs(exact) + 4 * xs.size() * kU * kU * abs_sum +
+                     check::ulp_at(exact);
+    EXPECT(near_abs(kahan, exact, bound), "compensated %.9g, exact %.12Lg, bound %.3Lg", kahan,
+           exact, bound);
+    worst = std::max(worst, std::fabs(kahan - exact) / bound);
+    ++trials;
+    naive_worse += std::fabs(naive - exact) >
+                   100 * std::max<LD>(std::fabs(kahan - exact), check::ulp_at(exact));
+  }
+  EXPECT(naive_worse == trials, "the series must defeat the naive sum (%d of %d trials)",
+         naive_worse, trials);
+  std::printf("  worst compensated-sum error: %.3Lg of the bound\n", worst);
+}
+
+int main(int argc, char** argv) { return check::run_all(argc, argv); }
