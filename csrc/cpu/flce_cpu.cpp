@@ -588,7 +588,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
       const bool ign = ts[r] < 0;
       const float lse_x = lse_value(rows[r].lse);
       kahan_add(ls, lc, row_loss(lse_x, rows[r].z_t, rows[r].sum(), ign, opt).loss);
-      rg[r] = row_grad(lse_x, rows[r].z_t, ign, 1.f, 0.f, opt);
+      rg[r] = row_grad(rows[r].lse, rows[r].z_t, ign, 1.f, 0.f, opt);
     }
     if (pass.needs_any()) {
       for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {

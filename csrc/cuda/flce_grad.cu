@@ -1,7 +1,7 @@
 // Backward kernels.
 //
 // row_coef_kernel: one thread per row turns (lse_x, z_t, grad_loss, grad_lse) into math.h's
-//   RowGrad (lse, A, U, dz_t) and a bound on max_j |dz_j| (|A| + |U| + |dz_t|, since p_j <= 1
+//   RowGrad (ref = lse, A, U, dz_t) and a bound on max_j |dz_j| (|A| + |U| + |dz_t|, since p_j <= 1
 //   and the softcap derivative is in [0, 1]) used to pick the power-of-two scale of the 16-bit
 //   gradient tile.
 // grad_logits_kernel: 1-D grid over (row block, vocab tile) pairs, grouped (grouped_tile,
@@ -34,7 +34,7 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
   const float g = p.grad_loss[row * p.grad_loss_stride];
   const float g_lse = p.grad_lse != nullptr ? p.grad_lse[row * p.grad_lse_stride] : 0.f;
   const RowGrad rg = row_grad(lse_x, z_t, ignored, g, g_lse, opt);
-  *reinterpret_cast<float4*>(p.coef + row * 4) = make_float4(rg.lse, rg.a, rg.u, rg.dz_t);
+  *reinterpret_cast<float4*>(p.coef + row * 4) = make_float4(rg.ref, rg.a, rg.u, rg.dz_t);
   // For an ignored row dz_t is never used (it has no target column).
   p.bound[row] = fabsf(rg.a) + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t));
 }

@@ -267,7 +267,8 @@ TEST(logaddexp_matches_long_double) {
 }
 
 TEST(vexp_matches_long_double) {
-  // The CPU epilogue's vectorizable exp: 2 ulp of exp over [-87.3, 88], 0 below, inf above.
+  // The CPU epilogue's vectorizable exp: 2 ulp of exp over [-87.3, 88], subnormals down to -104,
+  // 0 below, inf above.
   long double worst = 0;
   std::vector<float> xs = {-87.3f, -87.29f, -50.f, -1e-7f, 0.f, -0.f, 1e-7f, 0.5f, 1.f, 10.f,
                            87.9f, 88.f, std::nextafter(-87.3f, 0.f)};
@@ -280,7 +281,14 @@ TEST(vexp_matches_long_double) {
            ref, check::ulps_off(got, ref));
     worst = std::max(worst, check::ulps_off(got, ref));
   }
-  for (float x : {-87.31f, -100.f, -1e30f, -kInf}) {
+  // Subnormal results: within one subnormal step (2^-149) plus 2 ulp-relative of the exact value.
+  for (float x = -103.9f; x < -87.3f; x += 0.0371f) {
+    const float got = flce::vexp(x);
+    const LD ref = std::exp(static_cast<LD>(x));
+    EXPECT(near_abs(got, ref, std::numeric_limits<float>::denorm_min() + 2 * kU * ref),
+           "vexp(%.9g) = %.9g (subnormal), long double %.12Lg", x, got, ref);
+  }
+  for (float x : {-104.01f, -120.f, -1e30f, -kInf}) {
     EXPECT(flce::vexp(x) == 0.f, "vexp(%g) = %g, want 0", x, flce::vexp(x));
   }
   for (float x : {88.01f, 100.f, kInf}) {
@@ -434,7 +442,7 @@ TEST(row_grad_matches_long_double_at_all_margins) {
       const LD ab_err = std::fabs(got.a - A) + (eps != 0 ? 2 * kU * B : 0);
       const LD tol = ab_err * p_t + 8 * kU * (std::fabs(A - B) * p_t + B * q_t + U) + arg_err +
                      2 * std::numeric_limits<float>::denorm_min();
-      EXPECT(near_ulps(got.lse, lse, 2), "margin %g: lse %.9g want %.12Lg", margin, got.lse, lse);
+      EXPECT(near_ulps(got.ref, lse, 2), "margin %g: lse %.9g want %.12Lg", margin, got.ref, lse);
       EXPECT(near_abs(got.a, A, 4 * kU * (std::fabs(A) + std::fabs(g_lse)) + 4 * kU * g),
              "margin %g: A %.9g want %.12Lg", margin, got.a, A);
       EXPECT(near_abs(got.u, U, 2 * check::ulp_at(U)), "margin %g: U %.9g want %.12Lg", margin,
@@ -453,12 +461,11 @@ TEST(row_grad_matches_long_double_at_all_margins) {
       for (size_t j = 0; j < r.others.size(); j += 97) {
         const float z = r.others[j];
         // Given this RowGrad (A, U and lse were checked above).
-        const LD want = static_cast<LD>(got.a) * std::exp(static_cast<LD>(z) - got.lse) - got.u;
+        const LD want = static_cast<LD>(got.a) * std::exp(static_cast<LD>(z) - got.ref) - got.u;
         const float have = flce::logit_grad(got, z);
         // exp's argument z - lse is rounded to fp32 first: relative error ulp(z - lse).
-        const LD arg = static_cast<LD>(z) - static_cast<LD>(got.lse);
-        // vexp (the CPU epilogue's exp) flushes results below FLT_MIN to 0 by design: allow
-        // that absolute floor.
+        const LD arg = static_cast<LD>(z) - static_cast<LD>(got.ref);
+        // An absolute floor for results near the subnormal range.
         const LD tol_j = (8 * kU + check::ulp_at(arg)) * (std::fabs(want + got.u) + got.u) +
                          std::fabs(got.a) * FLT_MIN + 2 * FLT_TRUE_MIN;
         EXPECT(near_abs(have, want, tol_j),
@@ -484,6 +491,35 @@ TEST(row_grad_matches_long_double_at_all_margins) {
          "the dz_t check must reject p_t - 1 at margins 30..100 (rejected %d of %d)",
          naive_rejected, naive_tried);
   std::printf("  worst |row gradient sum| / non-target mass: %.3Lg\n", worst_sum);
+}
+
+TEST(row_grad_from_max_and_sum_is_exact_relative_to_the_row) {
+  // The (m, s) form: p_j = exp(z_j - M) / S with M the row's max logit (so z_j - M is exact for
+  // the columns that matter) and S its fp32 sum, whose rounding any fp32 softmax shares. The lse
+  // form adds lse's own rounding, |lse| 2^-24, to every p_j of the row.
+  const flce::LossOptions o{0.f, 0.f, 0.f, 4099};
+  for (float margin : {-3.f, 0.f, 2.f, 10.f}) {
+    const Row r = make_row(margin, 4099);
+    flce::OnlineLse st = flce::lse_empty();
+    for (float z : r.others) flce::lse_add(st, z);
+    const flce::RowGrad got = flce::row_grad(st, r.z_t, false, 1.f, 0.f, o);
+    const float best = *std::max_element(r.others.begin(), r.others.end());
+    EXPECT(got.ref == std::max(best, r.z_t), "margin %g: ref %.9g is not the row max", margin,
+           got.ref);
+    LD sum = std::exp(static_cast<LD>(r.z_t) - got.ref);
+    for (float z : r.others) sum += std::exp(static_cast<LD>(z) - got.ref);
+    EXPECT(near_abs(got.div, sum, 64 * kU * sum), "margin %g: S %.9g want %.12Lg", margin,
+           got.div, sum);
+    for (size_t j = 0; j < r.others.size(); j += 41) {
+      const LD want = std::exp(static_cast<LD>(r.others[j]) - got.ref) / got.div;
+      const float have = flce::logit_grad(got, r.others[j]);
+      // z_j - M rounds to fp32 unless it is small (then it is exact): ulp(z_j - M) relative.
+      const LD arg = static_cast<LD>(r.others[j]) - static_cast<LD>(got.ref);
+      EXPECT(near_abs(have, want, (3 * kU + check::ulp_at(arg)) * want + 2 * FLT_TRUE_MIN),
+             "margin %g: p_j %.9g want %.12Lg (%.2Lg ulp)", margin, have, want,
+             check::ulps_off(have, want));
+    }
+  }
 }
 
 TEST(row_grad_ignored_rows) {

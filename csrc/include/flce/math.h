@@ -23,15 +23,14 @@ FLCE_HD float neg_inf() { return -INFINITY; }
 
 // exp(x) in fp32 for the CPU backend's epilogue loops, written so that compilers vectorize it
 // (std::exp is a library call they cannot). Cody-Waite reduction x = k ln2 + r and Cephes'
-// degree-6 polynomial: within 2 ulp of expf for x in [-87.3, 88]. Below -87.3 it returns 0 where
-// expf would return a subnormal; no sum or gradient here can feel that next to the row max's
-// exp(0) = 1. Above 88 it returns +inf (the epilogue only evaluates x = z - max <= 0). NaN in,
-// NaN out. On the GPU it is expf.
+// degree-6 polynomial: within 2 ulp of expf for x in [-87.3, 88], subnormal results down to
+// x = -103.9 (2^k applied in two halves), 0 below. Above 88 it returns +inf (the epilogue only
+// evaluates x = z - max <= 0). NaN in, NaN out. On the GPU it is expf.
 FLCE_HD float vexp(float x) {
 #if defined(__CUDA_ARCH__)
   return expf(x);
 #else
-  const float xc = x < -87.3f ? -87.3f : (x > 88.f ? 88.f : x);  // NaN stays NaN
+  const float xc = x < -104.f ? -104.f : (x > 88.f ? 88.f : x);  // NaN stays NaN
   float k = floorf(xc * 1.44269504088896341f + 0.5f);
   k = k == k ? k : 0.f;  // keep the float -> int conversion below defined for NaN
   float r = xc - k * 0.693359375f;
@@ -43,12 +42,17 @@ FLCE_HD float vexp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.f;
-  // 2^k from its exponent bits; k is in [-126, 127] after the clamp.
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  const float e = y * scale;
-  return x < -87.3f ? 0.f : (x > 88.f ? INFINITY : e);
+  // 2^k = 2^k1 * 2^k2 with both halves normal for k in [-150, 127]: the second product rounds
+  // once into the subnormal range.
+  const int32_t ki = static_cast<int32_t>(k);
+  const int32_t k1 = ki / 2, k2 = ki - ki / 2;
+  const uint32_t b1 = static_cast<uint32_t>(k1 + 127) << 23;
+  const uint32_t b2 = static_cast<uint32_t>(k2 + 127) << 23;
+  float s1, s2;
+  __builtin_memcpy(&s1, &b1, sizeof(s1));
+  __builtin_memcpy(&s2, &b2, sizeof(s2));
+  const float e = (y * s1) * s2;
+  return x < -104.f ? 0.f : (x > 88.f ? INFINITY : e);
 #endif
 }
 
@@ -177,19 +181,25 @@ FLCE_HD RowLoss row_loss(float lse_x, float z_t, float sum_z, bool ignored, cons
 //                                     would round p_t to 1 (the collapse-safe target term)
 //   A = g (1 + 2 w lse) + g_lse,  B = g (1 - eps),  U = g eps / V,  p_j = exp(z_j - lse).
 struct RowGrad {
-  float lse;  // p_j = exp(z_j - lse)
+  // p_j = exp(z_j - ref) / div. From the row's (max, sum exp) statistics, ref is the max of its
+  // logits and z_j - ref is exact for the columns that matter; from an fp32 lse (ref = lse,
+  // div = 1), p_j inherits lse's rounding, |lse| 2^-24, as a relative error shared by the row.
+  float ref;
   float a;
   float u;
   float dz_t;  // the whole target-column gradient (before softcap)
+  float div = 1.f;
 };
 
-FLCE_HD RowGrad row_grad(float lse_x, float z_t, bool ignored, float g, float g_lse,
-                         const LossOptions& o) {
+namespace detail {
+FLCE_HD RowGrad row_grad_coef(float ref, float div, float lse, float lse_x, float z_t, bool ignored,
+                              float g, float g_lse, const LossOptions& o) {
   RowGrad r;
-  r.lse = logaddexp(lse_x, z_t);
+  r.ref = ref;
+  r.div = div;
   if (ignored) g = 0.f;
   const float eps = o.label_smoothing;
-  r.a = g * (1.f + 2.f * o.z_loss * r.lse) + g_lse;
+  r.a = g * (1.f + 2.f * o.z_loss * lse) + g_lse;
   const float b = g * (1.f - eps);
   r.u = g * eps / static_cast<float>(o.vocab_size);
   const float p_t = sigmoid(z_t - lse_x);
@@ -197,9 +207,34 @@ FLCE_HD RowGrad row_grad(float lse_x, float z_t, bool ignored, float g, float g_
   r.dz_t = (r.a - b) * p_t - b * q_t - r.u;
   return r;
 }
+}  // namespace detail
+
+// From the stored row statistics (lse_x, z_t).
+FLCE_HD RowGrad row_grad(float lse_x, float z_t, bool ignored, float g, float g_lse,
+                         const LossOptions& o) {
+  const float lse = logaddexp(lse_x, z_t);
+  return detail::row_grad_coef(lse, 1.f, lse, lse_x, z_t, ignored, g, g_lse, o);
+}
+
+// From the online state (m_x, s_x) of the non-target logits and z_t, where a pass still has
+// them (the fused CPU forward+backward): p_j = exp(z_j - M) / S with M = max(m_x, z_t).
+FLCE_HD RowGrad row_grad(OnlineLse x, float z_t, bool ignored, float g, float g_lse,
+                         const LossOptions& o) {
+  const float lse_x = lse_value(x);
+  const float lse = logaddexp(lse_x, z_t);
+  const float m = x.m > z_t ? x.m : z_t;
+  if (!(x.s > 0.f) || m == neg_inf() || !(m == m)) {
+    // Only the target (or nothing, or NaN): the lse form is exact enough and keeps NaN.
+    return detail::row_grad_coef(lse, 1.f, lse, lse_x, z_t, ignored, g, g_lse, o);
+  }
+  const float s = x.s * expf(x.m - m) + expf(z_t - m);
+  return detail::row_grad_coef(m, s, lse, lse_x, z_t, ignored, g, g_lse, o);
+}
 
 // Gradient of a non-target logit z (capped), before the softcap chain rule.
-FLCE_HD float logit_grad(const RowGrad& r, float z) { return r.a * vexp(z - r.lse) - r.u; }
+FLCE_HD float logit_grad(const RowGrad& r, float z) {
+  return r.a * (vexp(z - r.ref) / r.div) - r.u;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Compensated summation in fp32.
