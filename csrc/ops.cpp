@@ -77,9 +77,9 @@ void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Te
                           grad_lse->scalar_type() == at::kFloat,
                       "flce: grad_lse must be float32 [N]");
   }
-  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(0) == n && stats.size(1) == 2 &&
+  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(0) == n && stats.size(1) == 3 &&
                         stats.scalar_type() == at::kFloat,
-                    "flce: stats must be float32 [N, 2], got ", stats.sizes());
+                    "flce: stats must be float32 [N, 3], got ", stats.sizes());
 }
 
 // forward = combine(partial_stats(...)) on one device. Composite so that every backend that
@@ -108,7 +108,8 @@ TORCH_LIBRARY(flce, m) {
       "partial_stats(Tensor input, Tensor weight, Tensor target, Tensor? bias, int vocab_start, "
       "int ignore_index, float softcap) -> Tensor");
   // Combine R ranks' partials [R, N, 4] into the collapse-safe loss. Validates targets against
-  // the global vocab_size. Returns loss [N], lse [N], stats [N, 2] = (lse_x, z_t), all fp32.
+  // the global vocab_size. Returns loss [N], lse [N], stats [N, 3] = (m_x, s_x, z_t) (the
+  // non-target logits' max and sum exp(z - m_x), and the target logit), all fp32.
   m.def(
       "combine(Tensor partials, Tensor target, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss) -> (Tensor loss, Tensor lse, Tensor stats)");

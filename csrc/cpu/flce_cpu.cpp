@@ -176,7 +176,7 @@ Tensor3 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
   const int64_t* t = tgt.data_ptr<int64_t>();
   check_targets(t, n, vocab_size, ignore_index);
   auto f32 = p.options();
-  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), stats = at::empty({n, 2}, f32);
+  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), stats = at::empty({n, 3}, f32);
   const LossOptions opt{static_cast<float>(label_smoothing), static_cast<float>(z_loss), 0.f,
                         vocab_size};
   const float* pp = p.data_ptr<float>();
@@ -198,8 +198,9 @@ Tensor3 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
                                   row_ignored(t[i], ignore_index), opt);
       lo[i] = rl.loss;
       ls[i] = rl.lse;
-      sp[2 * i] = lse_x;
-      sp[2 * i + 1] = zt;
+      sp[3 * i] = st.m;  // (m_x, s_x, z_t): the backward's p_j = exp(z_j - M) / S
+      sp[3 * i + 1] = st.s;
+      sp[3 * i + 2] = zt;
     }
   });
   return {loss, lse, stats};
@@ -463,7 +464,8 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
     for (int64_t r = 0; r < bn; ++r) {
       const int64_t i = n0 + r;
       const bool ign = row_ignored(t[i], ignore_index);
-      rg[r] = row_grad(st[2 * i], st[2 * i + 1], ign, g[i], glse ? glse[i] : 0.f, opt);
+      rg[r] = row_grad(OnlineLse{st[3 * i], st[3 * i + 1]}, st[3 * i + 2], ign, g[i],
+                       glse ? glse[i] : 0.f, opt);
       ts[r] = shard_col(t[i], vocab_start, ignore_index);
     }
   };

@@ -223,7 +223,7 @@ Tensor3 combine_impl(const at::Tensor& partials, const at::Tensor& target, int64
   const at::Tensor p = aligned_contiguous(partials);
   const int64_t n = p.size(1);
   const auto f32 = p.options();
-  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), stats = at::empty({n, 2}, f32);
+  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), stats = at::empty({n, 3}, f32);
   at::Tensor flag = at::zeros({1}, p.options().dtype(at::kInt));
   cuda::CombineParams cp{};
   cp.partials = p.data_ptr<float>();
@@ -332,7 +332,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   // Per-row coefficients, and for fp16 the power-of-two scale that keeps the stored gradient
   // tile (values down to p_j * g, g ~ 1/N) out of fp16's subnormal range: max |scale * dz| lies
   // in (2^13, 2^14]. bf16 has fp32's exponent range and needs none; fp32 neither.
-  at::Tensor coef = at::empty({n, 4}, f32), bound = at::empty({n}, f32);
+  at::Tensor coef = at::empty({n, 8}, f32), bound = at::empty({n}, f32);
   {
     cuda::RowCoefParams rp{};
     rp.n = n;

@@ -1,7 +1,7 @@
 // Backward kernels.
 //
-// row_coef_kernel: one thread per row turns (lse_x, z_t, grad_loss, grad_lse) into math.h's
-//   RowGrad (ref = lse, A, U, dz_t) and a bound on max_j |dz_j| (|A| + |U| + |dz_t|, since p_j <= 1
+// row_coef_kernel: one thread per row turns (m_x, s_x, z_t, grad_loss, grad_lse) into math.h's
+//   RowGrad (ref, A, U, dz_t, div) and a bound on max_j |dz_j| (|A| + |U| + |dz_t|, since p_j <= 1
 //   and the softcap derivative is in [0, 1]) used to pick the power-of-two scale of the 16-bit
 //   gradient tile.
 // grad_logits_kernel: 1-D grid over (row block, vocab tile) pairs, grouped (grouped_tile,
@@ -29,12 +29,14 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
   if (row >= p.n) return;
   const LossOptions opt{p.label_smoothing, p.z_loss, p.softcap, p.vocab_size};
   const bool ignored = p.target[row * p.target_stride] == p.ignore_index;
-  const float lse_x = p.stats[row * p.stats_row_stride];
-  const float z_t = p.stats[row * p.stats_row_stride + p.stats_col_stride];
+  const float* st = p.stats + row * p.stats_row_stride;  // (m_x, s_x, z_t)
+  const OnlineLse x{st[0], st[p.stats_col_stride]};
+  const float z_t = st[2 * p.stats_col_stride];
   const float g = p.grad_loss[row * p.grad_loss_stride];
   const float g_lse = p.grad_lse != nullptr ? p.grad_lse[row * p.grad_lse_stride] : 0.f;
-  const RowGrad rg = row_grad(lse_x, z_t, ignored, g, g_lse, opt);
-  *reinterpret_cast<float4*>(p.coef + row * 4) = make_float4(rg.ref, rg.a, rg.u, rg.dz_t);
+  const RowGrad rg = row_grad(x, z_t, ignored, g, g_lse, opt);
+  *reinterpret_cast<float4*>(p.coef + row * 8) = make_float4(rg.ref, rg.a, rg.u, rg.dz_t);
+  *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, 0.f, 0.f, 0.f);
   // For an ignored row dz_t is never used (it has no target column).
   p.bound[row] = fabsf(rg.a) + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t));
 }
@@ -67,8 +69,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) grad_logits_kernel(const Gr
     const int64_t row = m0 + r;
     RowCoef rc{RowGrad{0.f, 0.f, 0.f, 0.f}, -1};
     if (row < a.n) {
-      const float4 c = *reinterpret_cast<const float4*>(p.coef + row * 4);
-      rc.rg = RowGrad{c.x, c.y, c.z, c.w};
+      const float4 c = *reinterpret_cast<const float4*>(p.coef + row * 8);
+      const float div = p.coef[row * 8 + 4];
+      rc.rg = RowGrad{c.x, c.y, c.z, c.w, div};
       rc.tcol = target_column(a.target[row * a.target_stride], a.ignore_index, a.col_offset, a.v);
     }
     rows[r] = rc;

@@ -47,7 +47,9 @@ __global__ void combine_kernel(const CombineParams p) {
     const RowLoss rl = row_loss(lse_x, zt, kahan_result(sum, comp), ignored, opt);
     p.loss[row] = rl.loss;
     p.lse[row] = rl.lse;
-    *reinterpret_cast<float2*>(p.stats + row * 2) = make_float2(lse_x, zt);
+    p.stats[row * 3] = st.m;  // (m_x, s_x, z_t): the backward's p_j = exp(z_j - M) / S
+    p.stats[row * 3 + 1] = st.s;
+    p.stats[row * 3 + 2] = zt;
   }
 }
 

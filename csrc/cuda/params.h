@@ -54,7 +54,7 @@ struct RowCoefParams {
   int64_t n;
   const int64_t* target;
   int64_t target_stride;
-  const float* stats;  // [n, 2] = (lse_x, z_t)
+  const float* stats;  // [n, 3] = (m_x, s_x, z_t)
   int64_t stats_row_stride, stats_col_stride;
   const float* grad_loss;  // [n], stride may be 0
   int64_t grad_loss_stride;
@@ -63,7 +63,7 @@ struct RowCoefParams {
   int64_t ignore_index;
   float label_smoothing, z_loss, softcap;
   int64_t vocab_size;
-  float* coef;   // [n, 4] = RowGrad (lse, a, u, dz_t)
+  float* coef;   // [n, 8] = RowGrad (ref, a, u, dz_t), (div, 0, 0, 0)
   float* bound;  // [n] >= max_j |dz_j| of the row
 };
 cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream);
@@ -74,7 +74,7 @@ cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream);
 // dz for the bias gradient.
 struct GradParams {
   LinearArgs lin;
-  const float* coef;        // [n, 4] from launch_row_coef
+  const float* coef;        // [n, 8] from launch_row_coef
   const float* scale;       // device scalar (power of two), or nullptr for 1
   void* grad_logits;        // [n, v] compute dtype: hi = (T)(scale * dz)
   void* grad_logits_lo;     // [n, v] compute dtype: (T)(scale * dz - hi), or nullptr

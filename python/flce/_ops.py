@@ -17,7 +17,7 @@ def _combine_fake(partials, target, vocab_size, ignore_index, label_smoothing, z
     return (
         partials.new_empty((n,)),
         partials.new_empty((n,)),
-        partials.new_empty((n, 2)),
+        partials.new_empty((n, 3)),
     )
 
 
@@ -26,7 +26,7 @@ def _forward_fake(input, weight, target, bias, ignore_index, label_smoothing, z_
     n = input.shape[0]
     f32 = dict(dtype=torch.float32, device=input.device)
     return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
-            input.new_empty((n, 2), **f32))
+            input.new_empty((n, 3), **f32))
 
 
 def _grad_like(t, wanted):

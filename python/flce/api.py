@@ -62,7 +62,8 @@ def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, s
 
 def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                         return_lse=False, linear_weight=None, linear_bias=None, options=None):
+                         return_lse=False, single_pass=False, linear_weight=None,
+                         linear_bias=None, options=None):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
@@ -84,6 +85,10 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
         z_loss: adds ``z_loss * lse**2`` per token (PaLM).
         softcap: applies ``softcap * tanh(z / softcap)`` to the logits (Gemma 2).
         return_lse: also return the per-token logsumexp, shape ``(...)``, float32.
+        single_pass: CPU, ``"mean"``/``"sum"``: compute the gradients in the forward pass (3 tile
+            GEMMs instead of 4, no recompute), holding them as fp32 (sum, compensation) pairs
+            until the backward: faster where the GEMMs dominate, at 2 fp32 copies of the
+            gradients more memory. Off by default.
 
     Returns:
         The loss in float32 (whatever the input dtype), and the lse when ``return_lse``.
@@ -115,11 +120,14 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
     args = (x, weight, t, bias, int(ignore_index), float(label_smoothing), float(z_loss),
             float(softcap or 0.0))
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
-    if (reduction != "none" and not return_lse and any(mask) and torch.is_grad_enabled()
-            and x.device.type == "cpu"):
-        # The loss is a sum (or mean) whose gradients are known up to the upstream scalar:
-        # compute them in the forward pass, with no recompute.
-        return _ops.ops.sum_and_grad(*args, mask, reduction == "mean")[0]
+    if single_pass:
+        if reduction == "none" or return_lse or x.device.type != "cpu":
+            raise ValueError("flce: single_pass needs reduction 'mean' or 'sum', no return_lse, "
+                             f"and CPU tensors; got reduction={reduction!r}, return_lse="
+                             f"{return_lse}, device {x.device}")
+        if any(mask) and torch.is_grad_enabled():
+            # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
+            return _ops.ops.sum_and_grad(*args, mask, reduction == "mean")[0]
     loss, lse, _ = _ops.ops.forward(*args)
     loss = reduce_loss(loss, t, ignore_index, reduction, lead)
     if return_lse:

@@ -421,16 +421,21 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
         logits, target, stats = ctx.saved_tensors
         eps, lo, vocab_size = ctx.setup
         v_local = logits.shape[1]
-        lse_x, z_t = stats[:, 0], stats[:, 1]
+        m_x, s_x, z_t = stats.unbind(1)
+        lse_x = m_x + torch.log(s_x)
         g = torch.where(target == -100, torch.zeros_like(grad_loss), grad_loss.float())
-        lse = torch.logaddexp(lse_x, z_t)
+        # math.h's row_grad from (m_x, s_x): p_j = exp(z_j - M) / S with M the row's max logit,
+        # so that p_j carries no rounding of lse.
+        top = torch.maximum(m_x, z_t)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        denom = s_x * torch.exp(m_x - top) + torch.exp(z_t - top)
         u = g * (eps / vocab_size)
         dz_t = g * eps * torch.sigmoid(z_t - lse_x) - g * (1.0 - eps) * torch.sigmoid(lse_x - z_t)
         dz_t = dz_t - u
         owned = (target >= lo) & (target < lo + v_local)
         tl = torch.where(owned, target - lo, torch.zeros_like(target))[:, None]
         # The upcast is recomputed here rather than saved from the forward.
-        grad = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()
+        grad = logits.to(torch.float32, copy=True).sub_(top[:, None]).exp_().div_(denom[:, None])
         grad.mul_(g[:, None]).sub_(u[:, None])
         grad.scatter_(1, tl, torch.where(owned[:, None], dz_t[:, None], grad.gather(1, tl)))
         return grad.to(logits.dtype), None, None, None, None, None
