@@ -24,6 +24,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/epilogue.h"
 #include "cpu/tile_gemm.h"
 #include "flce/math.h"
 #include "flce_ops.h"
@@ -47,6 +48,7 @@ struct Operands {
   at::Tensor w;     // [V, D], compute dtype
   at::Tensor bias;  // [V] fp32 or undefined
   at::ScalarType dtype;
+  cpu::Dtype row_dtype;  // the same, for the epilogue loops
   int64_t n, v, d;
 };
 
@@ -54,6 +56,9 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
                  const std::optional<at::Tensor>& bias) {
   Operands o;
   o.dtype = input.scalar_type();
+  o.row_dtype = o.dtype == at::kFloat      ? cpu::Dtype::f32
+                : o.dtype == at::kBFloat16 ? cpu::Dtype::bf16
+                                           : cpu::Dtype::f16;
   o.x = input.contiguous();
   o.w = weight.to(o.dtype).contiguous();  // fp32 master weights: one cast copy
   if (bias) o.bias = bias->to(at::kFloat).contiguous();
@@ -75,16 +80,13 @@ void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t b
   const float* b = o.bias.defined() ? o.bias.data_ptr<float>() + v0 : nullptr;
   if (b == nullptr && !(cap > 0.f)) return;
   at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = tile + r * BLOCK_V;
-      if (b) {
-        for (int64_t j = 0; j < bv; ++j) row[j] += b[j];
-      }
-      if (cap > 0.f) {
-        for (int64_t j = 0; j < bv; ++j) row[j] = softcap_apply(row[j], cap);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) cpu::row_bias_softcap(tile + r * BLOCK_V, b, bv, cap);
   });
+}
+
+// Row i of a row-major [rows, D] operand (input or weight in the compute dtype).
+const void* operand_row(const at::Tensor& m, int64_t i) {
+  return static_cast<const char*>(m.data_ptr()) + i * m.size(1) * m.element_size();
 }
 
 bool row_ignored(int64_t t, int64_t ignore_index) { return t == ignore_index; }
@@ -119,28 +121,24 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
       logit_tile(o, n0, bn, v0, bv, cap, tile);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          const float* row = tile + r * BLOCK_V;
+          float* row = tile + r * BLOCK_V;
           const int64_t tr = t[n0 + r];
-          // The target's column in this tile, or -1.
+          // The target's column in this tile, or -1; it is masked out of (max, sum exp).
           const int64_t tl = row_ignored(tr, ignore_index) ? -1 : tr - vocab_start - v0;
-          float mx = neg_inf();
-          float sum_z = 0.f;
-          bool nan = false;
-          for (int64_t j = 0; j < bv; ++j) {
-            const float z = row[j];
-            sum_z += z;
-            nan |= std::isnan(z);
-            if (j != tl) mx = std::max(mx, z);
+          const bool has_t = tl >= 0 && tl < bv;
+          float z_target = 0.f;
+          if (has_t) {
+            z_target = row[tl];
+            row[tl] = neg_inf();
+            zt[r] = z_target;
           }
-          float s = 0.f;
-          if (mx != neg_inf()) {
-            for (int64_t j = 0; j < bv; ++j) {
-              if (j != tl) s += std::exp(row[j] - mx);
-            }
-          }
-          if (nan) s = NAN;  // std::max drops NaN; the state must not
+          const float mx = cpu::row_max(row, bv);
+          // An all -inf tile (only the target, or -inf logits) adds nothing: exp(-inf - -inf)
+          // would be NaN.
+          const float s = mx == neg_inf() ? 0.f : cpu::row_sum_exp(row, bv, mx);
           lse_add_tile(lse[r], mx, s);
-          if (tl >= 0 && tl < bv) zt[r] = row[tl];
+          if (has_t) row[tl] = z_target;
+          const float sum_z = cpu::row_sum(row, bv);
           kahan_add(sz[r], szc[r], sum_z);
         }
       });
@@ -207,10 +205,7 @@ struct KahanAcc {
   void add_rows(const float* x, int64_t rows, int64_t ldx) const {
     at::parallel_for(0, rows, grain(width), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        float* s = sum + r * width;
-        float* c = comp + r * width;
-        const float* xr = x + r * ldx;
-        for (int64_t j = 0; j < width; ++j) kahan_add(s[j], c[j], xr[j]);
+        cpu::row_kahan_add(sum + r * width, comp + r * width, x + r * ldx, width);
       }
     });
   }
@@ -293,6 +288,9 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
   at::Tensor x32 = (!split && o.dtype != at::kFloat) ? o.x.to(at::kFloat) : at::Tensor();
   at::Tensor w32 = (!split && o.dtype != at::kFloat) ? o.w.to(at::kFloat) : at::Tensor();
   std::vector<float> te(need_e ? BLOCK_N * d : 0), tc(need_c ? BLOCK_V * d : 0);
+  // Per tile row: the target's column in the tile (-1 if elsewhere) and its gradient.
+  std::vector<int64_t> t_col(BLOCK_N);
+  std::vector<float> t_grad(BLOCK_N);
 
   auto process = [&](int64_t n0, int64_t bn, int64_t v0, int64_t bv, KahanAcc* eacc,
                      KahanAcc* cacc, KahanAcc* bacc) {
@@ -304,29 +302,34 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
         const RowGrad rg = row_grad(st[2 * i], st[2 * i + 1], ign, g[i], glse ? glse[i] : 0.f, opt);
         const int64_t tl = ign ? -1 : t[i] - vocab_start - v0;
         float* row = tile + r * BLOCK_V;
-        for (int64_t j = 0; j < bv; ++j) {
-          const float z = row[j];
-          const float dz = j == tl ? rg.dz_t : logit_grad(rg, z);
-          row[j] = dz * softcap_grad(z, cap);
-        }
+        const bool has_t = tl >= 0 && tl < bv;
+        const float z_target = has_t ? row[tl] : 0.f;
+        cpu::row_grad_fill(row, bv, rg, cap);
+        // The target column leaves the tile: its gradient (about -1 while the others are about
+        // 1/V) would dominate every fp32 partial sum of the tile GEMMs, whose rounding error
+        // scales with those partial sums. It is added on its own below, exactly once per row.
+        t_col[r] = has_t ? tl : -1;
+        t_grad[r] = has_t ? rg.dz_t * softcap_grad(z_target, cap) : 0.f;
+        if (has_t) row[tl] = 0.f;
         if (split) {
-          auto* h = hi.data_ptr<at::BFloat16>() + r * BLOCK_V;
-          auto* l = lo.data_ptr<at::BFloat16>() + r * BLOCK_V;
-          for (int64_t j = 0; j < bv; ++j) {
-            h[j] = at::BFloat16(row[j]);
-            l[j] = at::BFloat16(row[j] - static_cast<float>(h[j]));
-          }
+          auto* h = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>()) + r * BLOCK_V;
+          auto* l = reinterpret_cast<uint16_t*>(lo.data_ptr<at::BFloat16>()) + r * BLOCK_V;
+          cpu::row_split_bf16(row, h, l, bv);
         }
       }
     });
     if (bacc) {
-      // Column sums of the tile in row order, then one Kahan add per column.
+      // Column sums of the tile in row order, then one Kahan add per column; the target
+      // columns' gradients are Kahan-added one by one.
       std::vector<float> colsum(bv, 0.f);
       for (int64_t r = 0; r < bn; ++r) {
         const float* row = tile + r * BLOCK_V;
         for (int64_t j = 0; j < bv; ++j) colsum[j] += row[j];
       }
       bacc->add_rows(colsum.data(), 1, bv);  // bacc points at column v0, width bv
+      for (int64_t r = 0; r < bn; ++r) {
+        if (t_col[r] >= 0) kahan_add(bacc->sum[t_col[r]], bacc->comp[t_col[r]], t_grad[r]);
+      }
     }
     // The gradient tile's operands: (hi, lo) bf16 pair, or the fp32 tile.
     const int64_t es = o.x.element_size();
@@ -346,6 +349,15 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                     GemmOperand{w, d, false}, 0.f, te.data(), d);
       }
       eacc->add_rows(te.data(), bn, d);
+      // dE[n] += dz_t W[t]: one scaled row per row that has its target in this tile.
+      at::parallel_for(0, bn, grain(d), [&](int64_t r0, int64_t r1) {
+        std::vector<float> prod(d);
+        for (int64_t r = r0; r < r1; ++r) {
+          if (t_col[r] < 0) continue;
+          cpu::row_scale(prod.data(), operand_row(o.w, v0 + t_col[r]), o.row_dtype, d, t_grad[r]);
+          cpu::row_kahan_add(eacc->sum + r * d, eacc->comp + r * d, prod.data(), d);
+        }
+      });
     }
     if (need_c) {
       // dC[v0:v0+bv] += G^T [bv, bn] @ X[n0:n0+bn] [bn, D]
@@ -361,6 +373,13 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                     GemmOperand{x, d, false}, 0.f, tc.data(), d);
       }
       cacc->add_rows(tc.data(), bv, d);
+      // dC[t] += dz_t X[n], in row order: rows that share a target add to one row of dC.
+      std::vector<float> prod(d);
+      for (int64_t r = 0; r < bn; ++r) {
+        if (t_col[r] < 0) continue;
+        cpu::row_scale(prod.data(), operand_row(o.x, n0 + r), o.row_dtype, d, t_grad[r]);
+        cpu::row_kahan_add(cacc->sum + t_col[r] * d, cacc->comp + t_col[r] * d, prod.data(), d);
+      }
     }
   };
 

@@ -21,6 +21,37 @@ namespace flce {
 
 FLCE_HD float neg_inf() { return -INFINITY; }
 
+// exp(x) in fp32 for the CPU backend's epilogue loops, written so that compilers vectorize it
+// (std::exp is a library call they cannot). Cody-Waite reduction x = k ln2 + r and Cephes'
+// degree-6 polynomial: within 2 ulp of expf for x in [-87.3, 88]. Below -87.3 it returns 0 where
+// expf would return a subnormal; no sum or gradient here can feel that next to the row max's
+// exp(0) = 1. Above 88 it returns +inf (the epilogue only evaluates x = z - max <= 0). NaN in,
+// NaN out. On the GPU it is expf.
+FLCE_HD float vexp(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  const float xc = x < -87.3f ? -87.3f : (x > 88.f ? 88.f : x);  // NaN stays NaN
+  float k = floorf(xc * 1.44269504088896341f + 0.5f);
+  k = k == k ? k : 0.f;  // keep the float -> int conversion below defined for NaN
+  float r = xc - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  // 2^k from its exponent bits; k is in [-126, 127] after the clamp.
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  const float e = y * scale;
+  return x < -87.3f ? 0.f : (x > 88.f ? INFINITY : e);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Online logsumexp over the non-target logits of a row.
 //
@@ -167,7 +198,7 @@ FLCE_HD RowGrad row_grad(float lse_x, float z_t, bool ignored, float g, float g_
 }
 
 // Gradient of a non-target logit z (capped), before the softcap chain rule.
-FLCE_HD float logit_grad(const RowGrad& r, float z) { return r.a * expf(z - r.lse) - r.u; }
+FLCE_HD float logit_grad(const RowGrad& r, float z) { return r.a * vexp(z - r.lse) - r.u; }
 
 // ---------------------------------------------------------------------------------------------
 // Compensated summation in fp32.

@@ -1,0 +1,101 @@
+#include "cpu/epilogue.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "flce/math.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FLCE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FLCE_CLONES
+#endif
+
+namespace flce::cpu {
+namespace {
+
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  // NaN must stay NaN: the rounding carry could turn its payload into an infinity.
+  return x != x ? static_cast<uint16_t>((u >> 16) | 0x40u) : static_cast<uint16_t>(rounded);
+}
+
+inline float bf16_value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+}  // namespace
+
+FLCE_CLONES float row_max(const float* z, int64_t n) {
+  float m = neg_inf();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = z[j] > m ? z[j] : m;
+  return m;
+}
+
+FLCE_CLONES float row_sum_exp(const float* z, int64_t n, float m) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) s += vexp(z[j] - m);
+  return s;
+}
+
+FLCE_CLONES float row_sum(const float* z, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) s += z[j];
+  return s;
+}
+
+FLCE_CLONES void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap) {
+  if (cap > 0.f) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] = logit_grad(rg, z[j]) * softcap_grad(z[j], cap);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] = logit_grad(rg, z[j]);
+  }
+}
+
+void row_bias_softcap(float* z, const float* bias, int64_t n, float cap) {
+  if (bias) {
+    for (int64_t j = 0; j < n; ++j) z[j] += bias[j];
+  }
+  if (cap > 0.f) {
+    for (int64_t j = 0; j < n; ++j) z[j] = softcap_apply(z[j], cap);
+  }
+}
+
+FLCE_CLONES void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t h = bf16_bits(g[j]);
+    hi[j] = h;
+    lo[j] = bf16_bits(g[j] - bf16_value(h));
+  }
+}
+
+void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha) {
+  if (dtype == Dtype::f32) {
+    const float* xf = static_cast<const float*>(x);
+    for (int64_t j = 0; j < n; ++j) out[j] = alpha * xf[j];
+  } else if (dtype == Dtype::bf16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t j = 0; j < n; ++j) out[j] = alpha * bf16_value(xb[j]);
+  } else {
+    const _Float16* xh = static_cast<const _Float16*>(x);
+    for (int64_t j = 0; j < n; ++j) out[j] = alpha * static_cast<float>(xh[j]);
+  }
+}
+
+FLCE_CLONES void row_kahan_add(float* s, float* c, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) kahan_add(s[j], c[j], x[j]);
+}
+
+}  // namespace flce::cpu

@@ -1,0 +1,32 @@
+// Per-row epilogue loops of the CPU backend. Each is compiled for AVX-512, AVX2 and baseline
+// x86-64 (GCC target_clones, picked at load time by the CPU's features) and vectorized with
+// `omp simd`; the math comes from flce/math.h. Reductions are in a fixed order for a given
+// machine, so results are bitwise reproducible run to run.
+#pragma once
+
+#include <cstdint>
+
+#include "flce/math.h"
+
+namespace flce::cpu {
+
+// max_j z[j]; -inf for n = 0.
+float row_max(const float* z, int64_t n);
+// sum_j exp(z[j] - m) (vexp).
+float row_sum_exp(const float* z, int64_t n, float m);
+// sum_j z[j].
+float row_sum(const float* z, int64_t n);
+// z[j] <- logit_grad(rg, z[j]) * dsoftcap(z[j]): the non-target gradient of a row.
+void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap);
+// z[j] <- softcap(z[j] + bias[j]) (bias may be null, cap <= 0 disables the softcap).
+void row_bias_softcap(float* z, const float* bias, int64_t n, float cap);
+// g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even.
+void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n);
+enum class Dtype { f32, bf16, f16 };
+
+// out[j] = alpha * x[j] for a row x stored as dtype.
+void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha);
+// (s, c) += x elementwise with Neumaier compensation.
+void row_kahan_add(float* s, float* c, const float* x, int64_t n);
+
+}  // namespace flce::cpu
