@@ -187,6 +187,7 @@ class PeakMemory:
     def __init__(self, device):
         self.device = device
         self.peak = None
+        self.total = None  # the absolute peak: process RSS on CPU, all allocations on CUDA
 
     def __enter__(self):
         gc.collect()
@@ -203,9 +204,10 @@ class PeakMemory:
     def __exit__(self, *exc):
         if self.device == "cuda":
             torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
+            self.total = torch.cuda.max_memory_allocated()
         else:
-            self.peak = _proc_status_kb("VmHWM") * 1024 - self.base
+            self.total = _proc_status_kb("VmHWM") * 1024
+        self.peak = self.total - self.base
         return False
 
 
@@ -240,13 +242,15 @@ def measure(spec):
         loss = step()
         times.append(time.perf_counter() - start)
     out = {"time_median_s": statistics.median(times), "time_min_s": min(times),
-           "time_max_s": max(times), "loss": float(loss.detach()), "threads": torch.get_num_threads()}
+           "time_max_s": max(times), "loss": float(loss.detach()),
+           "threads": torch.get_num_threads()}
     x.grad = None
     w.grad = None
     del loss
     with PeakMemory(device) as mem:
         step()
     out["peak_mem_bytes"] = mem.peak
+    out["peak_total_bytes"] = mem.total
     if spec.get("accuracy", True):
         rel, mean_margin, _, _ = large_margin_error(
             f, spec["acc_V"], spec["acc_D"], dtype, device, spec["margin"])

@@ -14,8 +14,8 @@ import bench  # noqa: E402
 import demo  # noqa: E402
 
 EXPECTED_COLUMNS = ["impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
-                    "time_median_s", "time_min_s", "time_max_s", "peak_mem_mb", "time_vs_flce",
-                    "mem_vs_flce", "loss", "acc_margin", "loss_rel_err"]
+                    "time_median_s", "time_min_s", "time_max_s", "peak_mem_mb", "peak_total_mb",
+                    "time_vs_flce", "mem_vs_flce", "loss", "acc_margin", "loss_rel_err"]
 
 
 def test_bench_csv(tmp_path, capsys):
@@ -33,7 +33,7 @@ def test_bench_csv(tmp_path, capsys):
     for r in rows.values():
         assert r["status"] == "ok", r
         assert float(r["time_min_s"]) <= float(r["time_median_s"]) <= float(r["time_max_s"])
-        assert float(r["peak_mem_mb"]) >= 0
+        assert 0 <= float(r["peak_mem_mb"]) < float(r["peak_total_mb"])
         assert math.isfinite(float(r["time_vs_flce"])) and math.isfinite(float(r["mem_vs_flce"]))
         assert abs(float(r["acc_margin"]) - 40) < 0.1
         # Every implementation computes the same loss on the same random batch.
