@@ -63,13 +63,11 @@ def parse_args(argv=None):
     return args
 
 
-def skip_reason(name, args, requested):
+def skip_reason(name, args):
     reason = _peers.available(name)
     if reason is not None:
         return reason
     if name == "liger" and args.device == "cpu":
-        if "liger" not in requested:
-            return "not requested"
         macs = args.N * args.V * args.D
         if macs > _peers.LIGER_CPU_MAX_MACS:
             return (f"Triton interpreter on CPU: N*V*D = {macs:.2g} > "
@@ -79,12 +77,11 @@ def skip_reason(name, args, requested):
 
 def run(args, log=print):
     """Measure every implementation of ``args``; returns one row dict per implementation."""
-    requested = set(args.peers.split(","))
     rows = []
     for name in args.impls:
         row = {"impl": name, "device": args.device, "dtype": args.dtype, "N": args.N,
                "V": args.V, "D": args.D, "repeats": args.repeats}
-        reason = skip_reason(name, args, requested)
+        reason = skip_reason(name, args)
         if reason is not None:
             row["status"] = f"skipped: {reason}"
             rows.append(row)

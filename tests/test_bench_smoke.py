@@ -52,10 +52,12 @@ def test_bench_rejects_bad_arguments(capsys):
         bench.main(["-N", "0"])
 
 
-def test_liger_on_cpu_refused_at_large_shapes():
-    args = bench.parse_args(["--device", "cpu", "--peers", "liger"])
-    reason = bench.skip_reason("liger", args, {"liger"})
-    assert reason is not None and ("interpreter" in reason or "not installed" in reason)
+def test_liger_on_cpu_refused_at_large_shapes(monkeypatch):
+    monkeypatch.setattr(bench._peers, "available", lambda name: None)  # as if installed
+    big = bench.parse_args(["--device", "cpu", "--peers", "liger"])
+    assert "interpreter" in bench.skip_reason("liger", big)
+    small = bench.parse_args(["--device", "cpu", "--peers", "liger", "-N", "64", "-V", "512"])
+    assert bench.skip_reason("liger", small) is None
 
 
 def test_demo_quick(capsys):
