@@ -124,6 +124,18 @@ TORCH_LIBRARY(flce, m) {
       "Tensor? bias, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, bool[3] output_mask) -> "
       "(Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // The reduced loss (fp32 scalar: the sum, or with mean=True the mean over non-ignored rows)
+  // and, per output_mask, the gradients of the *sum*, computed in the same pass (no recompute).
+  // `divisor` (float64 scalar) is what the loss was divided by (1 or the token count).
+  // Gradients are deferred: fp32 (sum, compensation) pairs [2, *shape] (empty when not
+  // requested), for scale_grad once the upstream gradient is known. For reduction "sum"/"mean"
+  // when gradients are needed.
+  m.def(
+      "sum_and_grad(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, bool mean) -> "
+      "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // dtype((pair[0] + pair[1]) * scale), computed in double and rounded once.
+  m.def("scale_grad(Tensor pair, Tensor scale, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flce, CompositeExplicitAutograd, m) { m.impl("forward", &forward_composite); }

@@ -48,7 +48,8 @@ struct Operands {
   at::Tensor w;     // [V, D], compute dtype
   at::Tensor bias;  // [V] fp32 or undefined
   at::ScalarType dtype;
-  cpu::Dtype row_dtype;  // the same, for the epilogue loops
+  cpu::Dtype row_dtype;     // the same, for the epilogue loops
+  at::ScalarType w_dtype;   // the weight's own dtype (fp32 master weights), its gradient's
   int64_t n, v, d;
 };
 
@@ -59,6 +60,7 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
   o.row_dtype = o.dtype == at::kFloat      ? cpu::Dtype::f32
                 : o.dtype == at::kBFloat16 ? cpu::Dtype::bf16
                                            : cpu::Dtype::f16;
+  o.w_dtype = weight.scalar_type();
   o.x = input.contiguous();
   o.w = weight.to(o.dtype).contiguous();  // fp32 master weights: one cast copy
   if (bias) o.bias = bias->to(at::kFloat).contiguous();
@@ -69,18 +71,18 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
 }
 
 // logits[r, j] = x[n0 + r] . w[v0 + j] + bias[v0 + j], then softcap; tile is [bn, bv] with row
-// stride BLOCK_V.
+// stride ld.
 void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t bv, float cap,
-                float* tile) {
+                float* tile, int64_t ld) {
   const int64_t es = o.x.element_size();
   const char* xp = static_cast<const char*>(o.x.data_ptr()) + n0 * o.d * es;
   const char* wp = static_cast<const char*>(o.w.data_ptr()) + v0 * o.d * es;
   gemm_f32out(o.dtype, bn, bv, o.d, 1.f, GemmOperand{xp, o.d, false},
-              GemmOperand{wp, o.d, true}, 0.f, tile, BLOCK_V);
+              GemmOperand{wp, o.d, true}, 0.f, tile, ld);
   const float* b = o.bias.defined() ? o.bias.data_ptr<float>() + v0 : nullptr;
   if (b == nullptr && !(cap > 0.f)) return;
   at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) cpu::row_bias_softcap(tile + r * BLOCK_V, b, bv, cap);
+    for (int64_t r = r0; r < r1; ++r) cpu::row_bias_softcap(tile + r * ld, b, bv, cap);
   });
 }
 
@@ -90,6 +92,44 @@ const void* operand_row(const at::Tensor& m, int64_t i) {
 }
 
 bool row_ignored(int64_t t, int64_t ignore_index) { return t == ignore_index; }
+
+// A row's running statistics over the tiles of a shard.
+struct RowState {
+  OnlineLse lse = lse_empty();  // over non-target logits
+  float z_t = neg_inf();        // target logit, where this shard holds it
+  float sum_z = 0.f, sum_c = 0.f;  // Kahan sum of all logits (label smoothing)
+  float sum() const { return kahan_result(sum_z, sum_c); }
+};
+
+// Fold one tile row (bv logits; the target at column tl, or tl outside [0, bv)) into st.
+void fold_row(float* row, int64_t bv, int64_t tl, RowState& st) {
+  const bool has_t = tl >= 0 && tl < bv;
+  float z_target = 0.f;
+  if (has_t) {  // masked out of (max, sum exp) in place, then restored
+    z_target = row[tl];
+    row[tl] = neg_inf();
+    st.z_t = z_target;
+  }
+  const float mx = cpu::row_max(row, bv);
+  // An all -inf tile (only the target, or -inf logits) adds nothing: exp(-inf - -inf) is NaN.
+  const float s = mx == neg_inf() ? 0.f : cpu::row_sum_exp(row, bv, mx);
+  lse_add_tile(st.lse, mx, s);
+  if (has_t) row[tl] = z_target;
+  kahan_add(st.sum_z, st.sum_c, cpu::row_sum(row, bv));
+}
+
+// The target's column in the shard, or -1 for an ignored row.
+int64_t shard_col(int64_t t, int64_t vocab_start, int64_t ignore_index) {
+  return row_ignored(t, ignore_index) ? -1 : t - vocab_start;
+}
+
+void check_targets(const int64_t* t, int64_t n, int64_t vocab_size, int64_t ignore_index) {
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_INDEX(t[i] == ignore_index || (t[i] >= 0 && t[i] < vocab_size),
+                      "flce: target[", i, "] = ", t[i], " is out of range for a vocabulary of ",
+                      vocab_size, " (and is not ignore_index = ", ignore_index, ")");
+  }
+}
 
 at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
@@ -101,54 +141,27 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
   const int64_t* t = tgt.data_ptr<int64_t>();
   at::Tensor out = at::empty({o.n, 4}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
-  if (o.n == 0) return out;
-  std::vector<float> tile_buf(BLOCK_N * BLOCK_V);
-  float* tile = tile_buf.data();
-  // Per-row running state of the current row block.
-  std::vector<OnlineLse> lse(BLOCK_N);
-  std::vector<float> zt(BLOCK_N), sz(BLOCK_N), szc(BLOCK_N);
-
+  std::vector<float> tile(BLOCK_N * BLOCK_V);
+  std::vector<RowState> rows(BLOCK_N);
   for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
     const int64_t bn = std::min(BLOCK_N, o.n - n0);
-    for (int64_t r = 0; r < bn; ++r) {
-      lse[r] = lse_empty();
-      zt[r] = neg_inf();
-      sz[r] = 0.f;
-      szc[r] = 0.f;
-    }
+    std::fill(rows.begin(), rows.end(), RowState{});
     for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
       const int64_t bv = std::min(BLOCK_V, o.v - v0);
-      logit_tile(o, n0, bn, v0, bv, cap, tile);
+      logit_tile(o, n0, bn, v0, bv, cap, tile.data(), BLOCK_V);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          float* row = tile + r * BLOCK_V;
-          const int64_t tr = t[n0 + r];
-          // The target's column in this tile, or -1; it is masked out of (max, sum exp).
-          const int64_t tl = row_ignored(tr, ignore_index) ? -1 : tr - vocab_start - v0;
-          const bool has_t = tl >= 0 && tl < bv;
-          float z_target = 0.f;
-          if (has_t) {
-            z_target = row[tl];
-            row[tl] = neg_inf();
-            zt[r] = z_target;
-          }
-          const float mx = cpu::row_max(row, bv);
-          // An all -inf tile (only the target, or -inf logits) adds nothing: exp(-inf - -inf)
-          // would be NaN.
-          const float s = mx == neg_inf() ? 0.f : cpu::row_sum_exp(row, bv, mx);
-          lse_add_tile(lse[r], mx, s);
-          if (has_t) row[tl] = z_target;
-          const float sum_z = cpu::row_sum(row, bv);
-          kahan_add(sz[r], szc[r], sum_z);
+          const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
+          fold_row(tile.data() + r * BLOCK_V, bv, tl < 0 ? -1 : tl - v0, rows[r]);
         }
       });
     }
     for (int64_t r = 0; r < bn; ++r) {
       float* p = st + (n0 + r) * 4;
-      p[0] = lse[r].m;
-      p[1] = lse[r].s;
-      p[2] = zt[r];
-      p[3] = kahan_result(sz[r], szc[r]);
+      p[0] = rows[r].lse.m;
+      p[1] = rows[r].lse.s;
+      p[2] = rows[r].z_t;
+      p[3] = rows[r].sum();
     }
   }
   return out;
@@ -161,11 +174,7 @@ Tensor3 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
   const at::Tensor tgt = target.contiguous();
   const int64_t ranks = p.size(0), n = p.size(1);
   const int64_t* t = tgt.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_INDEX(t[i] == ignore_index || (t[i] >= 0 && t[i] < vocab_size),
-                      "flce: target[", i, "] = ", t[i], " is out of range for a vocabulary of ",
-                      vocab_size, " (and is not ignore_index = ", ignore_index, ")");
-  }
+  check_targets(t, n, vocab_size, ignore_index);
   auto f32 = p.options();
   at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), stats = at::empty({n, 2}, f32);
   const LossOptions opt{static_cast<float>(label_smoothing), static_cast<float>(z_loss), 0.f,
@@ -198,9 +207,9 @@ Tensor3 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
 
 // Gradient accumulator in fp32 with Kahan compensation: rows of `width` floats.
 struct KahanAcc {
-  float* sum;
-  float* comp;
-  int64_t width;
+  float* sum = nullptr;
+  float* comp = nullptr;
+  int64_t width = 0;
 
   void add_rows(const float* x, int64_t rows, int64_t ldx) const {
     at::parallel_for(0, rows, grain(width), [&](int64_t r0, int64_t r1) {
@@ -209,26 +218,285 @@ struct KahanAcc {
       }
     });
   }
+  void add_row(int64_t r, const float* x) const {
+    cpu::row_kahan_add(sum + r * width, comp + r * width, x, width);
+  }
   KahanAcc offset(int64_t rows) const { return {sum + rows * width, comp + rows * width, width}; }
 };
 
-// Output of one gradient: an fp32 accumulator over its whole extent, written to `out` (the
-// gradient tensor, in its dtype) at the end. When `out` is fp32 it is the sum itself.
+// One gradient [total, width]: its fp32 Kahan accumulator, either over the whole extent
+// (global) or over one block that flush() writes out (local). The result is rounded once to the
+// gradient's dtype, or, deferred, kept as the fp32 (sum, compensation) pair [2, total, width] for
+// a later scale_grad.
 struct GradBuffer {
-  at::Tensor out, sum, comp;
+  at::Tensor out;        // [total, width] in the gradient's dtype, or the pair [2, total, width]
+  at::Tensor sum, comp;  // [rows, width] fp32
+  bool deferred;
 
-  GradBuffer(const at::Tensor& like, int64_t rows, int64_t width) {
-    out = at::empty({rows, width}, like.options());
-    sum = like.scalar_type() == at::kFloat ? out : at::empty({rows, width}, out.options().dtype(at::kFloat));
+  // global: the accumulator spans all `total` rows; else it holds one block of `rows`.
+  GradBuffer(at::ScalarType dtype, const at::TensorOptions& opts, int64_t total, int64_t rows,
+             int64_t width, bool global, bool deferred_)
+      : deferred(deferred_) {
+    const auto f32 = opts.dtype(at::kFloat);
+    if (deferred) {
+      out = at::empty({2, total, width}, f32);
+    } else {
+      out = at::empty({total, width}, opts.dtype(dtype));
+    }
+    if (global && deferred) {
+      sum = out[0];
+      comp = out[1];
+    } else {
+      sum = global && dtype == at::kFloat ? out : at::empty({rows, width}, f32);
+      comp = at::empty({rows, width}, f32);
+    }
     sum.zero_();
-    comp = at::zeros({rows, width}, out.options().dtype(at::kFloat));
+    comp.zero_();
   }
   KahanAcc acc() { return {sum.data_ptr<float>(), comp.data_ptr<float>(), sum.size(1)}; }
+  // Local block -> rows [r0, r0 + rows) of the result; the accumulator starts over.
+  void flush(int64_t r0, int64_t rows) {
+    at::Tensor s = sum.narrow(0, 0, rows), c = comp.narrow(0, 0, rows);
+    if (deferred) {
+      out[0].narrow(0, r0, rows).copy_(s);
+      out[1].narrow(0, r0, rows).copy_(c);
+    } else {
+      out.narrow(0, r0, rows).copy_(s.add_(c));
+    }
+    sum.zero_();
+    comp.zero_();
+  }
+  // Global accumulator -> result.
   void finish() {
+    if (deferred) return;
     sum.add_(comp);
     if (!out.is_same(sum)) out.copy_(sum);
   }
 };
+
+// The backward's tile loop state: gradient buffers, the tile's bf16 split, per-row target data.
+// Callers put logits in a tile, then call tile(); the loop order decides which gradient is global.
+class GradPass {
+ public:
+  GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
+           bool rows_outer, int64_t block_n, float cap, bool deferred)
+      : o_(o), rows_outer_(rows_outer), block_n_(block_n), cap_(cap),
+        need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
+        split_(o.dtype == at::kBFloat16) {
+    const auto opts = o.x.options();
+    const int64_t n = o.n, v = o.v, d = o.d;
+    if (need_e_) {
+      ge_.emplace(o.dtype, opts, n, rows_outer ? std::min(n, block_n) : n, d, !rows_outer,
+                  deferred);
+    }
+    if (need_c_) {
+      gc_.emplace(o.w_dtype, opts, v, rows_outer ? v : std::min(v, BLOCK_V), d, rows_outer,
+                  deferred);
+    }
+    if (need_b_) gb_.emplace(bias->scalar_type(), opts, 1, 1, v, true, deferred);
+    // bf16 inputs: the fp32 gradient tile is split G = hi + lo into two bf16 tiles so that the
+    // tile products run on the bf16 GEMM (AMX) at ~16 mantissa bits, far below bf16's rounding.
+    // fp16 tiles would underflow small gradients, so fp16 (and fp32) multiply G in fp32 against
+    // fp32 operands.
+    if (split_) {
+      hi_.resize(block_n * BLOCK_V);
+      lo_.resize(block_n * BLOCK_V);
+    } else if (o.dtype != at::kFloat) {
+      x32_ = o.x.to(at::kFloat);
+      w32_ = o.w.to(at::kFloat);
+    }
+    te_.resize(need_e_ ? block_n * d : 0);
+    tc_.resize(need_c_ ? BLOCK_V * d : 0);
+    t_col_.resize(block_n);
+    t_grad_.resize(block_n);
+  }
+
+  bool needs_any() const { return need_e_ || need_c_ || need_b_; }
+
+  // The tile [bn, bv] (row stride ld) holds the logits of rows [n0, n0 + bn) and shard columns
+  // [v0, v0 + bv); rg[r] are the rows' gradient coefficients and t_shard[r] each row's target
+  // column in the shard (-1: ignored). Turns the tile into the gradient and accumulates it.
+  void tile(int64_t n0, int64_t bn, int64_t v0, int64_t bv, float* tile, int64_t ld,
+            const RowGrad* rg, const int64_t* t_shard) {
+    const int64_t d = o_.d;
+    at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* row = tile + r * ld;
+        const int64_t tl = t_shard[r] - v0;
+        const bool has_t = t_shard[r] >= 0 && tl >= 0 && tl < bv;
+        const float z_target = has_t ? row[tl] : 0.f;
+        cpu::row_grad_fill(row, bv, rg[r], cap_);
+        // The target column leaves the tile: its gradient (about -1 while the others are about
+        // 1/V) would dominate every fp32 partial sum of the tile GEMMs, whose rounding error
+        // scales with those partial sums. It is added on its own below, exactly once per row.
+        t_col_[r] = has_t ? tl : -1;
+        t_grad_[r] = has_t ? rg[r].dz_t * softcap_grad(z_target, cap_) : 0.f;
+        if (has_t) row[tl] = 0.f;
+        if (split_) cpu::row_split_bf16(row, &hi_[r * BLOCK_V], &lo_[r * BLOCK_V], bv);
+      }
+    });
+    if (need_b_) {
+      // Column sums in row order, one Kahan add per column, then the target columns one by one.
+      KahanAcc bacc = gb_->acc().offset(0);
+      bacc.sum += v0;
+      bacc.comp += v0;
+      bacc.width = bv;
+      std::vector<float> colsum(bv, 0.f);
+      for (int64_t r = 0; r < bn; ++r) {
+        const float* row = tile + r * ld;
+        for (int64_t j = 0; j < bv; ++j) colsum[j] += row[j];
+      }
+      bacc.add_row(0, colsum.data());
+      for (int64_t r = 0; r < bn; ++r) {
+        if (t_col_[r] >= 0) kahan_add(bacc.sum[t_col_[r]], bacc.comp[t_col_[r]], t_grad_[r]);
+      }
+    }
+    const int64_t es = o_.x.element_size();
+    const char* xp = static_cast<const char*>(o_.x.data_ptr()) + n0 * d * es;
+    const char* wp = static_cast<const char*>(o_.w.data_ptr()) + v0 * d * es;
+    if (need_e_) {
+      // dE[n0:n0+bn] += G [bn, bv] @ W[v0:v0+bv] [bv, D]
+      float* te = te_.data();
+      if (split_) {
+        gemm_f32out(at::kBFloat16, bn, d, bv, 1.f, GemmOperand{hi_.data(), BLOCK_V, false},
+                    GemmOperand{wp, d, false}, 0.f, te, d);
+        gemm_f32out(at::kBFloat16, bn, d, bv, 1.f, GemmOperand{lo_.data(), BLOCK_V, false},
+                    GemmOperand{wp, d, false}, 1.f, te, d);
+      } else {
+        const void* w = w32_.defined() ? static_cast<const void*>(w32_.data_ptr<float>() + v0 * d) : wp;
+        gemm_f32out(at::kFloat, bn, d, bv, 1.f, GemmOperand{tile, ld, false},
+                    GemmOperand{w, d, false}, 0.f, te, d);
+      }
+      const KahanAcc eacc = rows_outer_ ? ge_->acc() : ge_->acc().offset(n0);
+      eacc.add_rows(te, bn, d);
+      // dE[n] += dz_t W[t]: one scaled row per row that has its target in this tile.
+      at::parallel_for(0, bn, grain(d), [&](int64_t r0, int64_t r1) {
+        std::vector<float> prod(d);
+        for (int64_t r = r0; r < r1; ++r) {
+          if (t_col_[r] < 0) continue;
+          cpu::row_scale(prod.data(), operand_row(o_.w, v0 + t_col_[r]), o_.row_dtype, d,
+                         t_grad_[r]);
+          eacc.add_row(r, prod.data());
+        }
+      });
+    }
+    if (need_c_) {
+      // dC[v0:v0+bv] += G^T [bv, bn] @ X[n0:n0+bn] [bn, D]
+      float* tc = tc_.data();
+      if (split_) {
+        gemm_f32out(at::kBFloat16, bv, d, bn, 1.f, GemmOperand{hi_.data(), BLOCK_V, true},
+                    GemmOperand{xp, d, false}, 0.f, tc, d);
+        gemm_f32out(at::kBFloat16, bv, d, bn, 1.f, GemmOperand{lo_.data(), BLOCK_V, true},
+                    GemmOperand{xp, d, false}, 1.f, tc, d);
+      } else {
+        const void* x = x32_.defined() ? static_cast<const void*>(x32_.data_ptr<float>() + n0 * d) : xp;
+        gemm_f32out(at::kFloat, bv, d, bn, 1.f, GemmOperand{tile, ld, true},
+                    GemmOperand{x, d, false}, 0.f, tc, d);
+      }
+      const KahanAcc cacc = rows_outer_ ? gc_->acc().offset(v0) : gc_->acc();
+      cacc.add_rows(tc, bv, d);
+      // dC[t] += dz_t X[n], in row order: rows that share a target add to one row of dC.
+      std::vector<float> prod(d);
+      for (int64_t r = 0; r < bn; ++r) {
+        if (t_col_[r] < 0) continue;
+        cpu::row_scale(prod.data(), operand_row(o_.x, n0 + r), o_.row_dtype, d, t_grad_[r]);
+        cacc.add_row(t_col_[r], prod.data());
+      }
+    }
+  }
+
+  // End of an outer-loop block: the inner gradient's local block is complete.
+  void end_row_block(int64_t n0, int64_t bn) {
+    if (rows_outer_ && need_e_) ge_->flush(n0, bn);
+  }
+  void end_vocab_block(int64_t v0, int64_t bv) {
+    if (!rows_outer_ && need_c_) gc_->flush(v0, bv);
+  }
+
+  Tensor3 finish() {
+    // Distinct empty tensors: outputs must not alias.
+    at::Tensor e = o_.x.new_empty({0}), c = o_.x.new_empty({0}), b = o_.x.new_empty({0});
+    if (need_e_) {
+      if (!rows_outer_) ge_->finish();
+      e = ge_->out;
+    }
+    if (need_c_) {
+      if (rows_outer_) gc_->finish();
+      c = gc_->out;
+    }
+    if (need_b_) {
+      gb_->finish();
+      b = gb_->deferred ? gb_->out.reshape({2, o_.v}) : gb_->out.reshape({o_.v});
+    }
+    return {e, c, b};
+  }
+
+ private:
+  const Operands& o_;
+  bool rows_outer_;
+  int64_t block_n_;
+  float cap_;
+  bool need_e_, need_c_, need_b_, split_;
+  std::optional<GradBuffer> ge_, gc_, gb_;
+  std::vector<uint16_t> hi_, lo_;
+  at::Tensor x32_, w32_;
+  std::vector<float> te_, tc_;
+  std::vector<int64_t> t_col_;
+  std::vector<float> t_grad_;
+};
+
+
+// The backward over the shard's tiles, recomputing each logit tile.
+Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, const int64_t* t,
+                     const float* g, const float* glse, const float* st, int64_t vocab_start,
+                     int64_t ignore_index, const LossOptions& opt, std::array<bool, 3> mask,
+                     bool deferred) {
+  // Outer loop over row blocks when the vocabulary is the smaller side (dC is the global
+  // accumulator, dE is finished block by block), else over vocab blocks.
+  const bool rows_outer = o.v <= o.n;
+  GradPass pass(o, bias, mask, rows_outer, BLOCK_N, opt.softcap, deferred);
+  if (!pass.needs_any()) return pass.finish();
+  std::vector<float> tile(BLOCK_N * BLOCK_V);
+  std::vector<RowGrad> rg(BLOCK_N);
+  std::vector<int64_t> ts(BLOCK_N);
+  auto row_block = [&](int64_t n0, int64_t bn) {
+    for (int64_t r = 0; r < bn; ++r) {
+      const int64_t i = n0 + r;
+      const bool ign = row_ignored(t[i], ignore_index);
+      rg[r] = row_grad(st[2 * i], st[2 * i + 1], ign, g[i], glse ? glse[i] : 0.f, opt);
+      ts[r] = shard_col(t[i], vocab_start, ignore_index);
+    }
+  };
+  auto one_tile = [&](int64_t n0, int64_t bn, int64_t v0, int64_t bv) {
+    logit_tile(o, n0, bn, v0, bv, opt.softcap, tile.data(), BLOCK_V);
+    pass.tile(n0, bn, v0, bv, tile.data(), BLOCK_V, rg.data(), ts.data());
+  };
+  if (rows_outer) {
+    for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
+      const int64_t bn = std::min(BLOCK_N, o.n - n0);
+      row_block(n0, bn);
+      for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) one_tile(n0, bn, v0, std::min(BLOCK_V, o.v - v0));
+      pass.end_row_block(n0, bn);
+    }
+  } else {
+    for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
+      const int64_t bv = std::min(BLOCK_V, o.v - v0);
+      for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
+        const int64_t bn = std::min(BLOCK_N, o.n - n0);
+        row_block(n0, bn);
+        one_tile(n0, bn, v0, bv);
+      }
+      pass.end_vocab_block(v0, bv);
+    }
+  }
+  return pass.finish();
+}
+
+LossOptions loss_options(double label_smoothing, double z_loss, double softcap,
+                         int64_t vocab_size) {
+  return LossOptions{static_cast<float>(label_smoothing), static_cast<float>(z_loss),
+                     static_cast<float>(softcap), vocab_size};
+}
 
 Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                      const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
@@ -237,197 +505,121 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                      double label_smoothing, double z_loss, double softcap,
                      std::array<bool, 3> output_mask) {
   check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats);
-  const bool need_e = output_mask[0], need_c = output_mask[1], need_b = output_mask[2] && bias;
   const Operands o = prepare(input, weight, bias);
-  const float cap = static_cast<float>(softcap);
-  const LossOptions opt{static_cast<float>(label_smoothing), static_cast<float>(z_loss), cap,
-                        vocab_size};
-  // Outer loop over row blocks when the vocabulary is the smaller side (dC is the global
-  // accumulator, dE is finished block by block), else over vocab blocks.
-  const bool rows_outer = o.v <= o.n;
-  const int64_t n = o.n, v = o.v, d = o.d;
+  const at::Tensor tgt = target.contiguous();
+  const at::Tensor gl = grad_loss.contiguous();  // an expanded scalar becomes [N]: small
+  const at::Tensor glse = grad_lse ? grad_lse->contiguous() : at::Tensor();
+  const at::Tensor st = stats.contiguous();
+  return run_backward(o, bias, tgt.data_ptr<int64_t>(), gl.data_ptr<float>(),
+                      glse.defined() ? glse.data_ptr<float>() : nullptr, st.data_ptr<float>(),
+                      vocab_start, ignore_index,
+                      loss_options(label_smoothing, z_loss, softcap, vocab_size), output_mask,
+                      /*deferred=*/false);
+}
 
-  std::optional<GradBuffer> ge, gc;
-  std::optional<GradBuffer> gb;
-  if (need_e) ge.emplace(input, rows_outer ? std::min(n, BLOCK_N) : n, d);
-  if (need_c) gc.emplace(weight, rows_outer ? v : std::min(v, BLOCK_V), d);
-  if (need_b) gb.emplace(*bias, 1, v);
-  // The outer loop's gradient is its GradBuffer's output; the inner one is written block by block.
-  at::Tensor grad_e = !need_e ? input.new_empty({0})
-                      : rows_outer ? at::empty({n, d}, input.options()) : ge->out;
-  at::Tensor grad_c = !need_c ? weight.new_empty({0})
-                      : rows_outer ? gc->out : at::empty({v, d}, weight.options());
-  if ((!need_e && !need_c && !need_b) || n == 0 || v == 0) {
-    if (need_e) grad_e.zero_();
-    if (need_c) grad_c.zero_();
-    at::Tensor grad_b = need_b ? at::zeros_like(*bias) : weight.new_empty({0});
-    return {grad_e, grad_c, grad_b};
-  }
+// Rows per block of the fused forward+backward: a row block keeps its logits for the whole
+// vocabulary, [rows, V] fp32, within kFusedWorkspaceBytes; 0 when not even 16 rows fit.
+constexpr int64_t kFusedWorkspaceBytes = int64_t(64) << 20;
 
+int64_t fused_block_rows(int64_t v) {
+  const int64_t rows = std::min<int64_t>(BLOCK_N, kFusedWorkspaceBytes / (4 * std::max<int64_t>(v, 1)));
+  return rows >= 16 ? rows / 16 * 16 : 0;
+}
+
+// Loss sum and the gradients of that sum, in one pass: each row block's logits are computed
+// once, folded into the row statistics, then turned into the gradient tile (3 GEMMs instead of
+// the 4 of forward + recompute backward). Gradients come back deferred, as fp32
+// (sum, compensation) pairs [2, ...] for scale_grad to scale by the upstream gradient and
+// round once.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+    double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean) {
+  check_linear_args(input, weight, target, bias);
+  const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();
-  const at::Tensor gl = grad_loss.contiguous();  // an expanded scalar becomes [N]: small
-  const float* g = gl.data_ptr<float>();
-  const at::Tensor glse_t = grad_lse ? grad_lse->contiguous() : at::Tensor();
-  const float* glse = glse_t.defined() ? glse_t.data_ptr<float>() : nullptr;
-  const at::Tensor st_t = stats.contiguous();
-  const float* st = st_t.data_ptr<float>();
-
-  // bf16 inputs: the fp32 gradient tile is split G = hi + lo into two bf16 tiles so that the
-  // tile products run on the bf16 GEMM (AMX) at ~16 mantissa bits, far below bf16's rounding.
-  // fp16 tiles would underflow small gradients, so fp16 (and fp32) multiply G in fp32 against
-  // an fp32 copy of the operand tile.
-  const bool split = o.dtype == at::kBFloat16;
-  std::vector<float> tile_buf(BLOCK_N * BLOCK_V);
-  float* tile = tile_buf.data();
-  at::Tensor hi, lo;
-  if (split) {
-    hi = at::empty({BLOCK_N, BLOCK_V}, o.x.options());
-    lo = at::empty({BLOCK_N, BLOCK_V}, o.x.options());
+  check_targets(t, o.n, o.v, ignore_index);
+  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, o.v);
+  at::Tensor loss_sum = at::empty({}, input.options().dtype(at::kFloat));
+  int64_t count = 0;
+  for (int64_t i = 0; i < o.n; ++i) count += !row_ignored(t[i], ignore_index);
+  // mean: divided in double, rounded once (0/0 = NaN, as torch).
+  const double divisor = mean ? static_cast<double>(count) : 1.0;
+  auto reduced = [&](double sum) {
+    loss_sum.fill_(static_cast<float>(sum / divisor));
+    return loss_sum;
+  };
+  at::Tensor div = at::full({}, divisor, input.options().dtype(at::kDouble));
+  const int64_t bn_f = fused_block_rows(o.v);
+  if (bn_f == 0) {
+    // The vocabulary is too large to keep a row block's logits: forward, then the recompute
+    // backward of the sum (upstream gradient 1 per row).
+    const at::Tensor partial = partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap);
+    auto [loss, lse, stats] = combine_cpu(partial.unsqueeze(0), target, o.v, ignore_index,
+                                          label_smoothing, z_loss);
+    const double total = loss.to(at::kDouble).sum().item<double>();
+    const at::Tensor ones = at::ones({o.n}, loss.options());
+    auto [e, c, b] = run_backward(o, bias, t, ones.data_ptr<float>(), nullptr,
+                                  stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
+                                  output_mask, /*deferred=*/true);
+    return {reduced(total), div, e, c, b};
   }
-  at::Tensor x32 = (!split && o.dtype != at::kFloat) ? o.x.to(at::kFloat) : at::Tensor();
-  at::Tensor w32 = (!split && o.dtype != at::kFloat) ? o.w.to(at::kFloat) : at::Tensor();
-  std::vector<float> te(need_e ? BLOCK_N * d : 0), tc(need_c ? BLOCK_V * d : 0);
-  // Per tile row: the target's column in the tile (-1 if elsewhere) and its gradient.
-  std::vector<int64_t> t_col(BLOCK_N);
-  std::vector<float> t_grad(BLOCK_N);
-
-  auto process = [&](int64_t n0, int64_t bn, int64_t v0, int64_t bv, KahanAcc* eacc,
-                     KahanAcc* cacc, KahanAcc* bacc) {
-    logit_tile(o, n0, bn, v0, bv, cap, tile);
-    at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t i = n0 + r;
-        const bool ign = row_ignored(t[i], ignore_index);
-        const RowGrad rg = row_grad(st[2 * i], st[2 * i + 1], ign, g[i], glse ? glse[i] : 0.f, opt);
-        const int64_t tl = ign ? -1 : t[i] - vocab_start - v0;
-        float* row = tile + r * BLOCK_V;
-        const bool has_t = tl >= 0 && tl < bv;
-        const float z_target = has_t ? row[tl] : 0.f;
-        cpu::row_grad_fill(row, bv, rg, cap);
-        // The target column leaves the tile: its gradient (about -1 while the others are about
-        // 1/V) would dominate every fp32 partial sum of the tile GEMMs, whose rounding error
-        // scales with those partial sums. It is added on its own below, exactly once per row.
-        t_col[r] = has_t ? tl : -1;
-        t_grad[r] = has_t ? rg.dz_t * softcap_grad(z_target, cap) : 0.f;
-        if (has_t) row[tl] = 0.f;
-        if (split) {
-          auto* h = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>()) + r * BLOCK_V;
-          auto* l = reinterpret_cast<uint16_t*>(lo.data_ptr<at::BFloat16>()) + r * BLOCK_V;
-          cpu::row_split_bf16(row, h, l, bv);
-        }
-      }
-    });
-    if (bacc) {
-      // Column sums of the tile in row order, then one Kahan add per column; the target
-      // columns' gradients are Kahan-added one by one.
-      std::vector<float> colsum(bv, 0.f);
-      for (int64_t r = 0; r < bn; ++r) {
-        const float* row = tile + r * BLOCK_V;
-        for (int64_t j = 0; j < bv; ++j) colsum[j] += row[j];
-      }
-      bacc->add_rows(colsum.data(), 1, bv);  // bacc points at column v0, width bv
-      for (int64_t r = 0; r < bn; ++r) {
-        if (t_col[r] >= 0) kahan_add(bacc->sum[t_col[r]], bacc->comp[t_col[r]], t_grad[r]);
-      }
-    }
-    // The gradient tile's operands: (hi, lo) bf16 pair, or the fp32 tile.
-    const int64_t es = o.x.element_size();
-    const char* xp = static_cast<const char*>(o.x.data_ptr()) + n0 * d * es;
-    const char* wp = static_cast<const char*>(o.w.data_ptr()) + v0 * d * es;
-    if (need_e) {
-      // dE[n0:n0+bn] += G [bn, bv] @ W[v0:v0+bv] [bv, D]
-      if (split) {
-        gemm_f32out(at::kBFloat16, bn, d, bv, 1.f, GemmOperand{hi.data_ptr(), BLOCK_V, false},
-                    GemmOperand{wp, d, false}, 0.f, te.data(), d);
-        gemm_f32out(at::kBFloat16, bn, d, bv, 1.f, GemmOperand{lo.data_ptr(), BLOCK_V, false},
-                    GemmOperand{wp, d, false}, 1.f, te.data(), d);
-      } else {
-        const float* w = w32.defined() ? w32.data_ptr<float>() + v0 * d
-                                       : reinterpret_cast<const float*>(wp);
-        gemm_f32out(at::kFloat, bn, d, bv, 1.f, GemmOperand{tile, BLOCK_V, false},
-                    GemmOperand{w, d, false}, 0.f, te.data(), d);
-      }
-      eacc->add_rows(te.data(), bn, d);
-      // dE[n] += dz_t W[t]: one scaled row per row that has its target in this tile.
-      at::parallel_for(0, bn, grain(d), [&](int64_t r0, int64_t r1) {
-        std::vector<float> prod(d);
+  GradPass pass(o, bias, output_mask, /*rows_outer=*/true, bn_f, opt.softcap, /*deferred=*/true);
+  std::vector<float> z(bn_f * o.v);  // [bn_f, V]: the row block's logits
+  std::vector<RowState> rows(bn_f);
+  std::vector<RowGrad> rg(bn_f);
+  std::vector<int64_t> ts(bn_f);
+  float ls = 0.f, lc = 0.f;
+  for (int64_t n0 = 0; n0 < o.n; n0 += bn_f) {
+    const int64_t bn = std::min(bn_f, o.n - n0);
+    std::fill(rows.begin(), rows.end(), RowState{});
+    for (int64_t r = 0; r < bn; ++r) ts[r] = shard_col(t[n0 + r], 0, ignore_index);
+    for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
+      const int64_t bv = std::min(BLOCK_V, o.v - v0);
+      logit_tile(o, n0, bn, v0, bv, opt.softcap, z.data() + v0, o.v);
+      at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          if (t_col[r] < 0) continue;
-          cpu::row_scale(prod.data(), operand_row(o.w, v0 + t_col[r]), o.row_dtype, d, t_grad[r]);
-          cpu::row_kahan_add(eacc->sum + r * d, eacc->comp + r * d, prod.data(), d);
+          fold_row(z.data() + r * o.v + v0, bv, ts[r] < 0 ? -1 : ts[r] - v0, rows[r]);
         }
       });
     }
-    if (need_c) {
-      // dC[v0:v0+bv] += G^T [bv, bn] @ X[n0:n0+bn] [bn, D]
-      if (split) {
-        gemm_f32out(at::kBFloat16, bv, d, bn, 1.f, GemmOperand{hi.data_ptr(), BLOCK_V, true},
-                    GemmOperand{xp, d, false}, 0.f, tc.data(), d);
-        gemm_f32out(at::kBFloat16, bv, d, bn, 1.f, GemmOperand{lo.data_ptr(), BLOCK_V, true},
-                    GemmOperand{xp, d, false}, 1.f, tc.data(), d);
-      } else {
-        const float* x = x32.defined() ? x32.data_ptr<float>() + n0 * d
-                                       : reinterpret_cast<const float*>(xp);
-        gemm_f32out(at::kFloat, bv, d, bn, 1.f, GemmOperand{tile, BLOCK_V, true},
-                    GemmOperand{x, d, false}, 0.f, tc.data(), d);
-      }
-      cacc->add_rows(tc.data(), bv, d);
-      // dC[t] += dz_t X[n], in row order: rows that share a target add to one row of dC.
-      std::vector<float> prod(d);
-      for (int64_t r = 0; r < bn; ++r) {
-        if (t_col[r] < 0) continue;
-        cpu::row_scale(prod.data(), operand_row(o.x, n0 + r), o.row_dtype, d, t_grad[r]);
-        cpu::row_kahan_add(cacc->sum + t_col[r] * d, cacc->comp + t_col[r] * d, prod.data(), d);
-      }
+    for (int64_t r = 0; r < bn; ++r) {  // as combine_cpu with one shard: the same loss bits
+      const bool ign = ts[r] < 0;
+      const float lse_x = lse_value(rows[r].lse);
+      kahan_add(ls, lc, row_loss(lse_x, rows[r].z_t, rows[r].sum(), ign, opt).loss);
+      rg[r] = row_grad(lse_x, rows[r].z_t, ign, 1.f, 0.f, opt);
     }
-  };
-
-  std::optional<KahanAcc> bacc_all;
-  if (need_b) bacc_all = gb->acc();
-  auto out_rows = [](at::Tensor& dst, int64_t r0, int64_t rows, GradBuffer& buf) {
-    // Finish a local block: sum + compensation, rounded once to the output dtype.
-    at::Tensor s = buf.sum.narrow(0, 0, rows), c = buf.comp.narrow(0, 0, rows);
-    dst.narrow(0, r0, rows).copy_(s + c);
-    buf.sum.zero_();
-    buf.comp.zero_();
-  };
-
-  if (rows_outer) {
-    KahanAcc cacc_all = need_c ? gc->acc() : KahanAcc{};
-    for (int64_t n0 = 0; n0 < n; n0 += BLOCK_N) {
-      const int64_t bn = std::min(BLOCK_N, n - n0);
-      KahanAcc eacc = need_e ? ge->acc() : KahanAcc{};
-      for (int64_t v0 = 0; v0 < v; v0 += BLOCK_V) {
-        const int64_t bv = std::min(BLOCK_V, v - v0);
-        KahanAcc cacc = need_c ? cacc_all.offset(v0) : KahanAcc{};
-        KahanAcc bacc = need_b ? KahanAcc{bacc_all->sum + v0, bacc_all->comp + v0, bv} : KahanAcc{};
-        process(n0, bn, v0, bv, &eacc, &cacc, need_b ? &bacc : nullptr);
+    if (pass.needs_any()) {
+      for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
+        pass.tile(n0, bn, v0, std::min(BLOCK_V, o.v - v0), z.data() + v0, o.v, rg.data(), ts.data());
       }
-      if (need_e) out_rows(grad_e, n0, bn, *ge);
+      pass.end_row_block(n0, bn);
     }
-    if (need_c) gc->finish();
-  } else {
-    KahanAcc eacc_all = need_e ? ge->acc() : KahanAcc{};
-    for (int64_t v0 = 0; v0 < v; v0 += BLOCK_V) {
-      const int64_t bv = std::min(BLOCK_V, v - v0);
-      KahanAcc cacc = need_c ? gc->acc() : KahanAcc{};
-      KahanAcc bacc = need_b ? KahanAcc{bacc_all->sum + v0, bacc_all->comp + v0, bv} : KahanAcc{};
-      for (int64_t n0 = 0; n0 < n; n0 += BLOCK_N) {
-        const int64_t bn = std::min(BLOCK_N, n - n0);
-        KahanAcc eacc = need_e ? eacc_all.offset(n0) : KahanAcc{};
-        process(n0, bn, v0, bv, &eacc, &cacc, need_b ? &bacc : nullptr);
-      }
-      if (need_c) out_rows(grad_c, v0, bv, *gc);
-    }
-    if (need_e) ge->finish();
   }
-  at::Tensor grad_b = weight.new_empty({0});
-  if (need_b) {
-    gb->finish();
-    grad_b = gb->out.reshape({v});
-  }
-  return {grad_e, grad_c, grad_b};
+  auto [e, c, b] = pass.finish();
+  return {reduced(static_cast<double>(ls) + static_cast<double>(lc)), div, e, c, b};
+}
+
+// grad = dtype((sum + comp) * scale) from a deferred pair [2, ...], in double, rounded once.
+at::Tensor scale_grad_cpu(const at::Tensor& pair, const at::Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(pair.dim() >= 1 && pair.size(0) == 2 && pair.scalar_type() == at::kFloat,
+                    "flce: scale_grad needs a float32 [2, ...] pair, got ", pair.sizes());
+  const at::Tensor p = pair.contiguous();
+  const double k = scale.to(at::kDouble).item<double>();
+  at::Tensor out = at::empty(p[0].sizes(), p.options().dtype(dtype));
+  const int64_t n = p[0].numel();
+  const float* s = p.data_ptr<float>();
+  const float* c = s + n;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "flce_scale_grad", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        o[i] = static_cast<scalar_t>((static_cast<double>(s[i]) + static_cast<double>(c[i])) * k);
+      }
+    });
+  });
+  return out;
 }
 
 }  // namespace
@@ -436,6 +628,8 @@ TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("partial_stats", &partial_stats_cpu);
   m.impl("combine", &combine_cpu);
   m.impl("backward", &backward_cpu);
+  m.impl("sum_and_grad", &sum_and_grad_cpu);
+  m.impl("scale_grad", &scale_grad_cpu);
 }
 
 }  // namespace flce

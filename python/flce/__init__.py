@@ -2,6 +2,9 @@
 from . import reference
 from ._ops import ops
 from .api import LinearCrossEntropy, linear_cross_entropy
+# transformers is imported only when a model is patched.
+from .integrations import patch, patched, unpatch
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops", "patch", "unpatch",
+           "patched"]
 __version__ = "0.1.0"

@@ -64,3 +64,43 @@ def _backward(ctx, grad_loss, grad_lse, grad_stats):
 
 
 torch.library.register_autograd("flce::forward", _backward, setup_context=_setup_context)
+
+
+def _pair_like(t, wanted):
+    return t.new_empty((2, *t.shape), dtype=torch.float32) if wanted else t.new_empty((0,))
+
+
+@torch.library.register_fake("flce::sum_and_grad")
+def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
+                       softcap, output_mask, mean):
+    grad_bias = _pair_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
+    return (input.new_empty((), dtype=torch.float32), input.new_empty((), dtype=torch.float64),
+            _pair_like(input, output_mask[0]), _pair_like(weight, output_mask[1]), grad_bias)
+
+
+@torch.library.register_fake("flce::scale_grad")
+def _scale_grad_fake(pair, scale, dtype):
+    return pair.new_empty(pair.shape[1:], dtype=dtype)
+
+
+def _sum_setup_context(ctx, inputs, output):
+    input, weight, target, bias = inputs[:4]
+    _, divisor, gi, gw, gb = output
+    ctx.save_for_backward(divisor, gi, gw, gb)
+    ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.mark_non_differentiable(divisor, gi, gw, gb)
+
+
+def _sum_backward(ctx, grad_loss, *_):
+    divisor, *pairs = ctx.saved_tensors
+    # The upstream gradient over the divisor, in double: a mean's 1/count is not rounded to fp32.
+    # Every token ignored: the mean is NaN (as torch) but the gradients are zero, not 0 * inf.
+    scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
+    needed = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+    gi, gw, gb = (ops.scale_grad(p, scale, dt) if need and p.numel() else None
+                  for p, dt, need in zip(pairs, ctx.dtypes, needed))
+    return gi, gw, None, gb, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flce::sum_and_grad", _sum_backward,
+                                setup_context=_sum_setup_context)

@@ -95,18 +95,27 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
     _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap)
 
     # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
-    parallel = _vocab_parallel_dispatch()
-    if parallel is not None and parallel.is_vocab_sharded(weight):
-        return parallel.linear_cross_entropy_dtensor(
-            input, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            return_lse=return_lse)
+    if _is_dtensor(weight):
+        from . import parallel
+
+        if parallel.is_vocab_sharded(weight):
+            return parallel.linear_cross_entropy_dtensor(
+                input, weight, target, bias=bias, ignore_index=ignore_index,
+                reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+                softcap=softcap, return_lse=return_lse)
 
     lead = target.shape
     x = input.reshape(-1, input.shape[-1])
     t = target.reshape(-1).to(torch.int64)
-    loss, lse, _ = _ops.ops.forward(x, weight, t, bias, int(ignore_index), float(label_smoothing),
-                                    float(z_loss), float(softcap or 0.0))
+    args = (x, weight, t, bias, int(ignore_index), float(label_smoothing), float(z_loss),
+            float(softcap or 0.0))
+    mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
+    if (reduction != "none" and not return_lse and any(mask) and torch.is_grad_enabled()
+            and x.device.type == "cpu"):
+        # The loss is a sum (or mean) whose gradients are known up to the upstream scalar:
+        # compute them in the forward pass, with no recompute.
+        return _ops.ops.sum_and_grad(*args, mask, reduction == "mean")[0]
+    loss, lse, _ = _ops.ops.forward(*args)
     loss = reduce_loss(loss, t, ignore_index, reduction, lead)
     if return_lse:
         return loss, lse.reshape(lead)
@@ -131,12 +140,9 @@ def reduce_loss(loss, target, ignore_index, reduction, shape):
     return total / (target != ignore_index).sum()
 
 
-def _vocab_parallel_dispatch():
-    try:
-        from . import parallel
-    except ImportError:
-        return None
-    return parallel if hasattr(parallel, "is_vocab_sharded") else None
+def _is_dtensor(t):
+    # By name: importing torch.distributed.tensor here would slow down `import flce`.
+    return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
 
 
 class LinearCrossEntropy(torch.nn.Module):

@@ -1,0 +1,174 @@
+"""Forward+backward benchmark of flce against the unfused baselines and cuBLAS speed-of-light.
+
+Run on one GPU (benchmarks/gpu_check.sh does): for each shape, bf16,
+  flce            flce.linear_cross_entropy, loss.backward()
+  eager           logits = x @ w.T; F.cross_entropy(logits.float(), t)
+  compile         the same under torch.compile
+  torch_lce       torch.nn.functional.linear_cross_entropy (torch >= 2.13 only)
+  sol_4gemm       4 plain bf16 cuBLAS GEMMs of the shape (logits, recompute, dE, dW)
+  sol_3gemm       3 plain bf16 GEMMs (no recompute)
+and the ceilings: a device-to-device copy and an 8192^3 bf16 matmul.
+Prints time, TFLOP/s (6 N V D per fwd+bwd), peak memory above the inputs and ratios to flce;
+writes results.json and table.txt under --out.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+import flce  # noqa: E402
+
+SHAPES = [(16384, 128256, 4096), (8192, 256000, 2304)]
+
+
+def timed(fn, warmup=2, iters=5):
+    """Median milliseconds of fn() over iters runs (CUDA events), and peak extra bytes."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2], torch.cuda.max_memory_allocated() - base
+
+
+def make_inputs(n, v, d):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(v, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    return x.requires_grad_(), w.requires_grad_(), t
+
+
+def fwd_bwd(loss_fn, x, w, t):
+    def run():
+        x.grad = None
+        w.grad = None
+        loss = loss_fn(x, w, t)
+        loss.backward()
+    return run
+
+
+def eager_loss(x, w, t):
+    return F.cross_entropy((x @ w.T).float(), t)
+
+
+def bench_shape(n, v, d, results, log):
+    flops = 6.0 * n * v * d
+    x, w, t = make_inputs(n, v, d)
+    methods = [("flce", lambda x, w, t: flce.linear_cross_entropy(x, w, t)),
+               ("eager", eager_loss),
+               ("compile", torch.compile(eager_loss, dynamic=False))]
+    if hasattr(F, "linear_cross_entropy"):
+        methods.append(("torch_lce", lambda x, w, t: F.linear_cross_entropy(x, w, t)))
+    else:
+        log(f"  torch_lce: skipped (torch {torch.__version__} has no F.linear_cross_entropy)")
+    row = {"shape": [n, v, d]}
+    for name, fn in methods:
+        try:
+            t0 = time.time()
+            ms, mem = timed(fwd_bwd(fn, x, w, t))
+            row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": mem / 2**30}
+            log(f"  {name:<10} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  "
+                f"peak +{mem / 2**30:6.2f} GiB  (wall {time.time() - t0:.0f}s incl. warmup)")
+        except Exception as e:  # noqa: BLE001  (an OOM or a missing feature must not stop the run)
+            row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            log(f"  {name:<10} FAILED {row[name]['error']}")
+        torch.cuda.empty_cache()
+    # Speed of light: the GEMMs any fused implementation has to run.
+    with torch.no_grad():
+        xd, wd = x.detach(), w.detach()
+        g = torch.empty(n, v, device="cuda", dtype=torch.bfloat16).normal_()
+        gemm_nv = lambda: torch.mm(xd, wd.T)  # noqa: E731  [N, V]
+        gemm_nd = lambda: torch.mm(g, wd)  # noqa: E731     [N, D]
+        gemm_vd = lambda: torch.mm(g.T, xd)  # noqa: E731   [V, D]
+        ms_nv, _ = timed(gemm_nv)
+        ms_nd, _ = timed(gemm_nd)
+        ms_vd, _ = timed(gemm_vd)
+        del g
+    for name, ms in (("sol_4gemm", 2 * ms_nv + ms_nd + ms_vd), ("sol_3gemm", ms_nv + ms_nd + ms_vd)):
+        row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": float("nan")}
+        log(f"  {name:<10} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  (sum of GEMM medians)")
+    results.append(row)
+    del x, w, t
+    torch.cuda.empty_cache()
+
+
+def ceilings(log):
+    out = {}
+    buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    ms, _ = timed(lambda: dst.copy_(buf))
+    out["d2d_copy_GBps"] = 2 * buf.numel() / ms / 1e6  # read + write
+    del buf, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms, _ = timed(lambda: torch.mm(a, b))
+    out["mm8192_bf16_TFLOPs"] = 2 * 8192**3 / ms / 1e9
+    log(f"ceilings: device copy {out['d2d_copy_GBps']:.0f} GB/s, "
+        f"8192^3 bf16 matmul {out['mm8192_bf16_TFLOPs']:.0f} TFLOP/s")
+    return out
+
+
+def table(results, ceil):
+    lines = [f"ceilings: copy {ceil['d2d_copy_GBps']:.0f} GB/s, mm8192 bf16 "
+             f"{ceil['mm8192_bf16_TFLOPs']:.0f} TFLOP/s",
+             f"{'shape (N,V,D)':<22}{'method':<11}{'ms':>9}{'TFLOP/s':>9}{'peak GiB':>10}"
+             f"{'x flce':>8}"]
+    for row in results:
+        base = row.get("flce", {}).get("ms")
+        shape = "x".join(map(str, row["shape"]))
+        for name in ("flce", "eager", "compile", "torch_lce", "sol_4gemm", "sol_3gemm"):
+            r = row.get(name)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"{shape:<22}{name:<11}{'failed':>9}")
+                continue
+            ratio = f"{r['ms'] / base:8.2f}" if base else f"{'-':>8}"
+            lines.append(f"{shape:<22}{name:<11}{r['ms']:9.2f}{r['tflops']:9.1f}"
+                         f"{r['peak_gib']:10.2f}{ratio}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "bench_detail.log"), "w")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
+    ceil = ceilings(log)
+    results = []
+    for n, v, d in SHAPES:
+        log(f"shape N={n} V={v} D={d} bf16")
+        bench_shape(n, v, d, results, log)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"ceilings": ceil, "results": results}, f, indent=1)
+    text = table(results, ceil)
+    with open(os.path.join(args.out, "table.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+// Device helpers shared by the flce kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flce/math.h"
+
+namespace flce {
+namespace cuda {
+
+// Butterfly reductions: every lane ends with the same value, combined in a fixed pattern
+// (deterministic). The max ignores NaN (comparisons are false); callers make NaN reach the sum.
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    const float o = __shfl_xor_sync(0xffffffffu, x, off);
+    x = o > x ? o : x;
+  }
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// Column of the target within a weight block whose row 0 is vocabulary id col_offset, or -1 when
+// the row is ignored or the block does not hold the target.
+__device__ __forceinline__ int64_t target_column(int64_t t, int64_t ignore_index,
+                                                 int64_t col_offset, int64_t cols) {
+  if (t == ignore_index) return -1;
+  const int64_t c = t - col_offset;
+  return (c >= 0 && c < cols) ? c : -1;
+}
+
+// Grouped rasterization of a 1-D grid over (row block, column) pairs: consecutive CTAs walk
+// the columns of a group of `group` row blocks, row block fastest. The CTAs resident at any time
+// then share a few input row blocks and a few weight tiles, which stay in L2, instead of
+// streaming every row block of the input from DRAM at each column step.
+struct TileCoord {
+  int64_t row_block;
+  int64_t col;
+};
+
+__device__ __forceinline__ TileCoord grouped_tile(int64_t id, int64_t row_blocks, int64_t cols,
+                                                  int64_t group) {
+  const int64_t per_group = group * cols;
+  const int64_t g = id / per_group;
+  const int64_t first = g * group;
+  const int64_t rows_here = row_blocks - first < group ? row_blocks - first : group;
+  const int64_t in = id - g * per_group;  // < rows_here * cols (only the last group is short)
+  return TileCoord{first + in % rows_here, in / rows_here};
+}
+
+// The logit z = softcap(acc + bias) of column col.
+__device__ __forceinline__ float logit_of(float acc, const float* bias, int64_t col, float cap) {
+  if (bias != nullptr) acc += bias[col];
+  return softcap_apply(acc, cap);
+}
+
+}  // namespace cuda
+}  // namespace flce

@@ -1,0 +1,135 @@
+// Small deterministic reductions and elementwise passes: the split/rank combine, column sums of
+// the bias-gradient partials, and the compensated accumulation of the GEMM results.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "flce/math.h"
+#include "params.h"
+#include "ptx.cuh"
+#include "static_switch.h"
+
+namespace flce {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Grid-stride launches: cap the grid, loop with 64-bit indices.
+unsigned grid_for(int64_t count) {
+  const int64_t blocks = (count + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
+}
+
+template <bool kFinalize>
+__global__ void combine_kernel(const CombineParams p) {
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < p.n;
+       row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    OnlineLse st = lse_empty();
+    float zt = neg_inf(), sum = 0.f, comp = 0.f;
+    for (int64_t r = 0; r < p.ranks; ++r) {  // fixed order: deterministic
+      const float4 q = *reinterpret_cast<const float4*>(p.partials + (r * p.n + row) * 4);
+      st = lse_merge(st, OnlineLse{q.x, q.y});
+      if (q.z != neg_inf()) zt = q.z;  // only the owner has it (NaN passes through)
+      kahan_add(sum, comp, q.w);
+    }
+    if (!kFinalize) {
+      *reinterpret_cast<float4*>(p.merged + row * 4) =
+          make_float4(st.m, st.s, zt, kahan_result(sum, comp));
+      continue;
+    }
+    const int64_t t = p.target[row * p.target_stride];
+    const bool ignored = t == p.ignore_index;
+    // A benign race: every offending thread stores the same value.
+    if (!ignored && (t < 0 || t >= p.vocab_size)) *p.error_flag = 1;
+    const LossOptions opt{p.label_smoothing, p.z_loss, 0.f, p.vocab_size};
+    const float lse_x = lse_value(st);
+    const RowLoss rl = row_loss(lse_x, zt, kahan_result(sum, comp), ignored, opt);
+    p.loss[row] = rl.loss;
+    p.lse[row] = rl.lse;
+    *reinterpret_cast<float2*>(p.stats + row * 2) = make_float2(lse_x, zt);
+  }
+}
+
+__global__ void column_sum_kernel(const float* __restrict__ x, int64_t rows, int64_t cols,
+                                  float* __restrict__ out) {
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.f, comp = 0.f;
+    for (int64_t r = 0; r < rows; ++r) kahan_add(s, comp, x[r * cols + c]);
+    out[c] = kahan_result(s, comp);
+  }
+}
+
+__global__ void kahan_accumulate_kernel(float* __restrict__ sum, float* __restrict__ comp,
+                                        const float* __restrict__ x, int64_t count,
+                                        const float* __restrict__ inv_scale) {
+  const float k = inv_scale != nullptr ? *inv_scale : 1.f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = sum[i], c = comp[i];
+    kahan_add(s, c, x[i] * k);  // k is a power of two: exact unless x * k leaves fp32 range
+    sum[i] = s;
+    comp[i] = c;
+  }
+}
+
+template <typename T>
+__global__ void scale_store_kernel(T* __restrict__ out, const float* __restrict__ x,
+                                   int64_t count, const float* __restrict__ inv_scale) {
+  const float k = inv_scale != nullptr ? *inv_scale : 1.f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = from_float<T>(x[i] * k);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineParams& p, bool finalize, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  BOOL_SWITCH(finalize, kFinalize,
+              [&] { combine_kernel<kFinalize><<<grid_for(p.n), kThreads, 0, stream>>>(p); });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_column_sum(const float* x, int64_t rows, int64_t cols, float* out,
+                              cudaStream_t stream) {
+  if (cols == 0) return cudaSuccess;
+  column_sum_kernel<<<grid_for(cols), kThreads, 0, stream>>>(x, rows, cols, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_kahan_accumulate(float* sum, float* comp, const float* x, int64_t count,
+                                    const float* inv_scale, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  kahan_accumulate_kernel<<<grid_for(count), kThreads, 0, stream>>>(sum, comp, x, count,
+                                                                     inv_scale);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t count,
+                               const float* inv_scale, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kFloat32Tf32:
+      scale_store_kernel<float><<<grid_for(count), kThreads, 0, stream>>>(
+          static_cast<float*>(out), x, count, inv_scale);
+      break;
+    case DType::kBFloat16:
+      scale_store_kernel<__nv_bfloat16><<<grid_for(count), kThreads, 0, stream>>>(
+          static_cast<__nv_bfloat16*>(out), x, count, inv_scale);
+      break;
+    case DType::kFloat16:
+      scale_store_kernel<__half><<<grid_for(count), kThreads, 0, stream>>>(
+          static_cast<__half*>(out), x, count, inv_scale);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace flce

@@ -1,0 +1,137 @@
+// flce CUDA backend: the plain parameter structs and launchers shared by the torch binding
+// (flce_cuda.cpp) and the torch-free kernels (*.cu). Nothing here includes torch or ATen.
+//
+// Conventions: every size, stride and offset is int64_t (N*V, N*D and V*D may pass 2^31);
+// strides are in elements. Column index j of a kernel's weight block is the vocabulary id
+// col_offset + j, which is what targets are compared against (targets are never used as an
+// index, so an out-of-range target cannot cause an out-of-bounds read).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flce {
+namespace cuda {
+
+// Operand storage and tile kind. kFloat32: exact fp32 (SIMT FMA). kFloat32Tf32: fp32 storage on
+// TF32 tensor cores (only when torch's float32 matmul precision is not "highest").
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat32Tf32 = 3 };
+
+// Tile shape of the logit-tile kernels for one compute dtype: rows (tokens) x vocab columns.
+struct TileShape {
+  int block_n;
+  int block_v;
+};
+TileShape tile_shape(DType dtype);
+
+// Operands of a logit tile z = input @ weight^T (+ bias, softcap).
+struct LinearArgs {
+  const void* input;   // [n, d] compute dtype
+  const void* weight;  // [v, d] compute dtype
+  const float* bias;   // [v] fp32, or nullptr
+  int64_t n, v, d;
+  int64_t input_row_stride, input_col_stride;    // col stride 1 and aligned for tensor cores
+  int64_t weight_row_stride, weight_col_stride;
+  const int64_t* target;  // [n], stride target_stride
+  int64_t target_stride;
+  int64_t col_offset;    // vocabulary id of weight row 0
+  int64_t ignore_index;
+  float softcap;         // <= 0: none
+};
+
+// Forward: per-row partial statistics over vocab tiles [split*tiles_per_split, ...).
+struct StatsParams {
+  LinearArgs lin;
+  float* partials;  // [splits, n, 4] = (m, s, z_t, sum_z)
+  int splits;
+  int64_t tiles_per_split;
+};
+cudaError_t launch_partial_stats(const StatsParams& p, DType dtype, cudaStream_t stream);
+
+// Backward, step 1: per-row gradient coefficients (math.h row_grad) and the bound of |dz| per row.
+struct RowCoefParams {
+  int64_t n;
+  const int64_t* target;
+  int64_t target_stride;
+  const float* stats;  // [n, 2] = (lse_x, z_t)
+  int64_t stats_row_stride, stats_col_stride;
+  const float* grad_loss;  // [n], stride may be 0
+  int64_t grad_loss_stride;
+  const float* grad_lse;   // [n] or nullptr
+  int64_t grad_lse_stride;
+  int64_t ignore_index;
+  float label_smoothing, z_loss, softcap;
+  int64_t vocab_size;
+  float* coef;   // [n, 4] = RowGrad (lse, a, u, dz_t)
+  float* bound;  // [n] >= max_j |dz_j| of the row
+};
+cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream);
+
+// Backward, step 2: the gradient tile dz (times softcap'), stored as scale * dz in the compute
+// dtype into grad_logits [n, v] (contiguous), optionally with its rounding residual (hi + lo
+// carries ~2x the mantissa bits), plus per-row-block column sums of the unscaled fp32
+// dz for the bias gradient.
+struct GradParams {
+  LinearArgs lin;
+  const float* coef;        // [n, 4] from launch_row_coef
+  const float* scale;       // device scalar (power of two), or nullptr for 1
+  void* grad_logits;        // [n, v] compute dtype: hi = (T)(scale * dz)
+  void* grad_logits_lo;     // [n, v] compute dtype: (T)(scale * dz - hi), or nullptr
+  float* col_partials;      // [ceil(n / block_n), v], or nullptr
+  float* target_resid;      // [n]: scale * dz_t - hi of the target entry, for the rows whose
+                            // target is in this block (others untouched), or nullptr
+};
+cudaError_t launch_grad_logits(const GradParams& p, DType dtype, cudaStream_t stream);
+
+// dE rows += (target_resid * inv_scale) * weight[target] with Neumaier compensation, for the
+// rows whose target is in this weight block: the part of the dominant target-column gradient
+// that the 16-bit tile lost, added in fp32 (the CPU backend likewise keeps the target column out
+// of the tile GEMMs).
+struct TargetFixParams {
+  const void* weight;  // [v, d] compute dtype, unit column stride
+  int64_t weight_row_stride;
+  int64_t n, v, d;
+  const int64_t* target;
+  int64_t target_stride;
+  int64_t col_offset, ignore_index;
+  const float* target_resid;  // [n]
+  const float* inv_scale;     // device scalar or nullptr
+  float* sum;                 // [n, d]
+  float* comp;                // [n, d]
+};
+cudaError_t launch_target_fix(const TargetFixParams& p, DType dtype, cudaStream_t stream);
+
+// Merge R partial-stat blocks [R, n, 4] in rank order. finalize = false: write the merged
+// (m, s, z_t, sum_z) to merged [n, 4]. finalize = true: write loss, lse, stats = (lse_x, z_t) and
+// raise *error_flag (set to 1) for a target outside [0, vocab_size) that is not ignore_index.
+struct CombineParams {
+  const float* partials;  // [ranks, n, 4] contiguous
+  int64_t ranks, n;
+  const int64_t* target;
+  int64_t target_stride;
+  int64_t vocab_size, ignore_index;
+  float label_smoothing, z_loss;
+  float* merged;
+  float* loss;
+  float* lse;
+  float* stats;
+  int* error_flag;
+};
+cudaError_t launch_combine(const CombineParams& p, bool finalize, cudaStream_t stream);
+
+// out[c] = sum over rows r (in order, compensated) of x[r, c]; x is [rows, cols] contiguous.
+cudaError_t launch_column_sum(const float* x, int64_t rows, int64_t cols, float* out,
+                              cudaStream_t stream);
+
+// (sum, comp) += x * inv_scale elementwise with Neumaier compensation (math.h kahan_add).
+// inv_scale is a device scalar or nullptr for 1.
+cudaError_t launch_kahan_accumulate(float* sum, float* comp, const float* x, int64_t count,
+                                    const float* inv_scale, cudaStream_t stream);
+
+// out = (dtype) (x * inv_scale) elementwise.
+cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t count,
+                               const float* inv_scale, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace flce

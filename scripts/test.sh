@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Build flce, then run the C++ math tests (ctest) and the Python test suite against the
+# installed wheel.
+source "$(dirname "$0")/env.sh"
+python -m pip install -q -r requirements-test.txt
+source scripts/build.sh
+if [ -f CMakeLists.txt ] && command -v cmake >/dev/null; then
+  cmake -S . -B build-ctest -DFLCE_BUILD_EXTENSION=OFF > /dev/null
+  cmake --build build-ctest -j 2 > /dev/null
+  (cd build-ctest && ctest --output-on-failure)
+fi
+# Run from outside the source tree so that the installed package, not python/, is imported.
+cd tests && python -m pytest -q -rs "$@" .

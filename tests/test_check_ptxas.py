@@ -1,0 +1,43 @@
+"""scripts/check_ptxas.py on synthetic ptxas -v logs (runs without a GPU or a CUDA build)."""
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "check_ptxas.py")
+KERNEL = "_ZN4flce4cuda46_GLOBAL__N__d79566e2_13_flce_stats_cu_69f0b28020partial_stats_kernelINS0_8SimtTileEEEvNS0_11StatsParamsE"
+OTHER = "_ZN2at6native18elementwise_kernelILi128ELi4EEEviT1_"
+
+
+def _log(kernel, stack=0, spill_st=0, spill_ld=0, regs=48, arch="sm_80"):
+    return (f"ptxas info    : Compiling entry function '{kernel}' for '{arch}'\n"
+            f"ptxas info    : Function properties for {kernel}\n"
+            f"    {stack} bytes stack frame, {spill_st} bytes spill stores, {spill_ld} bytes spill loads\n"
+            f"ptxas info    : Used {regs} registers, used 1 barriers, 496 bytes cmem[0]\n")
+
+
+def _run(tmp_path, text):
+    p = tmp_path / "build.log"
+    p.write_text(text)
+    return subprocess.run([sys.executable, SCRIPT, str(p)], capture_output=True, text=True)
+
+
+def test_clean_log_passes(tmp_path):
+    r = _run(tmp_path, _log(KERNEL) + _log(KERNEL, arch="sm_90a"))
+    assert r.returncode == 0, r.stdout
+    assert "partial_stats_kernel" in r.stdout and "2 kernel builds" in r.stdout
+
+
+def test_spills_fail(tmp_path):
+    r = _run(tmp_path, _log(KERNEL) + _log(KERNEL, spill_st=8, spill_ld=8, arch="sm_100"))
+    assert r.returncode == 1
+    assert "FAIL" in r.stdout and "sm_100" in r.stdout
+
+
+def test_stack_frame_fails(tmp_path):
+    assert _run(tmp_path, _log(KERNEL, stack=16)).returncode == 1
+
+
+def test_other_kernels_ignored_and_empty_log_fails(tmp_path):
+    # Non-flce kernels (torch's) are not checked; a log without flce kernels is an error.
+    assert _run(tmp_path, _log(OTHER, spill_st=64)).returncode == 1
+    assert _run(tmp_path, _log(OTHER, spill_st=64) + _log(KERNEL)).returncode == 0
