@@ -97,7 +97,9 @@ def _sum_backward(ctx, grad_loss, *_):
     # Every token ignored: the mean is NaN (as torch) but the gradients are zero, not 0 * inf.
     scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
     needed = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
-    gi, gw, gb = (ops.scale_grad(p, scale, dt) if need and p.numel() else None
+    # An unrequested pair is [0]; a requested one [2, *shape] even for an empty input (N = 0),
+    # whose gradient is then the empty [0, D], not None.
+    gi, gw, gb = (ops.scale_grad(p, scale, dt) if need and p.dim() >= 2 else None
                   for p, dt, need in zip(pairs, ctx.dtypes, needed))
     return gi, gw, None, gb, None, None, None, None, None, None
 

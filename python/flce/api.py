@@ -1,4 +1,6 @@
 """The public API: ``flce.linear_cross_entropy`` and ``flce.LinearCrossEntropy``."""
+import math
+
 import torch
 
 from . import _ops
@@ -51,10 +53,11 @@ def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, s
         raise ValueError(f"flce: all tensors must be on one device, got {listing}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"flce: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"flce: z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"flce: softcap must be a positive number or None, got {softcap}")
+    # Written so that NaN fails too; inf would silently turn every loss into NaN or inf.
+    if not 0 <= z_loss < math.inf:
+        raise ValueError(f"flce: z_loss must be a finite number >= 0, got {z_loss}")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"flce: softcap must be a positive finite number or None, got {softcap}")
 
 
 def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,

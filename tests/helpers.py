@@ -1,0 +1,306 @@
+"""Shared test helpers for flce (import as ``from helpers import ...``; tests/ is on sys.path).
+
+Devices
+  ``DEVICES``                 pytest params "cpu" and "cuda" (the latter skips without a GPU);
+                              use ``@pytest.mark.parametrize("device", DEVICES)`` or the
+                              ``device`` fixture of conftest.py.
+Inputs
+  ``rand_inputs(n, v, d, dtype, device, ...)``   fresh random (input, weight, target, bias).
+  ``margin_inputs(n, v, d, margin, dtype, ...)`` rows whose fp64 margin
+                              ``z_t - max_{j != t} z_j`` is ``margin`` (returned exactly).
+  ``as_f64(*tensors)``        the values flce computes with, as float64 (master weights are
+                              cast to the input dtype first, as flce does).
+References / yardsticks
+  ``ref_loss_grads(...)``     float64 ``flce.reference`` loss (and lse) plus autograd gradients.
+  ``ideal_fp32_loss(...)``    fp32 logits from the same inputs, then exact collapse-safe math
+                              in float64: the best loss an fp32-logit implementation can give.
+  ``ideal_grads(...)``        the ideal gradients: fp32 logits and probabilities, products
+                              accumulated in float64, rounded once to the output dtype
+                              (row-chunked, so N = 65536 fits).
+Error metrics
+  ``rel_err(x, ref)``         norm-wise relative error ``||x - ref|| / ||ref||`` in float64.
+  ``max_rel_err(x, ref)``     element-wise ``max |x - ref| / |ref|``.
+  ``round_floor(ref, dtype)`` ``rel_err`` of just rounding ``ref`` to ``dtype``: the floor.
+  ``assert_close_to_ref(x, ref, dtype, factor)``  element-wise, relative to
+                              max(|ref|, rms(ref)) * eps(dtype): catches garbage anywhere.
+  ``assert_grad_close(g, ref)``  element-wise (GRAD_FACTOR) and norm-wise (GRAD_NORM_FACTOR).
+  ``check_flce(x, w, t, b, **opts)``  forward + backward of flce.linear_cross_entropy against
+                              the float64 reference, every element, random upstream gradients.
+  ``poison_allocator(...)``   best effort: fill and free blocks of the output sizes so that a
+                              kernel that leaves elements unwritten returns NaN there (reliable
+                              with the CUDA caching allocator, likely with glibc on CPU).
+"""
+import math
+import os as _os
+
+import pytest
+import torch
+
+import flce
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda",
+                 marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device available")),
+]
+
+
+def gen(seed):
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def randn(shape, dtype, device, g, scale=1.0):
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def rand_inputs(n, v, d, dtype=torch.float32, device="cpu", *, seed=0, bias=False,
+                weight_dtype=None, scale=1.0, ignore_frac=0.0, ignore_index=-100):
+    """Fresh random inputs; logits have std ~ ``scale``. Targets uniform in [0, V)."""
+    g = gen(seed)
+    lead = (n,) if isinstance(n, int) else tuple(n)
+    x = randn(lead + (d,), dtype, device, g, scale / d ** 0.25)
+    w = randn((v, d), weight_dtype or dtype, device, g, 1.0 / d ** 0.25)
+    t = torch.randint(0, v, lead, generator=g).to(device)
+    if ignore_frac:
+        drop = torch.rand(lead, generator=g) < ignore_frac
+        t = torch.where(drop.to(device), torch.full_like(t, ignore_index), t)
+    b = randn((v,), weight_dtype or dtype, device, g, 0.5) if bias else None
+    return x, w, t, b
+
+
+def as_f64(x, w, b=None):
+    """What flce computes with, in float64: weight (and bias) in the input's dtype first."""
+    w_c = w.to(x.dtype) if w.dtype != x.dtype else w
+    return x.double(), w_c.double(), (None if b is None else b.double())
+
+
+def margin_inputs(n, v, d, margin, dtype=torch.float32, device="cpu", *, seed=0, scale=2.0):
+    """Inputs whose rows all have target margin ``margin`` in float64.
+
+    Random input rows E, classifier C and bias b (logits of std ~ ``scale``); every row has the
+    same target column t (random), so raising that one column cannot create a competitor in
+    another row. b[t] = margin + mean_n M_n carries the margin (M_n: row n's max over the other
+    columns), and C[t] is solved (least norm, N <= D/2 keeps E well conditioned) so that
+    E[n] . C[t] = M_n + margin - b[t] absorbs the rows' spread. The bulk of z_t thus comes from
+    the bias, which an implementation adds exactly once, as in a real model's confident token,
+    rather than from one long fp32 dot product.
+
+    The margins hold to ~1e-6 absolute for float32 and ~1e-2 for bf16/fp16 (C[t] is rounded
+    to the dtype); the exact float64 margins are returned.
+
+    Returns (input [n, d] dtype, weight [v, d], target [n], bias [v] float32, margins [n] fp64).
+    The weight is float32 holding ``dtype``-representable values (flce's master-weight path for
+    bf16/fp16 inputs), so the bias, and d loss / d bias, stay float32.
+    """
+    assert 2 * n <= d
+    g = gen(seed)
+    e = randn((n, d), dtype, "cpu", g, scale ** 0.5 / d ** 0.25).double()
+    c = randn((v, d), dtype, "cpu", g, scale ** 0.5 / d ** 0.25).double()
+    b = randn((v,), torch.float32, "cpu", g, 0.5).double()
+    t = int(torch.randint(0, v, (1,), generator=g))
+    others = torch.ones(v, dtype=torch.bool)
+    others[t] = False
+    mx = (e @ c[others].T + b[others]).max(dim=1).values
+    b[t] = float(torch.tensor(margin + mx.mean().item()).float())
+    c[t] = (torch.linalg.pinv(e) @ (mx + margin - b[t])).to(dtype).double()
+    z = e @ c.T + b
+    margins = z[:, t] - z[:, others].max(dim=1).values
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (margins - margin).abs().max() < tol * max(1.0, margin), margins
+    return (e.to(dtype).to(device), c.float().to(device),
+            torch.full((n,), t, dtype=torch.int64, device=device), b.float().to(device), margins)
+
+
+def ref_loss_grads(x, w, t, b=None, *, upstream=None, **kw):
+    """float64 flce.reference: (loss, lse, grad_input, grad_weight, grad_bias).
+
+    ``kw`` are linear_cross_entropy options; ``upstream`` weights a reduction="none" loss
+    (default: backward of the reduced loss, or of loss.sum() for "none").
+    """
+    x64, w64, b64 = as_f64(x, w, b)
+    x64 = x64.detach().cpu().requires_grad_()
+    w64 = w64.detach().cpu().requires_grad_()
+    if b64 is not None:
+        b64 = b64.detach().cpu().requires_grad_()
+    loss, lse = flce.reference.linear_cross_entropy(x64, w64, t.cpu(), bias=b64, return_lse=True,
+                                                    **kw)
+    if upstream is not None:
+        (loss * upstream.cpu().double()).sum().backward()
+    else:
+        loss.sum().backward()
+    return (loss.detach(), lse.detach(), x64.grad, w64.grad,
+            None if b64 is None else b64.grad)
+
+
+def fp32_logits(x, w, b=None):
+    """Logits as an fp32 implementation sees them: fp32 GEMM on the (upcast) inputs."""
+    w_c = w.to(x.dtype) if w.dtype != x.dtype else w
+    z = x.reshape(-1, x.shape[-1]).float() @ w_c.float().T
+    if b is not None:
+        z = z + b.float()
+    return z
+
+
+def ideal_fp32_loss(x, w, t, b=None, **kw):
+    """Per-token loss of exact (float64) collapse-safe math on fp32 logits of the same inputs."""
+    z = fp32_logits(x, w, b).double()
+    kw.setdefault("reduction", "none")
+    return flce.reference.logits_cross_entropy(z.cpu(), t.reshape(-1).cpu(), **kw)
+
+
+def _ce_grad(z, t, scale, ignore_index=-100):
+    """d(loss)/dz for plain CE, collapse-safe target column, in z's dtype."""
+    valid = t != ignore_index
+    st = torch.where(valid, t, torch.zeros_like(t))
+    p = torch.softmax(z, dim=1)
+    zt = z.gather(1, st[:, None])
+    rest = z.scatter(1, st[:, None], -math.inf)
+    lse_x = torch.logsumexp(rest, dim=1, keepdim=True)
+    p.scatter_(1, st[:, None], -torch.sigmoid(lse_x - zt))
+    p = p * valid[:, None].to(p.dtype)
+    return p * scale
+
+
+def ideal_grads(x, w, t, *, out_dtype, scale, chunk=8192):
+    """(dE, dC) of plain mean/sum CE (no bias): reference in float64 and the fp32 ideal.
+
+    Returns dict with "ref_dE", "ref_dC" (float64) and "ideal_dE", "ideal_dC" (out_dtype):
+    the ideal uses fp32 logits and probabilities (``_ce_grad`` in fp32), accumulates the
+    products in float64 and rounds once. ``scale`` multiplies every row's gradient (1/N for
+    the mean). Works in row chunks; all tensors on CPU.
+    """
+    x, w, t = x.cpu(), w.cpu(), t.cpu()
+    w_c = w.to(x.dtype) if w.dtype != x.dtype else w
+    x64, w64 = x.double(), w_c.double()
+    x32, w32 = x.float(), w_c.float()
+    n, d = x.shape
+    ref_de = torch.empty(n, d, dtype=torch.float64)
+    ide_de = torch.empty(n, d, dtype=torch.float64)
+    ref_dc = torch.zeros(w.shape[0], d, dtype=torch.float64)
+    ide_dc = torch.zeros(w.shape[0], d, dtype=torch.float64)
+    for i in range(0, n, chunk):
+        sl = slice(i, i + chunk)
+        g64 = _ce_grad(x64[sl] @ w64.T, t[sl], scale)
+        ref_de[sl] = g64 @ w64
+        ref_dc += g64.T @ x64[sl]
+        del g64
+        g32 = _ce_grad(x32[sl] @ w32.T, t[sl], scale).double()
+        ide_de[sl] = g32 @ w64
+        ide_dc += g32.T @ x64[sl]
+        del g32
+    return {"ref_dE": ref_de, "ref_dC": ref_dc,
+            "ideal_dE": ide_de.to(out_dtype), "ideal_dC": ide_dc.to(out_dtype)}
+
+
+def rel_err(x, ref):
+    x = x.detach().cpu().double()
+    ref = ref.detach().cpu().double()
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def max_rel_err(x, ref):
+    x = x.detach().cpu().double()
+    ref = ref.detach().cpu().double()
+    return ((x - ref).abs() / ref.abs()).max().item()
+
+
+def round_floor(ref, dtype):
+    return rel_err(ref.to(dtype), ref)
+
+
+def assert_close_to_ref(x, ref, dtype, *, factor=2.0, abs_floor=0.0, what="value"):
+    """Element-wise check: |x - ref| <= factor * (ulp-level rounding of ref to dtype) + abs_floor.
+
+    The rounding scale per element is max(|ref|, rms(ref)) * eps(dtype) so that tiny elements of
+    a vector are held to the vector's scale, as a norm-wise bound would.
+    """
+    x = x.detach().cpu().double()
+    ref = ref.detach().cpu().double()
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    assert torch.isfinite(x).all(), f"{what}: non-finite elements"
+    eps = torch.finfo(dtype).eps
+    rms = ref.pow(2).mean().sqrt() if ref.numel() else ref.new_zeros(())
+    tol = factor * eps * torch.maximum(ref.abs(), rms) + abs_floor
+    bad = (x - ref).abs() > tol
+    worst = ((x - ref).abs() - tol).flatten().argmax()
+    assert not bad.any(), (f"{what}: {int(bad.sum())}/{bad.numel()} elements off; worst "
+                           f"|err|={(x - ref).abs().max().item():.3e}, tol at worst "
+                           f"{tol.flatten()[worst].item():.3e}")
+
+
+def assert_grad_close(got, ref, *, what="grad", factor=None, norm_factor=None):
+    """A gradient in its own dtype against float64: element-wise (garbage anywhere) and
+    norm-wise (precision), with the GRAD_FACTOR / GRAD_NORM_FACTOR tolerances."""
+    dt = got.dtype
+    assert_close_to_ref(got, ref, dt, factor=factor or GRAD_FACTOR[dt], what=what)
+    err = rel_err(got, ref) / torch.finfo(dt).eps if ref.abs().sum() > 0 else 0.0
+    if _os.environ.get("FLCE_TEST_VERBOSE"):
+        print(f"{what} {dt}: norm-wise rel err {err:.3f} eps")
+    assert err <= (norm_factor or GRAD_NORM_FACTOR[dt]), (what, err)
+
+
+def poison_allocator(*shapes_dtypes, device="cpu"):
+    """Allocate, NaN-fill and free tensors of the given (shape, dtype) so that the next
+    allocations of those sizes likely reuse poisoned memory (see module docstring)."""
+    bufs = [torch.full(s, math.nan, dtype=dt, device=device) for s, dt in shapes_dtypes]
+    del bufs
+
+
+# check_flce tolerances, in units of eps(dtype). Element-wise bounds are relative to
+# max(|ref|, rms(ref)) and catch garbage anywhere; the norm-wise bound on gradients holds the
+# precision (fp32 gradients with cancellation have element errors far above their norm's).
+LOSS_FACTOR = 32.0  # the loss is fp32 whatever the input dtype: fp32-level error
+GRAD_FACTOR = {torch.float32: 1024.0, torch.bfloat16: 1.0, torch.float16: 1.0}
+GRAD_NORM_FACTOR = {torch.float32: 64.0, torch.bfloat16: 0.35, torch.float16: 0.35}
+
+
+def check_flce(x, w, t, b=None, *, return_lse=False, grads=True, loss_factor=LOSS_FACTOR,
+               grad_factor=None, seed=123, **opts):
+    """Run flce.linear_cross_entropy forward + backward and compare every element with the
+    float64 reference (``assert_close_to_ref``). Upstream gradients are random (fresh, nonzero)
+    for reduction="none" and for the lse. Returns (loss, lse or None, grads dict)."""
+    reduction = opts.get("reduction", "mean")
+    g = gen(seed)
+    leaves = {"input": x, "weight": w}
+    if b is not None:
+        leaves["bias"] = b
+    # detach, not clone: a clone of a strided view would be contiguous
+    leaves = {k: v.detach().requires_grad_(grads) for k, v in leaves.items()}
+    out = flce.linear_cross_entropy(leaves["input"], leaves["weight"], t, bias=leaves.get("bias"),
+                                    return_lse=return_lse, **opts)
+    loss, lse = out if return_lse else (out, None)
+    assert loss.dtype == torch.float32
+    up = torch.rand(t.shape, generator=g, dtype=torch.float64) + 0.5
+    up_lse = torch.rand(t.shape, generator=g, dtype=torch.float64) - 0.5
+    x64, w64, b64 = (None if a is None else a.detach().cpu().requires_grad_(grads)
+                     for a in as_f64(x, w, b))
+    rout = flce.reference.linear_cross_entropy(x64, w64, t.cpu(), bias=b64, return_lse=True,
+                                               **opts)
+    rloss, rlse = rout
+    assert loss.shape == rloss.shape
+    if reduction == "mean" and not (t != opts.get("ignore_index", -100)).any():
+        assert torch.isnan(loss).all() and torch.isnan(rloss).all()
+    else:
+        assert_close_to_ref(loss, rloss, torch.float32, factor=loss_factor, what="loss")
+    if return_lse:
+        assert lse.shape == t.shape and lse.dtype == torch.float32
+        assert_close_to_ref(lse, rlse, torch.float32, factor=loss_factor, what="lse")
+    result = {}
+    if grads:
+        def total(l, s, u, ul):
+            tot = (l * u).sum() if reduction == "none" else l
+            if return_lse:
+                tot = tot + (s * ul).sum()
+            return tot
+        total(loss, lse, up.float().to(loss.device), up_lse.float().to(loss.device)).backward()
+        total(rloss, rlse, up, up_lse).backward()
+        refs = {"input": x64.grad, "weight": w64.grad, "bias": None if b64 is None else b64.grad}
+        for name, leaf in leaves.items():
+            gr = leaf.grad
+            assert gr is not None and gr.shape == leaf.shape and gr.dtype == leaf.dtype, name
+            assert_grad_close(gr, refs[name], what=f"grad {name}", factor=grad_factor)
+            result[name] = gr
+    return loss, lse, result

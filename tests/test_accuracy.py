@@ -1,0 +1,188 @@
+"""Accuracy against float64 flce.reference, measured against the ideal fp32 computation.
+
+Collapse margins: every row has target margin z_t - max_{j != t} z_j = m (helpers.margin_inputs).
+Long sequences: N = 65536 tokens, gradients compared with the ideal (fp32 logits and
+probabilities, exact accumulation, one rounding).
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flce
+from helpers import (DEVICES, ideal_fp32_loss, ideal_grads, margin_inputs, rand_inputs,
+                     ref_loss_grads, rel_err, round_floor)
+
+MARGINS = [0, 5, 10, 20, 30, 50, 100, 200]
+MARGIN_V, MARGIN_D, MARGIN_N = 32771, 64, 16
+# Below fp32's normal range the loss is only representable to the subnormal spacing.
+FP32_SUBNORMAL = 2.0 ** -149
+# The issue's measured ideal (V=32771, D=64, fp32): loss relative error at a margin.
+ISSUE_IDEAL = {20: 5e-7, 50: 4e-6, 200: 3e-5}
+
+
+def _row_rel_errs(x, ref):
+    x, ref = x.detach().cpu().double(), ref.detach().cpu().double()
+    return (x - ref).norm(dim=-1) / ref.norm(dim=-1)
+
+
+def _row_floors(ref, dtype):
+    return _row_rel_errs(ref.to(dtype), ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _margin_case(dtype, margin):
+    """CPU inputs, float64 reference (loss, lse, dE, dC, db) and the ideal fp32 per-row loss."""
+    x, w, t, b, _ = margin_inputs(MARGIN_N, MARGIN_V, MARGIN_D, margin, dtype, seed=margin)
+    ref = ref_loss_grads(x, w, t, b, reduction="none")
+    return (x, w, t, b), ref, ideal_fp32_loss(x, w, t, b)
+
+
+def _ideal_err(dtype, margin):
+    """Ideal fp32 loss error: max over rows of |ideal - ref| / ref."""
+    _, ref, ideal = _margin_case(dtype, margin)
+    return ((ideal - ref[0]).abs() / ref[0]).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("margin", MARGINS)
+def test_collapse_margin(device, dtype, margin):
+    inputs, (ref_loss, _, ref_gx, _, ref_gb), _ = _margin_case(dtype, margin)
+    x, w, t, b = (a.to(device) for a in inputs)
+    xg = x.clone().requires_grad_()
+    bg = b.clone().requires_grad_()
+    loss = flce.linear_cross_entropy(xg, w, t, bias=bg, reduction="none")
+    loss.sum().backward()
+
+    ideal = _ideal_err(dtype, margin)
+    abs_err = (loss.detach().cpu().double() - ref_loss).abs()
+    raw = (abs_err / ref_loss).max().item()
+    worst = ((abs_err - FP32_SUBNORMAL).clamp(min=0) / ref_loss).max().item()
+    print(f"\nmargin {margin} {dtype}: loss rel err flce {raw:.2e} ({worst:.2e} beyond one "
+          f"subnormal ulp), ideal fp32 {ideal:.2e}, ref loss "
+          f"{ref_loss.min().item():.2e}..{ref_loss.max().item():.2e}")
+    assert worst <= 1e-7 + 3 * ideal
+    representable = ref_loss >= FP32_SUBNORMAL
+    assert (loss.detach().cpu()[representable] > 0).all(), "flce collapsed"
+
+    if margin <= 50:  # beyond, e^-margin gradients approach fp32 subnormals
+        _check_margin_grads(xg.grad, bg.grad, ref_gx, ref_gb, int(t[0]), dtype)
+
+
+def _check_margin_grads(gx, gb, ref_gx, ref_gb, tcol, dtype):
+    gt_err = rel_err(gb[tcol], ref_gb[tcol])
+    gx_err = _row_rel_errs(gx, ref_gx)
+    gx_floor = _row_floors(ref_gx, dtype)
+    print(f"  target-grad rel err {gt_err:.2e}; input-grad row rel err max "
+          f"{gx_err.max().item():.2e} (rounding floor {gx_floor.max().item():.2e})")
+    assert gt_err <= 1e-5
+    assert (gx_err <= 1e-5 + 1.1 * gx_floor).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("margin", [60, 70, 80])
+def test_collapse_margin_grads_near_underflow(device, dtype, margin):
+    """Margins 60-80: every gradient element is still a normal fp32 (and bf16) number
+    (|dE| ~ 1e-25..1e-33 > 1.2e-38) and the ideal fp32 computation keeps ~3e-6, but the
+    non-target probabilities exp(z_j - lse) fall below e^-87.3 for the lower columns: an exp
+    that flushes there instead of returning subnormals loses their share of dE."""
+    inputs, (_, _, ref_gx, _, ref_gb), _ = _margin_case(dtype, margin)
+    x, w, t, b = (a.to(device) for a in inputs)
+    assert ref_gx.abs().max() > 1e3 * torch.finfo(torch.float32).tiny
+    xg, bg = x.clone().requires_grad_(), b.clone().requires_grad_()
+    flce.linear_cross_entropy(xg, w, t, bias=bg, reduction="none").sum().backward()
+    _check_margin_grads(xg.grad, bg.grad, ref_gx, ref_gb, int(t[0]), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_margin_ideal_is_sane(dtype):
+    """The yardstick itself: of the order the issue measured, and growing with the margin.
+
+    (The issue's 5e-9 at margin 5 is below one fp32 ulp of an O(1) loss, so it cannot be a
+    per-row error; it is not checked. Ours: ~4e-7 at margin 5, ~1e-6 at 20, ~2e-6 at 50,
+    ~8e-6 at 200.)"""
+    ideal = {m: _ideal_err(dtype, m) for m in MARGINS}
+    for m, issue in ISSUE_IDEAL.items():
+        assert issue / 10 <= ideal[m] <= issue * 10, (m, ideal)
+    assert ideal[200] > 3 * ideal[5]
+    assert all(v < 1e-4 for v in ideal.values()), ideal
+
+
+@pytest.mark.parametrize("margin", [30, 50])
+def test_torch_cross_entropy_collapses(margin):
+    """Documents the peers' failure: fp32 logits + F.cross_entropy (and torch's fused
+    F.linear_cross_entropy) return exactly 0 loss and exactly 0 target gradient from margin
+    30, while the other columns' gradients stay nonzero; flce stays within the yardstick."""
+    (x, w, t, b), (ref_loss, *_), _ = _margin_case(torch.float32, margin)
+    logits = (x @ w.T + b).requires_grad_()
+    ce = F.cross_entropy(logits, t, reduction="none")
+    ce.sum().backward()
+    assert (ce == 0).all()
+    assert (logits.grad[:, t[0]] == 0).all()
+    assert (logits.grad.abs().sum(1) > 0).all()
+    assert (F.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none") == 0).all()
+    ours = flce.linear_cross_entropy(x, w, t, bias=b, reduction="none")
+    assert (ours > 0).all()
+    assert ((ours.double() - ref_loss).abs() / ref_loss).max() < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Long sequences
+# ---------------------------------------------------------------------------------------------
+LONG_N, LONG_V, LONG_D = 65536, 2048, 64
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param((dev.values[0], dt), id=f"{dev.values[0]}-{name}", marks=dev.marks)
+    for dev in DEVICES for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))])
+def long_run(request):
+    """flce, torch eager (logits + F.cross_entropy in the input dtype) and the ideal, once."""
+    device, dtype = request.param
+    x, w, t, _ = rand_inputs(LONG_N, LONG_V, LONG_D, dtype, device, seed=11)
+    res = {"dtype": dtype}
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    flce.linear_cross_entropy(xg, wg, t).backward()
+    res["flce"] = (xg.grad.cpu(), wg.grad.cpu())
+    del xg, wg
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    F.cross_entropy(xe @ we.T, t).backward()
+    res["eager"] = (xe.grad.cpu(), we.grad.cpu())
+    del xe, we
+    res.update(ideal_grads(x, w, t, out_dtype=dtype, scale=1.0 / LONG_N))
+    ratios = {}
+    for k, name in ((0, "dE"), (1, "dC")):
+        ref = res["ref_" + name]
+        ideal = rel_err(res["ideal_" + name], ref)
+        ratios[name] = {"flce/ideal": rel_err(res["flce"][k], ref) / ideal,
+                        "eager/ideal": rel_err(res["eager"][k], ref) / ideal,
+                        "ideal/floor": ideal / round_floor(ref, dtype),
+                        "flce": rel_err(res["flce"][k], ref), "ideal": ideal}
+    res["ratios"] = ratios
+    print(f"\nlong sequence {device} {dtype}: " + "; ".join(
+        f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in r.items())
+        for name, r in ratios.items()))
+    return res
+
+
+@pytest.mark.parametrize("grad", ["dE", "dC"])
+def test_long_sequence_gradients(long_run, grad):
+    r = long_run["ratios"][grad]
+    assert r["flce/ideal"] <= 1.5, r
+
+
+@pytest.mark.parametrize("grad", ["dE", "dC"])
+def test_long_sequence_beats_eager(long_run, grad):
+    r = long_run["ratios"][grad]
+    assert r["flce/ideal"] < r["eager/ideal"], r
+
+
+def test_long_sequence_ideal_is_sane(long_run):
+    """The ideal is near the rounding floor: within 1.1x for bf16 outputs; a few times it for
+    fp32 outputs, where fp32 logits already carry rounding error (issue: 1.3x dC, 2.1x dE)."""
+    for grad in ("dE", "dC"):
+        r = long_run["ratios"][grad]["ideal/floor"]
+        if long_run["dtype"] == torch.bfloat16:
+            assert 1.0 <= r <= 1.1, (grad, r)
+        else:
+            assert 1.05 <= r <= 4.0, (grad, r)
