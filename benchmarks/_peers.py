@@ -1,0 +1,279 @@
+"""Shared machinery of bench.py and demo.py: the implementations compared, the inputs they get,
+and the per-process measurement of time, peak memory and large-margin accuracy.
+
+Each measurement runs in a fresh child process (``python _peers.py '<json spec>'``) so that one
+implementation's allocator caches, compiled graphs and thread pools cannot flatter or penalize the
+next one, and so that the child's peak resident set size is that implementation's alone.
+"""
+import ctypes
+import gc
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if importlib.util.find_spec("flce") is None:
+    sys.path.insert(0, os.path.join(REPO, "python"))
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Liger runs through the Triton interpreter on CPU: about a million times slower than a kernel.
+# Beyond this many multiply-adds (N * V * D) a CPU run is refused rather than left to hang.
+LIGER_CPU_MAX_MACS = 2 ** 26
+
+IMPLS = ("flce", "eager", "compile", "chunked", "liger", "cce")
+DESCRIPTIONS = {
+    "flce": "flce.linear_cross_entropy",
+    "eager": "F.linear + .float() + F.cross_entropy (eager)",
+    "compile": "torch.compile of the eager code",
+    "chunked": "torch F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
+    "liger": "Liger-Kernel liger_fused_linear_cross_entropy",
+    "cce": "Apple cut_cross_entropy.linear_cross_entropy",
+}
+
+
+def available(name):
+    """None when ``name`` can run here, else the reason it cannot."""
+    if name in ("flce", "eager", "compile"):
+        return None
+    if name == "chunked":
+        if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn,
+                                                                 "LinearCrossEntropyOptions"):
+            return f"torch {torch.__version__} has no chunked F.linear_cross_entropy (>= 2.13)"
+        return None
+    module = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}[name]
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed"
+    return None
+
+
+def child_env(name, device):
+    env = dict(os.environ)
+    if name == "liger" and device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def make_impl(name, device):
+    """``f(x, w, t, bias=None) -> mean loss`` for implementation ``name``."""
+    if name == "flce":
+        import flce
+
+        def f(x, w, t, bias=None):
+            return flce.linear_cross_entropy(x, w, t, bias=bias)
+        return f
+    if name in ("eager", "compile"):
+        # The usual LM recipe (e.g. Hugging Face): logits in the input dtype, upcast, then CE.
+        def f(x, w, t, bias=None):
+            return F.cross_entropy(F.linear(x, w, bias).float(), t)
+        return torch.compile(f) if name == "compile" else f
+    if name == "chunked":
+        options = torch.nn.LinearCrossEntropyOptions()
+
+        def f(x, w, t, bias=None):
+            return F.linear_cross_entropy(x, w, t, linear_bias=bias, options=options)
+        return f
+    if name == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def f(x, w, t, bias=None):
+            return liger_fused_linear_cross_entropy(x, w, t, bias)
+        return f
+    if name == "cce":
+        from cut_cross_entropy import linear_cross_entropy as cce
+        impl = "cce" if device == "cuda" else "torch_compile"
+
+        def f(x, w, t, bias=None):
+            if bias is not None:
+                raise ValueError("cut_cross_entropy takes no bias")
+            return cce(x, w, t, impl=impl)
+        return f
+    raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
+
+
+def random_batch(n, v, d, dtype, device, seed=0):
+    """Hidden states ~ N(0, 1) and a classifier scaled so that logits are ~ N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g).to(dtype)
+    w = (torch.randn(v, d, generator=g) / math.sqrt(d)).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    return x.to(device), w.to(device), t.to(device)
+
+
+def margin_batch(n, v, d, margin, dtype, seed=0):
+    """A batch whose every row has target margin ``z_t - max_{j != t} z_j`` close to ``margin``.
+
+    Built in float64 by moving each hidden state along its target's classifier row (Newton steps
+    on the piecewise-linear margin), then rounded to ``dtype``; the rounded tensors are the
+    problem, so references must be computed from them. Returns x, w, t (CPU) and the margins of
+    the rounded problem.
+    """
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64) / math.sqrt(d)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    t = torch.randint(0, v, (n,), generator=g)
+    w_t = w[t]
+    step_dir = w_t / (w_t * w_t).sum(1, keepdim=True)
+    for _ in range(20):
+        cur, rival = _margins(x, w, t)
+        slope = 1.0 - (w[rival] * step_dir).sum(1)
+        x = x + ((margin - cur) / slope)[:, None] * step_dir
+    x, w = x.to(dtype), w.to(dtype)
+    return x, w, t, _margins(x.double(), w.double(), t)[0]
+
+
+def _margins(x, w, t):
+    z = x @ w.T
+    z_t = z.gather(1, t[:, None])[:, 0]
+    others = z.scatter(1, t[:, None], float("-inf"))
+    best, rival = others.max(1)
+    return z_t - best, rival
+
+
+def reference_loss(x, w, t, bias=None):
+    """float64 collapse-safe mean loss of the (already rounded) problem."""
+    import flce.reference
+    b = None if bias is None else bias.double()
+    return flce.reference.linear_cross_entropy(x.double(), w.double(), t, bias=b)
+
+
+def large_margin_error(f, v, d, dtype, device, margin, n=16, seed=1):
+    """Relative error of ``f``'s mean loss vs float64 on a batch at target margin ``margin``."""
+    x, w, t, margins = margin_batch(n, v, d, margin, dtype, seed)
+    ref = float(reference_loss(x, w, t))
+    with torch.no_grad():
+        got = float(f(x.to(device), w.to(device), t.to(device)))
+    return abs(got - ref) / abs(ref), float(margins.mean()), got, ref
+
+
+# ---- memory probes -----------------------------------------------------------------------------
+
+def _proc_status_kb(field):
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss():
+    # "5" resets the process's resident-set high-water mark (VmHWM) to the current RSS.
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+
+
+def _malloc_trim():
+    # Hand freed heap pages back to the kernel so that reusing them during the measured run shows
+    # up as RSS growth instead of hiding inside the baseline.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Peak bytes allocated above the state at ``__enter__``: CUDA allocator stats on CUDA, the
+    growth of the resident-set high-water mark (/proc/self/status VmHWM) on CPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self.peak = None
+        self.total = None  # the absolute peak: process RSS on CPU, all allocations on CUDA
+
+    def __enter__(self):
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            _malloc_trim()
+            _reset_peak_rss()
+            self.base = _proc_status_kb("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.total = torch.cuda.max_memory_allocated()
+        else:
+            self.total = _proc_status_kb("VmHWM") * 1024
+        self.peak = self.total - self.base
+        return False
+
+
+# ---- one measurement (runs in the child) ---------------------------------------------------------
+
+def measure(spec):
+    """Time, peak memory and accuracy of one implementation at one shape; returns a dict."""
+    name, device = spec["impl"], spec["device"]
+    dtype = DTYPES[spec["dtype"]]
+    n, v, d = spec["N"], spec["V"], spec["D"]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    f = make_impl(name, device)
+    x, w, t = random_batch(n, v, d, dtype, device, seed=spec.get("seed", 0))
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step():
+        x.grad = None
+        w.grad = None
+        loss = f(x, w, t)
+        loss.backward()
+        sync()
+        return loss
+
+    for _ in range(spec.get("warmup", 1)):
+        step()
+    times = []
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+    out = {"time_median_s": statistics.median(times), "time_min_s": min(times),
+           "time_max_s": max(times), "loss": float(loss.detach()),
+           "threads": torch.get_num_threads()}
+    x.grad = None
+    w.grad = None
+    del loss
+    with PeakMemory(device) as mem:
+        step()
+    out["peak_mem_bytes"] = mem.peak
+    out["peak_total_bytes"] = mem.total
+    if spec.get("accuracy", True):
+        rel, mean_margin, _, _ = large_margin_error(
+            f, spec["acc_V"], spec["acc_D"], dtype, device, spec["margin"])
+        out["loss_rel_err"] = rel
+        out["acc_margin"] = mean_margin
+    return out
+
+
+def run_child(spec, timeout=None):
+    """Run :func:`measure` for ``spec`` in a fresh interpreter; returns its dict, or one with an
+    ``error`` key when the child fails."""
+    cmd = [sys.executable, os.path.abspath(__file__), json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=child_env(spec["impl"], spec["device"]))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail[:200]}"}
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(json.loads(sys.argv[1]))), flush=True)
