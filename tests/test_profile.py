@@ -1,4 +1,4 @@
-"""benchmarks/profile.py on CPU: the trace holds exactly the profiled steps, with flce's ops."""
+"""benchmarks/profile_step.py on CPU: the trace holds exactly the profiled steps, with flce's ops."""
 import importlib.util
 import json
 import os
@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _load_profile():
     spec = importlib.util.spec_from_file_location("flce_profile_script",
-                                                  os.path.join(ROOT, "benchmarks", "profile.py"))
+                                                  os.path.join(ROOT, "benchmarks", "profile_step.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -71,13 +71,22 @@ void row_bias_softcap(float* z, const float* bias, int64_t n, float cap) {
   }
 }
 
-FLCE_CLONES void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n) {
+FLCE_CLONES void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n,
+                                float scale) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const uint16_t h = bf16_bits(g[j]);
+    const float x = g[j] * scale;
+    const uint16_t h = bf16_bits(x);
     hi[j] = h;
-    lo[j] = bf16_bits(g[j] - bf16_value(h));
+    lo[j] = bf16_bits(x - bf16_value(h));
   }
+}
+
+FLCE_CLONES float row_absmax(const float* z, int64_t n) {
+  float m = 0.f;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = std::fabs(z[j]) > m ? std::fabs(z[j]) : m;
+  return m;
 }
 
 void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha) {

@@ -20,8 +20,10 @@ float row_sum(const float* z, int64_t n);
 void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap);
 // z[j] <- softcap(z[j] + bias[j]) (bias may be null, cap <= 0 disables the softcap).
 void row_bias_softcap(float* z, const float* bias, int64_t n, float cap);
-// g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even.
-void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n);
+// scale * g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even.
+void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n, float scale);
+// max_j |z[j]| (NaN-blind; 0 for n = 0).
+float row_absmax(const float* z, int64_t n);
 enum class Dtype { f32, bf16, f16 };
 
 // out[j] = alpha * x[j] for a row x stored as dtype.

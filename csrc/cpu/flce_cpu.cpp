@@ -310,6 +310,7 @@ class GradPass {
     tc_.resize(need_c_ ? BLOCK_V * d : 0);
     t_col_.resize(block_n);
     t_grad_.resize(block_n);
+    row_max_.resize(block_n);
   }
 
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
@@ -333,9 +334,26 @@ class GradPass {
         t_col_[r] = has_t ? tl : -1;
         t_grad_[r] = has_t ? rg[r].dz_t * softcap_grad(z_target, cap_) : 0.f;
         if (has_t) row[tl] = 0.f;
-        if (split_) cpu::row_split_bf16(row, &hi_[r * BLOCK_V], &lo_[r * BLOCK_V], bv);
+        if (split_) row_max_[r] = cpu::row_absmax(row, bv);
       }
     });
+    // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary
+    // (margins ~80) a row's gradients are ~1e-35 with most of its columns below FLT_MIN: the
+    // split tile is scaled by a power of two that puts its largest entry near 1, and the GEMMs
+    // take the inverse as alpha (both exact).
+    float alpha = 1.f;
+    if (split_) {
+      float mx = 0.f;
+      for (int64_t r = 0; r < bn; ++r) mx = std::max(mx, row_max_[r]);
+      const int k = (mx > 0.f && std::isfinite(mx)) ? std::clamp(-std::ilogb(mx), -126, 126) : 0;
+      const float scale = std::ldexp(1.f, k);
+      alpha = std::ldexp(1.f, -k);
+      at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          cpu::row_split_bf16(tile + r * ld, &hi_[r * BLOCK_V], &lo_[r * BLOCK_V], bv, scale);
+        }
+      });
+    }
     if (need_b_) {
       // Column sums in row order, one Kahan add per column, then the target columns one by one.
       KahanAcc bacc = gb_->acc().offset(0);
@@ -359,9 +377,9 @@ class GradPass {
       // dE[n0:n0+bn] += G [bn, bv] @ W[v0:v0+bv] [bv, D]
       float* te = te_.data();
       if (split_) {
-        gemm_f32out(at::kBFloat16, bn, d, bv, 1.f, GemmOperand{hi_.data(), BLOCK_V, false},
+        gemm_f32out(at::kBFloat16, bn, d, bv, alpha, GemmOperand{hi_.data(), BLOCK_V, false},
                     GemmOperand{wp, d, false}, 0.f, te, d);
-        gemm_f32out(at::kBFloat16, bn, d, bv, 1.f, GemmOperand{lo_.data(), BLOCK_V, false},
+        gemm_f32out(at::kBFloat16, bn, d, bv, alpha, GemmOperand{lo_.data(), BLOCK_V, false},
                     GemmOperand{wp, d, false}, 1.f, te, d);
       } else {
         const void* w = w32_.defined() ? static_cast<const void*>(w32_.data_ptr<float>() + v0 * d) : wp;
@@ -385,9 +403,9 @@ class GradPass {
       // dC[v0:v0+bv] += G^T [bv, bn] @ X[n0:n0+bn] [bn, D]
       float* tc = tc_.data();
       if (split_) {
-        gemm_f32out(at::kBFloat16, bv, d, bn, 1.f, GemmOperand{hi_.data(), BLOCK_V, true},
+        gemm_f32out(at::kBFloat16, bv, d, bn, alpha, GemmOperand{hi_.data(), BLOCK_V, true},
                     GemmOperand{xp, d, false}, 0.f, tc, d);
-        gemm_f32out(at::kBFloat16, bv, d, bn, 1.f, GemmOperand{lo_.data(), BLOCK_V, true},
+        gemm_f32out(at::kBFloat16, bv, d, bn, alpha, GemmOperand{lo_.data(), BLOCK_V, true},
                     GemmOperand{xp, d, false}, 1.f, tc, d);
       } else {
         const void* x = x32_.defined() ? static_cast<const void*>(x32_.data_ptr<float>() + n0 * d) : xp;
@@ -444,6 +462,7 @@ class GradPass {
   std::vector<float> te_, tc_;
   std::vector<int64_t> t_col_;
   std::vector<float> t_grad_;
+  std::vector<float> row_max_;  // per tile row: max |gradient| (bf16 split scale)
 };
 
 

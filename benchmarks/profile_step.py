@@ -1,11 +1,11 @@
 """A fixed number of warm-up and profiled steps of flce at a realistic shape, for profilers.
 
-    python benchmarks/profile.py --n 8192 --v 128256 --d 4096 --dtype bf16        # timing only
+    python benchmarks/profile_step.py --n 8192 --v 128256 --d 4096 --dtype bf16        # timing only
     nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx \
-        -o flce python benchmarks/profile.py ...                                   # profiled steps
+        -o flce python benchmarks/profile_step.py ...                                   # profiled steps
     ncu --profile-from-start off --clock-control none --kernel-name-base demangled \
-        -k regex:flce:: --launch-count 1 python benchmarks/profile.py --steps 1 ...  # one kernel
-    python benchmarks/profile.py --device cpu --n 512 --v 4096 --d 256 --torch-profiler out.json
+        -k regex:flce:: --launch-count 1 python benchmarks/profile_step.py --steps 1 ...  # one kernel
+    python benchmarks/profile_step.py --device cpu --n 512 --v 4096 --d 256 --torch-profiler out.json
 
 The profiled steps run between torch.cuda.profiler.start() and stop() (cudaProfilerStart/Stop),
 so nsys with --capture-range=cudaProfilerApi and ncu with --profile-from-start off see exactly
