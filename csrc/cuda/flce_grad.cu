@@ -176,17 +176,7 @@ cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_grad_logits(const GradParams& p, DType dtype, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return launch<MmaTile<__nv_bfloat16>>(p, stream);
-    case DType::kFloat16:
-      return launch<MmaTile<__half>>(p, stream);
-    case DType::kFloat32:
-      return launch<SimtTile>(p, stream);
-    case DType::kFloat32Tf32:
-      return launch<MmaTile<float>>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_tile(dtype, [&](auto tile) { return launch<decltype(tile)>(p, stream); });
 }
 
 }  // namespace cuda

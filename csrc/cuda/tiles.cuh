@@ -260,5 +260,21 @@ struct TileElem<SimtTile> {
   using type = float;
 };
 
+// The tile traits of a compute dtype, as a tag: f(Tile{}) for the kernels of that dtype.
+template <typename F>
+cudaError_t with_tile(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return f(MmaTile<__nv_bfloat16>{});
+    case DType::kFloat16:
+      return f(MmaTile<__half>{});
+    case DType::kFloat32:
+      return f(SimtTile{});
+    case DType::kFloat32Tf32:
+      return f(MmaTile<float>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace cuda
 }  // namespace flce
