@@ -103,7 +103,7 @@ struct TargetFixParams {
 cudaError_t launch_target_fix(const TargetFixParams& p, DType dtype, cudaStream_t stream);
 
 // Merge R partial-stat blocks [R, n, 4] in rank order. finalize = false: write the merged
-// (m, s, z_t, sum_z) to merged [n, 4]. finalize = true: write loss, lse, stats = (lse_x, z_t) and
+// (m, s, z_t, sum_z) to merged [n, 4]. finalize = true: write loss, lse, stats = (m_x, s_x, z_t) and
 // raise *error_flag (set to 1) for a target outside [0, vocab_size) that is not ignore_index.
 struct CombineParams {
   const float* partials;  // [ranks, n, 4] contiguous
