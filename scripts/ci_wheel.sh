@@ -84,7 +84,9 @@ VPY="$WORK/venv/bin/python"
   "$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_flce_ci_parent.pth"
 VPIP=("$PY" -m pip --python "$VPY")
 # No deps: torch comes from the system; the wheel's torch pin is checked below.
-"${VPIP[@]}" install -q --no-index --no-deps "$WHEEL"
+# --ignore-installed: the parent environment may already hold this flce (pip sees it through the
+# .pth above) and must not satisfy the install.
+"${VPIP[@]}" install -q --no-index --no-deps --ignore-installed "$WHEEL"
 
 step "import and CPU smoke test (from outside the source tree)"
 (cd "$WORK" && "$VPY" - "$EXPECT_ARCHS" "${FLCE_PTX:-newest}" "$N_CU" "$ROOT" <<'EOF'
