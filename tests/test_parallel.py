@@ -524,6 +524,11 @@ def _worker_main():
     import torch.distributed as dist
 
     dist.destroy_process_group()
+    # Skip interpreter teardown, where a background thread of the process group still joinable
+    # at exit can abort a successful run; a failure raised above exits 1.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
