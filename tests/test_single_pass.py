@@ -34,3 +34,14 @@ def test_single_pass_refuses_what_it_cannot_do():
         flce.linear_cross_entropy(x, w, t, reduction="none", single_pass=True)
     with pytest.raises(ValueError, match="single_pass"):
         flce.linear_cross_entropy(x, w, t, return_lse=True, single_pass=True)
+
+
+def test_module_passes_single_pass():
+    x, w, t, _ = rand_inputs(16, 300, 8, torch.float32, "cpu", seed=2)
+    xg = x.clone().requires_grad_()
+    loss = flce.LinearCrossEntropy(single_pass=True)(xg, w, t)
+    assert "sum_and_grad" in type(loss.grad_fn).__name__
+    loss.backward()
+    ref = x.clone().requires_grad_()
+    flce.linear_cross_entropy(ref, w, t).backward()
+    assert rel_err(xg.grad, ref.grad.double()) <= 1e-6

@@ -162,7 +162,7 @@ class LinearCrossEntropy(torch.nn.Module):
     """``nn.Module`` form of :func:`linear_cross_entropy`; call as ``module(input, weight, target)``."""
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
-                 softcap=None, return_lse=False):
+                 softcap=None, return_lse=False, single_pass=False):
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"flce: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -172,12 +172,14 @@ class LinearCrossEntropy(torch.nn.Module):
         self.z_loss = z_loss
         self.softcap = softcap
         self.return_lse = return_lse
+        self.single_pass = single_pass
 
     def forward(self, input, weight, target, bias=None):
         return linear_cross_entropy(input, weight, target, bias=bias,
                                     ignore_index=self.ignore_index, reduction=self.reduction,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                                    softcap=self.softcap, return_lse=self.return_lse)
+                                    softcap=self.softcap, return_lse=self.return_lse,
+                                    single_pass=self.single_pass)
 
     def extra_repr(self):
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
