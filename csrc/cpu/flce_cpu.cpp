@@ -281,7 +281,7 @@ class GradPass {
  public:
   GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
            bool rows_outer, int64_t block_n, float cap, bool deferred)
-      : o_(o), rows_outer_(rows_outer), block_n_(block_n), cap_(cap),
+      : o_(o), rows_outer_(rows_outer), cap_(cap),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
         split_(o.dtype == at::kBFloat16) {
     const auto opts = o.x.options();
@@ -356,10 +356,8 @@ class GradPass {
     }
     if (need_b_) {
       // Column sums in row order, one Kahan add per column, then the target columns one by one.
-      KahanAcc bacc = gb_->acc().offset(0);
-      bacc.sum += v0;
-      bacc.comp += v0;
-      bacc.width = bv;
+      const KahanAcc all = gb_->acc();  // one row of V columns
+      const KahanAcc bacc{all.sum + v0, all.comp + v0, bv};
       std::vector<float> colsum(bv, 0.f);
       for (int64_t r = 0; r < bn; ++r) {
         const float* row = tile + r * ld;
@@ -453,7 +451,6 @@ class GradPass {
  private:
   const Operands& o_;
   bool rows_outer_;
-  int64_t block_n_;
   float cap_;
   bool need_e_, need_c_, need_b_, split_;
   std::optional<GradBuffer> ge_, gc_, gb_;

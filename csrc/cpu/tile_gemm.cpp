@@ -50,12 +50,6 @@ at::Tensor operand_view(const GemmOperand& x, int64_t rows, int64_t cols, at::Sc
 
 }  // namespace
 
-bool has_native_lowp_gemm(at::ScalarType dtype) {
-  if (dtype == at::kBFloat16) return blas().bf16 != nullptr;
-  if (dtype == at::kHalf) return blas().f16 != nullptr;
-  return false;
-}
-
 void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, float alpha,
                  GemmOperand a, GemmOperand b, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;

@@ -21,7 +21,4 @@ struct GemmOperand {
 void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, float alpha,
                  GemmOperand a, GemmOperand b, float beta, float* c, int64_t ldc);
 
-// True when bf16/fp16 tiles go to a native mixed-precision BLAS GEMM (for build_info / docs).
-bool has_native_lowp_gemm(at::ScalarType dtype);
-
 }  // namespace flce::cpu
