@@ -114,10 +114,13 @@ include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"
 # -fno-trapping-math (as torch itself builds) only lets the vectorizer if-convert the epilogue.
 # Py_LIMITED_API: the module is tagged abi3 (py_limited_api below), so it must only use the
 # stable ABI.
-cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd",
+# -fopenmp: ATen's at::parallel_for is a header template that runs serially unless the caller
+# is compiled with OpenMP (torch's CPU build parallelizes with OpenMP); the module then needs
+# libgomp.so.1, which is the one libtorch_cpu has already loaded.
+cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
              "-DPy_LIMITED_API=0x03090000"]
 define_macros = []
-ext_kwargs = {}
+ext_kwargs = {"extra_link_args": ["-fopenmp"]}
 
 archs, cuda_version, cu_sources = [], None, []
 if use_cuda:

@@ -10,6 +10,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ATen.h>
 
+#include "cpu/tile_gemm.h"
 #include "flce_ops.h"
 
 namespace flce {
@@ -137,6 +138,11 @@ TORCH_LIBRARY(flce, m) {
       "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // dtype((pair[0] + pair[1]) * scale), computed in double and rounded once.
   m.def("scale_grad(Tensor pair, Tensor scale, ScalarType dtype) -> Tensor");
+  // The CPU backend's tile GEMM path in this process, "onednn" or "blas" (csrc/cpu/tile_gemm.h);
+  // flce.build_info()["cpu_gemm"].
+  m.def("cpu_gemm_path() -> str", [] {
+    return std::string(cpu::gemm_path(at::kFloat) == cpu::GemmPath::onednn ? "onednn" : "blas");
+  });
 }
 
 TORCH_LIBRARY_IMPL(flce, CompositeExplicitAutograd, m) { m.impl("forward", &forward_composite); }

@@ -37,6 +37,8 @@ constexpr int64_t BLOCK_V = 2048;  // vocabulary columns per tile
 
 using cpu::GemmOperand;
 using cpu::gemm_f32out;
+using cpu::LhsScratch;
+using cpu::Rhs;
 
 int64_t grain(int64_t work_per_item) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, work_per_item));
@@ -70,15 +72,23 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
   return o;
 }
 
+// The scratch of the logit tiles: the weight tile W[v0:v0+bv]^T as the GEMM reads it (packed
+// once per vocab tile on the onednn path) and copies of the input rows where it needs them.
+struct LogitScratch {
+  Rhs wt;
+  LhsScratch lhs;
+};
+
 // logits[r, j] = x[n0 + r] . w[v0 + j] + bias[v0 + j], then softcap; tile is [bn, bv] with row
 // stride ld.
 void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t bv, float cap,
-                float* tile, int64_t ld) {
+                float* tile, int64_t ld, LogitScratch& scratch) {
   const int64_t es = o.x.element_size();
   const char* xp = static_cast<const char*>(o.x.data_ptr()) + n0 * o.d * es;
   const char* wp = static_cast<const char*>(o.w.data_ptr()) + v0 * o.d * es;
-  gemm_f32out(o.dtype, bn, bv, o.d, 1.f, GemmOperand{xp, o.d, false},
-              GemmOperand{wp, o.d, true}, 0.f, tile, ld);
+  scratch.wt.prepare(o.dtype, GemmOperand{wp, o.d, true}, o.d, bv);
+  gemm_f32out(o.dtype, bn, bv, o.d, GemmOperand{xp, o.d, false}, scratch.wt, false, tile, ld,
+              scratch.lhs);
   const float* b = o.bias.defined() ? o.bias.data_ptr<float>() + v0 : nullptr;
   if (b == nullptr && !(cap > 0.f)) return;
   at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
@@ -142,27 +152,29 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
   at::Tensor out = at::empty({o.n, 4}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
   std::vector<float> tile(BLOCK_N * BLOCK_V);
-  std::vector<RowState> rows(BLOCK_N);
-  for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
-    const int64_t bn = std::min(BLOCK_N, o.n - n0);
-    std::fill(rows.begin(), rows.end(), RowState{});
-    for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
-      const int64_t bv = std::min(BLOCK_V, o.v - v0);
-      logit_tile(o, n0, bn, v0, bv, cap, tile.data(), BLOCK_V);
+  // Vocab tiles outer: each weight tile is prepared for the GEMM once; every row folds the
+  // tiles in vocabulary order all the same.
+  std::vector<RowState> rows(o.n);
+  LogitScratch scratch;
+  for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
+    const int64_t bv = std::min(BLOCK_V, o.v - v0);
+    for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
+      const int64_t bn = std::min(BLOCK_N, o.n - n0);
+      logit_tile(o, n0, bn, v0, bv, cap, tile.data(), BLOCK_V, scratch);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
-          fold_row(tile.data() + r * BLOCK_V, bv, tl < 0 ? -1 : tl - v0, rows[r]);
+          fold_row(tile.data() + r * BLOCK_V, bv, tl < 0 ? -1 : tl - v0, rows[n0 + r]);
         }
       });
     }
-    for (int64_t r = 0; r < bn; ++r) {
-      float* p = st + (n0 + r) * 4;
-      p[0] = rows[r].lse.m;
-      p[1] = rows[r].lse.s;
-      p[2] = rows[r].z_t;
-      p[3] = rows[r].sum();
-    }
+  }
+  for (int64_t i = 0; i < o.n; ++i) {
+    float* p = st + i * 4;
+    p[0] = rows[i].lse.m;
+    p[1] = rows[i].lse.s;
+    p[2] = rows[i].z_t;
+    p[3] = rows[i].sum();
   }
   return out;
 }
@@ -212,13 +224,6 @@ struct KahanAcc {
   float* comp = nullptr;
   int64_t width = 0;
 
-  void add_rows(const float* x, int64_t rows, int64_t ldx) const {
-    at::parallel_for(0, rows, grain(width), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        cpu::row_kahan_add(sum + r * width, comp + r * width, x + r * ldx, width);
-      }
-    });
-  }
   void add_row(int64_t r, const float* x) const {
     cpu::row_kahan_add(sum + r * width, comp + r * width, x, width);
   }
@@ -306,8 +311,6 @@ class GradPass {
       x32_ = o.x.to(at::kFloat);
       w32_ = o.w.to(at::kFloat);
     }
-    te_.resize(need_e_ ? block_n * d : 0);
-    tc_.resize(need_c_ ? BLOCK_V * d : 0);
     t_col_.resize(block_n);
     t_grad_.resize(block_n);
     row_max_.resize(block_n);
@@ -371,21 +374,23 @@ class GradPass {
     const int64_t es = o_.x.element_size();
     const char* xp = static_cast<const char*>(o_.x.data_ptr()) + n0 * d * es;
     const char* wp = static_cast<const char*>(o_.w.data_ptr()) + v0 * d * es;
+    // The tile products go straight into the Kahan accumulators; the split tile's are scaled
+    // back by alpha (a power of two: exact).
+    const GemmOperand split_rows[2] = {{hi_.data(), BLOCK_V, false}, {lo_.data(), BLOCK_V, false}};
+    const GemmOperand split_cols[2] = {{hi_.data(), BLOCK_V, true}, {lo_.data(), BLOCK_V, true}};
     if (need_e_) {
       // dE[n0:n0+bn] += G [bn, bv] @ W[v0:v0+bv] [bv, D]
-      float* te = te_.data();
+      const KahanAcc eacc = rows_outer_ ? ge_->acc() : ge_->acc().offset(n0);
+      const cpu::KahanOut eout{eacc.sum, eacc.comp, d};
       if (split_) {
-        gemm_f32out(at::kBFloat16, bn, d, bv, alpha, GemmOperand{hi_.data(), BLOCK_V, false},
-                    GemmOperand{wp, d, false}, 0.f, te, d);
-        gemm_f32out(at::kBFloat16, bn, d, bv, alpha, GemmOperand{lo_.data(), BLOCK_V, false},
-                    GemmOperand{wp, d, false}, 1.f, te, d);
+        w_rhs_.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
+        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, w_rhs_, alpha, eout, lhs_);
       } else {
         const void* w = w32_.defined() ? static_cast<const void*>(w32_.data_ptr<float>() + v0 * d) : wp;
-        gemm_f32out(at::kFloat, bn, d, bv, 1.f, GemmOperand{tile, ld, false},
-                    GemmOperand{w, d, false}, 0.f, te, d);
+        const GemmOperand g{tile, ld, false};
+        w_rhs_.prepare(at::kFloat, GemmOperand{w, d, false}, bv, d);
+        cpu::gemm_accumulate(at::kFloat, bn, d, bv, &g, 1, w_rhs_, 1.f, eout, lhs_);
       }
-      const KahanAcc eacc = rows_outer_ ? ge_->acc() : ge_->acc().offset(n0);
-      eacc.add_rows(te, bn, d);
       // dE[n] += dz_t W[t]: one scaled row per row that has its target in this tile.
       at::parallel_for(0, bn, grain(d), [&](int64_t r0, int64_t r1) {
         std::vector<float> prod(d);
@@ -399,19 +404,17 @@ class GradPass {
     }
     if (need_c_) {
       // dC[v0:v0+bv] += G^T [bv, bn] @ X[n0:n0+bn] [bn, D]
-      float* tc = tc_.data();
+      const KahanAcc cacc = rows_outer_ ? gc_->acc().offset(v0) : gc_->acc();
+      const cpu::KahanOut cout{cacc.sum, cacc.comp, d};
       if (split_) {
-        gemm_f32out(at::kBFloat16, bv, d, bn, alpha, GemmOperand{hi_.data(), BLOCK_V, true},
-                    GemmOperand{xp, d, false}, 0.f, tc, d);
-        gemm_f32out(at::kBFloat16, bv, d, bn, alpha, GemmOperand{lo_.data(), BLOCK_V, true},
-                    GemmOperand{xp, d, false}, 1.f, tc, d);
+        x_rhs_.prepare(at::kBFloat16, GemmOperand{xp, d, false}, bn, d);
+        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, 2, x_rhs_, alpha, cout, lhs_);
       } else {
         const void* x = x32_.defined() ? static_cast<const void*>(x32_.data_ptr<float>() + n0 * d) : xp;
-        gemm_f32out(at::kFloat, bv, d, bn, 1.f, GemmOperand{tile, ld, true},
-                    GemmOperand{x, d, false}, 0.f, tc, d);
+        const GemmOperand gt{tile, ld, true};
+        x_rhs_.prepare(at::kFloat, GemmOperand{x, d, false}, bn, d);
+        cpu::gemm_accumulate(at::kFloat, bv, d, bn, &gt, 1, x_rhs_, 1.f, cout, lhs_);
       }
-      const KahanAcc cacc = rows_outer_ ? gc_->acc().offset(v0) : gc_->acc();
-      cacc.add_rows(tc, bv, d);
       // dC[t] += dz_t X[n], in row order: rows that share a target add to one row of dC.
       std::vector<float> prod(d);
       for (int64_t r = 0; r < bn; ++r) {
@@ -456,7 +459,8 @@ class GradPass {
   std::optional<GradBuffer> ge_, gc_, gb_;
   std::vector<uint16_t> hi_, lo_;
   at::Tensor x32_, w32_;
-  std::vector<float> te_, tc_;
+  Rhs w_rhs_, x_rhs_;  // the tile GEMMs' right operands: W tile (dE), input rows (dC)
+  LhsScratch lhs_;
   std::vector<int64_t> t_col_;
   std::vector<float> t_grad_;
   std::vector<float> row_max_;  // per tile row: max |gradient| (bf16 split scale)
@@ -476,6 +480,7 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
   std::vector<float> tile(BLOCK_N * BLOCK_V);
   std::vector<RowGrad> rg(BLOCK_N);
   std::vector<int64_t> ts(BLOCK_N);
+  LogitScratch scratch;
   auto row_block = [&](int64_t n0, int64_t bn) {
     for (int64_t r = 0; r < bn; ++r) {
       const int64_t i = n0 + r;
@@ -486,7 +491,7 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
     }
   };
   auto one_tile = [&](int64_t n0, int64_t bn, int64_t v0, int64_t bv) {
-    logit_tile(o, n0, bn, v0, bv, opt.softcap, tile.data(), BLOCK_V);
+    logit_tile(o, n0, bn, v0, bv, opt.softcap, tile.data(), BLOCK_V, scratch);
     pass.tile(n0, bn, v0, bv, tile.data(), BLOCK_V, rg.data(), ts.data());
   };
   if (rows_outer) {
@@ -585,6 +590,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
   }
   GradPass pass(o, bias, output_mask, /*rows_outer=*/true, bn_f, opt.softcap, /*deferred=*/true);
   std::vector<float> z(bn_f * o.v);  // [bn_f, V]: the row block's logits
+  LogitScratch scratch;
   std::vector<RowState> rows(bn_f);
   std::vector<RowGrad> rg(bn_f);
   std::vector<int64_t> ts(bn_f);
@@ -595,7 +601,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     for (int64_t r = 0; r < bn; ++r) ts[r] = shard_col(t[n0 + r], 0, ignore_index);
     for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
       const int64_t bv = std::min(BLOCK_V, o.v - v0);
-      logit_tile(o, n0, bn, v0, bv, opt.softcap, z.data() + v0, o.v);
+      logit_tile(o, n0, bn, v0, bv, opt.softcap, z.data() + v0, o.v, scratch);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           fold_row(z.data() + r * o.v + v0, bv, ts[r] < 0 ? -1 : ts[r] - v0, rows[r]);

@@ -1,9 +1,41 @@
 #include "cpu/tile_gemm.h"
 
+#include "cpu/epilogue.h"
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/util/env.h>
 #include <dlfcn.h>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
 namespace flce::cpu {
+
+// Friend of Rhs: the GEMM reads what prepare() stored.
+struct RhsAccess {
+  static at::ScalarType dtype(const Rhs& r) { return r.dtype_; }
+  static const GemmOperand& src(const Rhs& r) { return r.src_; }
+  static int64_t k(const Rhs& r) { return r.k_; }
+  static int64_t n(const Rhs& r) { return r.n_; }
+  static GemmPath path(const Rhs& r) { return r.path_; }
+  static const float* f32(const Rhs& r) { return r.f32_.data(); }
+  static const uint16_t* vnni(const Rhs& r) { return r.vnni_.data(); }
+};
+
 namespace {
+
+// ---------------------------------------------------------------------------------------------
+// blas path
+// ---------------------------------------------------------------------------------------------
 
 // CBLAS enums (values fixed by the CBLAS standard).
 constexpr int kRowMajor = 101;
@@ -48,17 +80,9 @@ at::Tensor operand_view(const GemmOperand& x, int64_t rows, int64_t cols, at::Sc
   return at::from_blob(p, {rows, cols}, {1, x.ld}, opts);
 }
 
-}  // namespace
-
-void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, float alpha,
-                 GemmOperand a, GemmOperand b, float beta, float* c, int64_t ldc) {
-  if (m == 0 || n == 0) return;
+void gemm_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, GemmOperand a,
+               GemmOperand b, float beta, float* c, int64_t ldc) {
   at::Tensor cv = at::from_blob(c, {m, n}, {ldc, 1}, at::TensorOptions().dtype(at::kFloat));
-  if (k == 0) {
-    // BLAS leaves C untouched for k = 0 only when beta = 1; be explicit.
-    if (beta == 0.f) cv.zero_(); else cv.mul_(beta);
-    return;
-  }
   const Blas& bl = blas();
   const bool ints = fits_int(m) && fits_int(n) && fits_int(k) && fits_int(a.ld) &&
                     fits_int(b.ld) && fits_int(ldc);
@@ -66,15 +90,14 @@ void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, float al
   const int tb = b.trans ? kTrans : kNoTrans;
   if (ints) {
     if (dtype == at::kFloat && bl.sgemm) {
-      bl.sgemm(kRowMajor, ta, tb, int(m), int(n), int(k), alpha,
-               static_cast<const float*>(a.ptr), int(a.ld), static_cast<const float*>(b.ptr),
-               int(b.ld), beta, c, int(ldc));
+      bl.sgemm(kRowMajor, ta, tb, int(m), int(n), int(k), 1.f, static_cast<const float*>(a.ptr),
+               int(a.ld), static_cast<const float*>(b.ptr), int(b.ld), beta, c, int(ldc));
       return;
     }
     lowp_gemm_fn f = dtype == at::kBFloat16 ? bl.bf16 : dtype == at::kHalf ? bl.f16 : nullptr;
     if (f) {
-      f(kRowMajor, ta, tb, int(m), int(n), int(k), alpha, a.ptr, int(a.ld), b.ptr, int(b.ld),
-        beta, c, int(ldc));
+      f(kRowMajor, ta, tb, int(m), int(n), int(k), 1.f, a.ptr, int(a.ld), b.ptr, int(b.ld), beta,
+        c, int(ldc));
       return;
     }
   }
@@ -83,9 +106,374 @@ void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, float al
   at::Tensor bv = operand_view(b, k, n, dtype).to(at::kFloat);
   if (beta == 0.f) {
     at::mm_out(cv, av, bv);
-    if (alpha != 1.f) cv.mul_(alpha);
   } else {
-    cv.mul_(beta).addmm_(av, bv, 1.0, alpha);
+    cv.addmm_(av, bv);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// onednn path
+// ---------------------------------------------------------------------------------------------
+
+// Blocks of C per brgemm call: [MB, NB] with the whole k. 32 x 64 keeps an fp32 B block of
+// k = 512 in L2 and gives a [256, 2048] tile 256 blocks to share between threads; measured on
+// Zen 4 at 168 GFLOP/s (fp32) and 350 (bf16) on 2 cores, oneDNN's own matmul speed.
+constexpr int64_t MB = 32;
+constexpr int64_t NB = 64;
+// The kernels accumulate k in registers, one FMA after another; over a long k (dE's k is the
+// vocab tile) that sequential fp32 sum loses accuracy (2.2x the ideal error at k = 2048 in
+// tests/test_accuracy.py). Chunks of KC are summed on their own and added to C: a two-level sum,
+// as blocked BLAS GEMMs do (1.2x).
+constexpr int64_t KC = 256;
+
+float widen(const void* p, at::ScalarType dtype, int64_t i) {
+  if (dtype == at::kFloat) return static_cast<const float*>(p)[i];
+  if (dtype == at::kHalf) return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+  return static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]);
+}
+
+// dst [rows, cols] (row stride ldd) = op(src) [rows, cols] widened to fp32 (or, for bf16, the
+// bit patterns copied), in 16 x 16 blocks: a transposed operand's rows are often a power of two
+// apart, and a row-by-row gather would then hit one cache set per element.
+template <typename T, typename F>
+void copy_op(const GemmOperand& src, int64_t rows, int64_t cols, T* dst, int64_t ldd, F convert) {
+  constexpr int64_t T16 = 16;
+  const int64_t rb = (rows + T16 - 1) / T16;
+  at::parallel_for(0, rb, std::max<int64_t>(1, 256 / std::max<int64_t>(cols, 1)),
+                   [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * T16, r1 = std::min(rows, r0 + T16);
+      for (int64_t c0 = 0; c0 < cols; c0 += T16) {
+        const int64_t c1 = std::min(cols, c0 + T16);
+        if (src.trans) {  // read along the stored rows (op's columns)
+          for (int64_t j = c0; j < c1; ++j) {
+            for (int64_t r = r0; r < r1; ++r) dst[r * ldd + j] = convert(j * src.ld + r);
+          }
+        } else {
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = convert(r * src.ld + j);
+          }
+        }
+      }
+    }
+  });
+}
+
+bool cpu_is_intel() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  char vendor[13];
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  vendor[12] = '\0';
+  return std::strcmp(vendor, "GenuineIntel") == 0;
+#else
+  return false;
+#endif
+}
+
+// Whether torch's oneDNN micro-kernels run here (torch built with oneDNN's ukernel API, an
+// AVX-512 CPU): a small bf16 product, checked exactly. brgemm raises where they do not.
+bool onednn_usable() {
+  try {
+    constexpr int64_t M = 3, N = 16, K = 4;
+    c10::BFloat16 a[M * K], bp[K * N];
+    float c[M * N];
+    for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<float>(i % 5 - 2);
+    for (int64_t r = 0; r < K; ++r) {
+      for (int64_t j = 0; j < N; ++j) {
+        bp[((r / 2) * N + j) * 2 + r % 2] = static_cast<float>((r + j) % 7 - 3);
+      }
+    }
+    at::native::cpublas::brgemm(M, N, K, K, N, N, false, a, bp, c, true);
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t j = 0; j < N; ++j) {
+        float ref = 0.f;
+        for (int64_t r = 0; r < K; ++r) {
+          ref += static_cast<float>((i * K + r) % 5 - 2) * static_cast<float>((r + j) % 7 - 3);
+        }
+        if (c[i * N + j] != ref) return false;
+      }
+    }
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+GemmPath default_path() {
+  const auto env = c10::utils::get_env("FLCE_CPU_GEMM");
+  const bool usable = onednn_usable();
+  if (env && !env->empty()) {
+    if (*env == "blas") return GemmPath::blas;
+    TORCH_CHECK_VALUE(*env == "onednn", "flce: FLCE_CPU_GEMM must be 'blas' or 'onednn', got '",
+                      *env, "'");
+    if (!usable) {
+      TORCH_WARN_ONCE("flce: FLCE_CPU_GEMM=onednn, but torch's oneDNN micro-kernels do not run "
+                      "on this CPU / torch build; using the BLAS path");
+    }
+    return usable ? GemmPath::onednn : GemmPath::blas;
+  }
+  return usable && !cpu_is_intel() ? GemmPath::onednn : GemmPath::blas;
+}
+
+// Where the product of a GEMM goes: C (stored, or added to with `accumulate`), or, when `sum`
+// is set, scale * product Neumaier-added to (sum, comp).
+struct Out {
+  float* c = nullptr;
+  int64_t ldc = 0;
+  bool accumulate = false;
+  float* sum = nullptr;
+  float* comp = nullptr;
+  float scale = 1.f;
+};
+
+// A as the kernels read it: row-major [m, kk] in the compute type (bf16 pairs need an even k),
+// copied (transposed, widened or padded) into dst only when needed.
+const void* lhs_for_kernels(at::ScalarType dtype, int64_t m, int64_t k, int64_t kk,
+                            const GemmOperand& a, void* dst, int64_t& lda) {
+  lda = a.ld;
+  if (dtype == at::kBFloat16) {
+    if (!a.trans && kk == k) return a.ptr;
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    const uint16_t* src = static_cast<const uint16_t*>(a.ptr);
+    copy_op(a, m, k, d, kk, [src](int64_t i) { return src[i]; });
+    if (kk != k) {
+      for (int64_t r = 0; r < m; ++r) d[r * kk + k] = 0;
+    }
+    lda = kk;
+    return d;
+  }
+  if (!a.trans && dtype == at::kFloat) return a.ptr;
+  float* d = static_cast<float*>(dst);
+  if (dtype == at::kFloat) {
+    const float* src = static_cast<const float*>(a.ptr);
+    copy_op(a, m, k, d, k, [src](int64_t i) { return src[i]; });
+  } else {
+    copy_op(a, m, k, d, k, [&](int64_t i) { return widen(a.ptr, dtype, i); });
+  }
+  lda = k;
+  return d;
+}
+
+// Sum over the operands a[0..na) of op(a[i]) @ op(B), into `out`.
+void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const GemmOperand* a,
+                 int na, const Rhs& b, const Out& out, LhsScratch& scratch) {
+  const bool bf16 = dtype == at::kBFloat16;
+  const int64_t kk = bf16 ? (k + 1) / 2 * 2 : k;
+  const void* ap[2];
+  int64_t lda[2];
+  if (bf16) {
+    scratch.bf16.resize(na * m * kk);
+  } else {
+    scratch.f32.resize(na * m * k);
+  }
+  for (int i = 0; i < na; ++i) {
+    void* dst = bf16 ? static_cast<void*>(scratch.bf16.data() + i * m * kk)
+                     : static_cast<void*>(scratch.f32.data() + i * m * k);
+    ap[i] = lhs_for_kernels(dtype, m, k, kk, a[i], dst, lda[i]);
+  }
+  const bool kahan = out.sum != nullptr;
+  const int64_t nbm = (m + MB - 1) / MB, nbn = (n + NB - 1) / NB;
+  // One [mm, nn] block of the product: the sum over operands and k chunks, the first chunk
+  // written to dst (or added to it with `add`), the others summed in `part`.
+  auto block = [&](int64_t m0, int64_t nblk, float* dst, int64_t ldd, bool add, float* part) {
+    const int64_t n0 = nblk * NB;
+    const int64_t mm = std::min(MB, m - m0), nn = std::min(NB, n - n0);
+    for (int op = 0; op < na; ++op) {
+      for (int64_t k0 = 0; k0 < kk; k0 += KC) {
+        const int64_t kc = std::min(KC, kk - k0);
+        const bool first = op == 0 && k0 == 0;
+        float* c = first ? dst : part;
+        const int64_t ldc = first ? ldd : nn;
+        if (bf16) {
+          // bf16 pairs: chunk k0 (even) starts at pair row k0 / 2.
+          const auto* a16 = static_cast<const c10::BFloat16*>(ap[op]) + m0 * lda[op] + k0;
+          const auto* b16 = reinterpret_cast<const c10::BFloat16*>(RhsAccess::vnni(b)) +
+                            (nblk * kk + k0) * NB;
+          at::native::cpublas::brgemm(mm, nn, kc, lda[op], NB, ldc, first && add, a16, b16, c,
+                                      true);
+        } else {
+          const float* a32 = static_cast<const float*>(ap[op]) + m0 * lda[op] + k0;
+          const float* b32 = RhsAccess::f32(b) + (nblk * k + k0) * NB;
+          at::native::cpublas::brgemm(mm, nn, kc, lda[op], NB, ldc, first && add, a32, b32, c,
+                                      false);
+        }
+        if (!first) {
+          for (int64_t r = 0; r < mm; ++r) {
+            for (int64_t j = 0; j < nn; ++j) dst[r * ldd + j] += part[r * nn + j];
+          }
+        }
+      }
+    }
+  };
+  if (!kahan) {
+    // Column blocks outer: consecutive blocks of a thread reuse one B block from cache.
+    at::parallel_for(0, nbm * nbn, 1, [&](int64_t i0, int64_t i1) {
+      float part[MB * NB];
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t m0 = (i % nbm) * MB, nblk = i / nbm;
+        block(m0, nblk, out.c + m0 * out.ldc + nblk * NB, out.ldc, out.accumulate, part);
+      }
+    });
+    return;
+  }
+  // Compensated output: a thread takes whole row panels, so that the adds run along full rows
+  // of the accumulators (a [32, 64] block at a time would hit them in scattered pieces).
+  at::parallel_for(0, nbm, 1, [&](int64_t p0, int64_t p1) {
+    float part[MB * NB];
+    std::vector<float> panel(MB * n);  // [mm, n]
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t m0 = p * MB, mm = std::min(MB, m - m0);
+      for (int64_t nblk = 0; nblk < nbn; ++nblk) {
+        block(m0, nblk, panel.data() + nblk * NB, n, false, part);
+      }
+      for (int64_t r = 0; r < mm; ++r) {
+        float* row = panel.data() + r * n;
+        if (out.scale != 1.f) {
+          for (int64_t j = 0; j < n; ++j) row[j] *= out.scale;
+        }
+        const int64_t at = (m0 + r) * out.ldc;
+        row_kahan_add(out.sum + at, out.comp + at, row, n);
+      }
+    }
+  });
+}
+
+// The blas path of gemm_accumulate: the product in a scratch tile, then the compensated adds.
+void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
+                     const GemmOperand* a, int na, GemmOperand b, const Out& out,
+                     LhsScratch& scratch) {
+  scratch.f32.resize(m * n);
+  float* prod = scratch.f32.data();
+  for (int i = 0; i < na; ++i) gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, prod, n);
+  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = prod + r * n;
+      if (out.scale != 1.f) {
+        for (int64_t j = 0; j < n; ++j) row[j] *= out.scale;
+      }
+      row_kahan_add(out.sum + r * out.ldc, out.comp + r * out.ldc, row, n);
+    }
+  });
+}
+
+}  // namespace
+
+GemmPath gemm_path(at::ScalarType dtype) {
+  (void)dtype;  // one choice for every dtype: fp16 runs the fp32 kernels on the onednn path
+  static const GemmPath p = default_path();
+  if (p == GemmPath::onednn && !at::globalContext().userEnabledMkldnn()) return GemmPath::blas;
+  return p;
+}
+
+void Rhs::prepare(at::ScalarType dtype, GemmOperand b, int64_t k, int64_t n) {
+  const GemmPath path = gemm_path(dtype);
+  if (dtype == dtype_ && path == path_ && k == k_ && n == n_ && b.ptr == src_.ptr &&
+      b.ld == src_.ld && b.trans == src_.trans) {
+    return;
+  }
+  dtype_ = dtype;
+  path_ = path;
+  src_ = b;
+  k_ = k;
+  n_ = n;
+  if (path != GemmPath::onednn) return;
+  // Column blocks of NB, each contiguous: a B block stays in L2 while the threads sweep the row
+  // blocks of A, where a power-of-two row stride (a weight tile's) would map it to a few sets.
+  const int64_t blocks = (n + NB - 1) / NB;
+  if (dtype == at::kBFloat16) {
+    // Block: [ceil(k / 2), NB, 2], rows 2p and 2p + 1 of op(B) interleaved, zero past an odd k.
+    const int64_t kk = (k + 1) / 2 * 2;
+    vnni_.assign(blocks * kk * NB, 0);
+    uint16_t* dst = vnni_.data();
+    const uint16_t* src = static_cast<const uint16_t*>(b.ptr);
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
+        uint16_t* out = dst + blk * kk * NB;
+        // Read along the stored rows: op(B)'s columns when transposed, else its rows.
+        if (b.trans) {
+          for (int64_t j = 0; j < nn; ++j) {
+            const uint16_t* col = src + (n0 + j) * b.ld;
+            for (int64_t r = 0; r < k; ++r) out[((r / 2) * NB + j) * 2 + r % 2] = col[r];
+          }
+        } else {
+          for (int64_t r = 0; r < k; ++r) {
+            const uint16_t* row = src + r * b.ld + n0;
+            for (int64_t j = 0; j < nn; ++j) out[((r / 2) * NB + j) * 2 + r % 2] = row[j];
+          }
+        }
+      }
+    });
+    return;
+  }
+  f32_.assign(blocks * k * NB, 0.f);
+  float* dst = f32_.data();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
+      const GemmOperand sub{static_cast<const char*>(b.ptr) +
+                                (b.trans ? n0 * b.ld : n0) * at::elementSize(dtype),
+                            b.ld, b.trans};
+      if (dtype == at::kFloat) {
+        const float* src = static_cast<const float*>(sub.ptr);
+        copy_op(sub, k, nn, dst + blk * k * NB, NB, [src](int64_t i) { return src[i]; });
+      } else {
+        copy_op(sub, k, nn, dst + blk * k * NB, NB,
+                [&](int64_t i) { return widen(sub.ptr, dtype, i); });
+      }
+    }
+  });
+}
+
+namespace {
+
+bool check_empty(const Rhs& b, at::ScalarType dtype, int64_t m, int64_t n, int64_t k) {
+  TORCH_INTERNAL_ASSERT(RhsAccess::k(b) == k && RhsAccess::n(b) == n &&
+                        RhsAccess::dtype(b) == dtype, "flce: tile GEMM operand not prepared");
+  return m == 0 || n == 0;
+}
+
+}  // namespace
+
+void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, GemmOperand a,
+                 const Rhs& b, bool accumulate, float* c, int64_t ldc, LhsScratch& scratch) {
+  if (check_empty(b, dtype, m, n, k)) return;
+  if (k == 0) {
+    if (!accumulate) {
+      at::from_blob(c, {m, n}, {ldc, 1}, at::TensorOptions().dtype(at::kFloat)).zero_();
+    }
+    return;
+  }
+  if (RhsAccess::path(b) == GemmPath::onednn) {
+    Out out;
+    out.c = c;
+    out.ldc = ldc;
+    out.accumulate = accumulate;
+    gemm_onednn(dtype, m, n, k, &a, 1, b, out, scratch);
+  } else {
+    gemm_blas(dtype, m, n, k, a, RhsAccess::src(b), accumulate ? 1.f : 0.f, c, ldc);
+  }
+}
+
+void gemm_accumulate(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
+                     const GemmOperand* a, int num_a, const Rhs& b, float scale,
+                     KahanOut acc, LhsScratch& scratch) {
+  TORCH_INTERNAL_ASSERT(num_a == 1 || num_a == 2);
+  if (check_empty(b, dtype, m, n, k) || k == 0) return;
+  Out out;
+  out.ldc = acc.ld;
+  out.sum = acc.sum;
+  out.comp = acc.comp;
+  out.scale = scale;
+  if (RhsAccess::path(b) == GemmPath::onednn) {
+    gemm_onednn(dtype, m, n, k, a, num_a, b, out, scratch);
+  } else {
+    accumulate_blas(dtype, m, n, k, a, num_a, RhsAccess::src(b), out, scratch);
   }
 }
 

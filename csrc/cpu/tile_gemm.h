@@ -1,13 +1,29 @@
-// Tile GEMMs with fp32 results for the CPU backend: C[m, n] = alpha op(A) op(B) + beta C.
+// Tile GEMMs with fp32 results for the CPU backend: C[m, n] (+)= op(A) op(B).
 //
-// A and B are row-major float, bfloat16 or float16; C is always float32. bf16/fp16 operands use
-// the BLAS mixed-precision GEMMs (MKL's cblas_gemm_bf16bf16f32 / cblas_gemm_f16f16f32, AMX or
-// AVX-512 BF16/FP16 where the CPU has them) when the BLAS that torch links exports them;
-// otherwise the tile is converted to fp32 and multiplied with ATen's fp32 matmul. Either way the
-// products and their accumulation are fp32: logits are never rounded to the input dtype.
+// A and B are row-major float, bfloat16 or float16; C is always float32: logits are never
+// rounded to the input dtype. Two paths, picked once per process (gemm_path()):
+//
+// - onednn: oneDNN's batch-reduce GEMM micro-kernels as torch exports them
+//   (at::native::cpublas::brgemm: JIT-generated AVX-512 BF16 / AVX-512 / AVX2 kernels with fp32
+//   accumulation). flce cuts the tile into [MB, NB] blocks, splits them across threads, and
+//   packs the right operand once into column blocks that the kernels read contiguously (fp32
+//   [n / NB, k, NB], bf16 pairs [n / NB, k / 2, NB, 2]); fp16 operands are widened to fp32
+//   (exactly) on the way.
+// - blas: the BLAS torch links (MKL on x86-64 wheels: cblas_sgemm, cblas_gemm_bf16bf16f32,
+//   cblas_gemm_f16f16f32, with AMX where the CPU has it), or ATen's fp32 matmul where the BLAS
+//   lacks the mixed-precision GEMMs.
+//
+// Why two: MKL's GEMMs are the fastest there are on Intel CPUs (AMX bf16), but elsewhere MKL
+// runs generic code: on an AMD EPYC (Zen 4, 2 cores) its sgemm reaches ~100-130 GFLOP/s and
+// its bf16 GEMM about as much, where oneDNN's kernels reach ~170 (fp32) and ~350 (bf16). The
+// default is blas on Intel CPUs and onednn elsewhere where torch's oneDNN kernels work;
+// FLCE_CPU_GEMM=blas|onednn overrides it (docs/cpu-backend.md).
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
 
 namespace flce::cpu {
 
@@ -17,8 +33,55 @@ struct GemmOperand {
   bool trans;  // use the stored matrix transposed
 };
 
-// C [m, n] (row-major, leading dimension ldc) = alpha * op(A) [m, k] @ op(B) [k, n] + beta * C.
-void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, float alpha,
-                 GemmOperand a, GemmOperand b, float beta, float* c, int64_t ldc);
+enum class GemmPath { blas, onednn };
+
+// The path the tile GEMMs of `dtype` take now (process-wide choice, and torch.backends.mkldnn's
+// current setting: with oneDNN disabled the blas path runs).
+GemmPath gemm_path(at::ScalarType dtype);
+
+// The right operand op(B) [k, n] of a tile GEMM, ready for the path: on the onednn path a packed
+// copy, on the blas path the operand itself. prepare() repacks only when the operand or the shape changed since its last call, so
+// a weight tile packed once serves every row block. The key is the pointer, not the data:
+// callers keep one Rhs per role for the duration of one op call, over inputs that do not change.
+class Rhs {
+ public:
+  void prepare(at::ScalarType dtype, GemmOperand b, int64_t k, int64_t n);
+
+ private:
+  friend struct RhsAccess;
+  at::ScalarType dtype_ = at::kFloat;
+  GemmOperand src_{nullptr, 0, false};
+  int64_t k_ = -1, n_ = -1;
+  GemmPath path_ = GemmPath::blas;
+  std::vector<float> f32_;      // onednn, fp32 compute: [ceil(n / NB), k, NB]
+  std::vector<uint16_t> vnni_;  // onednn, bf16: [ceil(n / NB), ceil(k / 2), NB, 2] bit patterns
+};
+
+// Copies of the left operands that the onednn path makes (transposed, widened or padded), and
+// the blas path's product tile; the caller owns it so that its memory is released with the op.
+struct LhsScratch {
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+};
+
+// C [m, n] (row-major, leading dimension ldc) = op(A) [m, k] @ op(B) [k, n], plus C when
+// `accumulate`; op(B) prepared by b.prepare(dtype, ..., k, n).
+void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, GemmOperand a,
+                 const Rhs& b, bool accumulate, float* c, int64_t ldc, LhsScratch& scratch);
+
+// A gradient accumulator: fp32 sums and their Neumaier compensations, rows `ld` apart.
+struct KahanOut {
+  float* sum;
+  float* comp;
+  int64_t ld;
+};
+
+// (sum, comp) [m, n] += scale * sum_i op(A_i) [m, k] @ op(B) [k, n], one compensated add per
+// element: a[0..num_a) is one operand, or the two bf16 halves (hi, lo) of a split fp32 tile. On
+// the onednn path each [MB, NB] block's product is added while it is in L1, with no [m, n]
+// product tile in memory.
+void gemm_accumulate(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
+                     const GemmOperand* a, int num_a, const Rhs& b, float scale,
+                     KahanOut acc, LhsScratch& scratch);
 
 }  // namespace flce::cpu

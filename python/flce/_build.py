@@ -215,11 +215,13 @@ def build_info():
     normalized TORCH_CUDA_ARCH_LIST compiled; "" for CPU-only), ``sass`` and ``ptx`` (the targets
     embedded), ``cuda_sources`` (CUDA files compiled), ``cuda_backend`` (whether flce's CUDA
     kernels are registered in this process), ``torch_runtime`` (the torch imported now),
-    ``build_system``.
+    ``build_system``, ``cpu_gemm`` (the CPU backend's tile GEMMs in this process: "onednn",
+    oneDNN's micro-kernels, or "blas", the BLAS torch links; see docs/cpu-backend.md).
     """
     import torch
     info = dict(_info())
     info["cuda_backend"] = _has_cuda_kernels()
+    info["cpu_gemm"] = torch.ops.flce.cpu_gemm_path()
     info["torch_runtime"] = torch.__version__
     return info
 
