@@ -34,6 +34,9 @@ namespace {
 
 constexpr int64_t BLOCK_N = 256;   // rows per tile
 constexpr int64_t BLOCK_V = 2048;  // vocabulary columns per tile
+// Row stride of the tile buffers: not a power of two. The dC GEMM reads the gradient tile
+// transposed, and a column of a 2^k-strided tile maps to a single cache set.
+constexpr int64_t LD_TILE = BLOCK_V + 16;
 
 using cpu::GemmOperand;
 using cpu::gemm_f32out;
@@ -151,7 +154,7 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
   const int64_t* t = tgt.data_ptr<int64_t>();
   at::Tensor out = at::empty({o.n, 4}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
-  std::vector<float> tile(BLOCK_N * BLOCK_V);
+  std::vector<float> tile(BLOCK_N * LD_TILE);
   // Vocab tiles outer: each weight tile is prepared for the GEMM once; every row folds the
   // tiles in vocabulary order all the same.
   std::vector<RowState> rows(o.n);
@@ -160,11 +163,11 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
     const int64_t bv = std::min(BLOCK_V, o.v - v0);
     for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
       const int64_t bn = std::min(BLOCK_N, o.n - n0);
-      logit_tile(o, n0, bn, v0, bv, cap, tile.data(), BLOCK_V, scratch);
+      logit_tile(o, n0, bn, v0, bv, cap, tile.data(), LD_TILE, scratch);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
-          fold_row(tile.data() + r * BLOCK_V, bv, tl < 0 ? -1 : tl - v0, rows[n0 + r]);
+          fold_row(tile.data() + r * LD_TILE, bv, tl < 0 ? -1 : tl - v0, rows[n0 + r]);
         }
       });
     }
@@ -305,8 +308,8 @@ class GradPass {
     // fp16 tiles would underflow small gradients, so fp16 (and fp32) multiply G in fp32 against
     // fp32 operands.
     if (split_) {
-      hi_.resize(block_n * BLOCK_V);
-      lo_.resize(block_n * BLOCK_V);
+      hi_.resize(block_n * LD_TILE);
+      lo_.resize(block_n * LD_TILE);
     } else if (o.dtype != at::kFloat) {
       x32_ = o.x.to(at::kFloat);
       w32_ = o.w.to(at::kFloat);
@@ -353,7 +356,7 @@ class GradPass {
       alpha = std::ldexp(1.f, -k);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          cpu::row_split_bf16(tile + r * ld, &hi_[r * BLOCK_V], &lo_[r * BLOCK_V], bv, scale);
+          cpu::row_split_bf16(tile + r * ld, &hi_[r * LD_TILE], &lo_[r * LD_TILE], bv, scale);
         }
       });
     }
@@ -376,8 +379,8 @@ class GradPass {
     const char* wp = static_cast<const char*>(o_.w.data_ptr()) + v0 * d * es;
     // The tile products go straight into the Kahan accumulators; the split tile's are scaled
     // back by alpha (a power of two: exact).
-    const GemmOperand split_rows[2] = {{hi_.data(), BLOCK_V, false}, {lo_.data(), BLOCK_V, false}};
-    const GemmOperand split_cols[2] = {{hi_.data(), BLOCK_V, true}, {lo_.data(), BLOCK_V, true}};
+    const GemmOperand split_rows[2] = {{hi_.data(), LD_TILE, false}, {lo_.data(), LD_TILE, false}};
+    const GemmOperand split_cols[2] = {{hi_.data(), LD_TILE, true}, {lo_.data(), LD_TILE, true}};
     if (need_e_) {
       // dE[n0:n0+bn] += G [bn, bv] @ W[v0:v0+bv] [bv, D]
       const KahanAcc eacc = rows_outer_ ? ge_->acc() : ge_->acc().offset(n0);
@@ -477,7 +480,7 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
   const bool rows_outer = o.v <= o.n;
   GradPass pass(o, bias, mask, rows_outer, BLOCK_N, opt.softcap, deferred);
   if (!pass.needs_any()) return pass.finish();
-  std::vector<float> tile(BLOCK_N * BLOCK_V);
+  std::vector<float> tile(BLOCK_N * LD_TILE);
   std::vector<RowGrad> rg(BLOCK_N);
   std::vector<int64_t> ts(BLOCK_N);
   LogitScratch scratch;
@@ -491,8 +494,8 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
     }
   };
   auto one_tile = [&](int64_t n0, int64_t bn, int64_t v0, int64_t bv) {
-    logit_tile(o, n0, bn, v0, bv, opt.softcap, tile.data(), BLOCK_V, scratch);
-    pass.tile(n0, bn, v0, bv, tile.data(), BLOCK_V, rg.data(), ts.data());
+    logit_tile(o, n0, bn, v0, bv, opt.softcap, tile.data(), LD_TILE, scratch);
+    pass.tile(n0, bn, v0, bv, tile.data(), LD_TILE, rg.data(), ts.data());
   };
   if (rows_outer) {
     for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {

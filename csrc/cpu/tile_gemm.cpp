@@ -145,9 +145,15 @@ void copy_op(const GemmOperand& src, int64_t rows, int64_t cols, T* dst, int64_t
       const int64_t r0 = b * T16, r1 = std::min(rows, r0 + T16);
       for (int64_t c0 = 0; c0 < cols; c0 += T16) {
         const int64_t c1 = std::min(cols, c0 + T16);
-        if (src.trans) {  // read along the stored rows (op's columns)
+        if (src.trans) {
+          // Through a 16 x 16 buffer: contiguous reads along the stored rows (op's columns),
+          // contiguous writes along dst's rows.
+          decltype(convert(0)) buf[T16][T16];
           for (int64_t j = c0; j < c1; ++j) {
-            for (int64_t r = r0; r < r1; ++r) dst[r * ldd + j] = convert(j * src.ld + r);
+            for (int64_t r = r0; r < r1; ++r) buf[j - c0][r - r0] = convert(j * src.ld + r);
+          }
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = buf[j - c0][r - r0];
           }
         } else {
           for (int64_t r = r0; r < r1; ++r) {
