@@ -1,18 +1,20 @@
 // The fused CPU backend: the same tiled algorithm as the CUDA kernels.
 //
-// Logits exist only as one [BLOCK_N, BLOCK_V] fp32 tile at a time (tile GEMM through the BLAS
-// torch links, csrc/cpu/tile_gemm.h); the epilogue applies bias and softcap and folds the tile into
-// per-row statistics (forward) or turns it into the gradient tile (backward) with the shared math
-// of csrc/include/flce/math.h. The backward recomputes the tiles.
+// Logits exist only as one [BLOCK_N, BLOCK_V] fp32 tile at a time (tile GEMMs through oneDNN's
+// micro-kernels or the BLAS torch links, csrc/cpu/tile_gemm.h); the epilogue applies bias and
+// softcap and folds the tile into per-row statistics (forward) or turns it into the gradient tile
+// (backward) with the shared math of csrc/include/flce/math.h. The backward recomputes the tiles.
 //
 // Scratch memory (docs/cpu-backend.md):
-//   forward:  one logit tile                       BLOCK_N * BLOCK_V * 4 bytes
-//   backward: one logit/gradient tile (+ its bf16 split for bf16 inputs),
-//             the tile products [BLOCK_N, D] and [BLOCK_V, D] in fp32,
+//   forward:  one logit tile                       BLOCK_N * LD_TILE * 4 bytes
+//             (+ the weight tile packed for the GEMM)
+//   backward: one logit/gradient tile (+ its bf16 split for bf16 inputs), the GEMMs' packed
+//             operands (weight tile, input rows, the transposed gradient tile),
 //             the local Kahan state of the inner loop's gradient block (2 * BLOCK * D fp32),
 //             and the Kahan compensation (plus an fp32 sum unless the output is fp32) of the
 //             outer loop's gradient, sized min(N, V) * D: the loop order puts the smaller of
-//             dE [N, D] and dC [V, D] in the global accumulator.
+//             dE [N, D] and dC [V, D] in the global accumulator. The tile products are added
+//             to the accumulators block by block (cpu::gemm_accumulate), never stored whole.
 //
 // Deterministic: every sum runs in a fixed order that depends on the shapes only, and threads
 // split rows or columns, never a reduction.
