@@ -238,11 +238,15 @@ struct Out {
 
 // A as the kernels read it: row-major [m, kk] in the compute type (bf16 pairs need an even k),
 // copied (transposed, widened or padded) into dst only when needed.
+bool lhs_needs_copy(at::ScalarType dtype, int64_t k, int64_t kk, const GemmOperand& a) {
+  return a.trans || kk != k || dtype == at::kHalf;
+}
+
 const void* lhs_for_kernels(at::ScalarType dtype, int64_t m, int64_t k, int64_t kk,
                             const GemmOperand& a, void* dst, int64_t& lda) {
   lda = a.ld;
+  if (!lhs_needs_copy(dtype, k, kk, a)) return a.ptr;
   if (dtype == at::kBFloat16) {
-    if (!a.trans && kk == k) return a.ptr;
     uint16_t* d = static_cast<uint16_t*>(dst);
     const uint16_t* src = static_cast<const uint16_t*>(a.ptr);
     copy_op(a, m, k, d, kk, [src](int64_t i) { return src[i]; });
@@ -252,7 +256,6 @@ const void* lhs_for_kernels(at::ScalarType dtype, int64_t m, int64_t k, int64_t 
     lda = kk;
     return d;
   }
-  if (!a.trans && dtype == at::kFloat) return a.ptr;
   float* d = static_cast<float*>(dst);
   if (dtype == at::kFloat) {
     const float* src = static_cast<const float*>(a.ptr);
@@ -271,14 +274,17 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
   const int64_t kk = bf16 ? (k + 1) / 2 * 2 : k;
   const void* ap[2];
   int64_t lda[2];
+  int copies = 0;  // scratch only for the operands that are copied
+  for (int i = 0; i < na; ++i) copies += lhs_needs_copy(dtype, k, kk, a[i]);
   if (bf16) {
-    scratch.bf16.resize(na * m * kk);
+    scratch.bf16.resize(copies * m * kk);
   } else {
-    scratch.f32.resize(na * m * k);
+    scratch.f32.resize(copies * m * k);
   }
-  for (int i = 0; i < na; ++i) {
-    void* dst = bf16 ? static_cast<void*>(scratch.bf16.data() + i * m * kk)
-                     : static_cast<void*>(scratch.f32.data() + i * m * k);
+  for (int i = 0, c = 0; i < na; ++i) {
+    void* dst = bf16 ? static_cast<void*>(scratch.bf16.data() + c * m * kk)
+                     : static_cast<void*>(scratch.f32.data() + c * m * k);
+    c += lhs_needs_copy(dtype, k, kk, a[i]);
     ap[i] = lhs_for_kernels(dtype, m, k, kk, a[i], dst, lda[i]);
   }
   const bool kahan = out.sum != nullptr;
