@@ -24,6 +24,14 @@ def test_shapes_off_tile(device, n, v, d, bias):
     check_flce(x, w, t, b, reduction="none")
 
 
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+def test_low_precision_odd_shapes(device, dtype):
+    # Odd D, an odd last row block (257 = 256 + 1) and an odd last vocab tile (2049 = 2048 + 1):
+    # the bf16 kernels read k in pairs, so every tile GEMM meets an odd k here.
+    x, w, t, b = rand_inputs(257, 2049, 33, dtype, device, seed=11, bias=True)
+    check_flce(x, w, t, b, reduction="none")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_dtypes_and_reductions(device, dtype, reduction):
