@@ -12,6 +12,8 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <emmintrin.h>
+#include <xmmintrin.h>
 #endif
 
 #include <algorithm>
@@ -165,6 +167,85 @@ void copy_op(const GemmOperand& src, int64_t rows, int64_t cols, T* dst, int64_t
   });
 }
 
+#if defined(__x86_64__)
+// dst [rows, cols] (row stride ldd) = the transpose of src [cols, rows] (row stride lds), in
+// 4 x 4 (fp32) or 8 x 8 (16-bit) register transposes: SSE2, the x86-64 baseline. Several times
+// faster than copy_op's element loop; the dC GEMM reads a transposed tile every tile.
+void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
+               int64_t cols) {
+  at::parallel_for(0, (rows + 3) / 4, std::max<int64_t>(1, 64 / std::max<int64_t>(cols, 1)),
+                   [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * 4;
+      int64_t c0 = 0;
+      if (r0 + 4 <= rows) {
+        for (; c0 + 4 <= cols; c0 += 4) {
+          __m128 x0 = _mm_loadu_ps(src + (c0 + 0) * lds + r0);
+          __m128 x1 = _mm_loadu_ps(src + (c0 + 1) * lds + r0);
+          __m128 x2 = _mm_loadu_ps(src + (c0 + 2) * lds + r0);
+          __m128 x3 = _mm_loadu_ps(src + (c0 + 3) * lds + r0);
+          _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+          _mm_storeu_ps(dst + (r0 + 0) * ldd + c0, x0);
+          _mm_storeu_ps(dst + (r0 + 1) * ldd + c0, x1);
+          _mm_storeu_ps(dst + (r0 + 2) * ldd + c0, x2);
+          _mm_storeu_ps(dst + (r0 + 3) * ldd + c0, x3);
+        }
+      }
+      for (int64_t r = r0; r < std::min(rows, r0 + 4); ++r) {  // tails
+        for (int64_t c = c0; c < cols; ++c) dst[r * ldd + c] = src[c * lds + r];
+      }
+    }
+  });
+}
+
+void transpose(const uint16_t* src, int64_t lds, uint16_t* dst, int64_t ldd, int64_t rows,
+               int64_t cols) {
+  at::parallel_for(0, (rows + 7) / 8, std::max<int64_t>(1, 32 / std::max<int64_t>(cols, 1)),
+                   [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * 8;
+      int64_t c0 = 0;
+      if (r0 + 8 <= rows) {
+        for (; c0 + 8 <= cols; c0 += 8) {
+          __m128i x[8];
+          for (int i = 0; i < 8; ++i) {
+            x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (c0 + i) * lds + r0));
+          }
+          // 16-bit, then 32-bit, then 64-bit interleaves: y[j] is column j of the block.
+          __m128i a[8], c[8];
+          for (int i = 0; i < 4; ++i) {
+            a[2 * i] = _mm_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+            a[2 * i + 1] = _mm_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+          }
+          c[0] = _mm_unpacklo_epi32(a[0], a[2]);
+          c[1] = _mm_unpackhi_epi32(a[0], a[2]);
+          c[2] = _mm_unpacklo_epi32(a[1], a[3]);
+          c[3] = _mm_unpackhi_epi32(a[1], a[3]);
+          c[4] = _mm_unpacklo_epi32(a[4], a[6]);
+          c[5] = _mm_unpackhi_epi32(a[4], a[6]);
+          c[6] = _mm_unpacklo_epi32(a[5], a[7]);
+          c[7] = _mm_unpackhi_epi32(a[5], a[7]);
+          for (int j = 0; j < 4; ++j) {
+            const __m128i lo = _mm_unpacklo_epi64(c[j], c[j + 4]);
+            const __m128i hi = _mm_unpackhi_epi64(c[j], c[j + 4]);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (r0 + 2 * j) * ldd + c0), lo);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (r0 + 2 * j + 1) * ldd + c0), hi);
+          }
+        }
+      }
+      for (int64_t r = r0; r < std::min(rows, r0 + 8); ++r) {  // tails
+        for (int64_t c = c0; c < cols; ++c) dst[r * ldd + c] = src[c * lds + r];
+      }
+    }
+  });
+}
+#else
+template <typename T>
+void transpose(const T* src, int64_t lds, T* dst, int64_t ldd, int64_t rows, int64_t cols) {
+  copy_op(GemmOperand{src, lds, true}, rows, cols, dst, ldd, [src](int64_t i) { return src[i]; });
+}
+#endif
+
 bool cpu_is_intel() {
 #if defined(__x86_64__)
   unsigned a = 0, b = 0, c = 0, d = 0;
@@ -249,7 +330,11 @@ const void* lhs_for_kernels(at::ScalarType dtype, int64_t m, int64_t k, int64_t 
   if (dtype == at::kBFloat16) {
     uint16_t* d = static_cast<uint16_t*>(dst);
     const uint16_t* src = static_cast<const uint16_t*>(a.ptr);
-    copy_op(a, m, k, d, kk, [src](int64_t i) { return src[i]; });
+    if (a.trans) {
+      transpose(src, a.ld, d, kk, m, k);
+    } else {
+      copy_op(a, m, k, d, kk, [src](int64_t i) { return src[i]; });
+    }
     if (kk != k) {
       for (int64_t r = 0; r < m; ++r) d[r * kk + k] = 0;
     }
@@ -258,8 +343,7 @@ const void* lhs_for_kernels(at::ScalarType dtype, int64_t m, int64_t k, int64_t 
   }
   float* d = static_cast<float*>(dst);
   if (dtype == at::kFloat) {
-    const float* src = static_cast<const float*>(a.ptr);
-    copy_op(a, m, k, d, k, [src](int64_t i) { return src[i]; });
+    transpose(static_cast<const float*>(a.ptr), a.ld, d, k, m, k);  // fp32 is copied only to transpose
   } else {
     copy_op(a, m, k, d, k, [&](int64_t i) { return widen(a.ptr, dtype, i); });
   }
@@ -433,7 +517,11 @@ void Rhs::prepare(at::ScalarType dtype, GemmOperand b, int64_t k, int64_t n) {
                             b.ld, b.trans};
       if (dtype == at::kFloat) {
         const float* src = static_cast<const float*>(sub.ptr);
-        copy_op(sub, k, nn, dst + blk * k * NB, NB, [src](int64_t i) { return src[i]; });
+        if (sub.trans) {
+          transpose(src, sub.ld, dst + blk * k * NB, NB, k, nn);
+        } else {
+          copy_op(sub, k, nn, dst + blk * k * NB, NB, [src](int64_t i) { return src[i]; });
+        }
       } else {
         copy_op(sub, k, nn, dst + blk * k * NB, NB,
                 [&](int64_t i) { return widen(sub.ptr, dtype, i); });
