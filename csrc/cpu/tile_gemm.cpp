@@ -169,73 +169,64 @@ void copy_op(const GemmOperand& src, int64_t rows, int64_t cols, T* dst, int64_t
 
 #if defined(__x86_64__)
 // dst [rows, cols] (row stride ldd) = the transpose of src [cols, rows] (row stride lds), in
-// 4 x 4 (fp32) or 8 x 8 (16-bit) register transposes: SSE2, the x86-64 baseline. Several times
-// faster than copy_op's element loop; the dC GEMM reads a transposed tile every tile.
-void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
-               int64_t cols) {
-  at::parallel_for(0, (rows + 3) / 4, std::max<int64_t>(1, 64 / std::max<int64_t>(cols, 1)),
+// B x B blocks that `block` transposes in registers, an element loop at the edges.
+template <int B, typename T, typename Block>
+void transpose_by_blocks(const T* src, int64_t lds, T* dst, int64_t ldd, int64_t rows,
+                         int64_t cols, Block block) {
+  at::parallel_for(0, (rows + B - 1) / B,
+                   std::max<int64_t>(1, 256 / (B * std::max<int64_t>(cols, 1))),
                    [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * 4;
+      const int64_t r0 = b * B;
       int64_t c0 = 0;
-      if (r0 + 4 <= rows) {
-        for (; c0 + 4 <= cols; c0 += 4) {
-          __m128 x0 = _mm_loadu_ps(src + (c0 + 0) * lds + r0);
-          __m128 x1 = _mm_loadu_ps(src + (c0 + 1) * lds + r0);
-          __m128 x2 = _mm_loadu_ps(src + (c0 + 2) * lds + r0);
-          __m128 x3 = _mm_loadu_ps(src + (c0 + 3) * lds + r0);
-          _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
-          _mm_storeu_ps(dst + (r0 + 0) * ldd + c0, x0);
-          _mm_storeu_ps(dst + (r0 + 1) * ldd + c0, x1);
-          _mm_storeu_ps(dst + (r0 + 2) * ldd + c0, x2);
-          _mm_storeu_ps(dst + (r0 + 3) * ldd + c0, x3);
-        }
+      if (r0 + B <= rows) {
+        for (; c0 + B <= cols; c0 += B) block(src + c0 * lds + r0, lds, dst + r0 * ldd + c0, ldd);
       }
-      for (int64_t r = r0; r < std::min(rows, r0 + 4); ++r) {  // tails
+      for (int64_t r = r0; r < std::min(rows, r0 + B); ++r) {
         for (int64_t c = c0; c < cols; ++c) dst[r * ldd + c] = src[c * lds + r];
       }
     }
   });
 }
 
+// SSE2 (the x86-64 baseline) register transposes, 4 x 4 fp32 and 8 x 8 16-bit: several times
+// faster than copy_op's element loop; the dC GEMM reads a transposed tile every tile.
+void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows,
+               int64_t cols) {
+  transpose_by_blocks<4>(src, lds, dst, ldd, rows, cols,
+                         [](const float* s, int64_t ls, float* d, int64_t ld) {
+    __m128 x0 = _mm_loadu_ps(s), x1 = _mm_loadu_ps(s + ls);
+    __m128 x2 = _mm_loadu_ps(s + 2 * ls), x3 = _mm_loadu_ps(s + 3 * ls);
+    _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+    _mm_storeu_ps(d, x0);
+    _mm_storeu_ps(d + ld, x1);
+    _mm_storeu_ps(d + 2 * ld, x2);
+    _mm_storeu_ps(d + 3 * ld, x3);
+  });
+}
+
 void transpose(const uint16_t* src, int64_t lds, uint16_t* dst, int64_t ldd, int64_t rows,
                int64_t cols) {
-  at::parallel_for(0, (rows + 7) / 8, std::max<int64_t>(1, 32 / std::max<int64_t>(cols, 1)),
-                   [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * 8;
-      int64_t c0 = 0;
-      if (r0 + 8 <= rows) {
-        for (; c0 + 8 <= cols; c0 += 8) {
-          __m128i x[8];
-          for (int i = 0; i < 8; ++i) {
-            x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (c0 + i) * lds + r0));
-          }
-          // 16-bit, then 32-bit, then 64-bit interleaves: y[j] is column j of the block.
-          __m128i a[8], c[8];
-          for (int i = 0; i < 4; ++i) {
-            a[2 * i] = _mm_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
-            a[2 * i + 1] = _mm_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
-          }
-          c[0] = _mm_unpacklo_epi32(a[0], a[2]);
-          c[1] = _mm_unpackhi_epi32(a[0], a[2]);
-          c[2] = _mm_unpacklo_epi32(a[1], a[3]);
-          c[3] = _mm_unpackhi_epi32(a[1], a[3]);
-          c[4] = _mm_unpacklo_epi32(a[4], a[6]);
-          c[5] = _mm_unpackhi_epi32(a[4], a[6]);
-          c[6] = _mm_unpacklo_epi32(a[5], a[7]);
-          c[7] = _mm_unpackhi_epi32(a[5], a[7]);
-          for (int j = 0; j < 4; ++j) {
-            const __m128i lo = _mm_unpacklo_epi64(c[j], c[j + 4]);
-            const __m128i hi = _mm_unpackhi_epi64(c[j], c[j + 4]);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (r0 + 2 * j) * ldd + c0), lo);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (r0 + 2 * j + 1) * ldd + c0), hi);
-          }
-        }
-      }
-      for (int64_t r = r0; r < std::min(rows, r0 + 8); ++r) {  // tails
-        for (int64_t c = c0; c < cols; ++c) dst[r * ldd + c] = src[c * lds + r];
-      }
+  transpose_by_blocks<8>(src, lds, dst, ldd, rows, cols,
+                         [](const uint16_t* s, int64_t ls, uint16_t* d, int64_t ld) {
+    __m128i x[8], a[8], c[8];
+    for (int i = 0; i < 8; ++i) x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * ls));
+    // 16-bit, then 32-bit, then 64-bit interleaves of row pairs: the rows of the transpose.
+    for (int i = 0; i < 4; ++i) {
+      a[2 * i] = _mm_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+      a[2 * i + 1] = _mm_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {  // a[4h..4h+3] -> c[4h..4h+3]
+      c[4 * h] = _mm_unpacklo_epi32(a[4 * h], a[4 * h + 2]);
+      c[4 * h + 1] = _mm_unpackhi_epi32(a[4 * h], a[4 * h + 2]);
+      c[4 * h + 2] = _mm_unpacklo_epi32(a[4 * h + 1], a[4 * h + 3]);
+      c[4 * h + 3] = _mm_unpackhi_epi32(a[4 * h + 1], a[4 * h + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 2 * j * ld),
+                       _mm_unpacklo_epi64(c[j], c[j + 4]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + (2 * j + 1) * ld),
+                       _mm_unpackhi_epi64(c[j], c[j + 4]));
     }
   });
 }
