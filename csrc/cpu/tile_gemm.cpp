@@ -306,6 +306,14 @@ struct Out {
   float* sum = nullptr;
   float* comp = nullptr;
   float scale = 1.f;
+
+  // Row r of the compensated output += scale * x[0..n) (x is scaled in place).
+  void add_row(int64_t r, float* x, int64_t n) const {
+    if (scale != 1.f) {
+      for (int64_t j = 0; j < n; ++j) x[j] *= scale;
+    }
+    row_kahan_add(sum + r * ldc, comp + r * ldc, x, n);
+  }
 };
 
 // A as the kernels read it: row-major [m, kk] in the compute type (bf16 pairs need an even k),
@@ -417,14 +425,7 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
       for (int64_t nblk = 0; nblk < nbn; ++nblk) {
         block(m0, nblk, panel.data() + nblk * NB, n, false, part);
       }
-      for (int64_t r = 0; r < mm; ++r) {
-        float* row = panel.data() + r * n;
-        if (out.scale != 1.f) {
-          for (int64_t j = 0; j < n; ++j) row[j] *= out.scale;
-        }
-        const int64_t at = (m0 + r) * out.ldc;
-        row_kahan_add(out.sum + at, out.comp + at, row, n);
-      }
+      for (int64_t r = 0; r < mm; ++r) out.add_row(m0 + r, panel.data() + r * n, n);
     }
   });
 }
@@ -438,13 +439,7 @@ void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
   for (int i = 0; i < na; ++i) gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, prod, n);
   at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)),
                    [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = prod + r * n;
-      if (out.scale != 1.f) {
-        for (int64_t j = 0; j < n; ++j) row[j] *= out.scale;
-      }
-      row_kahan_add(out.sum + r * out.ldc, out.comp + r * out.ldc, row, n);
-    }
+    for (int64_t r = r0; r < r1; ++r) out.add_row(r, prod + r * n, n);
   });
 }
 
