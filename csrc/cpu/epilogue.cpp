@@ -1,7 +1,6 @@
 #include "cpu/epilogue.h"
 
 #include <cmath>
-#include <cstring>
 
 #include "flce/math.h"
 
@@ -12,24 +11,6 @@
 #endif
 
 namespace flce::cpu {
-namespace {
-
-inline uint16_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  // NaN must stay NaN: the rounding carry could turn its payload into an infinity.
-  return x != x ? static_cast<uint16_t>((u >> 16) | 0x40u) : static_cast<uint16_t>(rounded);
-}
-
-inline float bf16_value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-}
-
-}  // namespace
 
 FLCE_CLONES float row_max(const float* z, int64_t n) {
   float m = neg_inf();
@@ -105,6 +86,16 @@ void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha) {
 FLCE_CLONES void row_kahan_add(float* s, float* c, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) kahan_add(s[j], c[j], x[j]);
+}
+
+FLCE_CLONES void row_kahan_add(float* s, uint16_t* c, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) kahan_add_bf16c(s[j], c[j], x[j]);
+}
+
+FLCE_CLONES void row_add_bf16(float* s, const uint16_t* c, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] = kahan_result(s[j], bf16_value(c[j]));
 }
 
 }  // namespace flce::cpu

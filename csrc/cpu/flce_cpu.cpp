@@ -9,11 +9,11 @@
 //   forward:  one logit tile                       BLOCK_N * LD_TILE * 4 bytes
 //             (+ the weight tile packed for the GEMM)
 //   backward: one logit/gradient tile (+ its bf16 split for bf16 inputs), the GEMMs' packed
-//             operands (weight tile, input rows, the transposed gradient tile),
-//             the local Kahan state of the inner loop's gradient block (2 * BLOCK * D fp32),
-//             and the Kahan compensation (plus an fp32 sum unless the output is fp32) of the
-//             outer loop's gradient, sized min(N, V) * D: the loop order puts the smaller of
-//             dE [N, D] and dC [V, D] in the global accumulator. The tile products are added
+//             operands (the transposed weight tile; bf16: the weight tile and input rows),
+//             the inner loop's gradient block: its bf16 compensation (BLOCK * D * 2 bytes; plus
+//             an fp32 sum unless the gradient is fp32, which is its own sum), and the same for
+//             the outer loop's gradient, sized min(N, V) * D: the loop order puts the smaller
+//             of dE [N, D] and dC [V, D] in the global accumulator. The tile products are added
 //             to the accumulators block by block (cpu::gemm_accumulate), never stored whole.
 //
 // Deterministic: every sum runs in a fixed order that depends on the shapes only, and threads
@@ -35,7 +35,7 @@ namespace flce {
 namespace {
 
 constexpr int64_t BLOCK_N = 256;   // rows per tile
-constexpr int64_t BLOCK_V = 2048;  // vocabulary columns per tile
+constexpr int64_t BLOCK_V = 512;   // vocabulary columns per tile
 // Row stride of the tile buffers: not a power of two. The dC GEMM reads the gradient tile
 // transposed, and a column of a 2^k-strided tile maps to a single cache set.
 constexpr int64_t LD_TILE = BLOCK_V + 16;
@@ -223,65 +223,83 @@ Tensor3 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
   return {loss, lse, stats};
 }
 
-// Gradient accumulator in fp32 with Kahan compensation: rows of `width` floats.
+// Gradient accumulator rows of `width` floats: fp32 sums and their compensations, stored as
+// bf16 (kahan_add_bf16c: the accumulators are the backward's largest scratch, and the
+// renormalized bf16 compensation keeps each add within 2^-9 ulp of exact).
 struct KahanAcc {
   float* sum = nullptr;
-  float* comp = nullptr;
+  uint16_t* comp = nullptr;
   int64_t width = 0;
 
   void add_row(int64_t r, const float* x) const {
     cpu::row_kahan_add(sum + r * width, comp + r * width, x, width);
   }
-  KahanAcc offset(int64_t rows) const { return {sum + rows * width, comp + rows * width, width}; }
+  void add(int64_t r, int64_t j, float x) const {
+    kahan_add_bf16c(sum[r * width + j], comp[r * width + j], x);
+  }
 };
 
-// One gradient [total, width]: its fp32 Kahan accumulator, either over the whole extent
-// (global) or over one block that flush() writes out (local). The result is rounded once to the
-// gradient's dtype, or, deferred, kept as the fp32 (sum, compensation) pair [2, total, width] for
-// a later scale_grad.
+// One gradient [total, width]: its compensated fp32 accumulator, either over the whole extent
+// (global) or over one block of rows that flush() writes out (local). An fp32 gradient is its
+// own sum (no copy); otherwise the result is rounded once to the gradient's dtype, or, deferred,
+// kept as the fp32 (sum, compensation) pair [2, total, width] for a later scale_grad.
 struct GradBuffer {
-  at::Tensor out;        // [total, width] in the gradient's dtype, or the pair [2, total, width]
-  at::Tensor sum, comp;  // [rows, width] fp32
-  bool deferred;
+  at::Tensor out;   // [total, width] in the gradient's dtype, or the pair [2, total, width]
+  at::Tensor sum;   // fp32: [total, width] where it is the result (or out[0]), else [rows, width]
+  at::Tensor comp;  // bf16 bit patterns: [total, width] (global) or [rows, width] (local)
+  bool global, deferred, sum_in_out;
 
   // global: the accumulator spans all `total` rows; else it holds one block of `rows`.
   GradBuffer(at::ScalarType dtype, const at::TensorOptions& opts, int64_t total, int64_t rows,
-             int64_t width, bool global, bool deferred_)
-      : deferred(deferred_) {
+             int64_t width, bool global_, bool deferred_)
+      : global(global_), deferred(deferred_) {
     const auto f32 = opts.dtype(at::kFloat);
-    if (deferred) {
-      out = at::empty({2, total, width}, f32);
-    } else {
-      out = at::empty({total, width}, opts.dtype(dtype));
-    }
-    if (global && deferred) {
-      sum = out[0];
-      comp = out[1];
-    } else {
-      sum = global && dtype == at::kFloat ? out : at::empty({rows, width}, f32);
-      comp = at::empty({rows, width}, f32);
-    }
+    out = deferred ? at::empty({2, total, width}, f32) : at::empty({total, width}, opts.dtype(dtype));
+    sum_in_out = deferred ? global : dtype == at::kFloat;
+    sum = !sum_in_out ? at::empty({rows, width}, f32) : deferred ? out[0] : out;
+    comp = at::empty({global ? total : rows, width}, opts.dtype(at::kBFloat16));
     sum.zero_();
     comp.zero_();
   }
-  KahanAcc acc() { return {sum.data_ptr<float>(), comp.data_ptr<float>(), sum.size(1)}; }
+  // The accumulator from gradient row r0 on (a local block starts at r0).
+  KahanAcc acc(int64_t r0) {
+    const int64_t w = comp.size(1);
+    return {sum.data_ptr<float>() + (global || sum_in_out ? r0 : 0) * w,
+            reinterpret_cast<uint16_t*>(comp.data_ptr()) + (global ? r0 : 0) * w, w};
+  }
   // Local block -> rows [r0, r0 + rows) of the result; the accumulator starts over.
   void flush(int64_t r0, int64_t rows) {
-    at::Tensor s = sum.narrow(0, 0, rows), c = comp.narrow(0, 0, rows);
     if (deferred) {
-      out[0].narrow(0, r0, rows).copy_(s);
-      out[1].narrow(0, r0, rows).copy_(c);
+      out[0].narrow(0, r0, rows).copy_(sum.narrow(0, 0, rows));
+      out[1].narrow(0, r0, rows).copy_(comp.narrow(0, 0, rows));
     } else {
-      out.narrow(0, r0, rows).copy_(s.add_(c));
+      at::Tensor s = sum_in_out ? out.narrow(0, r0, rows) : sum.narrow(0, 0, rows);
+      fold_comp(s);
+      if (!sum_in_out) out.narrow(0, r0, rows).copy_(s);
     }
-    sum.zero_();
+    if (!sum_in_out) sum.zero_();
     comp.zero_();
   }
   // Global accumulator -> result.
   void finish() {
-    if (deferred) return;
-    sum.add_(comp);
-    if (!out.is_same(sum)) out.copy_(sum);
+    if (deferred) {
+      out[1].copy_(comp);
+      return;
+    }
+    fold_comp(sum);
+    if (!sum_in_out) out.copy_(sum);
+  }
+
+  // s [rows, width] += the first rows of comp, in place (at::add_ would first make an fp32 copy
+  // of the bf16 compensation).
+  void fold_comp(const at::Tensor& s) {
+    const int64_t w = comp.size(1);
+    float* sp = s.data_ptr<float>();
+    const uint16_t* cp = reinterpret_cast<const uint16_t*>(comp.data_ptr());
+    at::parallel_for(0, s.size(0), std::max<int64_t>(1, 16384 / std::max<int64_t>(w, 1)),
+                     [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) cpu::row_add_bf16(sp + r * w, cp + r * w, w);
+    });
   }
 };
 
@@ -364,7 +382,7 @@ class GradPass {
     }
     if (need_b_) {
       // Column sums in row order, one Kahan add per column, then the target columns one by one.
-      const KahanAcc all = gb_->acc();  // one row of V columns
+      const KahanAcc all = gb_->acc(0);  // one row of V columns
       const KahanAcc bacc{all.sum + v0, all.comp + v0, bv};
       std::vector<float> colsum(bv, 0.f);
       for (int64_t r = 0; r < bn; ++r) {
@@ -373,7 +391,7 @@ class GradPass {
       }
       bacc.add_row(0, colsum.data());
       for (int64_t r = 0; r < bn; ++r) {
-        if (t_col_[r] >= 0) kahan_add(bacc.sum[t_col_[r]], bacc.comp[t_col_[r]], t_grad_[r]);
+        if (t_col_[r] >= 0) bacc.add(0, t_col_[r], t_grad_[r]);
       }
     }
     const int64_t es = o_.x.element_size();
@@ -385,7 +403,7 @@ class GradPass {
     const GemmOperand split_cols[2] = {{hi_.data(), LD_TILE, true}, {lo_.data(), LD_TILE, true}};
     if (need_e_) {
       // dE[n0:n0+bn] += G [bn, bv] @ W[v0:v0+bv] [bv, D]
-      const KahanAcc eacc = rows_outer_ ? ge_->acc() : ge_->acc().offset(n0);
+      const KahanAcc eacc = ge_->acc(n0);
       const cpu::KahanOut eout{eacc.sum, eacc.comp, d};
       if (split_) {
         w_rhs_.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
@@ -409,7 +427,7 @@ class GradPass {
     }
     if (need_c_) {
       // dC[v0:v0+bv] += G^T [bv, bn] @ X[n0:n0+bn] [bn, D]
-      const KahanAcc cacc = rows_outer_ ? gc_->acc().offset(v0) : gc_->acc();
+      const KahanAcc cacc = gc_->acc(v0);
       const cpu::KahanOut cout{cacc.sum, cacc.comp, d};
       if (split_) {
         x_rhs_.prepare(at::kBFloat16, GemmOperand{xp, d, false}, bn, d);

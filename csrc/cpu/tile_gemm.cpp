@@ -29,7 +29,9 @@ struct RhsAccess {
   static int64_t k(const Rhs& r) { return r.k_; }
   static int64_t n(const Rhs& r) { return r.n_; }
   static GemmPath path(const Rhs& r) { return r.path_; }
-  static const float* f32(const Rhs& r) { return r.f32_.data(); }
+  // fp32 op(B) from row k0, column block nblk, and its row stride: the packed copy, or the
+  // operand itself where it is fp32 and untransposed already.
+  static const float* f32(const Rhs& r, int64_t nblk, int64_t k0, int64_t& ldb);
   static const uint16_t* vnni(const Rhs& r) { return r.vnni_.data(); }
 };
 
@@ -127,6 +129,25 @@ constexpr int64_t NB = 64;
 // tests/test_accuracy.py). Chunks of KC are summed on their own and added to C: a two-level sum,
 // as blocked BLAS GEMMs do (1.2x).
 constexpr int64_t KC = 256;
+
+// fp32 operands that are untransposed already are read in place (they need no VNNI pairs or
+// transposition; skipping the copy saves its memory, a tile's worth).
+bool rhs_direct(at::ScalarType dtype, const GemmOperand& b) {
+  return dtype == at::kFloat && !b.trans;
+}
+
+}  // namespace
+
+const float* RhsAccess::f32(const Rhs& r, int64_t nblk, int64_t k0, int64_t& ldb) {
+  if (rhs_direct(r.dtype_, r.src_)) {
+    ldb = r.src_.ld;
+    return static_cast<const float*>(r.src_.ptr) + k0 * ldb + nblk * NB;
+  }
+  ldb = NB;
+  return r.f32_.data() + (nblk * r.k_ + k0) * NB;
+}
+
+namespace {
 
 float widen(const void* p, at::ScalarType dtype, int64_t i) {
   if (dtype == at::kFloat) return static_cast<const float*>(p)[i];
@@ -304,7 +325,7 @@ struct Out {
   int64_t ldc = 0;
   bool accumulate = false;
   float* sum = nullptr;
-  float* comp = nullptr;
+  uint16_t* comp = nullptr;
   float scale = 1.f;
 
   // Row r of the compensated output += scale * x[0..n) (x is scaled in place).
@@ -350,33 +371,42 @@ const void* lhs_for_kernels(at::ScalarType dtype, int64_t m, int64_t k, int64_t 
   return d;
 }
 
+// Rows [m0, ...) of op(A).
+GemmOperand lhs_rows(const GemmOperand& a, int64_t m0, at::ScalarType dtype) {
+  const int64_t off = (a.trans ? m0 : m0 * a.ld) * static_cast<int64_t>(at::elementSize(dtype));
+  return {static_cast<const char*>(a.ptr) + off, a.ld, a.trans};
+}
+
 // Sum over the operands a[0..na) of op(a[i]) @ op(B), into `out`.
 void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const GemmOperand* a,
                  int na, const Rhs& b, const Out& out, LhsScratch& scratch) {
   const bool bf16 = dtype == at::kBFloat16;
   const int64_t kk = bf16 ? (k + 1) / 2 * 2 : k;
-  const void* ap[2];
-  int64_t lda[2];
   int copies = 0;  // scratch only for the operands that are copied
   for (int i = 0; i < na; ++i) copies += lhs_needs_copy(dtype, k, kk, a[i]);
-  if (bf16) {
-    scratch.bf16.resize(copies * m * kk);
-  } else {
-    scratch.f32.resize(copies * m * k);
-  }
-  for (int i = 0, c = 0; i < na; ++i) {
-    void* dst = bf16 ? static_cast<void*>(scratch.bf16.data() + c * m * kk)
-                     : static_cast<void*>(scratch.f32.data() + c * m * k);
-    c += lhs_needs_copy(dtype, k, kk, a[i]);
-    ap[i] = lhs_for_kernels(dtype, m, k, kk, a[i], dst, lda[i]);
-  }
-  const bool kahan = out.sum != nullptr;
+  // Rows [0, rows) of the operands as the kernels read them, copied into the caller's buffers
+  // where needed; arow[i] and lda[i] are where (and how) rows start.
+  auto lhs = [&](int64_t m0, int64_t rows, std::vector<uint16_t>& b16, std::vector<float>& f32,
+                 const void** arow, int64_t* lda) {
+    if (bf16) {
+      b16.resize(copies * rows * kk);
+    } else {
+      f32.resize(copies * rows * k);
+    }
+    for (int i = 0, c = 0; i < na; ++i) {
+      void* dst = bf16 ? static_cast<void*>(b16.data() + c * rows * kk)
+                       : static_cast<void*>(f32.data() + c * rows * k);
+      c += lhs_needs_copy(dtype, k, kk, a[i]);
+      arow[i] = lhs_for_kernels(dtype, rows, k, kk, lhs_rows(a[i], m0, dtype), dst, lda[i]);
+    }
+  };
   const int64_t nbm = (m + MB - 1) / MB, nbn = (n + NB - 1) / NB;
   // One [mm, nn] block of the product: the sum over operands and k chunks, the first chunk
-  // written to dst (or added to it with `add`), the others summed in `part`.
-  auto block = [&](int64_t m0, int64_t nblk, float* dst, int64_t ldd, bool add, float* part) {
-    const int64_t n0 = nblk * NB;
-    const int64_t mm = std::min(MB, m - m0), nn = std::min(NB, n - n0);
+  // written to dst (or added to it with `add`), the others summed in `part`. arow[i]: the
+  // block's first row of operand i.
+  auto block = [&](const void* const* arow, const int64_t* lda, int64_t mm, int64_t nblk,
+                   float* dst, int64_t ldd, bool add, float* part) {
+    const int64_t nn = std::min(NB, n - nblk * NB);
     for (int op = 0; op < na; ++op) {
       for (int64_t k0 = 0; k0 < kk; k0 += KC) {
         const int64_t kc = std::min(KC, kk - k0);
@@ -385,15 +415,16 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
         const int64_t ldc = first ? ldd : nn;
         if (bf16) {
           // bf16 pairs: chunk k0 (even) starts at pair row k0 / 2.
-          const auto* a16 = static_cast<const c10::BFloat16*>(ap[op]) + m0 * lda[op] + k0;
+          const auto* a16 = static_cast<const c10::BFloat16*>(arow[op]) + k0;
           const auto* b16 = reinterpret_cast<const c10::BFloat16*>(RhsAccess::vnni(b)) +
                             (nblk * kk + k0) * NB;
           at::native::cpublas::brgemm(mm, nn, kc, lda[op], NB, ldc, first && add, a16, b16, c,
                                       true);
         } else {
-          const float* a32 = static_cast<const float*>(ap[op]) + m0 * lda[op] + k0;
-          const float* b32 = RhsAccess::f32(b) + (nblk * k + k0) * NB;
-          at::native::cpublas::brgemm(mm, nn, kc, lda[op], NB, ldc, first && add, a32, b32, c,
+          const float* a32 = static_cast<const float*>(arow[op]) + k0;
+          int64_t ldb;
+          const float* b32 = RhsAccess::f32(b, nblk, k0, ldb);
+          at::native::cpublas::brgemm(mm, nn, kc, lda[op], ldb, ldc, first && add, a32, b32, c,
                                       false);
         }
         if (!first) {
@@ -404,26 +435,42 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
       }
     }
   };
-  if (!kahan) {
+  if (out.sum == nullptr) {
     // Column blocks outer: consecutive blocks of a thread reuse one B block from cache.
+    const void* arow[2];
+    int64_t lda[2];
+    lhs(0, m, scratch.bf16, scratch.f32, arow, lda);
+    const int64_t es = bf16 ? 2 : 4;
     at::parallel_for(0, nbm * nbn, 1, [&](int64_t i0, int64_t i1) {
       float part[MB * NB];
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t m0 = (i % nbm) * MB, nblk = i / nbm;
-        block(m0, nblk, out.c + m0 * out.ldc + nblk * NB, out.ldc, out.accumulate, part);
+        const void* rows[2];
+        for (int op = 0; op < na; ++op) {
+          rows[op] = static_cast<const char*>(arow[op]) + m0 * lda[op] * es;
+        }
+        block(rows, lda, std::min(MB, m - m0), nblk, out.c + m0 * out.ldc + nblk * NB, out.ldc,
+              out.accumulate, part);
       }
     });
     return;
   }
   // Compensated output: a thread takes whole row panels, so that the adds run along full rows
-  // of the accumulators (a [32, 64] block at a time would hit them in scattered pieces).
+  // of the accumulators (a [32, 64] block at a time would hit them in scattered pieces). It
+  // copies the panel's rows of A itself where they need a copy (the transposed gradient tile of
+  // the dC GEMM): a panel at a time, while in cache, and never the whole operand.
   at::parallel_for(0, nbm, 1, [&](int64_t p0, int64_t p1) {
     float part[MB * NB];
     std::vector<float> panel(MB * n);  // [mm, n]
+    std::vector<uint16_t> copy16;
+    std::vector<float> copy32;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t m0 = p * MB, mm = std::min(MB, m - m0);
+      const void* arow[2];
+      int64_t lda[2];
+      lhs(m0, mm, copy16, copy32, arow, lda);
       for (int64_t nblk = 0; nblk < nbn; ++nblk) {
-        block(m0, nblk, panel.data() + nblk * NB, n, false, part);
+        block(arow, lda, mm, nblk, panel.data() + nblk * NB, n, false, part);
       }
       for (int64_t r = 0; r < mm; ++r) out.add_row(m0 + r, panel.data() + r * n, n);
     }
@@ -464,6 +511,10 @@ void Rhs::prepare(at::ScalarType dtype, GemmOperand b, int64_t k, int64_t n) {
   k_ = k;
   n_ = n;
   if (path != GemmPath::onednn) return;
+  if (rhs_direct(dtype, b)) {  // the kernels read it in place: no copy
+    f32_ = {};
+    return;
+  }
   // Column blocks of NB, each contiguous: a B block stays in L2 while the threads sweep the row
   // blocks of A, where a power-of-two row stride (a weight tile's) would map it to a few sets.
   const int64_t blocks = (n + NB - 1) / NB;

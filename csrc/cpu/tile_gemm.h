@@ -40,7 +40,8 @@ enum class GemmPath { blas, onednn };
 GemmPath gemm_path(at::ScalarType dtype);
 
 // The right operand op(B) [k, n] of a tile GEMM, ready for the path: on the onednn path a packed
-// copy, on the blas path the operand itself. prepare() repacks only when the operand or the shape changed since its last call, so
+// copy (except an untransposed fp32 operand, read in place), on the blas path the operand
+// itself. prepare() repacks only when the operand or the shape changed since its last call, so
 // a weight tile packed once serves every row block. The key is the pointer, not the data:
 // callers keep one Rhs per role for the duration of one op call, over inputs that do not change.
 class Rhs {
@@ -69,10 +70,11 @@ struct LhsScratch {
 void gemm_f32out(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, GemmOperand a,
                  const Rhs& b, bool accumulate, float* c, int64_t ldc, LhsScratch& scratch);
 
-// A gradient accumulator: fp32 sums and their Neumaier compensations, rows `ld` apart.
+// A gradient accumulator: fp32 sums and their compensations (bf16 bit patterns, see
+// flce/math.h kahan_add_bf16c), rows `ld` apart.
 struct KahanOut {
   float* sum;
-  float* comp;
+  uint16_t* comp;
   int64_t ld;
 };
 

@@ -627,4 +627,87 @@ TEST(kahan_on_random_ill_conditioned_series) {
   std::printf("  worst compensated-sum error: %.3Lg of the bound\n", worst);
 }
 
+// ------------------------------------------------------------------------------------------------
+// bf16 bit patterns and the compensated add with a bf16 compensation (the CPU accumulators).
+// ------------------------------------------------------------------------------------------------
+TEST(bf16_bits_round_to_nearest_even) {
+  using flce::bf16_bits;
+  using flce::bf16_value;
+  // Ties: 1 + 2^-8 lies halfway between 1 and 1 + 2^-7 (odd): to 1. 1 + 3 * 2^-8 lies halfway
+  // between 1 + 2^-7 (odd) and 1 + 2^-6 (even): to 1 + 2^-6.
+  EXPECT(bf16_value(bf16_bits(1.f + 0x1p-8f)) == 1.f, "tie below");
+  EXPECT(bf16_value(bf16_bits(1.f + 3 * 0x1p-8f)) == 1.f + 0x1p-6f, "tie above");
+  EXPECT(bf16_value(bf16_bits(1.f + 0x1p-8f + 0x1p-20f)) == 1.f + 0x1p-7f, "past the tie");
+  EXPECT(std::isnan(bf16_value(bf16_bits(NAN))), "NaN must stay NaN");
+  EXPECT(bf16_value(bf16_bits(INFINITY)) == INFINITY, "inf");
+  EXPECT(bf16_value(bf16_bits(-0.f)) == 0.f && std::signbit(bf16_value(bf16_bits(-0.f))), "-0");
+  EXPECT(bf16_value(bf16_bits(FLT_MAX)) == INFINITY, "FLT_MAX rounds up to inf, as RNE does");
+  for (int i = 0; i < 100000; ++i) {
+    const float x = check::normal(1.f) * std::ldexp(1.f, static_cast<int>(check::uniform(-100, 100)));
+    // The nearest of the bf16 numbers around x (its neighbours are a bit pattern away), the
+    // even one on a tie.
+    const uint16_t h = bf16_bits(x);
+    const LD err = std::fabs(static_cast<LD>(bf16_value(h)) - x);
+    for (uint16_t nb : {static_cast<uint16_t>(h - 1), static_cast<uint16_t>(h + 1)}) {
+      const LD other = std::fabs(static_cast<LD>(bf16_value(nb)) - x);
+      EXPECT(err < other || (err == other && h % 2 == 0),
+             "bf16(%.9g) = %.9g, but %.9g is nearer (or the even one of a tie)", x,
+             bf16_value(h), bf16_value(nb));
+    }
+  }
+}
+
+namespace {
+float bf16c_sum(const std::vector<float>& xs, LD* sum_abs_partials = nullptr) {
+  float s = 0.f;
+  uint16_t c = 0;
+  LD partials = 0;
+  for (float x : xs) {
+    flce::kahan_add_bf16c(s, c, x);
+    partials += std::fabs(static_cast<LD>(s));
+  }
+  if (sum_abs_partials) *sum_abs_partials = partials;
+  return flce::kahan_result(s, flce::bf16_value(c));
+}
+}  // namespace
+
+TEST(kahan_bf16c_recovers_terms_below_half_an_ulp) {
+  std::vector<float> xs(1 + (1u << 20), 0x1p-25f);
+  xs[0] = 1.f;
+  const float got = bf16c_sum(xs);
+  EXPECT(static_cast<LD>(got) == exact_sum(xs), "bf16-compensated sum %.9g, exact %.12Lg", got,
+         exact_sum(xs));
+  const std::vector<float> big = {1.f, 1e20f, 1.f, -1e20f};
+  EXPECT(bf16c_sum(big) == 2.f, "a term larger than the sum: %g, want exactly 2", bf16c_sum(big));
+}
+
+TEST(kahan_bf16c_loses_at_most_2_pow_m9_ulp_per_add) {
+  // Gradient-like series: T partial products of either sign. The bound of math.h: the final
+  // rounding plus 2^-9 ulp(s_k) (<= 2^-8 u |s_k|) per add.
+  long double worst = 0;
+  for (int T : {16, 256, 4096}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> xs(T);
+      for (float& x : xs) x = check::normal(1.f) * (1.f + 1e3f * (check::uniform(0, 1) < 0.01f));
+      LD partials = 0;
+      const float got = bf16c_sum(xs, &partials);
+      const LD exact = exact_sum(xs);
+      const LD bound = check::ulp_at(exact) / 2 + 0x1p-8L * kU * partials;
+      EXPECT(near_abs(got, exact, bound), "T=%d: %.9g, exact %.12Lg, bound %.3Lg", T, got, exact,
+             bound);
+      worst = std::max(worst, check::ulps_off(got, exact));
+    }
+  }
+  std::printf("  worst bf16-compensated sum error: %.3Lg ulp\n", worst);
+}
+
+TEST(kahan_bf16c_propagates_nan_and_inf) {
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    const std::vector<float> xs = {1.f, bad, 2.f};
+    EXPECT(std::isnan(bf16c_sum(xs)) || std::isinf(bf16c_sum(xs)),
+           "a %g term must not give a finite sum (%g)", bad, bf16c_sum(xs));
+  }
+  EXPECT(std::isnan(bf16c_sum({1.f, NAN, 2.f})), "NaN in, NaN out");
+}
+
 int main(int argc, char** argv) { return check::run_all(argc, argv); }

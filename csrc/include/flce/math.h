@@ -253,4 +253,42 @@ FLCE_HD void kahan_add(float& s, float& c, float x) {
 
 FLCE_HD float kahan_result(float s, float c) { return s + c; }
 
+// bfloat16 bit patterns, round to nearest even; NaN stays NaN (the rounding carry could turn
+// its payload into an infinity).
+FLCE_HD uint16_t bf16_bits(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>((u >> 16) | 0x40u) : static_cast<uint16_t>(rounded);
+}
+
+FLCE_HD float bf16_value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float x;
+  __builtin_memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The compensated add with the compensation stored in bfloat16 (the CPU backend's large
+// gradient accumulators: half the memory of an fp32 compensation).
+//
+// s + x = t + e exactly (TwoSum, as kahan_add); then the pair is renormalized, s + (c + e) =
+// s' + c' with |c'| <= ulp(s') / 2, before c' is rounded to bf16 (8 significant bits). Each add
+// therefore loses at most 2^-8 |c'| <= 2^-9 ulp(s') (plus the fp32 rounding of c + e, 2^-24 of
+// that): after T adds the pair is within T * 2^-9 ulp of the exact sum in the worst case (every
+// rounding at its maximum, in one direction) and ~sqrt(T / 3) * 2^-9 ulp typically, where a
+// plain fp32 sum drifts by up to T/2 ulp. Without the renormalization c could grow to T ulp and
+// its bf16 rounding would cost T^2 * 2^-8.
+// ---------------------------------------------------------------------------------------------
+FLCE_HD void kahan_add_bf16c(float& s, uint16_t& c16, float x) {
+  const float t = s + x;
+  const float e = fabsf(s) >= fabsf(x) ? (s - t) + x : (x - t) + s;
+  const float c = bf16_value(c16) + e;
+  const float s2 = t + c;
+  const float c2 = fabsf(t) >= fabsf(c) ? (t - s2) + c : (c - s2) + t;
+  s = s2;
+  c16 = bf16_bits(c2);
+}
+
 }  // namespace flce
