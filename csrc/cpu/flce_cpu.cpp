@@ -612,7 +612,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     return {reduced(total), div, e, c, b};
   }
   GradPass pass(o, bias, output_mask, /*rows_outer=*/true, bn_f, opt.softcap, /*deferred=*/true);
-  std::vector<float> z(bn_f * o.v);  // [bn_f, V]: the row block's logits
+  // [bn_f, V]: the row block's logits, rows ld_z apart (not a power of two, as LD_TILE)
+  const int64_t ld_z = (o.v + 15) / 16 * 16 + 16;
+  std::vector<float> z(bn_f * ld_z);
   LogitScratch scratch;
   std::vector<RowState> rows(bn_f);
   std::vector<RowGrad> rg(bn_f);
@@ -624,10 +626,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     for (int64_t r = 0; r < bn; ++r) ts[r] = shard_col(t[n0 + r], 0, ignore_index);
     for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
       const int64_t bv = std::min(BLOCK_V, o.v - v0);
-      logit_tile(o, n0, bn, v0, bv, opt.softcap, z.data() + v0, o.v, scratch);
+      logit_tile(o, n0, bn, v0, bv, opt.softcap, z.data() + v0, ld_z, scratch);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          fold_row(z.data() + r * o.v + v0, bv, ts[r] < 0 ? -1 : ts[r] - v0, rows[r]);
+          fold_row(z.data() + r * ld_z + v0, bv, ts[r] < 0 ? -1 : ts[r] - v0, rows[r]);
         }
       });
     }
@@ -639,7 +641,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     }
     if (pass.needs_any()) {
       for (int64_t v0 = 0; v0 < o.v; v0 += BLOCK_V) {
-        pass.tile(n0, bn, v0, std::min(BLOCK_V, o.v - v0), z.data() + v0, o.v, rg.data(), ts.data());
+        pass.tile(n0, bn, v0, std::min(BLOCK_V, o.v - v0), z.data() + v0, ld_z, rg.data(),
+                  ts.data());
       }
       pass.end_row_block(n0, bn);
     }
