@@ -458,7 +458,7 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
     return;
   }
   // Compensated output: a thread takes whole row panels, so that the adds run along full rows
-  // of the accumulators (a [32, 64] block at a time would hit them in scattered pieces). It
+  // of the accumulators (a [64, 64] block at a time would hit them in scattered pieces). It
   // copies the panel's rows of A itself where they need a copy (the transposed gradient tile of
   // the dC GEMM): a panel at a time, while in cache, and never the whole operand.
   at::parallel_for(0, nbm, 1, [&](int64_t p0, int64_t p1) {
