@@ -40,7 +40,7 @@ constexpr int64_t BLOCK_N = 256;   // rows per tile
 // backward's peak memory is the one that competes with chunked torch's (78 MB against 80 at
 // N=4096, V=32768, D=512; 2048 columns would add 6 MB). bf16 gains 5% from the wider tiles (its
 // split gradient tile runs 4 GEMMs per tile, each adding into the Kahan accumulators) and has
-// memory to spare (a quarter of chunked torch's with them).
+// memory to spare (a fifth of chunked torch's with them).
 constexpr int64_t BLOCK_V_F32 = 512;
 constexpr int64_t BLOCK_V_16BIT = 2048;
 
