@@ -83,11 +83,6 @@ void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha) {
   }
 }
 
-FLCE_CLONES void row_kahan_add(float* s, float* c, const float* x, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) kahan_add(s[j], c[j], x[j]);
-}
-
 FLCE_CLONES void row_kahan_add(float* s, uint16_t* c, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) kahan_add_bf16c(s[j], c[j], x[j]);

@@ -28,9 +28,7 @@ enum class Dtype { f32, bf16, f16 };
 
 // out[j] = alpha * x[j] for a row x stored as dtype.
 void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha);
-// (s, c) += x elementwise with Neumaier compensation.
-void row_kahan_add(float* s, float* c, const float* x, int64_t n);
-// The same with the compensation stored in bf16 (kahan_add_bf16c).
+// (s, c) += x elementwise with Neumaier compensation, c stored in bf16 (kahan_add_bf16c).
 void row_kahan_add(float* s, uint16_t* c, const float* x, int64_t n);
 // s[j] += c[j] for bf16 c: a compensated sum's result (kahan_result).
 void row_add_bf16(float* s, const uint16_t* c, int64_t n);
