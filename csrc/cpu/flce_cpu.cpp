@@ -63,9 +63,9 @@ struct Operands {
   at::ScalarType w_dtype;   // the weight's own dtype (fp32 master weights), its gradient's
   int64_t n, v, d;
   int64_t block_v;  // vocabulary columns per tile
-  // Row stride of the tile buffers: block_v + 16, not a power of two. The dC GEMM reads the
-  // gradient tile transposed, and a column of a 2^k-strided tile maps to a single cache set.
-  int64_t ld_tile;
+  // Row stride of the tile buffers: not a power of two. The dC GEMM reads the gradient tile
+  // transposed, and a column of a 2^k-strided tile maps to a single cache set.
+  int64_t ld_tile() const { return block_v + 16; }
 };
 
 Operands prepare(const at::Tensor& input, const at::Tensor& weight,
@@ -83,7 +83,6 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
   o.v = weight.size(0);
   o.d = input.size(1);
   o.block_v = o.dtype == at::kFloat ? BLOCK_V_F32 : BLOCK_V_16BIT;
-  o.ld_tile = o.block_v + 16;
   return o;
 }
 
@@ -166,7 +165,7 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
   const int64_t* t = tgt.data_ptr<int64_t>();
   at::Tensor out = at::empty({o.n, 4}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
-  std::vector<float> tile(BLOCK_N * o.ld_tile);
+  std::vector<float> tile(BLOCK_N * o.ld_tile());
   // Vocab tiles outer: each weight tile is prepared for the GEMM once; every row folds the
   // tiles in vocabulary order all the same.
   std::vector<RowState> rows(o.n);
@@ -175,11 +174,11 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
     const int64_t bv = std::min(o.block_v, o.v - v0);
     for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
       const int64_t bn = std::min(BLOCK_N, o.n - n0);
-      logit_tile(o, n0, bn, v0, bv, cap, tile.data(), o.ld_tile, scratch);
+      logit_tile(o, n0, bn, v0, bv, cap, tile.data(), o.ld_tile(), scratch);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
-          fold_row(tile.data() + r * o.ld_tile, bv, tl < 0 ? -1 : tl - v0, rows[n0 + r]);
+          fold_row(tile.data() + r * o.ld_tile(), bv, tl < 0 ? -1 : tl - v0, rows[n0 + r]);
         }
       });
     }
@@ -338,8 +337,8 @@ class GradPass {
     // fp16 tiles would underflow small gradients, so fp16 (and fp32) multiply G in fp32 against
     // fp32 operands.
     if (split_) {
-      hi_.resize(block_n * o.ld_tile);
-      lo_.resize(block_n * o.ld_tile);
+      hi_.resize(block_n * o.ld_tile());
+      lo_.resize(block_n * o.ld_tile());
     } else if (o.dtype != at::kFloat) {
       x32_ = o.x.to(at::kFloat);
       w32_ = o.w.to(at::kFloat);
@@ -386,7 +385,7 @@ class GradPass {
       alpha = std::ldexp(1.f, -k);
       at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          const int64_t off = r * o_.ld_tile;
+          const int64_t off = r * o_.ld_tile();
           cpu::row_split_bf16(tile + r * ld, &hi_[off], &lo_[off], bv, scale);
         }
       });
@@ -410,7 +409,7 @@ class GradPass {
     const char* wp = static_cast<const char*>(o_.w.data_ptr()) + v0 * d * es;
     // The tile products go straight into the Kahan accumulators; the split tile's are scaled
     // back by alpha (a power of two: exact).
-    const int64_t ls = o_.ld_tile;
+    const int64_t ls = o_.ld_tile();
     const GemmOperand split_rows[2] = {{hi_.data(), ls, false}, {lo_.data(), ls, false}};
     const GemmOperand split_cols[2] = {{hi_.data(), ls, true}, {lo_.data(), ls, true}};
     if (need_e_) {
@@ -512,7 +511,7 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
   const bool rows_outer = o.v <= o.n;
   GradPass pass(o, bias, mask, rows_outer, BLOCK_N, opt.softcap, deferred);
   if (!pass.needs_any()) return pass.finish();
-  std::vector<float> tile(BLOCK_N * o.ld_tile);
+  std::vector<float> tile(BLOCK_N * o.ld_tile());
   std::vector<RowGrad> rg(BLOCK_N);
   std::vector<int64_t> ts(BLOCK_N);
   LogitScratch scratch;
@@ -526,8 +525,8 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
     }
   };
   auto one_tile = [&](int64_t n0, int64_t bn, int64_t v0, int64_t bv) {
-    logit_tile(o, n0, bn, v0, bv, opt.softcap, tile.data(), o.ld_tile, scratch);
-    pass.tile(n0, bn, v0, bv, tile.data(), o.ld_tile, rg.data(), ts.data());
+    logit_tile(o, n0, bn, v0, bv, opt.softcap, tile.data(), o.ld_tile(), scratch);
+    pass.tile(n0, bn, v0, bv, tile.data(), o.ld_tile(), rg.data(), ts.data());
   };
   if (rows_outer) {
     for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
