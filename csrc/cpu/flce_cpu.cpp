@@ -263,7 +263,8 @@ struct GradBuffer {
              int64_t width, bool global_, bool deferred_)
       : global(global_), deferred(deferred_) {
     const auto f32 = opts.dtype(at::kFloat);
-    out = deferred ? at::empty({2, total, width}, f32) : at::empty({total, width}, opts.dtype(dtype));
+    out = deferred ? at::empty({2, total, width}, f32)
+                   : at::empty({total, width}, opts.dtype(dtype));
     sum_in_out = deferred ? global : dtype == at::kFloat;
     sum = !sum_in_out ? at::empty({rows, width}, f32) : deferred ? out[0] : out;
     comp = at::empty({global ? total : rows, width}, opts.dtype(at::kBFloat16));
@@ -577,11 +578,15 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
 }
 
 // Rows per block of the fused forward+backward: a row block keeps its logits for the whole
-// vocabulary, [rows, V] fp32, within kFusedWorkspaceBytes; 0 when not even 16 rows fit.
+// vocabulary, [rows, V] fp32 with rows fused_row_stride(V) apart, within kFusedWorkspaceBytes;
+// 0 when not even 16 rows fit.
 constexpr int64_t kFusedWorkspaceBytes = int64_t(64) << 20;
 
+// A multiple of 16 floats plus 16: not a power of two, as ld_tile().
+int64_t fused_row_stride(int64_t v) { return (v + 15) / 16 * 16 + 16; }
+
 int64_t fused_block_rows(int64_t v) {
-  const int64_t rows = std::min<int64_t>(BLOCK_N, kFusedWorkspaceBytes / (4 * std::max<int64_t>(v, 1)));
+  const int64_t rows = std::min<int64_t>(BLOCK_N, kFusedWorkspaceBytes / (4 * fused_row_stride(v)));
   return rows >= 16 ? rows / 16 * 16 : 0;
 }
 
@@ -625,8 +630,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     return {reduced(total), div, e, c, b};
   }
   GradPass pass(o, bias, output_mask, /*rows_outer=*/true, bn_f, opt.softcap, /*deferred=*/true);
-  // [bn_f, V]: the row block's logits, rows ld_z apart (not a power of two, as ld_tile)
-  const int64_t ld_z = (o.v + 15) / 16 * 16 + 16;
+  // [bn_f, V]: the row block's logits
+  const int64_t ld_z = fused_row_stride(o.v);
   std::vector<float> z(bn_f * ld_z);
   LogitScratch scratch;
   std::vector<RowState> rows(bn_f);
