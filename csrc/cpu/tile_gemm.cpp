@@ -442,7 +442,7 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
     const void* arow[2];
     int64_t lda[2];
     lhs(0, m, scratch.bf16, scratch.f32, arow, lda);
-    const int64_t es = bf16 ? 2 : 4;
+    const int64_t es = bf16 ? 2 : 4;  // the kernels' element: fp16 operands were widened to fp32
     at::parallel_for(0, nbm * nbn, 1, [&](int64_t i0, int64_t i1) {
       float part[MB * NB];
       for (int64_t i = i0; i < i1; ++i) {

@@ -245,9 +245,15 @@ FLCE_HD float logit_grad(const RowGrad& r, float z) {
 // The compensation c collects the low-order parts that s lost; kahan_result() folds it in once,
 // at the end. Branch-free so that loops over tiles vectorize.
 // ---------------------------------------------------------------------------------------------
+// The rounding error of t = fl(a + b): a + b = t + add_error(a, b, t) exactly (Fast2Sum with
+// the larger operand first).
+FLCE_HD float add_error(float a, float b, float t) {
+  return fabsf(a) >= fabsf(b) ? (a - t) + b : (b - t) + a;
+}
+
 FLCE_HD void kahan_add(float& s, float& c, float x) {
   const float t = s + x;
-  c += fabsf(s) >= fabsf(x) ? (s - t) + x : (x - t) + s;
+  c += add_error(s, x, t);
   s = t;
 }
 
@@ -283,10 +289,9 @@ FLCE_HD float bf16_value(uint16_t h) {
 // ---------------------------------------------------------------------------------------------
 FLCE_HD void kahan_add_bf16c(float& s, uint16_t& c16, float x) {
   const float t = s + x;
-  const float e = fabsf(s) >= fabsf(x) ? (s - t) + x : (x - t) + s;
-  const float c = bf16_value(c16) + e;
+  const float c = bf16_value(c16) + add_error(s, x, t);
   const float s2 = t + c;
-  const float c2 = fabsf(t) >= fabsf(c) ? (t - s2) + c : (c - s2) + t;
+  const float c2 = add_error(t, c, s2);
   s = s2;
   c16 = bf16_bits(c2);
 }
