@@ -74,6 +74,11 @@ extern Fiber* g_cur;
 // `blame`: the thread the report names (default: the running one).
 [[noreturn]] void fail(cudaError_t code, const std::string& kind, const std::string& detail,
                        const void* pc, const Fiber* blame = nullptr);
+// The same without unwinding, for callers that cannot throw (the __tsan_* callbacks: g++ treats
+// them as nothrow): the running fiber is abandoned where it is. It must hold no objects that
+// need destruction (pass plain strings).
+[[noreturn]] void fail_abandon(cudaError_t code, const char* kind, const char* detail,
+                               const void* pc, const Fiber* blame);
 
 // A warp collective of the running lane: deposit `dep`, wait for the lanes of `mask`; the lane
 // completing it calls compute(lanes of the warp, mask).

@@ -56,18 +56,27 @@ struct State {
   std::uint32_t block_epoch = 0;  // first epoch of the running block
 } s;
 
-std::string who(std::uint16_t tid) {
-  if (tid == kMany) return "several threads";
-  return "thread " + std::to_string(tid);
+// Report texts are built in fixed buffers: the fiber that reports is abandoned, not unwound.
+void who(char* out, std::size_t n, std::uint16_t tid, const void* pc) {
+  std::string where = pc ? " at " + describe_pc(pc) : std::string();
+  if (tid == kMany) {
+    std::snprintf(out, n, "several threads%s", where.c_str());
+  } else {
+    std::snprintf(out, n, "thread %u%s", static_cast<unsigned>(tid), where.c_str());
+  }
 }
 
-std::string at(const void* pc) { return pc ? " at " + describe_pc(pc) : std::string(); }
-
 [[noreturn]] void report(const char* kind, const Fiber* f, std::size_t off, const char* access,
-                         const std::string& other, const void* pc) {
-  char buf[160];
-  std::snprintf(buf, sizeof(buf), "%s by thread %d of shared byte %zu", access, f->tid, off);
-  fail(cudaErrorLaunchFailure, kind, buf + other, pc, f);
+                         const char* relation, std::uint16_t other_tid, const void* other_pc,
+                         const char* tail, const void* pc) {
+  char detail[2048];
+  {
+    char other[1024] = "";
+    if (relation != nullptr) who(other, sizeof(other), other_tid, other_pc);
+    std::snprintf(detail, sizeof(detail), "%s by thread %d of shared byte %zu%s%s%s", access,
+                  f->tid, off, relation ? relation : "", other, tail);
+  }
+  fail_abandon(cudaErrorLaunchFailure, kind, detail, pc, f);
 }
 
 void check_bounds(const Fiber* f, std::uintptr_t p, std::size_t n, const char* access,
@@ -77,7 +86,7 @@ void check_bounds(const Fiber* f, std::uintptr_t p, std::size_t n, const char* a
     std::snprintf(buf, sizeof(buf),
                   "%s of %zu bytes at offset %lld of the %zu bytes of dynamic shared memory",
                   access, n, static_cast<long long>(p) - static_cast<long long>(s.lo), s.size);
-    fail(cudaErrorIllegalAddress, "out-of-bounds shared-memory access", buf, pc, f);
+    fail_abandon(cudaErrorIllegalAddress, "out-of-bounds shared-memory access", buf, pc, f);
   }
 }
 
@@ -89,17 +98,16 @@ void on_read(const Fiber* f, std::uintptr_t p, std::size_t n, const void* pc) {
     Shadow& b = s.shadow[off + i];
     if (b.in_flight) {
       report("access to shared memory with a cp.async in flight", f, off + i, "read",
-             "; the cp.async was issued by " + who(b.w_tid) + at(b.w_pc) +
-                 " and has not landed (its group was not retired by cp.async.wait_group)",
-             pc);
+             "; the cp.async was issued by ", b.w_tid, b.w_pc,
+             " and has not landed (its group was not retired by cp.async.wait_group)", pc);
     }
     if (b.w_epoch < s.block_epoch) {
-      report("read of uninitialized shared memory", f, off + i, "read",
+      report("read of uninitialized shared memory", f, off + i, "read", nullptr, 0, nullptr,
              ", which no thread of this block has written", pc);
     }
     if (b.w_epoch == s.epoch && b.w_tid != tid) {
-      report("shared-memory race (read after write)", f, off + i, "read",
-             "; written by " + who(b.w_tid) + at(b.w_pc) + " with no barrier in between", pc);
+      report("shared-memory race (read after write)", f, off + i, "read", "; written by ",
+             b.w_tid, b.w_pc, " with no barrier in between", pc);
     }
     if (b.r_epoch != s.epoch) {
       b.r_epoch = s.epoch;
@@ -120,17 +128,15 @@ void on_write(const Fiber* f, std::uintptr_t p, std::size_t n, const void* pc, b
     Shadow& b = s.shadow[off + i];
     if (b.in_flight) {
       report("access to shared memory with a cp.async in flight", f, off + i, access,
-             "; the cp.async was issued by " + who(b.w_tid) + at(b.w_pc) + " and has not landed",
-             pc);
+             "; the cp.async was issued by ", b.w_tid, b.w_pc, " and has not landed", pc);
     }
     if (b.w_epoch == s.epoch && b.w_tid != tid && b.w_tid != kNone) {
-      report("shared-memory race (write after write)", f, off + i, access,
-             "; also written by " + who(b.w_tid) + at(b.w_pc) + " with no barrier in between",
-             pc);
+      report("shared-memory race (write after write)", f, off + i, access, "; also written by ",
+             b.w_tid, b.w_pc, " with no barrier in between", pc);
     }
     if (b.r_epoch == s.epoch && b.r_tid != tid) {
-      report("shared-memory race (write after read)", f, off + i, access,
-             "; read by " + who(b.r_tid) + at(b.r_pc) + " with no barrier in between", pc);
+      report("shared-memory race (write after read)", f, off + i, access, "; read by ", b.r_tid,
+             b.r_pc, " with no barrier in between", pc);
     }
     b.w_tid = tid;
     b.w_epoch = s.epoch;
@@ -231,5 +237,51 @@ FLCE_TSAN_ACCESS(8)
 FLCE_TSAN_ACCESS(16)
 void __tsan_read_range(void* a, unsigned long n) { access(a, n, false, __builtin_return_address(0)); }
 void __tsan_write_range(void* a, unsigned long n) { access(a, n, true, __builtin_return_address(0)); }
+#pragma GCC visibility pop
+}
+
+// Atomics in instrumented code (static-local initialization guards in the test programs' and
+// libstdc++'s inline code): performed as sequentially consistent atomics; they are not shared
+// memory and not race-checked.
+#define FLCE_TSAN_ATOMIC(N, T)                                                                   \
+  T __tsan_atomic##N##_load(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); } \
+  void __tsan_atomic##N##_store(volatile T* a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                                       \
+    return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                          \
+  }                                                                                              \
+  T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) {                                      \
+    return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);                                           \
+  }                                                                                              \
+  T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) {                                      \
+    return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST);                                           \
+  }                                                                                              \
+  T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) {                                      \
+    return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST);                                           \
+  }                                                                                              \
+  T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) {                                       \
+    return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);                                            \
+  }                                                                                              \
+  T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) {                                      \
+    return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST);                                           \
+  }                                                                                              \
+  int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {           \
+    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);      \
+  }                                                                                              \
+  int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {             \
+    return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);       \
+  }                                                                                              \
+  T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {                 \
+    __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);            \
+    return c;                                                                                    \
+  }
+
+extern "C" {
+#pragma GCC visibility push(hidden)
+FLCE_TSAN_ATOMIC(8, char)
+FLCE_TSAN_ATOMIC(16, short)
+FLCE_TSAN_ATOMIC(32, int)
+FLCE_TSAN_ATOMIC(64, long)
+void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 #pragma GCC visibility pop
 }

@@ -270,16 +270,32 @@ void transfer(Fiber* from, Fiber* to, bool from_exits) {
 // launcher when there is none.
 void run_next(Fiber* self, bool exiting) { transfer(self, pop_ready(), exiting); }
 
-[[noreturn]] void thread_exit(Fiber* self);
+// Thrown by fail() inside a fiber and caught by fiber_entry at the bottom of the same stack, so
+// that the frames of the failing thread are unwound (their strings freed) before it is abandoned.
+struct LaunchAborted {};
+
+void exit_checks(Fiber* self);
 
 void fiber_entry() {
   Fiber* self = g_cur;
   context_started(self->ctx);
-  g.thunk(g.params);
-  thread_exit(self);
+  bool aborted = false;
+  try {
+    g.thunk(g.params);
+    exit_checks(self);
+  } catch (const LaunchAborted&) {
+    aborted = true;
+  }
+  if (aborted) {
+    transfer(self, nullptr, true);  // back to the launcher, which reports; never resumed
+  } else {
+    run_next(self, true);
+  }
+  __builtin_unreachable();
 }
 
-[[noreturn]] void thread_exit(Fiber* self) {
+// The thread has returned from the kernel: anything that waits for it now waits forever.
+void exit_checks(Fiber* self) {
   if (!self->copies.empty()) {
     fail(cudaErrorLaunchFailure, "thread exited with cp.async copies pending",
          format("%zu copies were issued and never waited for (cp.async.wait_group)",
@@ -317,8 +333,6 @@ void fiber_entry() {
                 thread_list(gone).c_str()),
          nullptr, any);
   }
-  run_next(self, true);
-  __builtin_unreachable();
 }
 
 void release_barrier(Fiber* last) {
@@ -543,6 +557,17 @@ void prepare_launch(const LaunchSpec& spec) {
 // Shared with ptx.cpp and racecheck.cpp
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+void record_failure(cudaError_t code, const char* kind, const char* detail, const void* pc,
+                    const Fiber* blame) {
+  g.aborted = true;
+  g.error = code;
+  g.message = std::string("flce host emulation: ") + kind + "\n  " + detail + "\n" +
+              launch_context(blame);
+  if (pc != nullptr) g.message += "\n  at " + describe_pc(pc);
+}
+}  // namespace
+
 void fail(cudaError_t code, const std::string& kind, const std::string& detail, const void* pc,
           const Fiber* blame) {
   Fiber* self = g_cur;
@@ -551,12 +576,16 @@ void fail(cudaError_t code, const std::string& kind, const std::string& detail, 
     throw std::logic_error("flce host emulation: " + kind + ": " + detail +
                            " (outside a kernel launch)");
   }
-  g.aborted = true;
-  g.error = code;
-  g.message = "flce host emulation: " + kind + "\n  " + detail + "\n" +
-              launch_context(blame ? blame : self);
-  if (pc != nullptr) g.message += "\n  at " + describe_pc(pc);
-  // Abandon every fiber of the block: back to the launcher, which reports.
+  record_failure(code, kind.c_str(), detail.c_str(), pc, blame ? blame : self);
+  // The failing thread unwinds to fiber_entry and returns to the launcher; the other fibers of
+  // the block are abandoned where they wait (no runtime frame of theirs owns memory).
+  throw LaunchAborted{};
+}
+
+void fail_abandon(cudaError_t code, const char* kind, const char* detail, const void* pc,
+                  const Fiber* blame) {
+  Fiber* self = g_cur;
+  record_failure(code, kind, detail, pc, blame ? blame : self);
   transfer(self, nullptr, true);
   __builtin_unreachable();
 }
