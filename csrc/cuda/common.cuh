@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "device.cuh"
 #include "flce/math.h"
 
 namespace flce {

@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) grad_logits_kernel(const Gr
   using T = typename TileElem<Tile>::type;
   constexpr int kWarps = Tile::kThreads / 32;
   constexpr int kPerLane = Tile::kBlockV / 32;
-  extern __shared__ __align__(16) char smem[];
+  FLCE_DYNAMIC_SHARED(smem);
   float* epi = reinterpret_cast<float*>(smem + Tile::kEpiOffset);       // [kBlockN, kEpiLd]
   RowCoef* rows = reinterpret_cast<RowCoef*>(smem + Tile::kSmemBytes);  // [kBlockN]
   const LinearArgs& a = p.lin;
@@ -128,7 +128,8 @@ cudaError_t launch(const GradParams& p, cudaStream_t stream) {
   if (row_blocks == 0 || col_blocks == 0) return cudaSuccess;
   const int64_t ctas = row_blocks * col_blocks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  grad_logits_kernel<Tile><<<static_cast<unsigned>(ctas), Tile::kThreads, kSmem, stream>>>(p);
+  launch_kernel<grad_logits_kernel<Tile>>(dim3(static_cast<unsigned>(ctas)), dim3(Tile::kThreads),
+                                          kSmem, stream, p);
   return cudaGetLastError();
 }
 
@@ -159,10 +160,10 @@ cudaError_t launch_target_fix(const TargetFixParams& p, DType dtype, cudaStream_
   const unsigned grid = static_cast<unsigned>(p.n);
   switch (dtype) {
     case DType::kBFloat16:
-      target_fix_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(p);
+      launch_kernel<target_fix_kernel<__nv_bfloat16>>(dim3(grid), dim3(256), 0, stream, p);
       break;
     case DType::kFloat16:
-      target_fix_kernel<__half><<<grid, 256, 0, stream>>>(p);
+      launch_kernel<target_fix_kernel<__half>>(dim3(grid), dim3(256), 0, stream, p);
       break;
     default:
       return cudaErrorInvalidValue;  // fp32 tiles are exact: nothing to fix
@@ -175,7 +176,7 @@ cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream) {
   constexpr int kThreads = 256;
   const int64_t blocks = (p.n + kThreads - 1) / kThreads;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  row_coef_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  launch_kernel<row_coef_kernel>(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p);
   return cudaGetLastError();
 }
 

@@ -90,23 +90,25 @@ __global__ void scale_store_kernel(T* __restrict__ out, const float* __restrict_
 
 cudaError_t launch_combine(const CombineParams& p, bool finalize, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
-  BOOL_SWITCH(finalize, kFinalize,
-              [&] { combine_kernel<kFinalize><<<grid_for(p.n), kThreads, 0, stream>>>(p); });
+  BOOL_SWITCH(finalize, kFinalize, [&] {
+    launch_kernel<combine_kernel<kFinalize>>(dim3(grid_for(p.n)), dim3(kThreads), 0, stream, p);
+  });
   return cudaGetLastError();
 }
 
 cudaError_t launch_column_sum(const float* x, int64_t rows, int64_t cols, float* out,
                               cudaStream_t stream) {
   if (cols == 0) return cudaSuccess;
-  column_sum_kernel<<<grid_for(cols), kThreads, 0, stream>>>(x, rows, cols, out);
+  launch_kernel<column_sum_kernel>(dim3(grid_for(cols)), dim3(kThreads), 0, stream, x, rows, cols,
+                                   out);
   return cudaGetLastError();
 }
 
 cudaError_t launch_kahan_accumulate(float* sum, float* comp, const float* x, int64_t count,
                                     const float* inv_scale, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  kahan_accumulate_kernel<<<grid_for(count), kThreads, 0, stream>>>(sum, comp, x, count,
-                                                                     inv_scale);
+  launch_kernel<kahan_accumulate_kernel>(dim3(grid_for(count)), dim3(kThreads), 0, stream, sum,
+                                         comp, x, count, inv_scale);
   return cudaGetLastError();
 }
 
@@ -116,16 +118,17 @@ cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t c
   switch (dtype) {
     case DType::kFloat32:
     case DType::kFloat32Tf32:
-      scale_store_kernel<float><<<grid_for(count), kThreads, 0, stream>>>(
-          static_cast<float*>(out), x, count, inv_scale);
+      launch_kernel<scale_store_kernel<float>>(dim3(grid_for(count)), dim3(kThreads), 0, stream,
+                                               static_cast<float*>(out), x, count, inv_scale);
       break;
     case DType::kBFloat16:
-      scale_store_kernel<__nv_bfloat16><<<grid_for(count), kThreads, 0, stream>>>(
-          static_cast<__nv_bfloat16*>(out), x, count, inv_scale);
+      launch_kernel<scale_store_kernel<__nv_bfloat16>>(dim3(grid_for(count)), dim3(kThreads), 0,
+                                                       stream, static_cast<__nv_bfloat16*>(out), x,
+                                                       count, inv_scale);
       break;
     case DType::kFloat16:
-      scale_store_kernel<__half><<<grid_for(count), kThreads, 0, stream>>>(
-          static_cast<__half*>(out), x, count, inv_scale);
+      launch_kernel<scale_store_kernel<__half>>(dim3(grid_for(count)), dim3(kThreads), 0, stream,
+                                                static_cast<__half*>(out), x, count, inv_scale);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -88,7 +88,7 @@ __device__ void fold_tile(const float* epi, RowState* rows, int64_t m0, int64_t 
 
 template <typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 2) partial_stats_kernel(const StatsParams p) {
-  extern __shared__ __align__(16) char smem[];
+  FLCE_DYNAMIC_SHARED(smem);
   float* epi = reinterpret_cast<float*>(smem + Tile::kEpiOffset);  // [kBlockN, kEpiLd]
   RowState* rows = reinterpret_cast<RowState*>(smem + Tile::kSmemBytes);  // [kBlockN]
   const LinearArgs& a = p.lin;
@@ -138,7 +138,8 @@ cudaError_t launch(const StatsParams& p, cudaStream_t stream) {
   if (row_blocks == 0 || p.splits == 0) return cudaSuccess;
   const int64_t ctas = row_blocks * p.splits;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  partial_stats_kernel<Tile><<<static_cast<unsigned>(ctas), Tile::kThreads, kSmem, stream>>>(p);
+  launch_kernel<partial_stats_kernel<Tile>>(dim3(static_cast<unsigned>(ctas)), dim3(Tile::kThreads),
+                                            kSmem, stream, p);
   return cudaGetLastError();
 }
 

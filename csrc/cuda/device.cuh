@@ -1,0 +1,44 @@
+// The two things the kernels of csrc/cuda spell differently for nvcc and for the host SIMT
+// emulation (csrc/cuda/host, compiled by a host C++ compiler with -DFLCE_CUDA_HOST):
+//
+//   launch_kernel<kernel>(grid, block, smem, stream, args...)
+//       kernel<<<grid, block, smem, stream>>>(args...) under nvcc; under the emulation the whole
+//       grid runs on the CPU inside the call. Either way the launch's error is then what
+//       cudaGetLastError() returns.
+//   FLCE_DYNAMIC_SHARED(name);
+//       extern __shared__ __align__(16) char name[]; (the launch's dynamic shared memory). The
+//       emulation gives a pointer to its per-block arena (128-byte aligned, poisoned with 0xFF
+//       before every block and watched by the race detector).
+//
+// Everything else (threadIdx, __syncthreads, shuffles, the PTX wrappers of ptx.cuh) is the same
+// source for both; the emulation provides host definitions in csrc/cuda/host/simt.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#if defined(__CUDACC__)
+#define FLCE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) char name[]
+#elif defined(FLCE_CUDA_HOST)
+#include "host/simt.h"
+#define FLCE_DYNAMIC_SHARED(name) char* const name = ::flce::host::dynamic_shared()
+#else
+#error "csrc/cuda kernels compile with nvcc, or as host C++ with -DFLCE_CUDA_HOST (emulation)"
+#endif
+
+namespace flce {
+namespace cuda {
+
+template <auto kKernel, typename... Args>
+inline void launch_kernel(dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                          const Args&... args) {
+#if defined(__CUDACC__)
+  kKernel<<<grid, block, smem, stream>>>(args...);
+#else
+  ::flce::host::launch<kKernel>(grid, block, smem, stream, args...);
+#endif
+}
+
+}  // namespace cuda
+}  // namespace flce
