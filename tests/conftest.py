@@ -3,7 +3,7 @@ tests to the host-emulated CUDA backend, and tests/ on sys.path.
 
 Every test that takes ``device`` runs on "cpu", on "cuda" (skipped, with a reason, when no GPU is
 visible) and on "cuda-host": CPU tensors served by the CUDA backend's binding and kernels under
-the host SIMT emulation (tests/cuda_host.py). Tests marked ``skip_cuda_host`` are too large for
+the host SIMT emulation (tests/cuda_emulation.py). Tests marked ``skip_cuda_host`` are too large for
 the emulation (their reason says why). FLCE_REQUIRE_CUDA_HOST=1 (CI) turns "cannot build the
 emulation here" into a failure instead of a skip. Shared helpers live in tests/helpers.py.
 """
@@ -36,7 +36,7 @@ def _cuda_host_routing(request):
     if skip is not None:
         pytest.skip(skip.kwargs.get("reason") or (skip.args[0] if skip.args else
                                                   "too large for the host emulation"))
-    import cuda_host
+    import cuda_emulation as cuda_host
 
     import flce._ops
 

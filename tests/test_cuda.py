@@ -256,7 +256,7 @@ def test_target_out_of_range_raises(dev, reduction):
                              "target[5] = -3")
     t[5] = -100  # ignore_index: fine
     t[9] = 7
-    flce.linear_cross_entropy(xg, w, t, reduction=reduction).backward()
+    flce.linear_cross_entropy(xg, w, t, reduction=reduction).sum().backward()
     if HAS_CUDA:
         torch.cuda.synchronize()
     flce.linear_cross_entropy(x, w, t)  # nothing left pending
@@ -284,10 +284,12 @@ def test_alignment_fallback(dev, dtype):
                         [True, True, True])
     for a, c in zip(ggot, gref):
         torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-5)
+    # The single pass' GEMMs (cuBLAS) may sum in another order for another operand layout.
     sref = ops.sum_and_grad(x, w, t, b, -100, 0.0, 0.0, 0.0, [True, True, True], True)
     sgot = ops.sum_and_grad(xs, wt, t, b, -100, 0.0, 0.0, 0.0, [True, True, True], True)
     for a, c in zip(sgot, sref):
-        torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-5)
+        assert a.dtype == c.dtype and a.shape == c.shape
+        assert _rel_err(a, c) < (1e-5 if dtype == torch.float32 else TOL[dtype][1])
 
 
 def test_expanded_grad_loss_and_mask(dev):

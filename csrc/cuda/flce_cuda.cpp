@@ -531,8 +531,12 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
 
     if (need_e) {
       const at::Tensor w_gemm = w.narrow(1, 0, d);
-      if (v0 == 0 && inv_ptr == nullptr) {
-        gemm_into(sum_e, g, w_gemm);  // comp_e is zero: the first add is exact
+      if (v0 == 0) {
+        // The first chunk is the sum so far (comp_e is zero: exact). With the fp16 scale it is
+        // undone by a power of two (exact too); Kahan-adding it into sum_e instead would read
+        // sum_e before anything wrote it.
+        gemm_into(sum_e, g, w_gemm);
+        if (inv_scale.defined()) sum_e.mul_(inv_scale);
       } else {
         if (!tmp_e.defined()) tmp_e = dev::empty({n, d}, f32);
         gemm_into(tmp_e, g, w_gemm);
@@ -736,9 +740,9 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   at::Tensor tmp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
   at::Tensor comp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
   // More than one group: dW accumulates in fp32 (the weight's own gradient if it is fp32).
-  const bool multi = G < n;
+  const bool separate_acc = G < n && weight.scalar_type() != at::kFloat;
   at::Tensor acc_w;
-  if (need_c) acc_w = multi && weight.scalar_type() != at::kFloat ? dev::empty({v, d}, f32) : gw[0];
+  if (need_c) acc_w = separate_acc ? dev::empty({v, d}, f32) : gw[0];
 
   for (int64_t g0 = 0; g0 < n; g0 += G) {
     const int64_t gn = std::min(G, n - g0);
@@ -838,7 +842,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       }
     }
   }
-  if (need_c && !acc_w.is_same(gw[0])) {
+  if (need_c && separate_acc) {
     check_launch(cuda::launch_scale_store(gw.data_ptr(), to_dtype(weight.scalar_type()),
                                           acc_w.data_ptr<float>(), v * d, nullptr, stream),
                  "scale_store");

@@ -58,7 +58,8 @@ __device__ __forceinline__ RowPartial warp_merge(RowPartial p) {
 }
 
 __global__ void __launch_bounds__(kThreads) row_stats_kernel(const RowStatsParams p) {
-  __shared__ RowPartial warp_part[kWarps];
+  FLCE_DYNAMIC_SHARED(smem);
+  RowPartial* warp_part = reinterpret_cast<RowPartial*>(smem);  // [kWarps]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
     const float* z = p.logits + row * p.ld;
@@ -178,16 +179,19 @@ cudaError_t scale_grad_to(T* out, const void* x, DType x_dtype, int slices, int6
   switch (x_dtype) {
     case DType::kFloat32:
     case DType::kFloat32Tf32:
-      scale_grad_kernel<T, float><<<grid, kThreads, 0, stream>>>(
-          out, static_cast<const float*>(x), slices, count, scale);
+      launch_kernel<scale_grad_kernel<T, float>>(dim3(grid), dim3(kThreads), 0, stream, out,
+                                              static_cast<const float*>(x), slices, count,
+                                              scale);
       break;
     case DType::kBFloat16:
-      scale_grad_kernel<T, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-          out, static_cast<const __nv_bfloat16*>(x), slices, count, scale);
+      launch_kernel<scale_grad_kernel<T, __nv_bfloat16>>(dim3(grid), dim3(kThreads), 0, stream, out,
+                                              static_cast<const __nv_bfloat16*>(x), slices, count,
+                                              scale);
       break;
     case DType::kFloat16:
-      scale_grad_kernel<T, __half><<<grid, kThreads, 0, stream>>>(
-          out, static_cast<const __half*>(x), slices, count, scale);
+      launch_kernel<scale_grad_kernel<T, __half>>(dim3(grid), dim3(kThreads), 0, stream, out,
+                                              static_cast<const __half*>(x), slices, count,
+                                              scale);
       break;
   }
   return cudaGetLastError();
@@ -197,7 +201,8 @@ cudaError_t scale_grad_to(T* out, const void* x, DType x_dtype, int slices, int6
 
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
-  row_stats_kernel<<<grid_rows(p.n), kThreads, 0, stream>>>(p);
+  launch_kernel<row_stats_kernel>(dim3(grid_rows(p.n)), dim3(kThreads),
+                                   kWarps * sizeof(RowPartial), stream, p);
   return cudaGetLastError();
 }
 
@@ -210,13 +215,13 @@ cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t st
   switch (dtype) {
     case DType::kFloat32:
     case DType::kFloat32Tf32:
-      row_grad_kernel<float><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel<row_grad_kernel<float>>(dim3(grid), dim3(kThreads), 0, stream, p);
       break;
     case DType::kBFloat16:
-      row_grad_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel<row_grad_kernel<__nv_bfloat16>>(dim3(grid), dim3(kThreads), 0, stream, p);
       break;
     case DType::kFloat16:
-      row_grad_kernel<__half><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel<row_grad_kernel<__half>>(dim3(grid), dim3(kThreads), 0, stream, p);
       break;
   }
   return cudaGetLastError();
