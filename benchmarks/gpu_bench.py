@@ -1,15 +1,19 @@
-"""Forward+backward benchmark of flce against the unfused baselines and cuBLAS speed-of-light.
+"""Forward+backward benchmark of flce's two CUDA paths against cuBLAS speed-of-light and peers.
 
 Run on one GPU (benchmarks/gpu_check.sh does): for each shape, bf16,
-  flce            flce.linear_cross_entropy, loss.backward()
+  flce            flce.linear_cross_entropy, loss.backward(): the single pass (3 GEMMs), the
+                  training default on CUDA
+  flce_recompute  the same with single_pass=False: forward + recomputing backward (4 GEMMs)
   eager           logits = x @ w.T; F.cross_entropy(logits.float(), t)
-  compile         the same under torch.compile
+  compile         the same under torch.compile (--compile)
   torch_lce       torch.nn.functional.linear_cross_entropy (torch >= 2.13 only)
+  quack           quack.linear_cross_entropy.chunked_linear_cross_entropy, where installed
+  liger           Liger-Kernel's LigerFusedLinearCrossEntropyLoss, where installed
   sol_4gemm       4 plain bf16 cuBLAS GEMMs of the shape (logits, recompute, dE, dW)
-  sol_3gemm       3 plain bf16 GEMMs (no recompute)
+  sol_3gemm       3 plain bf16 GEMMs (no recompute): the single pass' speed of light
 and the ceilings: a device-to-device copy and an 8192^3 bf16 matmul.
-Prints time, TFLOP/s (6 N V D per fwd+bwd), peak memory above the inputs and ratios to flce;
-writes results.json and table.txt under --out.
+Prints time, TFLOP/s (6 N V D per fwd+bwd), peak memory above the inputs, and above inputs and
+outputs (the gradients), and ratios to flce; writes results.json and table.txt under --out.
 """
 import argparse
 import json
@@ -23,7 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import flce  # noqa: E402
 
-SHAPES = [(16384, 128256, 4096), (8192, 256000, 2304)]
+SHAPES = [(4096, 128256, 4096), (16384, 128256, 4096), (4096, 256000, 4096),
+          (16384, 256000, 4096)]
 
 
 def timed(fn, warmup=2, iters=5):
@@ -66,24 +71,54 @@ def eager_loss(x, w, t):
     return F.cross_entropy((x @ w.T).float(), t)
 
 
-def bench_shape(n, v, d, results, log):
-    flops = 6.0 * n * v * d
-    x, w, t = make_inputs(n, v, d)
-    methods = [("flce", lambda x, w, t: flce.linear_cross_entropy(x, w, t)),
-               ("eager", eager_loss),
-               ("compile", torch.compile(eager_loss, dynamic=False))]
+def peers(log):
+    """(name, loss_fn) of the installed peers."""
+    out = []
     if hasattr(F, "linear_cross_entropy"):
-        methods.append(("torch_lce", lambda x, w, t: F.linear_cross_entropy(x, w, t)))
+        out.append(("torch_lce", lambda x, w, t: F.linear_cross_entropy(
+            x, w, t, options=torch.nn.LinearCrossEntropyOptions())))
     else:
         log(f"  torch_lce: skipped (torch {torch.__version__} has no F.linear_cross_entropy)")
-    row = {"shape": [n, v, d]}
+    try:
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        out.append(("quack", lambda x, w, t: chunked_linear_cross_entropy(x, w, t)))
+    except Exception as e:  # noqa: BLE001
+        log(f"  quack: skipped ({type(e).__name__}: {e})"[:200])
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        out.append(("liger", lambda x, w, t: liger(w, x, t)))
+    except Exception as e:  # noqa: BLE001
+        log(f"  liger: skipped ({type(e).__name__}: {e})"[:200])
+    return out
+
+
+METHODS = ("flce", "flce_recompute", "eager", "compile", "torch_lce", "quack", "liger",
+           "sol_4gemm", "sol_3gemm")
+
+
+def bench_shape(n, v, d, results, log, compile_eager):
+    flops = 6.0 * n * v * d
+    x, w, t = make_inputs(n, v, d)
+    grads_gib = (x.numel() * x.element_size() + w.numel() * w.element_size()) / 2**30
+    methods = [("flce", lambda x, w, t: flce.linear_cross_entropy(x, w, t)),
+               ("flce_recompute",
+                lambda x, w, t: flce.linear_cross_entropy(x, w, t, single_pass=False)),
+               ("eager", eager_loss)]
+    if compile_eager:
+        methods.append(("compile", torch.compile(eager_loss, dynamic=False)))
+    methods += peers(log)
+    row = {"shape": [n, v, d], "grads_gib": grads_gib}
     for name, fn in methods:
         try:
             t0 = time.time()
             ms, mem = timed(fwd_bwd(fn, x, w, t))
             row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": mem / 2**30}
-            log(f"  {name:<10} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  "
-                f"peak +{mem / 2**30:6.2f} GiB  (wall {time.time() - t0:.0f}s incl. warmup)")
+            log(f"  {name:<14} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  "
+                f"peak +{mem / 2**30:6.2f} GiB (+{mem / 2**30 - grads_gib:6.2f} beyond the "
+                f"gradients)  (wall {time.time() - t0:.0f}s incl. warmup)")
         except Exception as e:  # noqa: BLE001  (an OOM or a missing feature must not stop the run)
             row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
             log(f"  {name:<10} FAILED {row[name]['error']}")
@@ -126,28 +161,34 @@ def ceilings(log):
 def table(results, ceil):
     lines = [f"ceilings: copy {ceil['d2d_copy_GBps']:.0f} GB/s, mm8192 bf16 "
              f"{ceil['mm8192_bf16_TFLOPs']:.0f} TFLOP/s",
-             f"{'shape (N,V,D)':<22}{'method':<11}{'ms':>9}{'TFLOP/s':>9}{'peak GiB':>10}"
-             f"{'x flce':>8}"]
+             f"{'shape (N,V,D)':<22}{'method':<15}{'ms':>9}{'TFLOP/s':>9}{'peak GiB':>10}"
+             f"{'-grads':>8}{'x flce':>8}"]
     for row in results:
         base = row.get("flce", {}).get("ms")
         shape = "x".join(map(str, row["shape"]))
-        for name in ("flce", "eager", "compile", "torch_lce", "sol_4gemm", "sol_3gemm"):
+        for name in METHODS:
             r = row.get(name)
             if r is None:
                 continue
             if "error" in r:
-                lines.append(f"{shape:<22}{name:<11}{'failed':>9}")
+                lines.append(f"{shape:<22}{name:<15}{'failed':>9}")
                 continue
             ratio = f"{r['ms'] / base:8.2f}" if base else f"{'-':>8}"
-            lines.append(f"{shape:<22}{name:<11}{r['ms']:9.2f}{r['tflops']:9.1f}"
-                         f"{r['peak_gib']:10.2f}{ratio}")
+            beyond = r["peak_gib"] - row["grads_gib"]
+            lines.append(f"{shape:<22}{name:<15}{r['ms']:9.2f}{r['tflops']:9.1f}"
+                         f"{r['peak_gib']:10.2f}{beyond:8.2f}{ratio}")
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile of eager")
+    ap.add_argument("--shapes", default=None,
+                    help="N,V,D;N,V,D... (default: N in 4096, 16384; V in 128256, 256000; D 4096)")
     args = ap.parse_args()
+    shapes = SHAPES if not args.shapes else [tuple(int(a) for a in s.split(","))
+                                             for s in args.shapes.split(";")]
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench_detail.log"), "w")
 
@@ -159,9 +200,9 @@ def main():
     log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
     ceil = ceilings(log)
     results = []
-    for n, v, d in SHAPES:
+    for n, v, d in shapes:
         log(f"shape N={n} V={v} D={d} bf16")
-        bench_shape(n, v, d, results, log)
+        bench_shape(n, v, d, results, log, args.compile)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"ceilings": ceil, "results": results}, f, indent=1)
     text = table(results, ceil)

@@ -50,9 +50,16 @@ inline void define_ops(torch::Library& m) {
   //         reduced loss (the mean's 1 / count is applied on the device, no host sync);
   //         divisor = 1.
   // For reduction "sum"/"mean" when gradients are needed.
+  // Vocab-parallel (CUDA backend): weight is this rank's shard of global rows [vocab_start,
+  // vocab_start + V_local) of a vocabulary of vocab_size (-1: V_local), and each chunk of rows'
+  // [rows, 4] partial statistics are all-gathered over the process group group_name (of
+  // group_size ranks, torch's functional collectives) before they are combined; the loss is
+  // then the global one on every rank, grad_weight and grad_bias the shard's, and grad_input
+  // this rank's part of the sum over ranks (the caller reduces it).
   m.def(
       "sum_and_grad(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
-      "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, bool mean) -> "
+      "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, bool mean, "
+      "int vocab_start=0, int vocab_size=-1, str? group_name=None, int group_size=1) -> "
       "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
   m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");

@@ -254,6 +254,50 @@ def poison_allocator(*shapes_dtypes, device="cpu"):
     del bufs
 
 
+def tile_ideal_grads(x, w, t, b, objective, **opts):
+    """dE and dW as the CUDA backend's algorithm computes them at best: from the gradient tile
+    dz = dobjective/dlogits rounded once to the 16-bit compute dtype, except each row's target
+    entry, which it corrects in fp32 (target_fix / target_rows), with exact products (float64;
+    the caller rounds once). Three GEMMs need the tile in the compute dtype; where a gradient's
+    terms cancel, its rounding shows on top of the output's own (the CPU backend splits the tile
+    into hi + lo and does not have it). ``objective(loss, lse)`` is the reduced float64 loss."""
+    x64, w64, b64 = (None if a is None else a.detach().cpu() for a in as_f64(x, w, b))
+    u = x64.reshape(-1, x64.shape[-1]) @ w64.T
+    if b64 is not None:
+        u = u + b64
+    u.requires_grad_()
+    kw = {k: v for k, v in opts.items() if k in ("ignore_index", "reduction", "label_smoothing",
+                                                  "z_loss", "softcap")}
+    loss, lse = flce.reference.logits_cross_entropy(u, t.reshape(-1).cpu(), return_lse=True, **kw)
+    shape = t.shape
+    if kw.get("reduction", "mean") == "none":
+        loss = loss.reshape(shape)
+    objective(loss, lse.reshape(shape)).backward()
+    dz = u.grad
+    # fp16: the tile holds scale * dz with max |scale * dz| in (2^13, 2^14] (a power of two: no
+    # subnormals), as the CUDA backend stores it.
+    mx = dz.abs().max()
+    scale = 2.0 ** (14 - math.ceil(math.log2(mx))) if x.dtype == torch.float16 and mx > 0 else 1.0
+    hi = (dz * scale).to(x.dtype).double() / scale
+    tt = t.reshape(-1).cpu()
+    own = (tt != kw.get("ignore_index", -100)) & (tt >= 0) & (tt < w.shape[0])
+    rows = torch.arange(dz.shape[0])[own]
+    hi[rows, tt[own]] = dz[rows, tt[own]]
+    xf = x64.reshape(-1, x64.shape[-1])
+    return {"input": (hi @ w64).reshape(x.shape), "weight": hi.T @ xf}
+
+
+def assert_tile_grad_close(got, ideal, ref, *, what):
+    """A gradient of the CUDA backend's 16-bit tile: every element within the output rounding of
+    the tile ideal (``tile_ideal_grads``), and norm-wise within 1.1x the ideal's error against
+    float64 (plus fp32 accumulation noise)."""
+    dt = got.dtype
+    assert_close_to_ref(got, ideal, dt, factor=GRAD_FACTOR[dt], what=f"{what} (tile ideal)")
+    ideal_err = rel_err(ideal.to(dt), ref)
+    err = rel_err(got, ref)
+    assert err <= 1.1 * ideal_err + 1e-6, (what, err, ideal_err)
+
+
 # check_flce tolerances, in units of eps(dtype). Element-wise bounds are relative to
 # max(|ref|, rms(ref)) and catch garbage anywhere; the norm-wise bound on gradients holds the
 # precision (fp32 gradients with cancellation have element errors far above their norm's).
@@ -303,9 +347,15 @@ def check_flce(x, w, t, b=None, *, return_lse=False, grads=True, loss_factor=LOS
         total(loss, lse, up.float().to(loss.device), up_lse.float().to(loss.device)).backward()
         total(rloss, rlse, up, up_lse).backward()
         refs = {"input": x64.grad, "weight": w64.grad, "bias": None if b64 is None else b64.grad}
+        tile = None
+        if x.dtype != torch.float32 and flce._ops.is_cuda_backend(loss):
+            tile = tile_ideal_grads(x, w, t, b, lambda l, s: total(l, s, up, up_lse), **opts)
         for name, leaf in leaves.items():
             gr = leaf.grad
             assert gr is not None and gr.shape == leaf.shape and gr.dtype == leaf.dtype, name
-            assert_grad_close(gr, refs[name], what=f"grad {name}", factor=grad_factor)
+            if tile is not None and name in tile and gr.dtype != torch.float32:
+                assert_tile_grad_close(gr, tile[name], refs[name], what=f"grad {name}")
+            else:
+                assert_grad_close(gr, refs[name], what=f"grad {name}", factor=grad_factor)
             result[name] = gr
     return loss, lse, result

@@ -67,17 +67,42 @@ def test_collapse_margin(device, dtype, margin):
     assert (loss.detach().cpu()[representable] > 0).all(), "flce collapsed"
 
     if margin <= 50:  # beyond, e^-margin gradients approach fp32 subnormals
-        _check_margin_grads(xg.grad, bg.grad, ref_gx, ref_gb, int(t[0]), dtype)
+        _check_margin_grads(xg.grad, bg.grad, ref_gx, ref_gb, int(t[0]), dtype, margin)
 
 
-def _check_margin_grads(gx, gb, ref_gx, ref_gb, tcol, dtype):
+@functools.lru_cache(maxsize=None)
+def _tile_ideal_gx(dtype, margin):
+    """The best input gradient of the CUDA backend's algorithm: dE from the gradient tile rounded
+    once to the 16-bit compute dtype, except the target entry, which it corrects in fp32
+    (target_fix_kernel), with exact products and one final rounding. It adds the tile's rounding
+    to dE's own: where the row's terms cancel (the non-target mass against the target's), more
+    than the floor (measured up to 1.31x per row at margin 20, ~1.01x on average). The CPU
+    backend splits the tile into hi + lo (two more GEMMs) and stays at the floor."""
+    (x, w, t, b), *_ = _margin_case(dtype, margin)
+    x64, w64 = x.double(), w.to(dtype).double()
+    z = (x64 @ w64.T + b.double()).requires_grad_()
+    flce.reference.logits_cross_entropy(z, t, reduction="sum").backward()
+    dz = z.grad
+    hi = dz.to(dtype).double()
+    rows = torch.arange(dz.shape[0])
+    hi[rows, t] = dz[rows, t]
+    return (hi @ w64).to(dtype)
+
+
+def _check_margin_grads(gx, gb, ref_gx, ref_gb, tcol, dtype, margin):
     gt_err = rel_err(gb[tcol], ref_gb[tcol])
     gx_err = _row_rel_errs(gx, ref_gx)
     gx_floor = _row_floors(ref_gx, dtype)
     print(f"  target-grad rel err {gt_err:.2e}; input-grad row rel err max "
           f"{gx_err.max().item():.2e} (rounding floor {gx_floor.max().item():.2e})")
     assert gt_err <= 1e-5
-    assert (gx_err <= 1e-5 + 1.1 * gx_floor).all()
+    if dtype != torch.float32 and flce._ops.is_cuda_backend(gx):
+        ideal = _row_rel_errs(_tile_ideal_gx(dtype, margin), ref_gx)
+        print(f"  16-bit tile ideal / floor: max {(ideal / gx_floor).max().item():.3f}")
+        assert (gx_err <= 1e-5 + 1.1 * ideal).all()
+        assert (ideal <= 1.5 * gx_floor).all()  # what the 3-GEMM design costs (docs/cuda.md)
+    else:
+        assert (gx_err <= 1e-5 + 1.1 * gx_floor).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -92,7 +117,7 @@ def test_collapse_margin_grads_near_underflow(device, dtype, margin):
     assert ref_gx.abs().max() > 1e3 * torch.finfo(torch.float32).tiny
     xg, bg = x.clone().requires_grad_(), b.clone().requires_grad_()
     flce.linear_cross_entropy(xg, w, t, bias=bg, reduction="none").sum().backward()
-    _check_margin_grads(xg.grad, bg.grad, ref_gx, ref_gb, int(t[0]), dtype)
+    _check_margin_grads(xg.grad, bg.grad, ref_gx, ref_gb, int(t[0]), dtype, margin)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

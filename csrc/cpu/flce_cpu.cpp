@@ -598,8 +598,14 @@ int64_t fused_block_rows(int64_t v) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
     const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
     const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-    double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean) {
+    double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean,
+    int64_t vocab_start, int64_t vocab_size, const std::optional<std::string>& group_name,
+    int64_t group_size) {
   check_linear_args(input, weight, target, bias);
+  TORCH_CHECK_VALUE(!group_name && vocab_start == 0 && (vocab_size < 0 || vocab_size ==
+                                                        weight.size(0)),
+                    "flce: the CPU backend's single pass is single-device; vocab-parallel CPU "
+                    "training takes the recompute path (single_pass=False)");
   const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();

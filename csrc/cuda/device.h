@@ -48,7 +48,7 @@ const char* device_kind();
 at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& opts);
 
 // c = alpha * (a @ b) + beta * c: a [m, k], b [k, n] in the compute dtype (bf16, fp16 or fp32),
-// each with unit stride in one dimension; c [m, n] fp32 (or the compute dtype) with unit column
+// any strides (copied when neither is 1); c [m, n] fp32 (or the compute dtype) with unit column
 // stride. fp32 accumulation. beta = 0 never reads c. On CUDA: cublasGemmEx (torch's at::mm has
 // no form that accumulates 16-bit products into an fp32 c); fp32 operands follow torch's float32
 // matmul precision (TF32 unless "highest"). On the host: at::addmm in fp32.

@@ -59,16 +59,22 @@ struct ColMajor {
   int64_t ld;
 };
 
-ColMajor col_major(const at::Tensor& x, const char* what) {
+bool row_major(const at::Tensor& x) {
+  return x.stride(1) == 1 && (x.size(0) <= 1 || x.stride(0) >= std::max<int64_t>(1, x.size(1)));
+}
+bool col_major_layout(const at::Tensor& x) {
+  return x.stride(0) == 1 && (x.size(1) <= 1 || x.stride(1) >= std::max<int64_t>(1, x.size(0)));
+}
+
+// x as cuBLAS reads it; x must be row- or column-major (gemm copies other layouts first).
+ColMajor col_major(const at::Tensor& x) {
   const int64_t r = x.size(0), c = x.size(1);
-  if (x.stride(1) == 1 && (r <= 1 || x.stride(0) >= std::max<int64_t>(1, c))) {
-    return {x.data_ptr(), CUBLAS_OP_N, std::max({x.stride(0), c, int64_t{1}})};
-  }
-  if (x.stride(0) == 1 && (c <= 1 || x.stride(1) >= std::max<int64_t>(1, r))) {
-    return {x.data_ptr(), CUBLAS_OP_T, std::max({x.stride(1), r, int64_t{1}})};
-  }
-  TORCH_CHECK(false, "flce: GEMM operand ", what, " needs a unit stride, got strides ",
-              x.strides());
+  if (row_major(x)) return {x.data_ptr(), CUBLAS_OP_N, std::max({x.stride(0), c, int64_t{1}})};
+  return {x.data_ptr(), CUBLAS_OP_T, std::max({x.stride(1), r, int64_t{1}})};
+}
+
+at::Tensor blas_layout(const at::Tensor& x) {
+  return row_major(x) || col_major_layout(x) ? x : x.contiguous();
 }
 
 }  // namespace
@@ -88,7 +94,8 @@ void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float a
     }
     return;
   }
-  const ColMajor ca = col_major(a, "a"), cb = col_major(b, "b");
+  const at::Tensor a2 = blas_layout(a), b2 = blas_layout(b);
+  const ColMajor ca = col_major(a2), cb = col_major(b2);
   const int64_t ldc = std::max({c.stride(0), n, int64_t{1}});
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
   // fp32 accumulation, with the reduced-precision reductions of 16-bit GEMMs disallowed (they

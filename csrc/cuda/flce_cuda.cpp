@@ -18,6 +18,7 @@
 //   scale_grad     the single pass' deferred gradients times the upstream gradient.
 // Targets are checked without a host sync (see check_targets below). See docs/cuda.md.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExt.h>
 #include <torch/library.h>
@@ -233,7 +234,7 @@ void poll_target_checks(bool wait_all = false) {
 
 void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t vocab_size,
                    int64_t ignore_index) {
-  if (check_mode() == CheckMode::kOff || dev::capturing()) return;
+  if (check_mode() == CheckMode::kOff || dev::capturing() || target.numel() == 0) return;
   // The first offending row and its target, found on the device (argmax: the first maximum).
   const at::Tensor bad = ((target != ignore_index) & ((target < 0) | (target >= vocab_size)));
   const at::Tensor row = bad.to(at::kInt).argmax().reshape({1});
@@ -428,6 +429,37 @@ void launch_fix(const at::Tensor& w, int64_t n, int64_t vc, int64_t d, const at:
   check_launch(cuda::launch_target_fix(fp, dtype, dev::stream()), "target_fix");
 }
 
+// The rows of a block of rows sorted by target (stable), for launch_target_rows.
+struct TargetOrder {
+  at::Tensor sorted, order;
+};
+
+TargetOrder sort_targets(const at::Tensor& target) {
+  auto [sorted, order] = at::sort(target, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  return {sorted.contiguous(), order.contiguous()};
+}
+
+// dW rows of the targets in [col_offset, col_offset + out.size(0)): out (fp32) += the 16-bit
+// tile's residuals of the rows' target entries times the rows of x (compute dtype, row-major).
+void add_target_rows(const at::Tensor& out, int64_t col_offset, const at::Tensor& x,
+                     const TargetOrder& ord, const at::Tensor& resid, const float* inv_scale,
+                     int64_t ignore_index, DType dtype) {
+  cuda::TargetRowsParams tp{};
+  tp.x = x.data_ptr();
+  tp.x_stride = x.stride(0);
+  tp.n = x.size(0);
+  tp.d = x.size(1);
+  tp.sorted_target = ord.sorted.data_ptr<int64_t>();
+  tp.order = ord.order.data_ptr<int64_t>();
+  tp.col_offset = col_offset;
+  tp.rows = out.size(0);
+  tp.ignore_index = ignore_index;
+  tp.resid = resid.data_ptr<float>();
+  tp.inv_scale = inv_scale;
+  tp.out = out.data_ptr<float>();
+  check_launch(cuda::launch_target_rows(tp, dtype, dev::stream()), "target_rows");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward with recomputed logit tiles.
 // ---------------------------------------------------------------------------------------------
@@ -496,9 +528,13 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   at::Tensor dz = dev::empty({n * std::min(chunk, v)}, input.options().dtype(p.compute));
   at::Tensor dz_lo = split_c ? dev::empty({dz.numel()}, dz.options()) : at::Tensor();
   at::Tensor col_partials = need_b ? dev::empty({row_blocks * chunk}, f32) : at::Tensor();
-  // 16-bit tiles: the rounding residual of each row's target entry, added back to dE in fp32.
-  const bool fix_target = need_e && p.compute != at::kFloat;
+  // 16-bit tiles: the rounding residual of each row's target entry, added back in fp32 to dE
+  // (target_fix) and to a 16-bit dC's target rows before they are rounded (target_rows; with
+  // the hi + lo split the tile is exact enough).
+  const bool fix_c = need_c && p.compute != at::kFloat && !split_c;
+  const bool fix_target = (need_e || fix_c) && p.compute != at::kFloat;
   at::Tensor target_resid = fix_target ? dev::empty({n}, f32) : at::Tensor();
+  const TargetOrder order = fix_c ? sort_targets(target) : TargetOrder{};
   at::Tensor gb32 = need_b ? dev::empty({v}, f32) : at::Tensor();
 
   // dE = sum over chunks of dz_chunk @ W_chunk, each chunk's fp32 GEMM result Neumaier-added.
@@ -509,9 +545,9 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   }
   const at::Tensor x_gemm = p.x.narrow(1, 0, d);  // the input in the compute dtype
   // dC rows of a chunk are complete after one GEMM (it sums over all n inside cuBLAS in fp32).
-  // It goes straight into grad_c unless the fp16 scale has to be undone first.
-  const bool direct_c = !inv_scale.defined() &&
-                        (grad_c.scalar_type() == p.compute || grad_c.scalar_type() == at::kFloat);
+  // An fp32 dC from an fp32 tile goes straight into grad_c; a 16-bit tile's through an fp32
+  // temporary that gets its target rows' residuals and loses the fp16 scale before the one
+  // rounding to grad_c's dtype.
   at::Tensor tmp_c;
 
   for (int64_t v0 = 0; v0 < v; v0 += chunk) {
@@ -558,12 +594,14 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
         gemm_into(out, g.t(), x_gemm);
         gemm_into(out, g_lo.t(), x_gemm, 1.f);
         if (inv_scale.defined()) out.mul_(inv_scale);
-      } else if (direct_c) {
+      } else if (!fix_c) {
         gemm_into(out, g.t(), x_gemm);
       } else {
         if (!tmp_c.defined()) tmp_c = dev::empty({chunk, d}, f32);
         at::Tensor t = tmp_c.narrow(0, 0, vc);
         gemm_into(t, g.t(), x_gemm);
+        add_target_rows(t, vocab_start + v0, x_gemm, order, target_resid, nullptr, ignore_index,
+                        p.dtype);
         check_launch(cuda::launch_scale_store(out.data_ptr(), to_dtype(grad_c.scalar_type()),
                                               t.data_ptr<float>(), vc * d, inv_ptr, stream),
                      "scale_store");
@@ -597,40 +635,65 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
 // dtype. For 16-bit inputs the sub-chunk is a separate scratch; for fp32 the logits are computed
 // into the group buffer and dz is written over them in place (same element size).
 //
-// Memory beyond inputs and outputs, at most the budget FLCE_CUDA_WORKSPACE_MB (default 1.5 GiB):
-// the group buffer G * V * elt (twice for fp32 master weights: hi and lo) plus the sub-chunk
-// S * V * 4, plus dE in fp32 [N, D] until the backward; with more than one group also the fp32
-// dW accumulator [V, D] (rounded into the weight's dtype at the end of the forward). At N = 4096,
-// V = 128256, D = 4096 bf16: one group (1.0 GiB) + a 320-row sub-chunk (0.16 GiB) + dE 64 MiB.
+// Memory beyond inputs and outputs: the group buffer G * V * elt (twice for fp32 master weights:
+// hi and lo) plus the sub-chunk S * V * 4, within the budget FLCE_CUDA_WORKSPACE_MB (default
+// 1.5 GiB); dE in fp32 [N, D] until the backward; for a 16-bit weight an fp32 dW piece
+// [2048, D], or with more than one group the fp32 dW accumulator [V, D] (rounded into the
+// weight's dtype at the end of the forward). At N = 4096, V = 128256, D = 4096 bf16: one group
+// (1.00 GiB) + a 256-row sub-chunk (0.12 GiB) + dE (64 MiB) + the dW piece (32 MiB) = 1.22 GiB;
+// quack's chunked linear cross-entropy holds its 4096 x V bf16 logits, 0.98 GiB.
 // ---------------------------------------------------------------------------------------------
+
+// Vocab-parallel: every rank's [n, 4] partial statistics of the same rows, [ranks, n, 4] in rank
+// order, by torch's functional all-gather over the named process group (on its stream; the
+// wait makes the current stream wait for it, the host does not).
+at::Tensor gather_partials(const at::Tensor& partials, const std::optional<std::string>& group,
+                           int64_t group_size) {
+  const int64_t n = partials.size(0);
+  if (!group) return partials.view({1, n, 4});
+  // (group_name is "Any" in the schema: a group's name or the group itself)
+  static auto gather = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("_c10d_functional::all_gather_into_tensor", "")
+                           .typed<at::Tensor(const at::Tensor&, int64_t, const c10::IValue&)>();
+  static auto wait = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
+                         .typed<at::Tensor(const at::Tensor&)>();
+  at::Tensor all =
+      wait.call(gather.call(partials.contiguous(), group_size, c10::IValue(*group)));
+  return aligned_contiguous(all.view({group_size, n, 4}));
+}
 
 // Rows per single-pass group and per logits sub-chunk for this shape within the budget; 0 when
 // not even kMinRows rows fit (then sum_and_grad falls back to forward + recompute backward).
 struct SinglePassPlan {
   int64_t group_rows = 0, sub_rows = 0;
-  int64_t ld = 0;  // row stride of the fp32 logits, in floats (a multiple of 8: 32-byte rows)
   bool in_place = false;  // fp32: logits computed into the group buffer, dz written over them
 };
 
 constexpr int64_t kMinRows = 64;
 
+// Row stride of a chunk's fp32 logits, in floats: a multiple of 8 (32-byte rows).
+int64_t logits_ld(int64_t v) { return ceil_div(std::max<int64_t>(v, 1), 8) * 8; }
+
+// v: the vocabulary rows to plan for. Vocab-parallel ranks must walk the same sub-chunks (each
+// one all-gathers), so they plan with the same v (the mean shard size) whatever their own.
 SinglePassPlan plan_single_pass(int64_t n, int64_t v, at::ScalarType compute, bool split) {
   SinglePassPlan plan;
-  plan.ld = ceil_div(std::max<int64_t>(v, 1), 8) * 8;
+  const int64_t ld = logits_ld(v);
   const int64_t budget = workspace_bytes();
   auto round_rows = [](int64_t r) { return r / kMinRows * kMinRows; };
   if (compute == at::kFloat) {
     plan.in_place = true;
-    plan.group_rows = round_rows(budget / (4 * plan.ld));
+    plan.group_rows = round_rows(budget / (4 * ld));
     plan.sub_rows = plan.group_rows;
   } else {
-    // The sub-chunk gets an eighth of the budget (at most 256 MiB): a few hundred rows of the
-    // largest vocabularies, enough for the logits GEMM (M = S) to stay compute-bound while each
-    // sub-chunk re-reads W.
-    const int64_t scratch = std::min<int64_t>(budget / 8, int64_t{256} << 20);
-    plan.sub_rows = round_rows(scratch / (4 * plan.ld));
+    // The sub-chunk gets a twelfth of the budget (at most 128 MiB): 256 rows of a 128k
+    // vocabulary, enough for the logits GEMM (M = S) to stay compute-bound while each sub-chunk
+    // re-reads W.
+    const int64_t scratch = std::min<int64_t>(budget / 12, int64_t{128} << 20);
+    plan.sub_rows = round_rows(scratch / (4 * ld));
     const int64_t elt = 2 * (split ? 2 : 1);
-    plan.group_rows = round_rows((budget - plan.sub_rows * plan.ld * 4) / (elt * plan.ld));
+    plan.group_rows = round_rows((budget - plan.sub_rows * ld * 4) / (elt * ld));
   }
   if (plan.sub_rows < kMinRows || plan.group_rows < kMinRows) return SinglePassPlan{};
   plan.group_rows = std::min(plan.group_rows, std::max<int64_t>(n, 1));
@@ -643,17 +706,27 @@ using Tensor5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::T
 // The deferred gradients from forward + recompute backward, for the shapes and dtypes the single
 // pass does not take (fp16, whose gradient tile needs a scale known only after every row's
 // statistics; a vocabulary too large for the budget). Same outputs as the single pass.
+struct Shard {
+  int64_t vocab_start, vocab_size;
+  std::optional<std::string> group;
+  int64_t group_size;
+};
+
 Tensor5 sum_and_grad_recompute(const at::Tensor& input, const at::Tensor& weight,
                                const at::Tensor& target, const std::optional<at::Tensor>& bias,
                                int64_t ignore_index, double label_smoothing, double z_loss,
                                double softcap, std::array<bool, 3> mask,
-                               const at::Tensor& grad_scale, const at::Tensor& count, bool mean) {
+                               const at::Tensor& grad_scale, const at::Tensor& count, bool mean,
+                               const Shard& shard) {
+  const at::Tensor partials = partial_stats_cuda(input, weight, target, bias, shard.vocab_start,
+                                                 ignore_index, softcap);
   auto [loss, lse, stats] =
-      forward_cuda(input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap);
+      combine_impl(gather_partials(partials, shard.group, shard.group_size), target,
+                   shard.vocab_size, ignore_index, label_smoothing, z_loss);
   const int64_t n = input.size(0);
   auto [ge, gc, gb] = backward_cuda(grad_scale.expand({n}), std::nullopt, input, weight, target,
-                                    bias, stats, 0, weight.size(0), ignore_index, label_smoothing,
-                                    z_loss, softcap, mask);
+                                    bias, stats, shard.vocab_start, shard.vocab_size,
+                                    ignore_index, label_smoothing, z_loss, softcap, mask);
   const at::Tensor total = loss.sum(at::kDouble);
   const at::Tensor reduced = (mean ? total / count.to(at::kDouble) : total).to(at::kFloat);
   const at::Tensor one = at::ones({}, input.options().dtype(at::kDouble));
@@ -667,9 +740,20 @@ Tensor5 sum_and_grad_recompute(const at::Tensor& input, const at::Tensor& weight
 Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
                           const at::Tensor& target, const std::optional<at::Tensor>& bias,
                           int64_t ignore_index, double label_smoothing, double z_loss,
-                          double softcap, std::array<bool, 3> output_mask, bool mean) {
+                          double softcap, std::array<bool, 3> output_mask, bool mean,
+                          int64_t vocab_start, int64_t vocab_size,
+                          const std::optional<std::string>& group_name, int64_t group_size) {
   check_linear_args(input, weight, target, bias);
   check_device_tensor(input, input, "input");
+  TORCH_CHECK_VALUE(vocab_start >= 0 && group_size >= 1 && (group_name || group_size == 1),
+                    "flce: sum_and_grad: vocab_start >= 0 and a group_name for group_size > 1, "
+                    "got vocab_start=", vocab_start, ", group_size=", group_size);
+  const Shard shard{vocab_start, vocab_size < 0 ? weight.size(0) : vocab_size, group_name,
+                    group_size};
+  TORCH_CHECK_VALUE(shard.vocab_start + weight.size(0) <= shard.vocab_size,
+                    "flce: sum_and_grad: the shard [", vocab_start, ", ",
+                    vocab_start + weight.size(0), ") does not fit a vocabulary of ",
+                    shard.vocab_size);
   const dev::Guard guard(input);
   const NvtxRange range("flce::sum_and_grad");
   poll_target_checks();
@@ -692,10 +776,12 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
 
   const bool split = need_c && compute != at::kFloat && weight.scalar_type() == at::kFloat &&
                      env_flag("FLCE_CUDA_SPLIT_GRAD", true);
-  const SinglePassPlan plan = plan_single_pass(n, v, compute, split);
-  if (compute == at::kHalf || plan.group_rows == 0 || v == 0 || n == 0) {
+  // Every rank of a vocab-parallel group takes the same branch and walks the same chunks.
+  const SinglePassPlan plan = plan_single_pass(
+      n, shard.group ? ceil_div(shard.vocab_size, shard.group_size) : v, compute, split);
+  if (compute == at::kHalf || plan.group_rows == 0 || n == 0 || (v == 0 && !shard.group)) {
     return sum_and_grad_recompute(input, weight, target, bias, ignore_index, label_smoothing,
-                                  z_loss, softcap, output_mask, grad_scale, count, mean);
+                                  z_loss, softcap, output_mask, grad_scale, count, mean, shard);
   }
 
   // GEMM operands in the compute dtype with a unit stride (cuBLAS takes any leading dimension).
@@ -708,7 +794,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   at::Tensor gw = need_c ? dev::empty({1, v, d}, weight.options()) : weight.new_empty({0});
   at::Tensor gb = need_b ? dev::empty({1, v}, f32) : weight.new_empty({0});
 
-  const int64_t G = plan.group_rows, S = plan.sub_rows, ld = plan.ld;
+  const int64_t G = plan.group_rows, S = plan.sub_rows, ld = logits_ld(v);
   const int64_t elt = input.element_size();
   // The group's gradient buffer: dz rows of G x V in the compute dtype (row stride gld
   // elements), and for master weights its residual; fp32: the logits themselves.
@@ -716,11 +802,16 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   at::Tensor group = dev::empty({G * gld}, input.options());
   at::Tensor group_lo = split ? dev::empty({G * v}, input.options()) : at::Tensor();
   at::Tensor scratch = plan.in_place ? at::Tensor() : dev::empty({S * ld}, f32);
-  at::Tensor partials = dev::empty({1, S, 4}, f32), lse = dev::empty({S}, f32),
+  at::Tensor partials = dev::empty({S, 4}, f32), lse = dev::empty({S}, f32),
              stats = dev::empty({S, 3}, f32), coef = dev::empty({S, 8}, f32),
              bound = dev::empty({S}, f32);
   at::Tensor flag = at::zeros({1}, input.options().dtype(at::kInt));
-  const bool fix_target = need_e && compute != at::kFloat;
+  // dW: an fp32 weight (master weights, or fp32 training) is its own fp32 accumulator; a 16-bit
+  // one goes through fp32 (the multi-group accumulator, or vocab pieces of one group) that gets
+  // the target rows' residuals (target_rows) before the one rounding.
+  const bool fp32_dw = weight.scalar_type() == at::kFloat;
+  const bool fix_c = need_c && compute != at::kFloat && !fp32_dw;
+  const bool fix_target = (need_e || fix_c) && compute != at::kFloat;
   at::Tensor resid = fix_target ? dev::empty({G}, f32) : at::Tensor();
   // Bias gradient: per 8-row CTA column sums of a sub-chunk, reduced in order, compensated
   // across sub-chunks.
@@ -739,10 +830,16 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   const int64_t pieces = compute == at::kFloat ? ceil_div(v, kPieceCols) : 1;
   at::Tensor tmp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
   at::Tensor comp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
-  // More than one group: dW accumulates in fp32 (the weight's own gradient if it is fp32).
-  const bool separate_acc = G < n && weight.scalar_type() != at::kFloat;
+  const bool separate_acc = fix_c && G < n;
+  // Vocabulary rows of one group's fp32 dW piece: 32 MiB at D = 4096, while the piece's GEMM
+  // (2048 x D x G) is still large enough for cuBLAS.
+  constexpr int64_t kDwPiece = 2048;
   at::Tensor acc_w;
-  if (need_c) acc_w = separate_acc ? dev::empty({v, d}, f32) : gw[0];
+  if (need_c) {
+    acc_w = fp32_dw ? gw[0] : dev::empty({separate_acc ? v : std::min(v, kDwPiece), d}, f32);
+  }
+  // x as target_rows reads it: row-major
+  const at::Tensor x_rows = fix_c && x.stride(1) != 1 ? x.contiguous() : x;
 
   for (int64_t g0 = 0; g0 < n; g0 += G) {
     const int64_t gn = std::min(G, n - g0);
@@ -764,18 +861,18 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rs.softcap = static_cast<float>(softcap);
       rs.target = ts.data_ptr<int64_t>();
       rs.target_stride = ts.stride(0);
-      rs.col_offset = 0;
+      rs.col_offset = shard.vocab_start;
       rs.ignore_index = ignore_index;
       rs.partials = partials.data_ptr<float>();
       check_launch(cuda::launch_row_stats(rs, stream), "row_stats");
-      const at::Tensor part = partials.narrow(1, 0, sn);
+      const at::Tensor part =
+          gather_partials(partials.narrow(0, 0, sn), shard.group, shard.group_size);
       const at::Tensor st = stats.narrow(0, 0, sn);
-      launch_finalize(part, ts, v, ignore_index, label_smoothing, z_loss,
+      launch_finalize(part, ts, shard.vocab_size, ignore_index, label_smoothing, z_loss,
                       loss_rows.data_ptr<float>() + s0, lse.data_ptr<float>(),
                       st.data_ptr<float>(), flag.data_ptr<int>());
-      if (!need_e && !need_c && !need_b) continue;
       launch_coef(ts, st, grad_scale.data_ptr<float>(), 0, nullptr, 0, ignore_index,
-                  label_smoothing, z_loss, softcap, v, coef.data_ptr<float>(),
+                  label_smoothing, z_loss, softcap, shard.vocab_size, coef.data_ptr<float>(),
                   bound.data_ptr<float>());
 
       cuda::RowGradParams rg{};
@@ -787,7 +884,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rg.softcap = rs.softcap;
       rg.target = rs.target;
       rg.target_stride = rs.target_stride;
-      rg.col_offset = 0;
+      rg.col_offset = shard.vocab_start;
       rg.ignore_index = ignore_index;
       rg.coef = coef.data_ptr<float>();
       rg.grad = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
@@ -795,8 +892,8 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rg.grad_lo = split ? static_cast<char*>(group_lo.data_ptr()) + (s0 - g0) * v * elt : nullptr;
       rg.grad_lo_ld = v;
       rg.target_resid = fix_target ? resid.data_ptr<float>() + (s0 - g0) : nullptr;
-      rg.col_partials = need_b ? col_partials.data_ptr<float>() : nullptr;
-      rg.rows_per_cta = need_b ? kBiasRows : 1;
+      rg.col_partials = need_b && v > 0 ? col_partials.data_ptr<float>() : nullptr;
+      rg.rows_per_cta = rg.col_partials != nullptr ? kBiasRows : 1;
       check_launch(cuda::launch_row_grad(rg, dtype, stream), "row_grad");
       if (need_b) {
         check_launch(cuda::launch_column_sum(col_partials.data_ptr<float>(),
@@ -811,6 +908,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
     const at::Tensor dz = at::from_blob(group.data_ptr(), {gn, v}, {gld, 1}, input.options());
     if (need_e) {
       const at::Tensor out = ge[0].narrow(0, g0, gn);
+      if (v == 0) out.zero_();  // an empty vocab-parallel shard adds nothing
       for (int64_t p0 = 0; p0 < v; p0 += kPieceCols) {
         const int64_t pc = pieces > 1 ? std::min(kPieceCols, v - p0) : v;
         const at::Tensor a = dz.narrow(1, p0, pc), b = w.narrow(0, p0, pc);
@@ -829,26 +927,50 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       }
       if (pieces > 1) out.add_(comp_e.narrow(0, 0, gn));
       if (fix_target) {
-        launch_fix(w, gn, v, d, target.narrow(0, g0, gn), 0, ignore_index,
+        launch_fix(w, gn, v, d, target.narrow(0, g0, gn), shard.vocab_start, ignore_index,
                    resid.narrow(0, 0, gn), nullptr, out.data_ptr<float>(), nullptr, dtype);
       }
     }
     if (need_c) {
       const float beta = g0 == 0 ? 0.f : 1.f;
-      gemm_into(acc_w, dz.t(), xg, beta);
-      if (split) {
-        const at::Tensor lo = at::from_blob(group_lo.data_ptr(), {gn, v}, {v, 1}, input.options());
-        gemm_into(acc_w, lo.t(), xg, 1.f);
+      if (!fix_c) {
+        gemm_into(acc_w, dz.t(), xg, beta);
+        if (split) {
+          const at::Tensor lo =
+              at::from_blob(group_lo.data_ptr(), {gn, v}, {v, 1}, input.options());
+          gemm_into(acc_w, lo.t(), xg, 1.f);
+        }
+      } else {
+        const TargetOrder order = sort_targets(target.narrow(0, g0, gn));
+        const at::Tensor xr = x_rows.narrow(0, g0, gn);
+        const at::Tensor rs = resid.narrow(0, 0, gn);
+        if (separate_acc) {
+          gemm_into(acc_w, dz.t(), xg, beta);
+          add_target_rows(acc_w, shard.vocab_start, xr, order, rs, nullptr, ignore_index, dtype);
+        } else {
+          for (int64_t p0 = 0; p0 < v; p0 += kDwPiece) {
+            const int64_t pc = std::min(kDwPiece, v - p0);
+            const at::Tensor piece = acc_w.narrow(0, 0, pc);
+            gemm_into(piece, dz.narrow(1, p0, pc).t(), xg);
+            add_target_rows(piece, shard.vocab_start + p0, xr, order, rs, nullptr, ignore_index,
+                            dtype);
+            check_launch(cuda::launch_scale_store(gw[0].narrow(0, p0, pc).data_ptr(),
+                                                  to_dtype(weight.scalar_type()),
+                                                  piece.data_ptr<float>(), pc * d, nullptr,
+                                                  stream),
+                         "scale_store");
+          }
+        }
       }
     }
   }
-  if (need_c && separate_acc) {
+  if (separate_acc) {
     check_launch(cuda::launch_scale_store(gw.data_ptr(), to_dtype(weight.scalar_type()),
                                           acc_w.data_ptr<float>(), v * d, nullptr, stream),
                  "scale_store");
   }
   if (need_b) gb[0].add_(gb_comp);
-  check_targets(flag, target, v, ignore_index);
+  check_targets(flag, target, shard.vocab_size, ignore_index);
   const at::Tensor total = loss_rows.sum(at::kDouble);
   const at::Tensor reduced = (mean ? total / count.to(at::kDouble) : total).to(at::kFloat);
   return {reduced, at::ones({}, input.options().dtype(at::kDouble)), ge, gw, gb};

@@ -167,6 +167,27 @@ __global__ void scale_grad_kernel(T* __restrict__ out, const X* __restrict__ x, 
   }
 }
 
+template <typename T>
+__global__ void target_rows_kernel(const TargetRowsParams p) {
+  for (int64_t k = blockIdx.x; k < p.n; k += gridDim.x) {
+    const int64_t t = p.sorted_target[k];
+    if (k > 0 && p.sorted_target[k - 1] == t) continue;  // not the first row of its run
+    const int64_t c = target_column(t, p.ignore_index, p.col_offset, p.rows);
+    if (c < 0) continue;
+    const float inv = p.inv_scale != nullptr ? *p.inv_scale : 1.f;
+    const T* x = static_cast<const T*>(p.x);
+    float* out = p.out + c * p.d;
+    for (int64_t j = threadIdx.x; j < p.d; j += blockDim.x) {
+      float acc = 0.f;
+      for (int64_t m = k; m < p.n && p.sorted_target[m] == t; ++m) {
+        const int64_t row = p.order[m];
+        acc += (p.resid[row] * inv) * to_float<T>(x[row * p.x_stride + j]);
+      }
+      out[j] += acc;
+    }
+  }
+}
+
 unsigned grid_rows(int64_t blocks) {
   return static_cast<unsigned>(blocks < 0x7fffffff ? blocks : 0x7fffffff);
 }
@@ -223,6 +244,22 @@ cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t st
     case DType::kFloat16:
       launch_kernel<row_grad_kernel<__half>>(dim3(grid), dim3(kThreads), 0, stream, p);
       break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_target_rows(const TargetRowsParams& p, DType dtype, cudaStream_t stream) {
+  if (p.n == 0 || p.d == 0 || p.rows == 0) return cudaSuccess;
+  const unsigned grid = grid_rows(p.n);
+  switch (dtype) {
+    case DType::kBFloat16:
+      launch_kernel<target_rows_kernel<__nv_bfloat16>>(dim3(grid), dim3(kThreads), 0, stream, p);
+      break;
+    case DType::kFloat16:
+      launch_kernel<target_rows_kernel<__half>>(dim3(grid), dim3(kThreads), 0, stream, p);
+      break;
+    default:
+      return cudaErrorInvalidValue;  // fp32 tiles are exact: nothing to fix
   }
   return cudaGetLastError();
 }

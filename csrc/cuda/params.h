@@ -179,6 +179,25 @@ struct RowGradParams {
 };
 cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t stream);
 
+// out[t - col_offset] += (sum over the rows with target t, in row order) of resid[row] *
+// inv_scale * x[row], for the targets t in [col_offset, col_offset + rows): the part of the
+// dominant target-column gradient that the 16-bit gradient tile lost, added to an fp32 dW block
+// before it is rounded (the dW counterpart of target_fix, and of the CPU backend's separate
+// target-column accumulation). The rows come sorted by target (a stable sort): one CTA per run
+// of equal targets, so the sums are in a fixed order and no two CTAs write one row.
+struct TargetRowsParams {
+  const void* x;                 // [n, d] compute dtype, row stride x_stride, unit column stride
+  int64_t x_stride;
+  int64_t n, d;
+  const int64_t* sorted_target;  // [n] the rows' targets, sorted ascending
+  const int64_t* order;          // [n] the row of each sorted position
+  int64_t col_offset, rows, ignore_index;
+  const float* resid;            // [n] by row: scale * dz_t - hi of the row's target entry
+  const float* inv_scale;        // device scalar or nullptr
+  float* out;                    // [rows, d] fp32, contiguous
+};
+cudaError_t launch_target_rows(const TargetRowsParams& p, DType dtype, cudaStream_t stream);
+
 // out[i] = dtype((sum over k < slices of x[k * count + i]) * scale), the slices added and scaled
 // in double and rounded once: the deferred gradients of the single pass -> the gradient.
 // x is fp32 or the output dtype (x_dtype); scale is a device double.

@@ -93,7 +93,8 @@ def register(namespace, cuda_format):
 
     @torch.library.register_fake(name("sum_and_grad"))
     def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
-                           softcap, output_mask, mean):
+                           softcap, output_mask, mean, vocab_start=0, vocab_size=-1,
+                           group_name=None, group_size=1):
         if cuda_format(input):  # [1, *shape]: dE fp32, dW in the weight's dtype, dbias fp32
             def deferred(t, wanted, dtype):
                 return t.new_empty((1, *t.shape), dtype=dtype) if wanted else t.new_empty((0,))
@@ -129,7 +130,7 @@ def register(namespace, cuda_format):
         # (N = 0), whose gradient is then the empty [0, D], not None.
         gi, gw, gb = (nsops.scale_grad(p, scale, dt) if need and p.dim() >= 2 else None
                       for p, dt, need in zip(deferred, ctx.dtypes, needed))
-        return gi, gw, None, gb, None, None, None, None, None, None
+        return (gi, gw, None, gb) + (None,) * 10
 
     torch.library.register_autograd(name("sum_and_grad"), sum_backward,
                                     setup_context=sum_setup_context)

@@ -245,12 +245,70 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                 gb if mask[2] else None) + none
 
 
+class _VocabParallelSinglePass(torch.autograd.Function):
+    """The single pass (flce::sum_and_grad with the group: 3 GEMMs, the gradients computed in the
+    forward) over the vocabulary shards: per chunk of rows the [rows, 4] partial statistics are
+    all-gathered inside the op; the backward scales the deferred gradients and reduces the input
+    gradient over the group. Returns the reduced loss (identical on all ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, group, world, layout, options, reduction,
+                reduce_input_grad, sequence_parallel):
+        ignore_index, label_smoothing, z_loss, softcap = options
+        if sequence_parallel:
+            x = _all_gather(x, group, world)
+        w, b = weight, bias
+        if layout.valid_rows < weight.shape[0]:
+            w = weight.narrow(0, 0, layout.valid_rows)
+            b = None if bias is None else bias.narrow(0, 0, layout.valid_rows)
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2]]
+        loss, divisor, gi, gw, gb = _ops.ops.sum_and_grad(
+            x, w, target, b, ignore_index, label_smoothing, z_loss, softcap, mask,
+            reduction == "mean", layout.vocab_start, layout.vocab_size, group.group_name, world)
+        ctx.save_for_backward(divisor, gi, gw, gb)
+        ctx.setup = (group, world, reduce_input_grad, sequence_parallel, weight.shape[0],
+                     (x.dtype, weight.dtype, None if bias is None else bias.dtype), mask)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        divisor, *deferred = ctx.saved_tensors
+        group, world, reduce_input_grad, sequence_parallel, rows, dtypes, mask = ctx.setup
+        scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
+        gi, gw, gb = (_ops.ops.scale_grad(p, scale, dt) if need and p.dim() >= 2 else None
+                      for p, dt, need in zip(deferred, dtypes, mask))
+        if gw is not None and gw.shape[0] < rows:
+            gw = torch.cat([gw, gw.new_zeros((rows - gw.shape[0], gw.shape[1]))])
+        if gb is not None and gb.shape[0] < rows:
+            gb = torch.cat([gb, gb.new_zeros((rows - gb.shape[0],))])
+        if gi is not None:
+            if sequence_parallel:
+                gi = _reduce_scatter(gi, group, world)
+            elif reduce_input_grad:
+                gi = _all_reduce(gi, group)
+        return (gi, gw, gb) + (None,) * 8
+
+
+def _use_single_pass(single_pass, reduction, return_lse, x):
+    """The single pass for training on the CUDA backend, as flce.linear_cross_entropy decides."""
+    from .api import _single_pass
+
+    use = _single_pass(single_pass, reduction, return_lse, x)
+    if use and not _ops.is_cuda_backend(x):
+        if single_pass:
+            raise ValueError("flce.parallel: single_pass=True needs the CUDA backend (the CPU "
+                             "backend's single pass is single-device)")
+        return False
+    return use
+
+
 def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=None,
                                         bias_local=None, ignore_index=-100, reduction="mean",
                                         label_smoothing=0.0, z_loss=0.0, softcap=None,
                                         return_lse=False, vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
-                                        check_ranks=False):
+                                        check_ranks=False, single_pass=None):
     r"""Fused, collapse-safe linear cross-entropy with the vocabulary sharded over ``group``.
 
     Every rank passes the same tokens (``input``, ``target``) and its own rows of the
@@ -280,6 +338,9 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             ``(world * input.shape[0], *input.shape[1:-1])``, in rank order.
         check_ranks: repeat the cross-rank consistency check (one small all-gather) on every
             call instead of once per shape.
+        single_pass: as for ``flce.linear_cross_entropy``: by default the CUDA backend trains
+            (mean/sum, no return_lse, gradients needed) with the single pass, whose chunks of
+            rows all-gather their ``[rows, 4]`` statistics inside the op.
 
     Returns:
         The loss in float32 (identical on all ranks), and the per-token lse when ``return_lse``.
@@ -317,6 +378,13 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
     if sequence_parallel:
         t = _all_gather(t, group, world)
         lead = (world * lead[0],) + lead[1:]
+    needs_grad = torch.is_grad_enabled() and (
+        input.requires_grad or weight_local.requires_grad
+        or (bias_local is not None and bias_local.requires_grad))
+    if needs_grad and _use_single_pass(single_pass, reduction, return_lse, x):
+        return _VocabParallelSinglePass.apply(x, weight_local, bias_local, t, group, world, layout,
+                                              options, reduction, bool(reduce_input_grad),
+                                              bool(sequence_parallel))
     loss, lse = _VocabParallelLinearCE.apply(x, weight_local, bias_local, t, group, rank, world,
                                              layout, options, bool(reduce_input_grad),
                                              bool(sequence_parallel))

@@ -43,10 +43,6 @@ void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float a
   TORCH_CHECK(a.size(1) == b.size(0) && c.size(0) == a.size(0) && c.size(1) == b.size(1),
               "flce: gemm shapes ", a.sizes(), " @ ", b.sizes(), " -> ", c.sizes());
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "flce: gemm operand dtypes differ");
-  TORCH_CHECK(a.stride(0) == 1 || a.stride(1) == 1 || a.size(0) <= 1 || a.size(1) <= 1,
-              "flce: gemm operand a needs a unit stride, got ", a.strides());
-  TORCH_CHECK(b.stride(0) == 1 || b.stride(1) == 1 || b.size(0) <= 1 || b.size(1) <= 1,
-              "flce: gemm operand b needs a unit stride, got ", b.strides());
   if (c.numel() == 0) return;
   // fp32 products and accumulation, rounded once to c's dtype, as cuBLAS with an fp32 compute
   // type; beta = 0 never reads c (it may hold NaN poison).
@@ -69,26 +65,30 @@ const at::Tensor& PendingCopy::wait() const { return impl_->host; }
 namespace {
 
 // The CPU allocator of the process, wrapped so that every live allocation is known to the
-// runtime's cp.async source check. Installed when the module loads.
-struct Registered {
-  c10::DataPtr inner;
-};
+// runtime's cp.async source check. Installed when the module loads. Its data pointers are their
+// own contexts, as the default CPU allocator's (code such as Allocator::raw_allocate asserts it).
+c10::DeleterFnPtr g_base_deleter = nullptr;
 
-void free_registered(void* ctx) {
-  auto* r = static_cast<Registered*>(ctx);
-  if (r->inner.get() != nullptr) host::unregister_allocation(r->inner.get());
-  delete r;
+void free_registered(void* p) {
+  if (p != nullptr) host::unregister_allocation(p);
+  g_base_deleter(p);
 }
 
 class RegisteringAllocator final : public c10::Allocator {
  public:
-  explicit RegisteringAllocator(c10::Allocator* base) : base_(base) {}
+  explicit RegisteringAllocator(c10::Allocator* base) : base_(base) {
+    g_base_deleter = base->raw_deleter();
+    TORCH_CHECK(g_base_deleter != nullptr, "flce_cuda_host: the CPU allocator has no raw deleter");
+  }
   c10::DataPtr allocate(size_t bytes) override {
     c10::DataPtr inner = base_->allocate(bytes);
     void* p = inner.get();
+    TORCH_CHECK(inner.get_context() == p, "flce_cuda_host: unexpected CPU allocator context");
+    inner.release_context();
     if (p != nullptr) host::register_allocation(p, bytes);
-    return {p, new Registered{std::move(inner)}, &free_registered, c10::Device(c10::kCPU)};
+    return {p, p, &free_registered, c10::Device(c10::kCPU)};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_registered; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }

@@ -1,0 +1,99 @@
+"""How much the CUDA single pass' dW accumulation across row groups costs in accuracy.
+
+The single pass (flce::sum_and_grad on CUDA) computes dW = sum over groups of G rows of
+dz_g^T E_g, each group's product a cuBLAS GEMM with fp32 accumulation that adds into the fp32
+accumulator with beta = 1 (no compensation across groups: a Kahan pass over [V, D] per group
+would cost more memory traffic than the GEMM itself). This script measures that accumulation in
+the same arithmetic on the CPU: each group's product an fp32 GEMM (MKL, beta = 1 into an fp32
+accumulator), against the same products accumulated in float64, the float64 reference and the
+ideal fp32 computation of tests/helpers.py (fp32 logits and probabilities, exact accumulation),
+at N = 65536 and 1M tokens (16 and 256 groups of 4096 rows).
+
+    python benchmarks/accumulation.py            # prints a table; --json PATH writes it too
+
+The gradient tile is fp32 (fp32 training) or bf16 with its target entries in fp32 (16-bit
+training: target_rows adds them back; dW is rounded to bf16 at the end); cuBLAS's k order
+inside one GEMM differs from MKL's, which a GPU run can confirm.
+"""
+import argparse
+import json
+import math
+
+import torch
+
+
+def tile_grad(z, t, scale):
+    """The mean's dloss/dz in fp32 with the collapse-safe target entry (as the row kernel)."""
+    p = torch.softmax(z, dim=1)
+    rows = torch.arange(z.shape[0])
+    zt = z[rows, t]
+    rest = z.clone()
+    rest[rows, t] = -math.inf
+    p[rows, t] = -torch.sigmoid(torch.logsumexp(rest, dim=1) - zt)
+    return p * scale
+
+
+def measure(n, v, d, group, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(v, d, generator=g, dtype=torch.float64) / d ** 0.25).to(dtype)
+    w64, w32 = w.double(), w.float()
+    acc32 = torch.zeros(v, d)                       # the single pass: fp32, beta = 1
+    acc64 = torch.zeros(v, d, dtype=torch.float64)  # the same tiles, accumulated exactly
+    ref = torch.zeros(v, d, dtype=torch.float64)    # float64 throughout
+    ideal = torch.zeros(v, d, dtype=torch.float64)  # fp32 logits and probabilities, exact sums
+    for g0 in range(0, n, group):
+        rows = min(group, n - g0)
+        x = (torch.randn(rows, d, generator=g, dtype=torch.float64) / d ** 0.25).to(dtype)
+        t = torch.randint(0, v, (rows,), generator=g)
+        x64, x32 = x.double(), x.float()
+        ref += tile_grad(x64 @ w64.T, t, 1.0 / n).T @ x64
+        dz32 = tile_grad(x32 @ w32.T, t, 1.0 / n)
+        ideal += dz32.double().T @ x64
+        tile = dz32
+        if dtype != torch.float32:  # the 16-bit tile, its target entries kept in fp32
+            tile = dz32.to(dtype).float()
+            r = torch.arange(rows)
+            tile[r, t] = dz32[r, t]
+        torch.addmm(acc32, tile.T, x32, beta=1.0, out=acc32)
+        acc64 += tile.double().T @ x64
+
+    def err(a):
+        return ((a.double() - ref).norm() / ref.norm()).item()
+
+    out_dt = dtype
+    return {"N": n, "V": v, "D": d, "group": group, "groups": math.ceil(n / group),
+            "dtype": str(dtype).replace("torch.", ""),
+            "accumulated (fp32, beta=1)": err(acc32.to(out_dt)),
+            "same tiles, exact sums": err(acc64.to(out_dt)),
+            "ideal": err(ideal.to(out_dt)),
+            "rounding floor": err(ref.to(out_dt)),
+            "accumulation alone": ((acc32.double() - acc64).norm() / acc64.norm()).item()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("-V", type=int, default=2048)
+    ap.add_argument("-D", type=int, default=64)
+    ap.add_argument("--group", type=int, default=4096)
+    ap.add_argument("--tokens", default="65536,1048576")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (int(s) for s in args.tokens.split(",")):
+            r = measure(n, args.V, args.D, args.group, dtype)
+            rows.append(r)
+            print(f"{r['dtype']:>9} N={n:>8} groups={r['groups']:>4}: dW rel err "
+                  f"accumulated {r['accumulated (fp32, beta=1)']:.3e} | exact sums of the same "
+                  f"tiles {r['same tiles, exact sums']:.3e} | ideal {r['ideal']:.3e} | floor "
+                  f"{r['rounding floor']:.3e} | accumulation alone "
+                  f"{r['accumulation alone']:.3e} | accumulated/ideal "
+                  f"{r['accumulated (fp32, beta=1)'] / r['ideal']:.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Vocab-parallel training on the CUDA backend's single pass (flce::sum_and_grad with a process
+group: the [rows, 4] statistics of each chunk of rows all-gathered inside the op), run on the CPU
+through the host emulation of the CUDA backend (tests/cuda_emulation.py) over gloo.
+
+Each rank routes flce's ops to the emulated CUDA backend, takes its shard (uneven, and an empty
+one), and trains on a small workspace budget so that every rank walks several row chunks (each
+one a collective): the loss, the gathered weight gradient and the reduced input gradient must
+match one process on the whole vocabulary (the same emulated backend) and float64.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dist_launch import launch  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+
+
+def _run(world_size, timeout=240.0):
+    import cuda_emulation
+
+    try:
+        cuda_emulation.load()  # built once here; the ranks load the cached module
+    except cuda_emulation.Unavailable as e:
+        if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
+            raise
+        pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
+    results = launch(HERE, world_size, args=("--worker",), timeout=timeout)
+    report = "\n".join(f"--- rank {r} (exit {rc}) ---\n{out[-6000:]}"
+                       for r, (rc, out) in enumerate(results))
+    assert all(rc == 0 for rc, _ in results), report
+    assert all("ALL CHECKS PASSED" in out for _, out in results), report
+
+
+def test_single_pass_world_size_2():
+    _run(2)
+
+
+def test_single_pass_world_size_3_with_an_empty_shard():
+    _run(3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side.
+# ---------------------------------------------------------------------------------------------
+SHARDS = {2: [700, 301], 3: [520, 0, 481]}
+N, V, D = 150, 1001, 40
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _gather_shards(local, sizes):
+    """The ranks' uneven shards concatenated (gloo's all_gather wants equal sizes: pad, trim)."""
+    import torch.distributed as dist
+
+    big = max(sizes)
+    pad = local.new_zeros((big,) + tuple(local.shape[1:]))
+    pad[:local.shape[0]] = local
+    parts = [torch.empty_like(pad) for _ in sizes]
+    dist.all_gather(parts, pad)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+
+
+def _worker():
+    import torch.distributed as dist
+
+    import cuda_emulation
+    import flce
+    import flce.parallel as fp
+    from dist_launch import init_worker
+
+    rank, world = init_worker()
+    cuda_emulation.load()
+    # 0.3 MiB: a handful of 64-row chunks per group (each one an all-gather) at this shape.
+    os.environ["FLCE_CUDA_WORKSPACE_MB"] = "0.3"
+    sizes = SHARDS[world]
+    start = sum(sizes[:rank])
+    calls = []
+    with flce._ops.routed_to(cuda_emulation.NAMESPACE) as ops:
+        real_sum_and_grad = ops.sum_and_grad
+
+        class Spy:
+            def __getattr__(self, name):
+                calls.append(name)
+                return getattr(ops, name)
+
+        flce._ops.ops = Spy()
+        for dtype in (torch.float32, torch.bfloat16):
+            for opts in (dict(reduction="mean"),
+                         dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=8.0)):
+                g = torch.Generator().manual_seed(1)
+                x = torch.randn(N, D, generator=g).to(dtype)
+                w = (torch.randn(V, D, generator=g) / D ** 0.5).to(dtype)
+                b = (torch.randn(V, generator=g) * 0.1).to(dtype)
+                t = torch.randint(0, V, (N,), generator=g)
+                t[::9] = -100
+                ws = w[start:start + sizes[rank]].clone().requires_grad_()
+                bs = b[start:start + sizes[rank]].clone().requires_grad_()
+                xs = x.clone().requires_grad_()
+                calls.clear()
+                loss = fp.vocab_parallel_linear_cross_entropy(xs, ws, t, bias_local=bs, **opts)
+                assert calls == ["sum_and_grad"], calls
+                (loss * 0.7).backward()
+                gw, gb = _gather_shards(ws.grad, sizes), _gather_shards(bs.grad, sizes)
+                # one process, the whole vocabulary, the same emulated backend
+                x1, w1, b1 = (a.clone().requires_grad_() for a in (x, w, b))
+                loss1 = flce.linear_cross_entropy(x1, w1, t, bias=b1, **opts)
+                (loss1 * 0.7).backward()
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
+                assert abs(loss.item() - loss1.item()) <= 1e-6 * abs(loss1.item()), (loss, loss1)
+                assert _rel(xs.grad, x1.grad) < tol, _rel(xs.grad, x1.grad)
+                assert _rel(gw, w1.grad) < tol, _rel(gw, w1.grad)
+                assert _rel(gb, b1.grad) < tol, _rel(gb, b1.grad)
+                # float64
+                xr, wr, br = (a.double().requires_grad_() for a in (x, w, b))
+                ref = flce.reference.linear_cross_entropy(xr, wr, t, bias=br, **opts)
+                (ref * 0.7).backward()
+                assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()), (loss, ref)
+                assert _rel(xs.grad, xr.grad) < 2 * tol and _rel(gw, wr.grad) < 2 * tol
+                print(f"rank {rank} {dtype} {opts}: ok")
+        flce._ops.ops = ops
+        assert real_sum_and_grad is ops.sum_and_grad
+    dist.barrier()
+    print("ALL CHECKS PASSED", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
