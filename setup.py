@@ -64,7 +64,14 @@ if _cuda_home:
     # torch.utils.cpp_extension reads CUDA_HOME when imported.
     os.environ["CUDA_HOME"] = _cuda_home
 
-import torch  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ModuleNotFoundError:
+    # pip's isolated build environment (pip install . without --no-build-isolation) has no torch.
+    sys.exit("error: torch is not importable in this build environment (an isolated build?). "
+             "flce compiles against the torch it will run with: install torch first, then build "
+             "without isolation: pip install --no-build-isolation [-e] .  or  "
+             "python -m build --no-isolation")
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
@@ -195,16 +202,15 @@ _build.write_build_info(
     ptx=[a.compute for a in archs if a.ptx], cuda_sources=len(cu_sources),
     build_system="setuptools")
 
+# The static metadata (name, description, Python versions) is in pyproject.toml; these two are
+# its `dynamic` fields.
 setup(
-    name="flce",
     version=version,
-    description="Fused, collapse-safe linear cross-entropy for large-vocabulary language models",
     package_dir={"": "python"},
     packages=find_packages("python"),
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
-    python_requires=">=3.9",
     # The extension links torch's C++ ABI, which changes between minor releases.
     install_requires=[f"torch=={_torch_mm}.*"],
 )

@@ -5,10 +5,15 @@
 #   scripts/ci_wheel.sh                       # TORCH_CUDA_ARCH_LIST="8.0;9.0a;10.0"
 #   TORCH_CUDA_ARCH_LIST="9.0a" scripts/ci_wheel.sh
 #   FLCE_CUDA=0 scripts/ci_wheel.sh           # the CPU-only wheel (no device code allowed)
+#   FLCE_CUDA=0 FLCE_CI_EDITABLE=1 scripts/ci_wheel.sh
+#                                             # no wheel: `pip install --no-build-isolation -e`
+#                                             # of the source copy, then the same smoke test
 #
-# Environment: TORCH_CUDA_ARCH_LIST, FLCE_PTX, FLCE_CI_WHEEL (check this wheel, skip the build), CUDA_HOME (default /usr/local/cuda-13.0 when it
-# exists), MAX_JOBS (default: the core count), PYTHON (default python3), FLCE_CI_WORK (a scratch
-# directory, default mktemp; kept on failure for inspection), FLCE_CI_KEEP=1 (keep it anyway).
+# Environment: TORCH_CUDA_ARCH_LIST, FLCE_PTX, FLCE_CI_WHEEL (check this wheel, skip the build),
+# FLCE_CI_EDITABLE=1 (the editable install instead of a wheel), CUDA_HOME (default
+# /usr/local/cuda-13.0 when it exists), MAX_JOBS (default: the core count), PYTHON (default
+# python3), FLCE_CI_WORK (a scratch directory, default mktemp; kept on failure for inspection),
+# FLCE_CI_KEEP=1 (keep it anyway).
 # The build runs in a copy of the tracked sources, so the checkout's own build (and its
 # python/flce/_build_info.py) is left alone. Exit status non-zero on any failure.
 set -euo pipefail
@@ -44,7 +49,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
+EDITABLE=${FLCE_CI_EDITABLE:-0}
 if [[ -n "${FLCE_CI_WHEEL:-}" ]]; then
+  [[ $EDITABLE == 1 ]] && { echo "FLCE_CI_WHEEL and FLCE_CI_EDITABLE=1 exclude each other"; exit 2; }
   WHEEL=$(readlink -f "$FLCE_CI_WHEEL")
   N_CU=$("$PY" -c "import sys, zipfile; i = {}; exec(zipfile.ZipFile(sys.argv[1]).read('flce/_build_info.py'), i); print(i['INFO']['cuda_sources'])" "$WHEEL")
   step "checking the given wheel $(basename "$WHEEL") ($N_CU CUDA sources): no build"
@@ -63,7 +70,8 @@ else
   CU_FILES=("$WORK"/src/csrc/cuda/*.cu)
   N_CU=${#CU_FILES[@]}
   echo "   $N_CU CUDA source(s) in csrc/cuda"
-
+fi
+if [[ -z "${FLCE_CI_WHEEL:-}" && $EDITABLE != 1 ]]; then
   step "build the wheel: FLCE_CUDA=$FLCE_CUDA TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} MAX_JOBS=$MAX_JOBS CUDA_HOME=${CUDA_HOME:-}"
   B0=$(date +%s)
   "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/dist" "$WORK/src" \
@@ -72,29 +80,48 @@ else
   echo "   built $(basename "$WHEEL") ($(du -k "$WHEEL" | cut -f1) KiB) in $(( $(date +%s) - B0 ))s"
 fi
 
-step "fresh virtual environment (system site-packages for torch) and install"
 rm -rf "$WORK/venv"
-# Without its own pip (3 s instead of 15 s; the system pip installs into it with --python).
-"$PY" -m venv --without-pip --system-site-packages "$WORK/venv"
 VPY="$WORK/venv/bin/python"
-# When $PY is itself a venv (CI's .venv), --system-site-packages reaches only the base
-# interpreter: a .pth appends $PY's own site-packages (after the new venv's, so the wheel
-# installed here wins over any flce there).
-"$PY" -c "import site; print(''.join(f'import site; site.addsitedir({p!r})\n' for p in site.getsitepackages()))" > \
-  "$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_flce_ci_parent.pth"
-VPIP=("$PY" -m pip --python "$VPY")
-# No deps: torch comes from the system; the wheel's torch pin is checked below.
-# --ignore-installed: the parent environment may already hold this flce (pip sees it through the
-# .pth above) and must not satisfy the install.
-"${VPIP[@]}" install -q --no-index --no-deps --ignore-installed "$WHEEL"
+if [[ $EDITABLE == 1 ]]; then
+  # A new venv as a user makes one: its own pip, then torch (which pulls in the newest
+  # setuptools) and requirements-build.txt (wheel among them): the combination under which,
+  # before pyproject.toml, pip chose the legacy `setup.py develop`, which setuptools >= 80 runs
+  # as a pip install in an isolated environment without torch. (Borrowing torch through a .pth,
+  # as for the wheel below, hides that failure: the tree without pyproject.toml installs there.)
+  TORCH_REQ=${FLCE_TORCH:-torch==$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")}
+  step "new virtual environment with its own pip; $TORCH_REQ and requirements-build.txt"
+  "$PY" -m venv "$WORK/venv"
+  "$VPY" -m pip install -q "$TORCH_REQ" -r "$WORK/src/requirements-build.txt" \
+    > "$WORK/venv.log" 2>&1 || { tail -50 "$WORK/venv.log"; echo "FAIL: venv setup"; exit 1; }
+  step "editable install with $("$VPY" -m pip --version | cut -d' ' -f1-2), setuptools $("$VPY" -c 'import setuptools; print(setuptools.__version__)') (FLCE_CUDA=$FLCE_CUDA)"
+  "$VPY" -m pip install --no-build-isolation -e "$WORK/src" > "$WORK/build.log" 2>&1 || {
+    tail -50 "$WORK/build.log"; echo "FAIL: pip install --no-build-isolation -e"; exit 1; }
+  FROM="$WORK/src/python/flce"
+else
+  step "fresh virtual environment (system site-packages for torch) and install"
+  # Without its own pip (3 s instead of 15 s; the system pip installs into it with --python).
+  "$PY" -m venv --without-pip --system-site-packages "$WORK/venv"
+  # When $PY is itself a venv (CI's .venv), --system-site-packages reaches only the base
+  # interpreter: a .pth appends $PY's own site-packages (after the new venv's, so the wheel
+  # installed here wins over any flce there).
+  "$PY" -c "import site; print(''.join(f'import site; site.addsitedir({p!r})\n' for p in site.getsitepackages()))" > \
+    "$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_flce_ci_parent.pth"
+  VPIP=("$PY" -m pip --python "$VPY")
+  # No deps: torch comes from the system; the wheel's torch pin is checked below.
+  # --ignore-installed: the parent environment may already hold this flce (pip sees it through
+  # the .pth above) and must not satisfy the install.
+  "${VPIP[@]}" install -q --no-index --no-deps --ignore-installed "$WHEEL"
+  FROM=$("$VPY" -c "import sys; print(sys.prefix)")
+fi
 
 step "import and CPU smoke test (from outside the source tree)"
-(cd "$WORK" && "$VPY" - "$EXPECT_ARCHS" "${FLCE_PTX:-newest}" "$N_CU" "$ROOT" <<'EOF'
+(cd "$WORK" && "$VPY" - "$EXPECT_ARCHS" "${FLCE_PTX:-newest}" "$N_CU" "$ROOT" "$FROM" <<'EOF'
 import os, runpy, sys
 import torch
 import flce
-arch_list, ptx, n_cu, root = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-assert flce.__file__.startswith(sys.prefix), f"imported {flce.__file__}, not the installed wheel"
+arch_list, ptx, root, where = sys.argv[1], sys.argv[2], sys.argv[4], sys.argv[5]
+n_cu = int(sys.argv[3])
+assert flce.__file__.startswith(where), f"imported {flce.__file__}, not the one installed in {where}"
 import importlib.metadata as md
 pins = [r for r in md.requires("flce") if r.replace(" ", "").startswith("torch")]
 mm = ".".join(torch.__version__.split("+")[0].split(".")[:2])
@@ -129,6 +156,7 @@ for name, got, want_t in (("loss", loss, ref), ("dx", x.grad, x64.grad), ("dw", 
 EOF
 )
 
+[[ $EDITABLE == 1 ]] && exit 0
 step "device code in the wheel vs the arch list"
 if [[ $FLCE_CUDA == 1 && $N_CU -gt 0 ]] && ! "$VPY" -c "
 import runpy, sys; sys.exit(runpy.run_path('$ROOT/scripts/check_wheel.py', run_name='x')['find_cuobjdump']() is None)"; then

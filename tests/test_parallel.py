@@ -453,6 +453,61 @@ def check_megatron_dropin(rank, world, group):
         assert torch.equal(a, b), _rel_err(a, b)
 
 
+def check_megatron_unequal_shards(rank, world, group):
+    """vocab_parallel_cross_entropy with shards of different sizes: without vocab_start every
+    rank raises (its offset would be rank * its own size), also once the layout is cached; with
+    vocab_start the loss and gradient match float64, in rank order and reversed; an empty shard
+    raises on every rank instead of leaving the others waiting in the all-gather."""
+    import flce.parallel as fp
+    from flce import reference
+
+    sizes = [24 * (r + 1) for r in range(world)]  # 24/48 on 2 ranks
+    v, seq, batch = sum(sizes), 12, 4
+    x64, w64, t = _margin_inputs(seq * batch, v, 16, seed=60)
+    logits = (x64 @ w64.T).float()
+    margin = _margins(x64, w64, t)
+    g = torch.Generator().manual_seed(61)
+    t[torch.rand(t.shape, generator=g) < 0.1] = -100
+    upstream = torch.rand(seq * batch, generator=g) + 0.5
+    valid = t != -100
+    tt = t.reshape(seq, batch)
+    in_order = sum(sizes[:rank])
+
+    def local(start):
+        return logits[:, start:start + sizes[rank]].reshape(seq, batch, -1)
+
+    for _ in range(2):
+        _expect(ValueError, f"{sizes} columns (by rank)",
+                lambda: fp.vocab_parallel_cross_entropy(local(in_order), tt, tp_group=group))
+    for alpha in (0.0, 0.1):
+        eps = alpha * v / (v - 1)
+        ref_in = logits.double().requires_grad_()
+        ref = reference.logits_cross_entropy(ref_in, t, reduction="none", label_smoothing=eps)
+        (ref * upstream).sum().backward()
+        for start in (in_order, sum(sizes[rank + 1:])):  # rank order, then reversed
+            lp = local(start).detach().requires_grad_()
+            loss = fp.vocab_parallel_cross_entropy(lp, tt, alpha, group, vocab_start=start)
+            (loss.reshape(-1) * upstream).sum().backward()
+            loss, grad = loss.detach().reshape(-1), lp.grad.reshape(seq * batch, -1)
+            ref_grad = ref_in.grad[:, start:start + sizes[rank]]
+            assert (loss[~valid] == 0).all() and (grad[~valid] == 0).all()
+            # Margins up to 80: the loss exp(-margin) is still a normal fp32 number.
+            rows = valid & (margin < 80)
+            assert (margin[rows] > 30).sum() >= 3, margin[rows]
+            assert _elementwise_rel(loss[rows], ref[rows]) < 1e-3
+            assert _rel_err(loss, ref) < 8 * F32_ULP, _rel_err(loss, ref)
+            lse_ulp = torch.logsumexp(logits[valid].double(), 1).abs().max().item() * F32_ULP
+            e_grad, floor = _rel_err(grad[valid], ref_grad[valid]), _floor(ref_grad[valid])
+            assert e_grad <= 2 * floor + 2 * lse_ulp, (e_grad, floor, lse_ulp)
+    # Shapes no call has used yet (a rank whose call matches a cached layout skips the exchange).
+    _expect(ValueError, "on every rank or on none",
+            lambda: fp.vocab_parallel_cross_entropy(local(in_order)[:6], tt[:6], tp_group=group,
+                                                    vocab_start=0 if rank == 0 else None))
+    cols = v if rank == 0 else 0
+    _expect(ValueError, "empty vocabulary shard",
+            lambda: fp.vocab_parallel_cross_entropy(logits[:8, :cols], t[:8], tp_group=group))
+
+
 def check_fused_compiled(rank, world, group):
     """The fused path under torch.compile (aot_eager) gives the eager result bitwise."""
     import flce.parallel as fp
@@ -509,7 +564,8 @@ def run_checks(rank, world):
             print(f"{time.perf_counter() - t0:.1f}s", cfg,
                   {k: round(v, 2) for k, v in ratios.items()}, flush=True)
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
-                  check_megatron_dropin, check_fused_compiled, check_dtensor):
+                  check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
+                  check_dtensor):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)

@@ -175,6 +175,12 @@ def _layout(group, rank, world, device, meta, explicit_size, check_ranks):
     return layout
 
 
+def _check_vocab_start(vocab_start):
+    if vocab_start is not None and (not isinstance(vocab_start, int) or vocab_start < 0):
+        raise ValueError(f"flce.parallel: vocab_start must be a non-negative int, got "
+                         f"{vocab_start!r}")
+
+
 def _describe(field, values):
     name = _META_FIELDS[field]
     if name in ("input dtype", "weight dtype"):
@@ -350,9 +356,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         ignore_index = -100
     _validate(input, weight_local, target, bias_local, reduction, label_smoothing, z_loss,
               softcap)
-    if vocab_start is not None and (not isinstance(vocab_start, int) or vocab_start < 0):
-        raise ValueError(f"flce.parallel: vocab_start must be a non-negative int, got "
-                         f"{vocab_start!r}")
+    _check_vocab_start(vocab_start)
     if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
         raise ValueError(f"flce.parallel: vocab_size must be a positive int, got {vocab_size!r}")
     if sequence_parallel and not reduce_input_grad:
@@ -461,10 +465,9 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, eps, group, rank, world):
+    def forward(ctx, logits, target, eps, group, world, layout):
         n, v_local = logits.shape
-        lo = rank * v_local
-        vocab_size = world * v_local
+        lo, vocab_size = layout.vocab_start, layout.vocab_size
         owned = (target >= lo) & (target < lo + v_local)
         tl = torch.where(owned, target - lo, torch.zeros_like(target))[:, None]
         neg_inf = torch.full_like(tl, float("-inf"), dtype=torch.float32)
@@ -510,13 +513,14 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0,
-                                 tp_group=None):
+                                 tp_group=None, *, vocab_start=None):
     """Collapse-safe drop-in for Megatron-Core's ``vocab_parallel_cross_entropy``.
 
     Args:
         vocab_parallel_logits: ``[seq, batch, V / tp]`` (any leading shape) this rank's logit
             columns; equal shards in rank order (rank ``r`` holds ``[r V/tp, (r+1) V/tp)``), as
-            in Megatron. Never modified; bf16/fp16 logits are upcast to fp32 inside.
+            in Megatron, unless ``vocab_start`` says otherwise. Never modified; bf16/fp16 logits
+            are upcast to fp32 inside.
         target: ``[seq, batch]`` global vocabulary ids; -100 marks ignored tokens (loss and
             gradient exactly 0, unlike Megatron, which returns a finite nonzero loss for them
             and relies on the loss mask).
@@ -525,6 +529,14 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
             ``eps = alpha V / (V - 1)`` over the global vocabulary ``V``. (Megatron-Core itself
             takes ``V`` and the log-prob mean from the local partition; both agree at tp = 1.)
         tp_group: the tensor-parallel process group (default: WORLD).
+        vocab_start: this rank's first global column, for shards of different sizes or out of
+            rank order (pass it on every rank; the shards must tile ``[0, V)``). Without it,
+            shards whose sizes differ across ranks raise ``ValueError`` on every rank: the
+            offsets ``r V/tp`` would be wrong.
+
+    The shard sizes are checked across ranks with one small all-gather the first time a group
+    sees a shape (cached per group and shape, as in :func:`vocab_parallel_linear_cross_entropy`),
+    so ranks must make the same calls in the same order.
 
     Returns:
         Per-token loss, float32, shape ``target.shape``.
@@ -540,15 +552,31 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
                          f" (the logits' leading dimensions), got {tuple(target.shape)}")
     if target.dtype.is_floating_point or target.dtype.is_complex:
         raise TypeError(f"flce: target must hold class indices, got {target.dtype}")
-    if vocab_parallel_logits.shape[-1] == 0:
-        raise ValueError("flce: vocab_parallel_logits has an empty vocabulary shard")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")
+    _check_vocab_start(vocab_start)
     group, rank, world = _resolve_group(tp_group)
-    v = world * vocab_parallel_logits.shape[-1]
-    eps = float(label_smoothing) * v / (v - 1) if label_smoothing > 0 and v > 1 else 0.0
     lead = target.shape
-    logits = vocab_parallel_logits.reshape(-1, vocab_parallel_logits.shape[-1])
+    # (Not reshape(-1, V_local): an empty shard must reach the check below on every rank.)
+    logits = vocab_parallel_logits.reshape(target.numel(), vocab_parallel_logits.shape[-1])
+    code = _DTYPE_CODES[logits.dtype]
+    # The fields of _META_FIELDS that a logits-level call has (no D, bias or weight of its own).
+    meta = [logits.shape[1], -1 if vocab_start is None else vocab_start, -1, logits.shape[0], 0,
+            code, code, 0, -100, _float_bits(label_smoothing), _float_bits(0.0), _float_bits(0.0),
+            _REDUCTION_CODES["none"], 0]
+    layout = _layout(group, rank, world, logits.device, meta, False, False)
+    # Every rank holds the same sizes, so every rank raises here or none does.
+    if 0 in layout.sizes:
+        raise ValueError(f"flce.parallel: vocab_parallel_logits has an empty vocabulary shard: "
+                         f"{list(layout.sizes)} columns (by rank)")
+    if vocab_start is None and len(set(layout.sizes)) > 1:
+        raise ValueError(f"flce.parallel: vocab_parallel_logits shards differ in size across "
+                         f"ranks: {list(layout.sizes)} columns (by rank), but without "
+                         f"vocab_start each rank's offset is rank * its own size (Megatron's "
+                         f"equal shards); pass vocab_start= (this rank's first global column) "
+                         f"on every rank")
+    v = layout.vocab_size
+    eps = float(label_smoothing) * v / (v - 1) if label_smoothing > 0 and v > 1 else 0.0
     loss = _VocabParallelLogitsCE.apply(logits, target.reshape(-1).to(torch.int64), eps, group,
-                                        rank, world)
+                                        world, layout)
     return loss.reshape(lead)
