@@ -2,12 +2,14 @@
 
 The single pass (flce::sum_and_grad on CUDA) computes dW = sum over groups of G rows of
 dz_g^T E_g, each group's product a cuBLAS GEMM with fp32 accumulation that adds into the fp32
-accumulator with beta = 1 (no compensation across groups: a Kahan pass over [V, D] per group
-would cost more memory traffic than the GEMM itself). This script measures that accumulation in
+accumulator with beta = 1 (for 16-bit training: a Kahan pass over [V, D] per group would cost
+more memory traffic than the group's bf16 GEMMs). This script measures that accumulation in
 the same arithmetic on the CPU: each group's product an fp32 GEMM (MKL, beta = 1 into an fp32
 accumulator), against the same products accumulated in float64, the float64 reference and the
 ideal fp32 computation of tests/helpers.py (fp32 logits and probabilities, exact accumulation),
-at N = 65536 and 1M tokens (16 and 256 groups of 4096 rows).
+at N = 65536 and 1M tokens (16 and 256 groups of 4096 rows; fp32: also 1024-row groups with
+Kahan compensation across them, which the single pass uses for fp32 because beta = 1 is not
+enough there).
 
     python benchmarks/accumulation.py            # prints a table; --json PATH writes it too
 
@@ -33,12 +35,21 @@ def tile_grad(z, t, scale):
     return p * scale
 
 
-def measure(n, v, d, group, dtype, seed=0):
+def kahan_add(s, c, x):
+    """math.h kahan_add, elementwise in fp32 (kahan_accumulate_kernel)."""
+    t = s + x
+    c += torch.where(s.abs() >= x.abs(), (s - t) + x, (x - t) + s)
+    s.copy_(t)
+
+
+def measure(n, v, d, group, dtype, seed=0, kahan=False):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(v, d, generator=g, dtype=torch.float64) / d ** 0.25).to(dtype)
     w64, w32 = w.double(), w.float()
     acc32 = torch.zeros(v, d)                       # the single pass: fp32, beta = 1
+    comp = torch.zeros(v, d)                        # or Kahan-compensated across the groups
     acc64 = torch.zeros(v, d, dtype=torch.float64)  # the same tiles, accumulated exactly
+    gemms = torch.zeros(v, d, dtype=torch.float64)  # each group's fp32 GEMM, summed exactly
     ref = torch.zeros(v, d, dtype=torch.float64)    # float64 throughout
     ideal = torch.zeros(v, d, dtype=torch.float64)  # fp32 logits and probabilities, exact sums
     for g0 in range(0, n, group):
@@ -54,20 +65,30 @@ def measure(n, v, d, group, dtype, seed=0):
             tile = dz32.to(dtype).float()
             r = torch.arange(rows)
             tile[r, t] = dz32[r, t]
-        torch.addmm(acc32, tile.T, x32, beta=1.0, out=acc32)
+        prod = tile.T @ x32
+        if kahan:
+            kahan_add(acc32, comp, prod)
+        else:
+            acc32 += prod  # addmm with beta = 1: one fp32 rounding per group
+        gemms += prod.double()
         acc64 += tile.double().T @ x64
+
+    acc32 = acc32 + comp
 
     def err(a):
         return ((a.double() - ref).norm() / ref.norm()).item()
 
     out_dt = dtype
     return {"N": n, "V": v, "D": d, "group": group, "groups": math.ceil(n / group),
+            "across": "kahan" if kahan else "beta=1",
             "dtype": str(dtype).replace("torch.", ""),
             "accumulated (fp32, beta=1)": err(acc32.to(out_dt)),
             "same tiles, exact sums": err(acc64.to(out_dt)),
             "ideal": err(ideal.to(out_dt)),
             "rounding floor": err(ref.to(out_dt)),
-            "accumulation alone": ((acc32.double() - acc64).norm() / acc64.norm()).item()}
+            "accumulation alone": ((acc32.double() - acc64).norm() / acc64.norm()).item(),
+            "within the GEMMs": ((gemms - acc64).norm() / acc64.norm()).item(),
+            "across the groups": ((acc32.double() - gemms).norm() / acc64.norm()).item()}
 
 
 def main():
@@ -80,15 +101,20 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    # (dtype, rows per group, across the groups): the 16-bit single pass (beta = 1), fp32 as
+    # beta = 1 would give it, and fp32 as the single pass does it (1024-row groups, Kahan).
+    variants = [(torch.bfloat16, args.group, False), (torch.float32, args.group, False),
+                (torch.float32, 1024, True)]
+    for dtype, group, kahan in variants:
         for n in (int(s) for s in args.tokens.split(",")):
-            r = measure(n, args.V, args.D, args.group, dtype)
+            r = measure(n, args.V, args.D, group, dtype, kahan=kahan)
             rows.append(r)
-            print(f"{r['dtype']:>9} N={n:>8} groups={r['groups']:>4}: dW rel err "
+            print(f"{r['dtype']:>9} N={n:>8} groups={r['groups']:>4} {r['across']:>6}: dW rel err "
                   f"accumulated {r['accumulated (fp32, beta=1)']:.3e} | exact sums of the same "
                   f"tiles {r['same tiles, exact sums']:.3e} | ideal {r['ideal']:.3e} | floor "
                   f"{r['rounding floor']:.3e} | accumulation alone "
-                  f"{r['accumulation alone']:.3e} | accumulated/ideal "
+                  f"{r['accumulation alone']:.3e} (within the GEMMs {r['within the GEMMs']:.3e}, "
+                  f"across the groups {r['across the groups']:.3e}) | accumulated/ideal "
                   f"{r['accumulated (fp32, beta=1)'] / r['ideal']:.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -683,8 +683,12 @@ SinglePassPlan plan_single_pass(int64_t n, int64_t v, at::ScalarType compute, bo
   const int64_t budget = workspace_bytes();
   auto round_rows = [](int64_t r) { return r / kMinRows * kMinRows; };
   if (compute == at::kFloat) {
+    // fp32 dW sums a group's rows inside one cuBLAS GEMM (fp32 accumulation) and the groups with
+    // Kahan compensation: groups of at most 1024 rows keep the first term small
+    // (benchmarks/accumulation.py), and fp32 GEMMs are slow enough that the [V, D] compensated
+    // add per group costs little beside them.
     plan.in_place = true;
-    plan.group_rows = round_rows(budget / (4 * ld));
+    plan.group_rows = std::min<int64_t>(round_rows(budget / (4 * ld)), 1024);
     plan.sub_rows = plan.group_rows;
   } else {
     // The sub-chunk gets a twelfth of the budget (at most 128 MiB): 256 rows of a 128k
@@ -838,6 +842,10 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   if (need_c) {
     acc_w = fp32_dw ? gw[0] : dev::empty({separate_acc ? v : std::min(v, kDwPiece), d}, f32);
   }
+  // fp32 training, several groups: dW Kahan-compensated across them (pieces of kDwPiece rows).
+  const bool kahan_dw = need_c && compute == at::kFloat && G < n;
+  at::Tensor comp_w = kahan_dw ? at::zeros({v, d}, f32) : at::Tensor();
+  at::Tensor tmp_w = kahan_dw ? dev::empty({std::min(v, kDwPiece), d}, f32) : at::Tensor();
   // x as target_rows reads it: row-major
   const at::Tensor x_rows = fix_c && x.stride(1) != 1 ? x.contiguous() : x;
 
@@ -933,7 +941,18 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
     }
     if (need_c) {
       const float beta = g0 == 0 ? 0.f : 1.f;
-      if (!fix_c) {
+      if (kahan_dw && g0 > 0) {
+        for (int64_t p0 = 0; p0 < v; p0 += kDwPiece) {
+          const int64_t pc = std::min(kDwPiece, v - p0);
+          const at::Tensor t = tmp_w.narrow(0, 0, pc);
+          gemm_into(t, dz.narrow(1, p0, pc).t(), xg);
+          check_launch(cuda::launch_kahan_accumulate(acc_w.narrow(0, p0, pc).data_ptr<float>(),
+                                                     comp_w.narrow(0, p0, pc).data_ptr<float>(),
+                                                     t.data_ptr<float>(), pc * d, nullptr,
+                                                     stream),
+                       "kahan_accumulate");
+        }
+      } else if (!fix_c) {
         gemm_into(acc_w, dz.t(), xg, beta);
         if (split) {
           const at::Tensor lo =
@@ -964,6 +983,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       }
     }
   }
+  if (kahan_dw) acc_w.add_(comp_w);
   if (separate_acc) {
     check_launch(cuda::launch_scale_store(gw.data_ptr(), to_dtype(weight.scalar_type()),
                                           acc_w.data_ptr<float>(), v * d, nullptr, stream),
