@@ -1,0 +1,3 @@
+// placeholder
+#include "harness.h"
+int main(int argc, char** argv) { return check::run_all(argc, argv); }
