@@ -973,6 +973,64 @@ TEST(fp32_simt_tiles) {
   run_all(cs);
 }
 
+// Empty extents: the launchers return success without launching and leave the outputs alone;
+// a column sum over zero rows is zero.
+TEST(empty_shapes) {
+  DeviceBuffer<float> sentinel(64, 7.f);
+  DeviceBuffer<int64_t> target(4, 0);
+  flce::cuda::StatsParams sp{};
+  sp.lin.target = target.data();
+  sp.lin.target_stride = 1;
+  sp.lin.ignore_index = kIgnore;
+  sp.partials = sentinel.data();
+  sp.splits = 1;
+  sp.tiles_per_split = 1;
+  sp.lin.v = 100;
+  sp.lin.d = 8;
+  for (Kind k : {Kind::kBf16, Kind::kF16, Kind::kTf32, Kind::kF32}) {
+    EXPECT(flce::cuda::launch_partial_stats(sp, dtype_of(k), nullptr) == cudaSuccess, "n = 0 %s",
+           kind_name(k));
+    flce::cuda::GradParams gp{};
+    gp.lin = sp.lin;
+    gp.lin.n = 37;
+    gp.lin.v = 0;
+    gp.grad_logits = sentinel.data();
+    EXPECT(flce::cuda::launch_grad_logits(gp, dtype_of(k), nullptr) == cudaSuccess, "v = 0 %s",
+           kind_name(k));
+  }
+  flce::cuda::CombineParams cp{};
+  cp.loss = sentinel.data();
+  EXPECT(flce::cuda::launch_combine(cp, true, nullptr) == cudaSuccess, "combine n = 0");
+  flce::cuda::RowCoefParams rp{};
+  rp.coef = sentinel.data();
+  EXPECT(flce::cuda::launch_row_coef(rp, nullptr) == cudaSuccess, "row_coef n = 0");
+  flce::cuda::TargetFixParams fp{};
+  fp.sum = sentinel.data();
+  EXPECT(flce::cuda::launch_target_fix(fp, DType::kBFloat16, nullptr) == cudaSuccess, "target_fix n = 0");
+  EXPECT(flce::cuda::launch_kahan_accumulate(sentinel.data(), sentinel.data(), sentinel.data(), 0,
+                                             nullptr, nullptr) == cudaSuccess,
+         "kahan count = 0");
+  EXPECT(flce::cuda::launch_scale_store(sentinel.data(), DType::kFloat32, sentinel.data(), 0, nullptr,
+                                        nullptr) == cudaSuccess,
+         "scale_store count = 0");
+  EXPECT(flce::cuda::launch_column_sum(sentinel.data(), 3, 0, sentinel.data(), nullptr) == cudaSuccess,
+         "column_sum cols = 0");
+  for (int i = 0; i < 64; ++i) EXPECT(sentinel[i] == 7.f, "element %d touched: %g", i, sentinel[i]);
+  DeviceBuffer<float> out(5, harness::qnan());
+  EXPECT(flce::cuda::launch_column_sum(sentinel.data(), 0, 5, out.data(), nullptr) == cudaSuccess,
+         "column_sum rows = 0");
+  for (int i = 0; i < 5; ++i) EXPECT(out[i] == 0.f, "sum over no rows [%d] = %g", i, out[i]);
+  // Out-of-range fp16 stores saturate to infinity, NaN stays NaN (scale_store<__half>).
+  DeviceBuffer<float> x(std::vector<float>{7e4f, -7e4f, harness::qnan(), 1.5f});
+  DeviceBuffer<__half> h(4);
+  EXPECT(flce::cuda::launch_scale_store(h.data(), DType::kFloat16, x.data(), 4, nullptr, nullptr) ==
+             cudaSuccess,
+         "scale_store fp16");
+  EXPECT(std::isinf(__half2float(h[0])) && __half2float(h[0]) > 0 && std::isinf(__half2float(h[1])) &&
+             std::isnan(__half2float(h[2])) && __half2float(h[3]) == 1.5f,
+         "fp16 saturation");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) { return check::run_all(argc, argv); }
