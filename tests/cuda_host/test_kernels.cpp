@@ -369,8 +369,12 @@ GradRef grad_ref(const Problem& p, const RowRef& r, int64_t i, int64_t j) {
     sc = 1 - q * q;
     dsc = 2 * std::fabs(q) / c.softcap * dj + 4 * kU;
   }
-  const double dA = 2 * std::fabs(p.ignored(i) ? 0.0 : p.grad_loss[c.grad_loss_stride0 ? 0 : i]) *
-                        c.zloss * r.dlse_x + 4 * kU * std::fabs(r.A);
+  // a = g (1 + 2 w lse) + g_lse in fp32: four roundings of terms that may cancel, and the error
+  // of the row's lse (lse_x and z_t) through w.
+  const double g0 = p.ignored(i) ? 0.0 : p.grad_loss[c.grad_loss_stride0 ? 0 : i];
+  const double dA = 2 * std::fabs(g0) * c.zloss * (r.dlse_x + r.all.dzt) +
+                    4 * kU * (std::fabs(g0 * (1 + 2 * c.zloss * r.lse)) +
+                              std::fabs(c.grad_lse ? p.grad_lse[i] : 0.0) + std::fabs(r.A));
   double g, tol;
   if (p.valid_target(i) && j == p.t(i)) {
     const double x = zz - r.all.lse_x, pt = sigmoid(x), qt = sigmoid(-x);
