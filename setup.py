@@ -96,6 +96,21 @@ def _nvidia_wheel_includes():
     return sorted(set(p for p in out if os.path.isdir(p)))
 
 
+def _cublas_link_args():
+    # dev::gemm (csrc/cuda/device_cuda.cpp) calls cuBLAS on torch's handle. The library is the
+    # one torch loads (pip's CUDA torch keeps it in the nvidia wheels, without an unversioned
+    # libcublas.so symlink): link it by its file name.
+    dirs = [os.path.join(_cuda_home, "lib64")] if _cuda_home else []
+    for path in sys.path:
+        dirs += glob.glob(os.path.join(path, "nvidia", "cu*", "lib"))
+        dirs += glob.glob(os.path.join(path, "nvidia", "cublas", "lib"))
+    for d in dirs:
+        libs = sorted(glob.glob(os.path.join(d, "libcublas.so*")), key=len)
+        if libs:
+            return [f"-L{d}", f"-l:{os.path.basename(libs[0])}"]
+    sys.exit("error: FLCE_CUDA build: libcublas not found in the CUDA toolkit or the nvidia wheels")
+
+
 def _default_max_jobs():
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -146,6 +161,7 @@ if use_cuda:
     if os.environ.get("FLCE_PTXAS_VERBOSE") == "1":
         nvcc_flags += ["-Xptxas=-v"]
     define_macros.append(("FLCE_WITH_CUDA", "1"))
+    ext_kwargs["extra_link_args"] = ext_kwargs["extra_link_args"] + _cublas_link_args()
     ext = CUDAExtension(
         "flce._C",
         sources,

@@ -1,7 +1,11 @@
-"""pytest configuration for the flce tests: the ``device`` fixture and tests/ on sys.path.
+"""pytest configuration for the flce tests: the ``device`` fixture, the routing of "cuda-host"
+tests to the host-emulated CUDA backend, and tests/ on sys.path.
 
-Every test that takes ``device`` runs on "cpu" and on "cuda"; the CUDA case skips (with a
-reason) when no GPU is visible. Shared helpers live in tests/helpers.py.
+Every test that takes ``device`` runs on "cpu", on "cuda" (skipped, with a reason, when no GPU is
+visible) and on "cuda-host": CPU tensors served by the CUDA backend's binding and kernels under
+the host SIMT emulation (tests/cuda_emulation.py). Tests marked ``skip_cuda_host`` are too large for
+the emulation (their reason says why). FLCE_REQUIRE_CUDA_HOST=1 (CI) turns "cannot build the
+emulation here" into a failure instead of a skip. Shared helpers live in tests/helpers.py.
 """
 import os
 import sys
@@ -13,6 +17,34 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICES  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda_host: runs on the host-emulated CUDA backend")
+    config.addinivalue_line("markers", "skip_cuda_host(reason): too large for the emulation")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _cuda_host_routing(request):
+    if request.node.get_closest_marker("cuda_host") is None:
+        yield
+        return
+    skip = request.node.get_closest_marker("skip_cuda_host")
+    if skip is not None:
+        pytest.skip(skip.kwargs.get("reason") or (skip.args[0] if skip.args else
+                                                  "too large for the host emulation"))
+    import cuda_emulation as cuda_host
+
+    import flce._ops
+
+    try:
+        cuda_host.load()
+    except cuda_host.Unavailable as e:
+        if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
+            raise
+        pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
+    with flce._ops.routed_to(cuda_host.NAMESPACE):
+        yield

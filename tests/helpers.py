@@ -1,9 +1,10 @@
 """Shared test helpers for flce (import as ``from helpers import ...``; tests/ is on sys.path).
 
 Devices
-  ``DEVICES``                 pytest params "cpu" and "cuda" (the latter skips without a GPU);
-                              use ``@pytest.mark.parametrize("device", DEVICES)`` or the
-                              ``device`` fixture of conftest.py.
+  ``DEVICES``                 pytest params "cpu", "cuda" (skips without a GPU) and "cuda-host"
+                              (the CUDA backend on CPU tensors, host-emulated kernels); use
+                              ``@pytest.mark.parametrize("device", DEVICES)`` or the ``device``
+                              fixture of conftest.py. ``CUDA_DEVICES``: the last two.
 Inputs
   ``rand_inputs(n, v, d, dtype, device, ...)``   fresh random (input, weight, target, bias).
   ``margin_inputs(n, v, d, margin, dtype, ...)`` rows whose fp64 margin
@@ -39,11 +40,15 @@ import torch
 import flce
 
 HAS_CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
+# The CUDA backend: on a GPU, and on the CPU through the host emulation of its kernels and its
+# launch sequence ("cuda-host": CPU tensors, the ops routed to flce_cuda_host by conftest.py; see
+# tests/cuda_host.py). A test too large for the emulation marks itself skip_cuda_host.
+CUDA_DEVICES = [
     pytest.param("cuda", id="cuda",
                  marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device available")),
+    pytest.param("cpu", id="cuda-host", marks=pytest.mark.cuda_host),
 ]
+DEVICES = [pytest.param("cpu", id="cpu")] + CUDA_DEVICES
 
 
 def gen(seed):

@@ -1,13 +1,19 @@
-"""CUDA-backend tests: registration (runs anywhere), and numerics against the float64 reference
-and the CPU backend, determinism, 64-bit indexing, alignment fallbacks and target errors (need a
-GPU, skipped otherwise)."""
+"""CUDA-backend tests: registration (runs anywhere); numerics against the float64 reference and
+the CPU backend, both CUDA paths (the single pass of training and the recompute backward), their
+chunking, determinism, alignment fallbacks, target errors and 64-bit indexing.
+
+Each test runs on a GPU ("cuda") and on the CPU through the host emulation of the CUDA backend
+("cuda-host": the same binding, launch sequence and kernels, tests/cuda_host.py), except where it
+says why not.
+"""
 import pytest
 import torch
 
 import flce
-from flce import reference
+from flce import _ops, reference
+from helpers import CUDA_DEVICES, HAS_CUDA
 
-OPS = ("partial_stats", "combine", "forward", "backward")
+OPS = ("partial_stats", "combine", "forward", "backward", "sum_and_grad", "scale_grad")
 
 
 def _built_with_cuda():
@@ -24,7 +30,10 @@ def test_cuda_kernels_registered():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"flce::{op}", "CUDA"), op
 
 
-requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.fixture(params=CUDA_DEVICES)
+def dev(request):
+    return request.param
+
 
 TOL = {torch.float32: (2e-5, 2e-4), torch.bfloat16: (2e-5, 1.5e-2), torch.float16: (2e-5, 5e-3)}
 
@@ -40,94 +49,118 @@ def _make(n, v, d, dtype, *, bias=False, seed=0, device="cuda", wdtype=None, sca
 
 def _ref(x, w, t, b, **kw):
     """float64 reference loss, lse and gradients (objective sum(loss * cw) + sum(lse * cl))."""
-    xr = x.detach().double().requires_grad_()
-    wr = w.detach().double().requires_grad_()
-    br = b.detach().double().requires_grad_() if b is not None else None
-    loss, lse = reference.linear_cross_entropy(xr, wr, t, bias=br, reduction="none",
+    xr = x.detach().cpu().double().requires_grad_()
+    wr = w.detach().cpu().double().requires_grad_()
+    br = b.detach().cpu().double().requires_grad_() if b is not None else None
+    loss, lse = reference.linear_cross_entropy(xr, wr, t.cpu(), bias=br, reduction="none",
                                                return_lse=True, **kw)
     return xr, wr, br, loss, lse
 
 
 def _rel_err(a, b):
-    a, b = a.double(), b.double()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def _check_against_reference(x, w, t, b, dtype, **kw):
-    xf = x.detach().clone().requires_grad_()
-    wf = w.detach().clone().requires_grad_()
-    bf = b.detach().clone().requires_grad_() if b is not None else None
+def _leaves(x, w, b):
+    return (x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(),
+            b.detach().clone().requires_grad_() if b is not None else None)
+
+
+def _check_recompute(x, w, t, b, dtype, **kw):
+    """reduction="none" with a used lse: the forward + recompute-backward path."""
+    xf, wf, bf = _leaves(x, w, b)
     loss, lse = flce.linear_cross_entropy(xf, wf, t, bias=bf, reduction="none", return_lse=True,
                                           **kw)
     assert loss.dtype == torch.float32 and lse.dtype == torch.float32
     xr, wr, br, rloss, rlse = _ref(x, w, t, b, **kw)
     ftol, gtol = TOL[dtype]
-    torch.testing.assert_close(loss.double(), rloss, rtol=ftol * 10, atol=ftol * 10)
-    torch.testing.assert_close(lse.double(), rlse, rtol=ftol * 10, atol=ftol * 10)
+    torch.testing.assert_close(loss.cpu().double(), rloss, rtol=ftol * 10, atol=ftol * 10)
+    torch.testing.assert_close(lse.cpu().double(), rlse, rtol=ftol * 10, atol=ftol * 10)
     g = torch.Generator(device="cpu").manual_seed(1)
-    cw = torch.rand(loss.shape, generator=g).to(loss.device)
-    cl = (torch.rand(loss.shape, generator=g) * 0.1).to(loss.device)
-    ((loss * cw).sum() + (lse * cl).sum()).backward()
+    cw = torch.rand(loss.shape, generator=g)
+    cl = torch.rand(loss.shape, generator=g) * 0.1
+    ((loss * cw.to(loss.device)).sum() + (lse * cl.to(loss.device)).sum()).backward()
     ((rloss * cw.double()).sum() + (rlse * cl.double()).sum()).backward()
-    assert xf.grad.dtype == x.dtype and wf.grad.dtype == w.dtype
-    assert _rel_err(xf.grad, xr.grad) < gtol, _rel_err(xf.grad, xr.grad)
-    assert _rel_err(wf.grad, wr.grad) < gtol, _rel_err(wf.grad, wr.grad)
-    if b is not None:
-        assert bf.grad.dtype == b.dtype
-        assert _rel_err(bf.grad, br.grad) < gtol, _rel_err(bf.grad, br.grad)
+    _check_grads((xf, wf, bf), (x, w, b), (xr, wr, br), gtol)
 
 
-SHAPES = [(1, 1, 1), (3, 5, 8), (37, 301, 72), (130, 1000, 129), (256, 2048, 256), (200, 4099, 64)]
+def _check_single_pass(x, w, t, b, dtype, reduction="mean", upstream=1.0, **kw):
+    """The training path (single pass: reduction mean/sum, the default on CUDA)."""
+    xf, wf, bf = _leaves(x, w, b)
+    loss = flce.linear_cross_entropy(xf, wf, t, bias=bf, reduction=reduction, **kw)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    xr, wr, br, rloss, _ = _ref(x, w, t, b, **kw)
+    valid = (t != kw.get("ignore_index", -100)).sum().item()
+    rtotal = rloss.sum() / (valid if reduction == "mean" else 1)
+    ftol, gtol = TOL[dtype]
+    torch.testing.assert_close(loss.cpu().double(), rtotal, rtol=ftol * 10, atol=ftol * 10)
+    (loss * upstream).backward()
+    (rtotal * upstream).backward()
+    _check_grads((xf, wf, bf), (x, w, b), (xr, wr, br), gtol)
 
 
-@requires_gpu
+def _check_grads(got, like, ref, gtol):
+    for g, l, r, name in zip(got, like, ref, ("input", "weight", "bias")):
+        if l is None:
+            continue
+        assert g.grad is not None and g.grad.dtype == l.dtype and g.grad.device == l.device, name
+        assert torch.isfinite(g.grad).all(), name
+        err = _rel_err(g.grad, r.grad)
+        assert err < gtol, (name, err)
+
+
+SHAPES = [(1, 1, 8), (3, 5, 8), (37, 301, 72), (130, 1000, 136), (256, 2048, 256), (200, 4099, 64)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_reference(shape, dtype):
+def test_matches_reference(dev, shape, dtype):
     n, v, d = shape
-    x, w, t, b = _make(n, v, d, dtype, bias=True)
-    _check_against_reference(x, w, t, b, dtype)
+    x, w, t, b = _make(n, v, d, dtype, bias=True, device=dev)
+    _check_recompute(x, w, t, b, dtype)
+    _check_single_pass(x, w, t, b, dtype)
 
 
-@requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_options_match_reference(dtype):
-    x, w, t, b = _make(300, 1500, 96, dtype, bias=True, scale=3.0)
+def test_options_match_reference(dev, dtype):
+    x, w, t, b = _make(300, 1500, 96, dtype, bias=True, scale=3.0, device=dev)
     t[::7] = -100
-    _check_against_reference(x, w, t, b, dtype, ignore_index=-100, label_smoothing=0.1,
-                             z_loss=1e-3, softcap=15.0)
+    opts = dict(ignore_index=-100, label_smoothing=0.1, z_loss=1e-3, softcap=15.0)
+    _check_recompute(x, w, t, b, dtype, **opts)
+    _check_single_pass(x, w, t, b, dtype, reduction="sum", upstream=0.37, **opts)
 
 
-@requires_gpu
-def test_fp32_tf32_path():
+def test_fp32_tf32_path(dev):
     # With TF32 allowed for fp32 matmuls, fp32 inputs take the TF32 tensor-core tile.
-    x, w, t, b = _make(300, 1100, 100, torch.float32, bias=True)
-    exact = torch.ops.flce.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+    x, w, t, b = _make(300, 1100, 100, torch.float32, bias=True, device=dev)
+    ops = _ops.ops
+    exact = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+    gl = torch.ones(300, device=x.device)
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
-        tf32 = torch.ops.flce.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
-        gl = torch.ones(300, device="cuda")
-        g_tf32 = torch.ops.flce.backward(gl, None, x, w, t, b, tf32[2], 0, 1100, -100, 0.0, 0.0,
-                                         0.0, [True, True, True])
+        tf32 = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+        g_tf32 = ops.backward(gl, None, x, w, t, b, tf32[2], 0, 1100, -100, 0.0, 0.0, 0.0,
+                              [True, True, True])
     finally:
         torch.set_float32_matmul_precision(old)
-    g_exact = torch.ops.flce.backward(gl, None, x, w, t, b, exact[2], 0, 1100, -100, 0.0, 0.0,
-                                      0.0, [True, True, True])
+    g_exact = ops.backward(gl, None, x, w, t, b, exact[2], 0, 1100, -100, 0.0, 0.0, 0.0,
+                           [True, True, True])
     torch.testing.assert_close(tf32[0], exact[0], rtol=5e-3, atol=5e-3)
+    assert not torch.equal(tf32[0], exact[0])  # the TF32 tile really ran
     for a, c in zip(g_tf32, g_exact):
         assert _rel_err(a, c) < 2e-2
 
 
-@requires_gpu
+@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_master_weights(dtype):
-    x, w, t, b = _make(129, 777, 64, dtype, bias=True, wdtype=torch.float32)
+def test_master_weights(dev, dtype, single_pass):
+    x, w, t, b = _make(129, 777, 64, dtype, bias=True, wdtype=torch.float32, device=dev)
     # The computation runs in the input dtype: compare against the reference on rounded weights.
     wq = w.to(dtype).float()
-    xf = x.detach().clone().requires_grad_()
-    wf = w.detach().clone().requires_grad_()
-    loss = flce.linear_cross_entropy(xf, wf, t, bias=b, reduction="sum")
+    xf, wf = _leaves(x, w, None)[:2]
+    loss = flce.linear_cross_entropy(xf, wf, t, bias=b, reduction="sum", single_pass=single_pass)
     loss.backward()
     assert wf.grad.dtype == torch.float32
     # The bias is added in fp32 as given (not rounded to the input dtype), as on the CPU.
@@ -139,34 +172,30 @@ def test_master_weights(dtype):
     assert _rel_err(xf.grad, xr.grad) < TOL[dtype][1]
 
 
-@requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_agrees_with_cpu_backend(dtype):
-    x, w, t, b = _make(150, 900, 80, dtype, bias=True)
-    out_gpu = torch.ops.flce.forward(x, w, t, b, -100, 0.05, 1e-4, 0.0)
-    out_cpu = torch.ops.flce.forward(x.cpu(), w.cpu(), t.cpu(), b.cpu(), -100, 0.05, 1e-4, 0.0)
-    for a, c in zip(out_gpu, out_cpu):
+def test_agrees_with_cpu_backend(dev, dtype):
+    x, w, t, b = _make(150, 900, 80, dtype, bias=True, device=dev)
+    ops, cpu = _ops.ops, torch.ops.flce
+    out_dev = ops.forward(x, w, t, b, -100, 0.05, 1e-4, 0.0)
+    out_cpu = cpu.forward(x.cpu(), w.cpu(), t.cpu(), b.cpu(), -100, 0.05, 1e-4, 0.0)
+    for a, c in zip(out_dev, out_cpu):
         torch.testing.assert_close(a.cpu(), c, rtol=1e-4, atol=1e-4)
-    gl = torch.rand(150, device="cuda")
-    grads_gpu = torch.ops.flce.backward(gl, None, x, w, t, b, out_gpu[2], 0, 900, -100, 0.05,
-                                        1e-4, 0.0, [True, True, True])
-    grads_cpu = torch.ops.flce.backward(gl.cpu(), None, x.cpu(), w.cpu(), t.cpu(), b.cpu(),
-                                        out_cpu[2], 0, 900, -100, 0.05, 1e-4, 0.0,
-                                        [True, True, True])
-    for a, c in zip(grads_gpu, grads_cpu):
+    gl = torch.rand(150)
+    grads_dev = ops.backward(gl.to(x.device), None, x, w, t, b, out_dev[2], 0, 900, -100, 0.05,
+                             1e-4, 0.0, [True, True, True])
+    grads_cpu = cpu.backward(gl, None, x.cpu(), w.cpu(), t.cpu(), b.cpu(), out_cpu[2], 0, 900,
+                             -100, 0.05, 1e-4, 0.0, [True, True, True])
+    for a, c in zip(grads_dev, grads_cpu):
         assert a.dtype == c.dtype
-        assert _rel_err(a.cpu(), c) < TOL[dtype][1]
+        assert _rel_err(a, c) < TOL[dtype][1]
 
 
-@requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_deterministic_bitwise(dtype):
-    x, w, t, b = _make(1000, 5000, 128, dtype, bias=True)
+def test_deterministic_bitwise(dev, dtype):
+    x, w, t, b = _make(300, 1500, 128, dtype, bias=True, device=dev)
 
     def run():
-        xf = x.detach().clone().requires_grad_()
-        wf = w.detach().clone().requires_grad_()
-        bf = b.detach().clone().requires_grad_()
+        xf, wf, bf = _leaves(x, w, b)
         loss = flce.linear_cross_entropy(xf, wf, t, bias=bf)
         loss.backward()
         return [loss, xf.grad, wf.grad, bf.grad]
@@ -177,76 +206,171 @@ def test_deterministic_bitwise(dtype):
             assert torch.equal(a, c)
 
 
-@requires_gpu
-def test_vocab_parallel_partials_combine():
-    x, w, t, b = _make(333, 3000, 64, torch.bfloat16, bias=True)
+def test_vocab_parallel_partials_combine(dev):
+    x, w, t, b = _make(333, 3000, 64, torch.bfloat16, bias=True, device=dev)
+    ops = _ops.ops
     cut = 1234
-    p0 = torch.ops.flce.partial_stats(x, w[:cut], t, b[:cut], 0, -100, 0.0)
-    p1 = torch.ops.flce.partial_stats(x, w[cut:], t, b[cut:], cut, -100, 0.0)
-    loss, lse, stats = torch.ops.flce.combine(torch.stack([p0, p1]), t, 3000, -100, 0.0, 0.0)
-    rloss, rlse, rstats = torch.ops.flce.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+    p0 = ops.partial_stats(x, w[:cut], t, b[:cut], 0, -100, 0.0)
+    p1 = ops.partial_stats(x, w[cut:], t, b[cut:], cut, -100, 0.0)
+    loss, lse, stats = ops.combine(torch.stack([p0, p1]), t, 3000, -100, 0.0, 0.0)
+    rloss, rlse, rstats = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
     torch.testing.assert_close(loss, rloss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
     # Backward of each shard: grad_weight rows of the shards concatenate to the full one.
-    gl = torch.ones(333, device="cuda")
-    full = torch.ops.flce.backward(gl, None, x, w, t, b, rstats, 0, 3000, -100, 0.0, 0.0, 0.0,
-                                   [True, True, True])
-    s0 = torch.ops.flce.backward(gl, None, x, w[:cut], t, b[:cut], stats, 0, 3000, -100, 0.0, 0.0,
-                                 0.0, [True, True, True])
-    s1 = torch.ops.flce.backward(gl, None, x, w[cut:], t, b[cut:], stats, cut, 3000, -100, 0.0,
-                                 0.0, 0.0, [True, True, True])
+    gl = torch.ones(333, device=x.device)
+    full = ops.backward(gl, None, x, w, t, b, rstats, 0, 3000, -100, 0.0, 0.0, 0.0,
+                        [True, True, True])
+    s0 = ops.backward(gl, None, x, w[:cut], t, b[:cut], stats, 0, 3000, -100, 0.0, 0.0, 0.0,
+                      [True, True, True])
+    s1 = ops.backward(gl, None, x, w[cut:], t, b[cut:], stats, cut, 3000, -100, 0.0, 0.0, 0.0,
+                      [True, True, True])
     assert _rel_err(torch.cat([s0[1], s1[1]]), full[1]) < 1e-2
     assert _rel_err(s0[0].float() + s1[0].float(), full[0]) < 1e-2
 
 
-@requires_gpu
-def test_target_out_of_range_raises():
-    x, w, t, b = _make(64, 100, 32, torch.bfloat16)
+def _raises_within_two_calls(fn, match):
+    """Targets are checked without a host sync: the IndexError comes from the call itself (the
+    emulation, whose kernels run synchronously) or from the first flce call after the device has
+    run it."""
+    try:
+        fn()
+    except IndexError as e:
+        assert match in str(e), e
+        return
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    with pytest.raises(IndexError, match=match.replace("[", r"\[").replace("]", r"\]")):
+        fn()
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_target_out_of_range_raises(dev, reduction):
+    x, w, t, b = _make(64, 100, 32, torch.bfloat16, device=dev)
+    xg = x.requires_grad_()
     t[5] = 100
-    with pytest.raises(IndexError, match=r"target\[5\] = 100"):
-        flce.linear_cross_entropy(x, w, t)
+    _raises_within_two_calls(lambda: flce.linear_cross_entropy(xg, w, t, reduction=reduction),
+                             "target[5] = 100")
     t[5] = -3
-    with pytest.raises(IndexError):
-        flce.linear_cross_entropy(x, w, t)
+    t[9] = 1000
+    _raises_within_two_calls(lambda: flce.linear_cross_entropy(xg, w, t, reduction=reduction),
+                             "target[5] = -3")
     t[5] = -100  # ignore_index: fine
-    flce.linear_cross_entropy(x, w, t)
+    t[9] = 7
+    flce.linear_cross_entropy(xg, w, t, reduction=reduction).sum().backward()
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    flce.linear_cross_entropy(x, w, t)  # nothing left pending
 
 
-@requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_alignment_fallback(dtype):
+def test_alignment_fallback(dev, dtype):
     # A storage offset of one element, a row stride that is not a multiple of 8, and a
     # transposed (column-major) weight all take the copy path (16-bit) or strided loads (fp32).
     n, v, d = 70, 300, 64
-    x, w, t, b = _make(n, v, d, dtype, bias=True)
-    xs = torch.empty(n * (d + 3) + 1, device="cuda", dtype=dtype)[1:].view(n, d + 3)[:, :d]
+    x, w, t, b = _make(n, v, d, dtype, bias=True, device=dev)
+    xs = torch.empty(n * (d + 3) + 1, device=x.device, dtype=dtype)[1:].view(n, d + 3)[:, :d]
     xs.copy_(x)
     wt = w.t().contiguous().t()
     assert xs.data_ptr() % 16 != 0 and not wt.is_contiguous()
-    ref = torch.ops.flce.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
-    got = torch.ops.flce.forward(xs, wt, t, b, -100, 0.0, 0.0, 0.0)
+    ops = _ops.ops
+    ref = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+    got = ops.forward(xs, wt, t, b, -100, 0.0, 0.0, 0.0)
     for a, c in zip(got, ref):
         torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
-    gl = torch.ones(n, device="cuda")
-    gref = torch.ops.flce.backward(gl, None, x, w, t, b, ref[2], 0, v, -100, 0.0, 0.0, 0.0,
-                                   [True, True, True])
-    ggot = torch.ops.flce.backward(gl, None, xs, wt, t, b, ref[2], 0, v, -100, 0.0, 0.0, 0.0,
-                                   [True, True, True])
+    gl = torch.ones(n, device=x.device)
+    gref = ops.backward(gl, None, x, w, t, b, ref[2], 0, v, -100, 0.0, 0.0, 0.0,
+                        [True, True, True])
+    ggot = ops.backward(gl, None, xs, wt, t, b, ref[2], 0, v, -100, 0.0, 0.0, 0.0,
+                        [True, True, True])
     for a, c in zip(ggot, gref):
         torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-5)
+    # The single pass' GEMMs (cuBLAS) may sum in another order for another operand layout.
+    sref = ops.sum_and_grad(x, w, t, b, -100, 0.0, 0.0, 0.0, [True, True, True], True)
+    sgot = ops.sum_and_grad(xs, wt, t, b, -100, 0.0, 0.0, 0.0, [True, True, True], True)
+    for a, c in zip(sgot, sref):
+        assert a.dtype == c.dtype and a.shape == c.shape
+        assert _rel_err(a, c) < (1e-5 if dtype == torch.float32 else TOL[dtype][1])
 
 
-@requires_gpu
-def test_expanded_grad_loss_and_mask():
-    x, w, t, b = _make(50, 200, 40, torch.bfloat16, bias=True)
-    _, _, stats = torch.ops.flce.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
-    g = torch.full((), 0.5, device="cuda").expand(50)
-    full = torch.ops.flce.backward(g, None, x, w, t, b, stats, 0, 200, -100, 0.0, 0.0, 0.0,
-                                   [True, True, True])
-    only_w = torch.ops.flce.backward(g, None, x, w, t, b, stats, 0, 200, -100, 0.0, 0.0, 0.0,
-                                     [False, True, False])
+def test_expanded_grad_loss_and_mask(dev):
+    x, w, t, b = _make(50, 200, 40, torch.bfloat16, bias=True, device=dev)
+    ops = _ops.ops
+    _, _, stats = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+    g = torch.full((), 0.5, device=x.device).expand(50)
+    full = ops.backward(g, None, x, w, t, b, stats, 0, 200, -100, 0.0, 0.0, 0.0,
+                        [True, True, True])
+    only_w = ops.backward(g, None, x, w, t, b, stats, 0, 200, -100, 0.0, 0.0, 0.0,
+                          [False, True, False])
     assert only_w[0].numel() == 0 and only_w[2].numel() == 0
     assert torch.equal(only_w[1], full[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grad_input_near_ideal(dev, dtype):
+    # grad_input's error (RMS, against float64) stays close to that of the float64 gradient
+    # rounded once to the output dtype: the 16-bit gradient tile plus the fp32 target-entry
+    # correction (target_fix_kernel) add little on top of the unavoidable output rounding.
+    x, w, t, _ = _make(256, 2048, 64, dtype, scale=2.0, device=dev)
+    for single_pass in (False, True):
+        xf = x.detach().clone().requires_grad_()
+        flce.linear_cross_entropy(xf, w, t, reduction="sum", single_pass=single_pass).backward()
+        xr = x.detach().cpu().double().requires_grad_()
+        reference.linear_cross_entropy(xr, w.cpu().double(), t.cpu(), reduction="sum").backward()
+        ideal = (xr.grad.to(dtype).double() - xr.grad).pow(2).mean().sqrt()
+        got = (xf.grad.cpu().double() - xr.grad).pow(2).mean().sqrt()
+        assert got <= 1.5 * ideal + 1e-12, (single_pass, got.item(), ideal.item())
+
+
+# ---------------------------------------------------------------------------------------------
+# The single pass' chunking: groups of rows (more than one: the fp32 dW accumulator), logits
+# sub-chunks, the fp32 dE pieces over the vocabulary, and the fallbacks.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,budget_mb", [(torch.bfloat16, "0.6"), (torch.float32, "1.5"),
+                                             (torch.bfloat16, "0.01")])
+def test_single_pass_chunked(dev, dtype, budget_mb, monkeypatch):
+    # bf16 at 0.6 MiB: sub-chunks of 64 rows in groups of 192 (V = 1200, 2 groups); fp32 at
+    # 1.5 MiB: groups of 320 rows; 0.01 MiB: not even 64 rows fit, the recompute fallback.
+    monkeypatch.setenv("FLCE_CUDA_WORKSPACE_MB", budget_mb)
+    x, w, t, b = _make(450, 1200, 48, dtype, bias=True, device=dev)
+    t[::5] = -100
+    _check_single_pass(x, w, t, b, dtype, label_smoothing=0.05, z_loss=1e-4, softcap=20.0)
+    monkeypatch.delenv("FLCE_CUDA_WORKSPACE_MB")
+    xf, wf, bf = _leaves(x, w, b)
+    flce.linear_cross_entropy(xf, wf, t, bias=bf).backward()
+    xc, wc, bc = _leaves(x, w, b)
+    monkeypatch.setenv("FLCE_CUDA_WORKSPACE_MB", budget_mb)
+    flce.linear_cross_entropy(xc, wc, t, bias=bc).backward()
+    for a, c in zip((xf, wf, bf), (xc, wc, bc)):
+        assert _rel_err(c.grad, a.grad) < TOL[dtype][1] / 4
+
+
+def test_single_pass_is_the_training_default(dev):
+    x, w, t, _ = _make(64, 300, 32, torch.bfloat16, device=dev)
+    calls = []
+    real = _ops.ops
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    _ops.ops, saved = Spy(), _ops.ops
+    try:
+        xg = x.requires_grad_()
+        flce.linear_cross_entropy(xg, w, t).backward()
+        assert calls == ["sum_and_grad"], calls  # its backward: scale_grad alone
+        calls.clear()
+        flce.linear_cross_entropy(xg, w, t, return_lse=True)[0].backward()
+        assert calls == ["forward"], calls  # its backward: the recompute op
+        calls.clear()
+        with torch.no_grad():
+            flce.linear_cross_entropy(xg, w, t)
+        assert calls == ["forward"], calls
+        calls.clear()
+        flce.linear_cross_entropy(xg.half(), w.half(), t).backward()  # fp16: recompute
+        assert calls == ["forward"], calls
+    finally:
+        _ops.ops = saved
 
 
 def _large_ok(bytes_needed):
@@ -256,8 +380,7 @@ def _large_ok(bytes_needed):
     return free > bytes_needed
 
 
-@requires_gpu
-@pytest.mark.skipif(not _large_ok(48 << 30), reason="needs ~48 GiB of free GPU memory")
+@pytest.mark.skipif(not _large_ok(48 << 30), reason="needs a GPU with ~48 GiB of free memory")
 def test_large_indices():
     # N * V > 2^31 (the row statistics address logits they never store) and N * D > 2^31 (the
     # input and grad_input are indexed past 2^31 elements).
@@ -277,26 +400,11 @@ def test_large_indices():
     del x, w, t, loss, lse
     n, v, d = 65_600, 64, 32_776  # n * d = 2.15e9
     x, w, t = make_on_gpu(n, v, d)
-    xf = x.requires_grad_()
-    loss = flce.linear_cross_entropy(xf, w, t, reduction="sum")
-    loss.backward()
-    tail = slice(n - 64, n)
-    xr = x[tail].detach().double().requires_grad_()
-    reference.linear_cross_entropy(xr, w.double(), t[tail], reduction="sum").backward()
-    assert _rel_err(xf.grad[tail], xr.grad) < 1.5e-2
-
-
-@requires_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_grad_input_near_ideal(dtype):
-    # grad_input's error (RMS, against float64) stays close to that of the float64 gradient
-    # rounded once to the output dtype: the 16-bit gradient tile plus the fp32 target-entry
-    # correction (target_fix_kernel) add little on top of the unavoidable output rounding.
-    x, w, t, _ = _make(512, 4096, 128, dtype, scale=2.0)
-    xf = x.detach().clone().requires_grad_()
-    flce.linear_cross_entropy(xf, w, t, reduction="sum").backward()
-    xr = x.detach().double().requires_grad_()
-    reference.linear_cross_entropy(xr, w.double(), t, reduction="sum").backward()
-    ideal = (xr.grad.to(dtype).double() - xr.grad).pow(2).mean().sqrt()
-    got = (xf.grad.double() - xr.grad).pow(2).mean().sqrt()
-    assert got <= 1.5 * ideal + 1e-12, (got.item(), ideal.item())
+    for single_pass in (False, True):
+        xf = x.detach().requires_grad_()
+        loss = flce.linear_cross_entropy(xf, w, t, reduction="sum", single_pass=single_pass)
+        loss.backward()
+        tail = slice(n - 64, n)
+        xr = x[tail].detach().double().requires_grad_()
+        reference.linear_cross_entropy(xr, w.double(), t[tail], reduction="sum").backward()
+        assert _rel_err(xf.grad[tail], xr.grad) < 1.5e-2

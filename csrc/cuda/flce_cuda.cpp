@@ -1,6 +1,8 @@
 // The CUDA backend of the flce ops: validation, operand preparation, workspace and the launch
 // sequence. The kernels themselves live in the torch-free *.cu files of this directory (params.h
-// is the whole interface), which keeps their compile time low.
+// is the whole interface), and every device facility goes through dev:: (device.h): the same
+// source is built for a GPU and, with FLCE_CUDA_HOST, against the host emulation of the kernels
+// (CPU tensors, test-only op namespace flce_cuda_host), so that CI runs this launch sequence.
 //
 //   forward        partial_stats kernel over (row blocks x vocab splits) -> [splits, N, 4]
 //                  -> combine (finalize) -> loss, lse, stats        (no atomics: deterministic)
@@ -9,11 +11,13 @@
 //   backward       row coefficients -> per vocab chunk: gradient tile kernel (dz into a bounded
 //                  workspace) -> cuBLAS GEMMs with fp32 results -> Kahan accumulation of dE
 //                  across chunks; dC chunks are disjoint rows; dbias from per-row-block partials.
-// See docs/cuda.md.
+//   sum_and_grad   the single pass (3 GEMMs, the training default): per group of rows, per
+//                  sub-chunk: fp32 logits on cuBLAS -> row statistics -> combine -> row
+//                  coefficients -> dz (compute dtype) into the group's gradient buffer; then
+//                  dE = dz W and dW (+)= dz^T E on cuBLAS.
+//   scale_grad     the single pass' deferred gradients times the upstream gradient.
+// Targets are checked without a host sync (see check_targets below). See docs/cuda.md.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExt.h>
 #include <torch/library.h>
@@ -22,8 +26,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <limits>
+#include <mutex>
+#include <string>
 
+#include "cuda/device.h"
 #include "cuda/params.h"
 #include "flce_ops.h"
 
@@ -77,9 +85,9 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
-void check_cuda_tensor(const at::Tensor& t, const at::Tensor& ref, const char* name) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == ref.device(), "flce: ", name, " must be on ",
-                    ref.device(), ", got ", t.device());
+void check_device_tensor(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  TORCH_CHECK_VALUE(dev::on_device(t) && t.device() == ref.device(), "flce: ", name,
+                    " must be on ", ref.device(), " (", dev::device_kind(), "), got ", t.device());
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -87,6 +95,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
 }
+
+at::TensorOptions f32_of(const at::Tensor& t) { return t.options().dtype(at::kFloat); }
 
 // A float tensor that the kernels may read as float4/float2: contiguous and 16-byte aligned.
 at::Tensor aligned_contiguous(const at::Tensor& t) {
@@ -111,6 +121,12 @@ at::Tensor tile_operand(const at::Tensor& t, at::ScalarType compute, int64_t d_p
   return p;
 }
 
+// fp32 runs on TF32 tensor cores when torch allows TF32 for fp32 matmuls
+// (torch.set_float32_matmul_precision("high" | "medium")), else on the exact SIMT tile.
+bool fp32_uses_tf32() {
+  return at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST;
+}
+
 struct Prepared {
   at::ScalarType compute;
   DType dtype;        // tile kind
@@ -121,12 +137,6 @@ struct Prepared {
 
   at::Tensor operand(const at::Tensor& t) const { return tile_operand(t, compute, d_pad, chunk); }
 };
-
-// fp32 runs on TF32 tensor cores when torch allows TF32 for fp32 matmuls
-// (torch.set_float32_matmul_precision("high" | "medium")), else on the exact SIMT tile.
-bool fp32_uses_tf32() {
-  return at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST;
-}
 
 Prepared prepare(const at::Tensor& input, const at::Tensor& weight,
                  const std::optional<at::Tensor>& bias) {
@@ -166,13 +176,88 @@ cuda::LinearArgs linear_args(const Prepared& p, const at::Tensor& w, int64_t bia
   return a;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Target checks without a host sync. A kernel (combine) raises a device flag for a target outside
+// [0, vocab_size) that is not ignore_index (such a row gets an infinite loss: its target logit
+// is never found; targets are only compared with column ids, never used as an index). The flag,
+// the first offending row and its target are copied to pinned host memory asynchronously; the
+// IndexError is raised by the first flce call that finds the copy landed (usually the next op or
+// step on a GPU; at once in the host emulation, whose kernels run synchronously).
+// FLCE_CHECK_TARGETS=sync waits for it in the same call (one device sync per forward, as the
+// earlier releases did); FLCE_CHECK_TARGETS=0 disables the check. Skipped while a CUDA graph is
+// being captured.
+// ---------------------------------------------------------------------------------------------
+enum class CheckMode { kOff, kAsync, kSync };
+
+CheckMode check_mode() {
+  static const CheckMode mode = [] {
+    const char* s = std::getenv("FLCE_CHECK_TARGETS");
+    if (s == nullptr || *s == '\0' || std::strcmp(s, "1") == 0) return CheckMode::kAsync;
+    if (std::strcmp(s, "0") == 0) return CheckMode::kOff;
+    TORCH_CHECK_VALUE(std::strcmp(s, "sync") == 0,
+                      "flce: FLCE_CHECK_TARGETS must be 0, 1 or sync, got '", s, "'");
+    return CheckMode::kSync;
+  }();
+  return mode;
+}
+
+struct PendingCheck {
+  dev::PendingCopy info;  // [3] int64: (flag, first offending row, its target)
+  int64_t vocab_size, ignore_index;
+};
+
+// Checks still in flight, oldest first (shared by every device and thread of the process).
+std::mutex g_checks_mutex;
+std::deque<PendingCheck> g_checks;
+
+// Raises for the oldest landed failing check; wait_all: wait for every pending copy first.
+void poll_target_checks(bool wait_all = false) {
+  std::unique_lock<std::mutex> lock(g_checks_mutex);
+  while (!g_checks.empty() && (wait_all || g_checks.front().info.ready())) {
+    const at::Tensor info = g_checks.front().info.wait();
+    const int64_t vocab = g_checks.front().vocab_size, ii = g_checks.front().ignore_index;
+    g_checks.pop_front();
+    const int64_t* h = info.data_ptr<int64_t>();
+    if (h[0] == 0) continue;
+    lock.unlock();
+    TORCH_CHECK_INDEX(false, "flce: target[", h[1], "] = ", h[2],
+                      " is out of range for a vocabulary of ", vocab,
+                      " (and is not ignore_index = ", ii, ")",
+                      check_mode() == CheckMode::kSync
+                          ? ""
+                          : " (found by the device; flce reports it at the first call after the "
+                            "GPU has run the step that had it: FLCE_CHECK_TARGETS=sync reports it "
+                            "at once)");
+  }
+}
+
+void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t vocab_size,
+                   int64_t ignore_index) {
+  if (check_mode() == CheckMode::kOff || dev::capturing()) return;
+  // The first offending row and its target, found on the device (argmax: the first maximum).
+  const at::Tensor bad = ((target != ignore_index) & ((target < 0) | (target >= vocab_size)));
+  const at::Tensor row = bad.to(at::kInt).argmax().reshape({1});
+  const at::Tensor info = at::cat({flag.to(at::kLong).reshape({1}), row, target.index_select(0, row)});
+  {
+    std::lock_guard<std::mutex> lock(g_checks_mutex);
+    g_checks.push_back(PendingCheck{dev::PendingCopy(info), vocab_size, ignore_index});
+  }
+  // A host far ahead of its GPU waits here rather than queueing pinned copies without bound.
+  constexpr size_t kMaxPending = 64;
+  poll_target_checks(check_mode() == CheckMode::kSync || g_checks.size() > kMaxPending);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward (logit tiles folded into row statistics) and combine.
+// ---------------------------------------------------------------------------------------------
+
 // [splits, n, 4] partial statistics of the whole weight (vocabulary ids from vocab_start).
 at::Tensor run_partials(const at::Tensor& input, const at::Tensor& weight,
                         const at::Tensor& target, const std::optional<at::Tensor>& bias,
                         int64_t vocab_start, int64_t ignore_index, double softcap) {
-  const auto f32 = input.options().dtype(at::kFloat);
+  const auto f32 = f32_of(input);
   const int64_t n = input.size(0), v = weight.size(0);
-  if (n == 0) return at::empty({1, 0, 4}, f32);
+  if (n == 0) return dev::empty({1, 0, 4}, f32);
   if (v == 0) {
     // An empty shard: the empty state for every row.
     const float inf = std::numeric_limits<float>::infinity();
@@ -185,37 +270,41 @@ at::Tensor run_partials(const at::Tensor& input, const at::Tensor& weight,
   const int64_t vtiles = ceil_div(v, ts.block_v);
   // Enough CTAs for ~16 waves at 2 CTAs per SM, so that the last (partial) wave costs little;
   // each split adds only one [n, 4] partial.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t splits = std::clamp<int64_t>(ceil_div(sms * 32, row_blocks), 1,
+  int64_t splits = std::clamp<int64_t>(ceil_div(dev::sm_count() * 32, row_blocks), 1,
                                        std::min<int64_t>(vtiles, 65535));
   const int64_t tiles_per_split = ceil_div(vtiles, splits);
   splits = ceil_div(vtiles, tiles_per_split);  // no empty split
 
-  at::Tensor partials = at::empty({splits, n, 4}, f32);
+  at::Tensor partials = dev::empty({splits, n, 4}, f32);
   cuda::StatsParams sp{};
   sp.lin = linear_args(p, w, 0, target, vocab_start, ignore_index, softcap);
   sp.partials = partials.data_ptr<float>();
   sp.splits = static_cast<int>(splits);
   sp.tiles_per_split = tiles_per_split;
-  check_launch(cuda::launch_partial_stats(sp, p.dtype, at::cuda::getCurrentCUDAStream()),
-               "partial_stats");
+  check_launch(cuda::launch_partial_stats(sp, p.dtype, dev::stream()), "partial_stats");
   return partials;
 }
 
-// FLCE_CHECK_TARGETS=0 skips the host read of the out-of-range flag (one device sync per
-// forward). It is skipped anyway while a CUDA graph is being captured.
-void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t vocab_size,
-                   int64_t ignore_index) {
-  static const bool enabled = env_flag("FLCE_CHECK_TARGETS", true);
-  if (!enabled) return;
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-  if (flag.item<int>() == 0) return;
-  // Error path only: find the first offending target for the message.
-  const at::Tensor bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size));
-  const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();
-  const int64_t t = target[i].item<int64_t>();
-  TORCH_CHECK_INDEX(false, "flce: target[", i, "] = ", t, " is out of range for a vocabulary of ",
-                    vocab_size, " (and is not ignore_index = ", ignore_index, ")");
+// combine (finalize) of [ranks, n, 4] partials into loss [n], lse [n], stats [n, 3] (written
+// through their pointers), raising *flag for out-of-range targets.
+void launch_finalize(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
+                     int64_t ignore_index, double label_smoothing, double z_loss, float* loss,
+                     float* lse, float* stats, int* flag) {
+  cuda::CombineParams cp{};
+  cp.partials = partials.data_ptr<float>();
+  cp.ranks = partials.size(0);
+  cp.n = partials.size(1);
+  cp.target = target.data_ptr<int64_t>();
+  cp.target_stride = target.stride(0);
+  cp.vocab_size = vocab_size;
+  cp.ignore_index = ignore_index;
+  cp.label_smoothing = static_cast<float>(label_smoothing);
+  cp.z_loss = static_cast<float>(z_loss);
+  cp.loss = loss;
+  cp.lse = lse;
+  cp.stats = stats;
+  cp.error_flag = flag;
+  check_launch(cuda::launch_combine(cp, true, dev::stream()), "combine");
 }
 
 Tensor3 combine_impl(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
@@ -223,23 +312,12 @@ Tensor3 combine_impl(const at::Tensor& partials, const at::Tensor& target, int64
   const at::Tensor p = aligned_contiguous(partials);
   const int64_t n = p.size(1);
   const auto f32 = p.options();
-  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), stats = at::empty({n, 3}, f32);
+  at::Tensor loss = dev::empty({n}, f32), lse = dev::empty({n}, f32),
+             stats = dev::empty({n, 3}, f32);
   at::Tensor flag = at::zeros({1}, p.options().dtype(at::kInt));
-  cuda::CombineParams cp{};
-  cp.partials = p.data_ptr<float>();
-  cp.ranks = p.size(0);
-  cp.n = n;
-  cp.target = target.data_ptr<int64_t>();
-  cp.target_stride = target.stride(0);
-  cp.vocab_size = vocab_size;
-  cp.ignore_index = ignore_index;
-  cp.label_smoothing = static_cast<float>(label_smoothing);
-  cp.z_loss = static_cast<float>(z_loss);
-  cp.loss = loss.data_ptr<float>();
-  cp.lse = lse.data_ptr<float>();
-  cp.stats = stats.data_ptr<float>();
-  cp.error_flag = flag.data_ptr<int>();
-  check_launch(cuda::launch_combine(cp, true, at::cuda::getCurrentCUDAStream()), "combine");
+  launch_finalize(p, target, vocab_size, ignore_index, label_smoothing, z_loss,
+                  loss.data_ptr<float>(), lse.data_ptr<float>(), stats.data_ptr<float>(),
+                  flag.data_ptr<int>());
   check_targets(flag, target, vocab_size, ignore_index);
   return {loss, lse, stats};
 }
@@ -248,27 +326,30 @@ at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& target, const std::optional<at::Tensor>& bias,
                               int64_t vocab_start, int64_t ignore_index, double softcap) {
   check_linear_args(input, weight, target, bias);
-  const c10::cuda::CUDAGuard guard(input.device());
+  check_device_tensor(input, input, "input");
+  const dev::Guard guard(input);
   const NvtxRange range("flce::partial_stats");
+  poll_target_checks();
   at::Tensor partials =
       run_partials(input, weight, target, bias, vocab_start, ignore_index, softcap);
   if (partials.size(0) == 1) return partials.select(0, 0);
-  at::Tensor merged = at::empty({input.size(0), 4}, partials.options());
+  at::Tensor merged = dev::empty({input.size(0), 4}, partials.options());
   cuda::CombineParams cp{};
   cp.partials = partials.data_ptr<float>();
   cp.ranks = partials.size(0);
   cp.n = input.size(0);
   cp.merged = merged.data_ptr<float>();
-  check_launch(cuda::launch_combine(cp, false, at::cuda::getCurrentCUDAStream()), "merge");
+  check_launch(cuda::launch_combine(cp, false, dev::stream()), "merge");
   return merged;
 }
 
 Tensor3 combine_cuda(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
                      int64_t ignore_index, double label_smoothing, double z_loss) {
   check_combine_args(partials, target);
-  TORCH_CHECK_VALUE(partials.is_cuda(), "flce: partials must be a CUDA tensor");
-  const c10::cuda::CUDAGuard guard(partials.device());
+  check_device_tensor(partials, partials, "partials");
+  const dev::Guard guard(partials);
   const NvtxRange range("flce::combine");
+  poll_target_checks();
   return combine_impl(partials, target, vocab_size, ignore_index, label_smoothing, z_loss);
 }
 
@@ -276,32 +357,80 @@ Tensor3 forward_cuda(const at::Tensor& input, const at::Tensor& weight, const at
                      const std::optional<at::Tensor>& bias, int64_t ignore_index,
                      double label_smoothing, double z_loss, double softcap) {
   check_linear_args(input, weight, target, bias);
-  const c10::cuda::CUDAGuard guard(input.device());
+  check_device_tensor(input, input, "input");
+  const dev::Guard guard(input);
   const NvtxRange range("flce::forward");
+  poll_target_checks();
   const at::Tensor partials = run_partials(input, weight, target, bias, 0, ignore_index, softcap);
   return combine_impl(partials, target, weight.size(0), ignore_index, label_smoothing, z_loss);
 }
 
-// Bytes of the gradient-tile workspace [n, chunk] (FLCE_CUDA_WORKSPACE_MB, default 512 MiB).
+// Bytes of the workspace budget (FLCE_CUDA_WORKSPACE_MB, default 1536 MiB, read at every call):
+// the recompute backward's gradient tile and the single pass' group buffer plus its logits
+// sub-chunk.
 int64_t workspace_bytes() {
-  static const int64_t mb = [] {
-    const char* s = std::getenv("FLCE_CUDA_WORKSPACE_MB");
-    const long long v = s != nullptr ? std::atoll(s) : 0;
-    return v > 0 ? static_cast<int64_t>(v) : int64_t{512};
-  }();
-  return mb << 20;
+  const char* s = std::getenv("FLCE_CUDA_WORKSPACE_MB");
+  const double mb = s != nullptr ? std::atof(s) : 0.0;  // fractions too (tests of the chunking)
+  return static_cast<int64_t>((mb > 0 ? mb : 1536.0) * (1 << 20));
 }
 
-// out [m, k] fp32 = a [m, j] @ b [j, k] on cuBLAS (fp32 accumulation; an fp32 a follows torch's
-// float32 matmul precision setting).
-void gemm_f32(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() == at::kFloat) {
-    at::mm_out(out, a, b);
-  } else {
-    at::mm_out(out, a, b, at::kFloat);
-  }
+// out [m, k] fp32 (or the compute dtype) = a [m, j] @ b [j, k] with fp32 accumulation.
+void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+               float beta = 0.f) {
+  dev::gemm(out, a, b, 1.f, beta);
 }
 
+// The per-row gradient coefficients (math.h row_grad) from the row statistics.
+void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float* grad_loss,
+                 int64_t grad_loss_stride, const float* grad_lse, int64_t grad_lse_stride,
+                 int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
+                 int64_t vocab_size, float* coef, float* bound) {
+  cuda::RowCoefParams rp{};
+  rp.n = target.size(0);
+  rp.target = target.data_ptr<int64_t>();
+  rp.target_stride = target.stride(0);
+  rp.stats = stats.data_ptr<float>();
+  rp.stats_row_stride = stats.stride(0);
+  rp.stats_col_stride = stats.stride(1);
+  rp.grad_loss = grad_loss;
+  rp.grad_loss_stride = grad_loss_stride;
+  rp.grad_lse = grad_lse;
+  rp.grad_lse_stride = grad_lse_stride;
+  rp.ignore_index = ignore_index;
+  rp.label_smoothing = static_cast<float>(label_smoothing);
+  rp.z_loss = static_cast<float>(z_loss);
+  rp.softcap = static_cast<float>(softcap);
+  rp.vocab_size = vocab_size;
+  rp.coef = coef;
+  rp.bound = bound;
+  check_launch(cuda::launch_row_coef(rp, dev::stream()), "row_coef");
+}
+
+// dE rows (sum, comp) += the target entries' rounding residuals times weight[target], for the
+// rows whose target is in this weight block (comp nullptr: a plain fp32 add).
+void launch_fix(const at::Tensor& w, int64_t n, int64_t vc, int64_t d, const at::Tensor& target,
+                int64_t col_offset, int64_t ignore_index, const at::Tensor& resid,
+                const float* inv_scale, float* sum, float* comp, DType dtype) {
+  cuda::TargetFixParams fp{};
+  fp.weight = w.data_ptr();
+  fp.weight_row_stride = w.stride(0);
+  fp.n = n;
+  fp.v = vc;
+  fp.d = d;
+  fp.target = target.data_ptr<int64_t>();
+  fp.target_stride = target.stride(0);
+  fp.col_offset = col_offset;
+  fp.ignore_index = ignore_index;
+  fp.target_resid = resid.data_ptr<float>();
+  fp.inv_scale = inv_scale;
+  fp.sum = sum;
+  fp.comp = comp;
+  check_launch(cuda::launch_target_fix(fp, dtype, dev::stream()), "target_fix");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward with recomputed logit tiles.
+// ---------------------------------------------------------------------------------------------
 Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                       const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
                       const std::optional<at::Tensor>& bias, const at::Tensor& stats,
@@ -309,51 +438,36 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                       double label_smoothing, double z_loss, double softcap,
                       std::array<bool, 3> output_mask) {
   check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats);
-  check_cuda_tensor(grad_loss, input, "grad_loss");
-  check_cuda_tensor(stats, input, "stats");
-  if (grad_lse) check_cuda_tensor(*grad_lse, input, "grad_lse");
-  const c10::cuda::CUDAGuard guard(input.device());
+  check_device_tensor(input, input, "input");
+  check_device_tensor(grad_loss, input, "grad_loss");
+  check_device_tensor(stats, input, "stats");
+  if (grad_lse) check_device_tensor(*grad_lse, input, "grad_lse");
+  const dev::Guard guard(input);
   const NvtxRange range("flce::backward");
+  poll_target_checks();
   const bool need_e = output_mask[0], need_c = output_mask[1], need_b = output_mask[2] && bias;
   const int64_t n = input.size(0), v = weight.size(0), d = input.size(1);
-  at::Tensor grad_e = need_e ? at::empty({n, d}, input.options()) : input.new_empty({0});
-  at::Tensor grad_c = need_c ? at::empty({v, d}, weight.options()) : weight.new_empty({0});
-  at::Tensor grad_b = need_b ? at::empty({v}, bias->options()) : weight.new_empty({0});
+  at::Tensor grad_e = need_e ? dev::empty({n, d}, input.options()) : input.new_empty({0});
+  at::Tensor grad_c = need_c ? dev::empty({v, d}, weight.options()) : weight.new_empty({0});
+  at::Tensor grad_b = need_b ? dev::empty({v}, bias->options()) : weight.new_empty({0});
   if ((!need_e && !need_c && !need_b) || n == 0 || v == 0) {
     if (need_e) grad_e.zero_();
     if (need_c) grad_c.zero_();
     if (need_b) grad_b.zero_();
     return {grad_e, grad_c, grad_b};
   }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = dev::stream();
   const Prepared p = prepare(input, weight, bias);
-  const auto f32 = input.options().dtype(at::kFloat);
+  const auto f32 = f32_of(input);
 
   // Per-row coefficients, and for fp16 the power-of-two scale that keeps the stored gradient
   // tile (values down to p_j * g, g ~ 1/N) out of fp16's subnormal range: max |scale * dz| lies
   // in (2^13, 2^14]. bf16 has fp32's exponent range and needs none; fp32 neither.
-  at::Tensor coef = at::empty({n, 8}, f32), bound = at::empty({n}, f32);
-  {
-    cuda::RowCoefParams rp{};
-    rp.n = n;
-    rp.target = target.data_ptr<int64_t>();
-    rp.target_stride = target.stride(0);
-    rp.stats = stats.data_ptr<float>();
-    rp.stats_row_stride = stats.stride(0);
-    rp.stats_col_stride = stats.stride(1);
-    rp.grad_loss = grad_loss.data_ptr<float>();
-    rp.grad_loss_stride = grad_loss.stride(0);
-    rp.grad_lse = grad_lse ? grad_lse->data_ptr<float>() : nullptr;
-    rp.grad_lse_stride = grad_lse ? grad_lse->stride(0) : 0;
-    rp.ignore_index = ignore_index;
-    rp.label_smoothing = static_cast<float>(label_smoothing);
-    rp.z_loss = static_cast<float>(z_loss);
-    rp.softcap = static_cast<float>(softcap);
-    rp.vocab_size = vocab_size;
-    rp.coef = coef.data_ptr<float>();
-    rp.bound = bound.data_ptr<float>();
-    check_launch(cuda::launch_row_coef(rp, stream), "row_coef");
-  }
+  at::Tensor coef = dev::empty({n, 8}, f32), bound = dev::empty({n}, f32);
+  launch_coef(target, stats, grad_loss.data_ptr<float>(), grad_loss.stride(0),
+              grad_lse ? grad_lse->data_ptr<float>() : nullptr,
+              grad_lse ? grad_lse->stride(0) : 0, ignore_index, label_smoothing, z_loss, softcap,
+              vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
   at::Tensor scale, inv_scale;
   if (p.compute == at::kHalf) {
     const at::Tensor mx = bound.amax();
@@ -379,18 +493,18 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   chunk = std::min<int64_t>({chunk, ceil_div(v, ts.block_v) * ts.block_v,
                              int64_t{65535} * ts.block_v});
   const int64_t row_blocks = ceil_div(n, ts.block_n);
-  at::Tensor dz = at::empty({n * std::min(chunk, v)}, input.options().dtype(p.compute));
-  at::Tensor dz_lo = split_c ? at::empty_like(dz) : at::Tensor();
-  at::Tensor col_partials = need_b ? at::empty({row_blocks * chunk}, f32) : at::Tensor();
+  at::Tensor dz = dev::empty({n * std::min(chunk, v)}, input.options().dtype(p.compute));
+  at::Tensor dz_lo = split_c ? dev::empty({dz.numel()}, dz.options()) : at::Tensor();
+  at::Tensor col_partials = need_b ? dev::empty({row_blocks * chunk}, f32) : at::Tensor();
   // 16-bit tiles: the rounding residual of each row's target entry, added back to dE in fp32.
   const bool fix_target = need_e && p.compute != at::kFloat;
-  at::Tensor target_resid = fix_target ? at::empty({n}, f32) : at::Tensor();
-  at::Tensor gb32 = need_b ? at::empty({v}, f32) : at::Tensor();
+  at::Tensor target_resid = fix_target ? dev::empty({n}, f32) : at::Tensor();
+  at::Tensor gb32 = need_b ? dev::empty({v}, f32) : at::Tensor();
 
   // dE = sum over chunks of dz_chunk @ W_chunk, each chunk's fp32 GEMM result Neumaier-added.
   at::Tensor sum_e, comp_e, tmp_e;
   if (need_e) {
-    sum_e = at::empty({n, d}, f32);
+    sum_e = dev::empty({n, d}, f32);
     comp_e = at::zeros({n, d}, f32);
   }
   const at::Tensor x_gemm = p.x.narrow(1, 0, d);  // the input in the compute dtype
@@ -417,11 +531,15 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
 
     if (need_e) {
       const at::Tensor w_gemm = w.narrow(1, 0, d);
-      if (v0 == 0 && inv_ptr == nullptr) {
-        gemm_f32(sum_e, g, w_gemm);  // comp_e is zero: the first add is exact
+      if (v0 == 0) {
+        // The first chunk is the sum so far (comp_e is zero: exact). With the fp16 scale it is
+        // undone by a power of two (exact too); Kahan-adding it into sum_e instead would read
+        // sum_e before anything wrote it.
+        gemm_into(sum_e, g, w_gemm);
+        if (inv_scale.defined()) sum_e.mul_(inv_scale);
       } else {
-        if (!tmp_e.defined()) tmp_e = at::empty({n, d}, f32);
-        gemm_f32(tmp_e, g, w_gemm);
+        if (!tmp_e.defined()) tmp_e = dev::empty({n, d}, f32);
+        gemm_into(tmp_e, g, w_gemm);
         check_launch(cuda::launch_kahan_accumulate(sum_e.data_ptr<float>(),
                                                    comp_e.data_ptr<float>(),
                                                    tmp_e.data_ptr<float>(), n * d, inv_ptr,
@@ -429,43 +547,23 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                      "kahan_accumulate");
       }
       if (fix_target) {
-        cuda::TargetFixParams fp{};
-        fp.weight = w.data_ptr();
-        fp.weight_row_stride = w.stride(0);
-        fp.n = n;
-        fp.v = vc;
-        fp.d = d;
-        fp.target = target.data_ptr<int64_t>();
-        fp.target_stride = target.stride(0);
-        fp.col_offset = vocab_start + v0;
-        fp.ignore_index = ignore_index;
-        fp.target_resid = target_resid.data_ptr<float>();
-        fp.inv_scale = inv_ptr;
-        fp.sum = sum_e.data_ptr<float>();
-        fp.comp = comp_e.data_ptr<float>();
-        check_launch(cuda::launch_target_fix(fp, p.dtype, stream), "target_fix");
+        launch_fix(w, n, vc, d, target, vocab_start + v0, ignore_index, target_resid, inv_ptr,
+                   sum_e.data_ptr<float>(), comp_e.data_ptr<float>(), p.dtype);
       }
     }
     if (need_c) {
       at::Tensor out = grad_c.narrow(0, v0, vc);
       if (split_c) {
         // out (fp32) = (hi^T X + lo^T X) / scale
-        if (!tmp_c.defined()) tmp_c = at::empty({chunk, d}, f32);
-        at::Tensor t = tmp_c.narrow(0, 0, vc);
-        gemm_f32(out, g.t(), x_gemm);
-        gemm_f32(t, g_lo.t(), x_gemm);
-        out.add_(t);
+        gemm_into(out, g.t(), x_gemm);
+        gemm_into(out, g_lo.t(), x_gemm, 1.f);
         if (inv_scale.defined()) out.mul_(inv_scale);
       } else if (direct_c) {
-        if (grad_c.scalar_type() == p.compute) {
-          at::mm_out(out, g.t(), x_gemm);
-        } else {
-          gemm_f32(out, g.t(), x_gemm);
-        }
+        gemm_into(out, g.t(), x_gemm);
       } else {
-        if (!tmp_c.defined()) tmp_c = at::empty({chunk, d}, f32);
+        if (!tmp_c.defined()) tmp_c = dev::empty({chunk, d}, f32);
         at::Tensor t = tmp_c.narrow(0, 0, vc);
-        gemm_f32(t, g.t(), x_gemm);
+        gemm_into(t, g.t(), x_gemm);
         check_launch(cuda::launch_scale_store(out.data_ptr(), to_dtype(grad_c.scalar_type()),
                                               t.data_ptr<float>(), vc * d, inv_ptr, stream),
                      "scale_store");
@@ -483,13 +581,313 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   return {grad_e, grad_c, grad_b};
 }
 
+// ---------------------------------------------------------------------------------------------
+// The single pass: loss and gradients with 3 GEMMs (no recompute).
+//
+// Rows are processed in groups of G rows, each in sub-chunks of S rows:
+//   logits [S, V] fp32        = E_s W^T                      (cuBLAS, fp32 output)
+//   partials [S, 4]           = row_stats(logits + bias, softcap)
+//   loss, lse, stats          = combine(partials)            (math.h row_loss, target check)
+//   coef [S, 8]               = row_coef(stats, g)           (g = 1, or 1 / count for the mean)
+//   dz [S, V] compute dtype   = row_grad(logits, coef)       -> rows of the group buffer [G, V]
+// then per group
+//   dE [G, D] fp32            = dz W (+ the target entries' residual, 16-bit)
+//   dW [V, D]                 = dz^T E (the first group), += for the next ones (fp32 accumulator)
+// The logits never exist beyond one fp32 sub-chunk, and dz beyond one group, in the compute
+// dtype. For 16-bit inputs the sub-chunk is a separate scratch; for fp32 the logits are computed
+// into the group buffer and dz is written over them in place (same element size).
+//
+// Memory beyond inputs and outputs, at most the budget FLCE_CUDA_WORKSPACE_MB (default 1.5 GiB):
+// the group buffer G * V * elt (twice for fp32 master weights: hi and lo) plus the sub-chunk
+// S * V * 4, plus dE in fp32 [N, D] until the backward; with more than one group also the fp32
+// dW accumulator [V, D] (rounded into the weight's dtype at the end of the forward). At N = 4096,
+// V = 128256, D = 4096 bf16: one group (1.0 GiB) + a 320-row sub-chunk (0.16 GiB) + dE 64 MiB.
+// ---------------------------------------------------------------------------------------------
+
+// Rows per single-pass group and per logits sub-chunk for this shape within the budget; 0 when
+// not even kMinRows rows fit (then sum_and_grad falls back to forward + recompute backward).
+struct SinglePassPlan {
+  int64_t group_rows = 0, sub_rows = 0;
+  int64_t ld = 0;  // row stride of the fp32 logits, in floats (a multiple of 8: 32-byte rows)
+  bool in_place = false;  // fp32: logits computed into the group buffer, dz written over them
+};
+
+constexpr int64_t kMinRows = 64;
+
+SinglePassPlan plan_single_pass(int64_t n, int64_t v, at::ScalarType compute, bool split) {
+  SinglePassPlan plan;
+  plan.ld = ceil_div(std::max<int64_t>(v, 1), 8) * 8;
+  const int64_t budget = workspace_bytes();
+  auto round_rows = [](int64_t r) { return r / kMinRows * kMinRows; };
+  if (compute == at::kFloat) {
+    plan.in_place = true;
+    plan.group_rows = round_rows(budget / (4 * plan.ld));
+    plan.sub_rows = plan.group_rows;
+  } else {
+    // The sub-chunk gets an eighth of the budget (at most 256 MiB): a few hundred rows of the
+    // largest vocabularies, enough for the logits GEMM (M = S) to stay compute-bound while each
+    // sub-chunk re-reads W.
+    const int64_t scratch = std::min<int64_t>(budget / 8, int64_t{256} << 20);
+    plan.sub_rows = round_rows(scratch / (4 * plan.ld));
+    const int64_t elt = 2 * (split ? 2 : 1);
+    plan.group_rows = round_rows((budget - plan.sub_rows * plan.ld * 4) / (elt * plan.ld));
+  }
+  if (plan.sub_rows < kMinRows || plan.group_rows < kMinRows) return SinglePassPlan{};
+  plan.group_rows = std::min(plan.group_rows, std::max<int64_t>(n, 1));
+  plan.sub_rows = std::min(plan.sub_rows, plan.group_rows);
+  return plan;
+}
+
+using Tensor5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The deferred gradients from forward + recompute backward, for the shapes and dtypes the single
+// pass does not take (fp16, whose gradient tile needs a scale known only after every row's
+// statistics; a vocabulary too large for the budget). Same outputs as the single pass.
+Tensor5 sum_and_grad_recompute(const at::Tensor& input, const at::Tensor& weight,
+                               const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                               int64_t ignore_index, double label_smoothing, double z_loss,
+                               double softcap, std::array<bool, 3> mask,
+                               const at::Tensor& grad_scale, const at::Tensor& count, bool mean) {
+  auto [loss, lse, stats] =
+      forward_cuda(input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap);
+  const int64_t n = input.size(0);
+  auto [ge, gc, gb] = backward_cuda(grad_scale.expand({n}), std::nullopt, input, weight, target,
+                                    bias, stats, 0, weight.size(0), ignore_index, label_smoothing,
+                                    z_loss, softcap, mask);
+  const at::Tensor total = loss.sum(at::kDouble);
+  const at::Tensor reduced = (mean ? total / count.to(at::kDouble) : total).to(at::kFloat);
+  const at::Tensor one = at::ones({}, input.options().dtype(at::kDouble));
+  auto deferred = [](const at::Tensor& g, bool need, at::ScalarType dt) {
+    return need ? g.to(dt).unsqueeze(0) : g.new_empty({0});
+  };
+  return {reduced, one, deferred(ge, mask[0], at::kFloat), deferred(gc, mask[1], weight.scalar_type()),
+          deferred(gb, mask[2] && bias.has_value(), at::kFloat)};
+}
+
+Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
+                          const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                          int64_t ignore_index, double label_smoothing, double z_loss,
+                          double softcap, std::array<bool, 3> output_mask, bool mean) {
+  check_linear_args(input, weight, target, bias);
+  check_device_tensor(input, input, "input");
+  const dev::Guard guard(input);
+  const NvtxRange range("flce::sum_and_grad");
+  poll_target_checks();
+  const bool need_e = output_mask[0], need_c = output_mask[1], need_b = output_mask[2] && bias;
+  const int64_t n = input.size(0), v = weight.size(0), d = input.size(1);
+  const at::ScalarType compute = input.scalar_type();
+  const DType dtype = to_dtype(compute);
+  const auto f32 = f32_of(input);
+  const cudaStream_t stream = dev::stream();
+
+  // The upstream gradient of every row's loss: 1 (sum) or 1 / count (mean; 0 when every row is
+  // ignored, whose gradients are then 0 rather than 0 * inf), on the device: no host sync.
+  const at::Tensor count = (target != ignore_index).sum();
+  const at::Tensor grad_scale =
+      (mean ? at::where(count > 0, 1.0 / count.to(at::kDouble), at::zeros_like(count, at::kDouble))
+            : at::ones({}, f32.dtype(at::kDouble)))
+          .to(at::kFloat)
+          .reshape({1})
+          .contiguous();
+
+  const bool split = need_c && compute != at::kFloat && weight.scalar_type() == at::kFloat &&
+                     env_flag("FLCE_CUDA_SPLIT_GRAD", true);
+  const SinglePassPlan plan = plan_single_pass(n, v, compute, split);
+  if (compute == at::kHalf || plan.group_rows == 0 || v == 0 || n == 0) {
+    return sum_and_grad_recompute(input, weight, target, bias, ignore_index, label_smoothing,
+                                  z_loss, softcap, output_mask, grad_scale, count, mean);
+  }
+
+  // GEMM operands in the compute dtype with a unit stride (cuBLAS takes any leading dimension).
+  const at::Tensor x = input.stride(1) == 1 || input.stride(0) == 1 ? input : input.contiguous();
+  const at::Tensor w = weight.scalar_type() == compute ? weight : weight.to(compute);
+  const at::Tensor bias32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+
+  at::Tensor loss_rows = dev::empty({n}, f32);
+  at::Tensor ge = need_e ? dev::empty({1, n, d}, f32) : input.new_empty({0});
+  at::Tensor gw = need_c ? dev::empty({1, v, d}, weight.options()) : weight.new_empty({0});
+  at::Tensor gb = need_b ? dev::empty({1, v}, f32) : weight.new_empty({0});
+
+  const int64_t G = plan.group_rows, S = plan.sub_rows, ld = plan.ld;
+  const int64_t elt = input.element_size();
+  // The group's gradient buffer: dz rows of G x V in the compute dtype (row stride gld
+  // elements), and for master weights its residual; fp32: the logits themselves.
+  const int64_t gld = plan.in_place ? ld : v;
+  at::Tensor group = dev::empty({G * gld}, input.options());
+  at::Tensor group_lo = split ? dev::empty({G * v}, input.options()) : at::Tensor();
+  at::Tensor scratch = plan.in_place ? at::Tensor() : dev::empty({S * ld}, f32);
+  at::Tensor partials = dev::empty({1, S, 4}, f32), lse = dev::empty({S}, f32),
+             stats = dev::empty({S, 3}, f32), coef = dev::empty({S, 8}, f32),
+             bound = dev::empty({S}, f32);
+  at::Tensor flag = at::zeros({1}, input.options().dtype(at::kInt));
+  const bool fix_target = need_e && compute != at::kFloat;
+  at::Tensor resid = fix_target ? dev::empty({G}, f32) : at::Tensor();
+  // Bias gradient: per 8-row CTA column sums of a sub-chunk, reduced in order, compensated
+  // across sub-chunks.
+  constexpr int kBiasRows = 8;
+  at::Tensor col_partials = need_b ? dev::empty({ceil_div(S, kBiasRows) * v}, f32) : at::Tensor();
+  at::Tensor gb_tmp, gb_comp;
+  if (need_b) {
+    gb_tmp = dev::empty({v}, f32);
+    gb[0].zero_();
+    gb_comp = at::zeros({v}, f32);
+  }
+  // fp32 inputs: dE sums over V in pieces of kPieceCols columns, Neumaier-added (one fp32 GEMM
+  // over a whole 128k vocabulary would carry its k-loop's rounding; 16-bit inputs round dE to
+  // 16 bits anyway).
+  constexpr int64_t kPieceCols = 8192;
+  const int64_t pieces = compute == at::kFloat ? ceil_div(v, kPieceCols) : 1;
+  at::Tensor tmp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
+  at::Tensor comp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
+  // More than one group: dW accumulates in fp32 (the weight's own gradient if it is fp32).
+  const bool separate_acc = G < n && weight.scalar_type() != at::kFloat;
+  at::Tensor acc_w;
+  if (need_c) acc_w = separate_acc ? dev::empty({v, d}, f32) : gw[0];
+
+  for (int64_t g0 = 0; g0 < n; g0 += G) {
+    const int64_t gn = std::min(G, n - g0);
+    const at::Tensor xg = x.narrow(0, g0, gn);
+    for (int64_t s0 = g0; s0 < g0 + gn; s0 += S) {
+      const int64_t sn = std::min(S, g0 + gn - s0);
+      const at::Tensor ts = target.narrow(0, s0, sn);
+      float* lp = plan.in_place ? group.data_ptr<float>() + (s0 - g0) * ld
+                                : scratch.data_ptr<float>();
+      const at::Tensor logits = at::from_blob(lp, {sn, v}, {ld, 1}, f32);
+      gemm_into(logits, x.narrow(0, s0, sn), w.t());
+
+      cuda::RowStatsParams rs{};
+      rs.logits = lp;
+      rs.n = sn;
+      rs.v = v;
+      rs.ld = ld;
+      rs.bias = bias ? bias32.data_ptr<float>() : nullptr;
+      rs.softcap = static_cast<float>(softcap);
+      rs.target = ts.data_ptr<int64_t>();
+      rs.target_stride = ts.stride(0);
+      rs.col_offset = 0;
+      rs.ignore_index = ignore_index;
+      rs.partials = partials.data_ptr<float>();
+      check_launch(cuda::launch_row_stats(rs, stream), "row_stats");
+      const at::Tensor part = partials.narrow(1, 0, sn);
+      const at::Tensor st = stats.narrow(0, 0, sn);
+      launch_finalize(part, ts, v, ignore_index, label_smoothing, z_loss,
+                      loss_rows.data_ptr<float>() + s0, lse.data_ptr<float>(),
+                      st.data_ptr<float>(), flag.data_ptr<int>());
+      if (!need_e && !need_c && !need_b) continue;
+      launch_coef(ts, st, grad_scale.data_ptr<float>(), 0, nullptr, 0, ignore_index,
+                  label_smoothing, z_loss, softcap, v, coef.data_ptr<float>(),
+                  bound.data_ptr<float>());
+
+      cuda::RowGradParams rg{};
+      rg.logits = lp;
+      rg.n = sn;
+      rg.v = v;
+      rg.ld = ld;
+      rg.bias = rs.bias;
+      rg.softcap = rs.softcap;
+      rg.target = rs.target;
+      rg.target_stride = rs.target_stride;
+      rg.col_offset = 0;
+      rg.ignore_index = ignore_index;
+      rg.coef = coef.data_ptr<float>();
+      rg.grad = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
+      rg.grad_ld = gld;
+      rg.grad_lo = split ? static_cast<char*>(group_lo.data_ptr()) + (s0 - g0) * v * elt : nullptr;
+      rg.grad_lo_ld = v;
+      rg.target_resid = fix_target ? resid.data_ptr<float>() + (s0 - g0) : nullptr;
+      rg.col_partials = need_b ? col_partials.data_ptr<float>() : nullptr;
+      rg.rows_per_cta = need_b ? kBiasRows : 1;
+      check_launch(cuda::launch_row_grad(rg, dtype, stream), "row_grad");
+      if (need_b) {
+        check_launch(cuda::launch_column_sum(col_partials.data_ptr<float>(),
+                                             ceil_div(sn, kBiasRows), v,
+                                             gb_tmp.data_ptr<float>(), stream),
+                     "column_sum");
+        check_launch(cuda::launch_kahan_accumulate(gb.data_ptr<float>(), gb_comp.data_ptr<float>(),
+                                                   gb_tmp.data_ptr<float>(), v, nullptr, stream),
+                     "kahan_accumulate");
+      }
+    }
+    const at::Tensor dz = at::from_blob(group.data_ptr(), {gn, v}, {gld, 1}, input.options());
+    if (need_e) {
+      const at::Tensor out = ge[0].narrow(0, g0, gn);
+      for (int64_t p0 = 0; p0 < v; p0 += kPieceCols) {
+        const int64_t pc = pieces > 1 ? std::min(kPieceCols, v - p0) : v;
+        const at::Tensor a = dz.narrow(1, p0, pc), b = w.narrow(0, p0, pc);
+        if (p0 == 0) {
+          gemm_into(out, a, b);
+          if (pieces > 1) comp_e.narrow(0, 0, gn).zero_();
+        } else {
+          at::Tensor t = tmp_e.narrow(0, 0, gn);
+          gemm_into(t, a, b);
+          check_launch(cuda::launch_kahan_accumulate(out.data_ptr<float>(),
+                                                     comp_e.data_ptr<float>(), t.data_ptr<float>(),
+                                                     gn * d, nullptr, stream),
+                       "kahan_accumulate");
+        }
+        if (pieces == 1) break;
+      }
+      if (pieces > 1) out.add_(comp_e.narrow(0, 0, gn));
+      if (fix_target) {
+        launch_fix(w, gn, v, d, target.narrow(0, g0, gn), 0, ignore_index,
+                   resid.narrow(0, 0, gn), nullptr, out.data_ptr<float>(), nullptr, dtype);
+      }
+    }
+    if (need_c) {
+      const float beta = g0 == 0 ? 0.f : 1.f;
+      gemm_into(acc_w, dz.t(), xg, beta);
+      if (split) {
+        const at::Tensor lo = at::from_blob(group_lo.data_ptr(), {gn, v}, {v, 1}, input.options());
+        gemm_into(acc_w, lo.t(), xg, 1.f);
+      }
+    }
+  }
+  if (need_c && separate_acc) {
+    check_launch(cuda::launch_scale_store(gw.data_ptr(), to_dtype(weight.scalar_type()),
+                                          acc_w.data_ptr<float>(), v * d, nullptr, stream),
+                 "scale_store");
+  }
+  if (need_b) gb[0].add_(gb_comp);
+  check_targets(flag, target, v, ignore_index);
+  const at::Tensor total = loss_rows.sum(at::kDouble);
+  const at::Tensor reduced = (mean ? total / count.to(at::kDouble) : total).to(at::kFloat);
+  return {reduced, at::ones({}, input.options().dtype(at::kDouble)), ge, gw, gb};
+}
+
+at::Tensor scale_grad_cuda(const at::Tensor& deferred, const at::Tensor& scale,
+                           at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(deferred.dim() >= 1 && (deferred.size(0) == 1 || deferred.size(0) == 2),
+                    "flce: scale_grad needs a deferred gradient [k, ...] with k = 1 or 2, got ",
+                    deferred.sizes());
+  check_device_tensor(deferred, deferred, "deferred");
+  const dev::Guard guard(deferred);
+  const at::Tensor x = deferred.contiguous();
+  const at::Tensor k = scale.to(deferred.device(), at::kDouble).reshape({1}).contiguous();
+  at::Tensor out = dev::empty(x[0].sizes(), x.options().dtype(dtype));
+  check_launch(cuda::launch_scale_grad(out.data_ptr(), to_dtype(dtype), x.data_ptr(),
+                                       to_dtype(x.scalar_type()), static_cast<int>(x.size(0)),
+                                       out.numel(), k.data_ptr<double>(), dev::stream()),
+               "scale_grad");
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flce, CUDA, m) {
+// The CUDA dispatch key of `flce`, or (host emulation) the CPU key of the test-only namespace
+// that csrc/cuda/emulated/ defines with the same schemas.
+#if defined(FLCE_CUDA_HOST)
+#define FLCE_CUDA_IMPL(m) TORCH_LIBRARY_IMPL(flce_cuda_host, CPU, m)
+#else
+#define FLCE_CUDA_IMPL(m) TORCH_LIBRARY_IMPL(flce, CUDA, m)
+#endif
+
+FLCE_CUDA_IMPL(m) {
   m.impl("partial_stats", &partial_stats_cuda);
   m.impl("combine", &combine_cuda);
   m.impl("forward", &forward_cuda);
   m.impl("backward", &backward_cuda);
+  m.impl("sum_and_grad", &sum_and_grad_cuda);
+  m.impl("scale_grad", &scale_grad_cuda);
 }
 
 }  // namespace flce

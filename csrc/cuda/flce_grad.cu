@@ -144,6 +144,10 @@ __global__ void target_fix_kernel(const TargetFixParams p) {
   if (r == 0.f) return;  // the 16-bit tile held dz_t exactly
   const T* w = static_cast<const T*>(p.weight) + tcol * p.weight_row_stride;
   float* s = p.sum + row * p.d;
+  if (p.comp == nullptr) {  // a complete fp32 row (the single pass): one rounding
+    for (int64_t j = threadIdx.x; j < p.d; j += blockDim.x) s[j] += r * to_float<T>(w[j]);
+    return;
+  }
   float* c = p.comp + row * p.d;
   for (int64_t j = threadIdx.x; j < p.d; j += blockDim.x) kahan_add(s[j], c[j], r * to_float<T>(w[j]));
 }

@@ -98,7 +98,7 @@ struct TargetFixParams {
   const float* target_resid;  // [n]
   const float* inv_scale;     // device scalar or nullptr
   float* sum;                 // [n, d]
-  float* comp;                // [n, d]
+  float* comp;                // [n, d], or nullptr: sum += (plain fp32 add)
 };
 cudaError_t launch_target_fix(const TargetFixParams& p, DType dtype, cudaStream_t stream);
 
@@ -132,6 +132,58 @@ cudaError_t launch_kahan_accumulate(float* sum, float* comp, const float* x, int
 // out = (dtype) (x * inv_scale) elementwise.
 cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t count,
                                const float* inv_scale, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// The single pass (flce::sum_and_grad, 3 GEMMs): a chunk of rows has its raw logits x . w in an
+// fp32 buffer [n, v] (cuBLAS, fp32 output), then
+//   launch_row_stats  per row (m, s, z_t, sum_z) over the chunk's columns = partial_stats'
+//                     format, for launch_combine (and, vocab-parallel, an all-gather first);
+//   launch_row_coef   (above) the row coefficients from the combined statistics;
+//   launch_row_grad   dz = dloss/dz (x softcap') in the compute dtype, written over the logits in
+//                     place, with the target entry's rounding residual and the bias' column sums.
+// One CTA per row block; a row's columns are split over the CTA's threads in a fixed order,
+// reduced in a fixed tree: deterministic, no atomics.
+
+struct RowStatsParams {
+  const float* logits;  // [n, v] raw x . w (bias and softcap not applied), row stride ld floats
+  int64_t n, v, ld;
+  const float* bias;    // [v] fp32 or nullptr
+  float softcap;        // <= 0: none
+  const int64_t* target;
+  int64_t target_stride;
+  int64_t col_offset;   // vocabulary id of column 0
+  int64_t ignore_index;
+  float* partials;      // [n, 4] = (m, s, z_t, sum_z), contiguous
+};
+cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
+
+struct RowGradParams {
+  float* logits;        // [n, v] raw x . w, row stride ld floats; overwritten when grad aliases it
+  int64_t n, v, ld;
+  const float* bias;
+  float softcap;
+  const int64_t* target;
+  int64_t target_stride;
+  int64_t col_offset, ignore_index;
+  const float* coef;    // [n, 8] from launch_row_coef
+  // dz in the compute dtype, row r at grad + r * grad_ld (elements of the compute dtype). It may
+  // alias the logits (grad = logits, grad_ld = ld * 4 / sizeof(T)): each row is rewritten tile
+  // by tile, every thread's reads of a tile before any write over it.
+  void* grad;
+  int64_t grad_ld;
+  void* grad_lo;        // the rounding residual (T)(dz - hi), same layout, or nullptr
+  int64_t grad_lo_ld;
+  float* target_resid;  // [n]: dz_t - hi for rows whose target is a column here, else 0; or null
+  float* col_partials;  // [ceil(n / rows_per_cta), v] fp32 column sums of dz, or nullptr
+  int rows_per_cta;     // rows of one CTA (and of one col_partials row): 1 without col_partials
+};
+cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t stream);
+
+// out[i] = dtype((sum over k < slices of x[k * count + i]) * scale), the slices added and scaled
+// in double and rounded once: the deferred gradients of the single pass -> the gradient.
+// x is fp32 or the output dtype (x_dtype); scale is a device double.
+cudaError_t launch_scale_grad(void* out, DType dtype, const void* x, DType x_dtype, int slices,
+                              int64_t count, const double* scale, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace flce

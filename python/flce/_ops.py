@@ -1,4 +1,13 @@
-"""Fake (meta) kernels and autograd for the flce::* ops declared in csrc/ops.cpp."""
+"""Fake (meta) kernels and autograd for the flce::* ops declared in csrc/ops_def.h.
+
+``register(namespace, cuda_format)`` attaches them to a namespace with those schemas: ``flce``
+(the library), and in the tests ``flce_cuda_host``, the CUDA binding built against the host
+emulation of its kernels (tests/cuda_host.py), which serves CPU tensors with the CUDA
+backend's launch sequence and output formats. ``ops`` is the namespace the API calls;
+``routed_to`` points it elsewhere for a test.
+"""
+import contextlib
+
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.flce.*)
@@ -6,103 +15,124 @@ from . import _C  # noqa: F401  (registers torch.ops.flce.*)
 ops = torch.ops.flce
 
 
-@torch.library.register_fake("flce::partial_stats")
-def _partial_stats_fake(input, weight, target, bias, vocab_start, ignore_index, softcap):
-    return input.new_empty((input.shape[0], 4), dtype=torch.float32)
+def is_cuda_backend(t):
+    """Whether ``t`` is served by the CUDA backend: a CUDA tensor, or any tensor while the ops
+    are routed to the host emulation of the CUDA backend."""
+    return t.device.type == "cuda" or ops is not torch.ops.flce
 
 
-@torch.library.register_fake("flce::combine")
-def _combine_fake(partials, target, vocab_size, ignore_index, label_smoothing, z_loss):
-    n = partials.shape[1]
-    return (
-        partials.new_empty((n,)),
-        partials.new_empty((n,)),
-        partials.new_empty((n, 3)),
-    )
-
-
-@torch.library.register_fake("flce::forward")
-def _forward_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap):
-    n = input.shape[0]
-    f32 = dict(dtype=torch.float32, device=input.device)
-    return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
-            input.new_empty((n, 3), **f32))
+@contextlib.contextmanager
+def routed_to(namespace):
+    """Send every flce op the API calls to ``torch.ops.<namespace>`` (tests only)."""
+    global ops
+    previous, ops = ops, getattr(torch.ops, namespace)
+    try:
+        yield ops
+    finally:
+        ops = previous
 
 
 def _grad_like(t, wanted):
     return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else t.new_empty((0,))
 
 
-@torch.library.register_fake("flce::backward")
-def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, stats, vocab_start,
-                   vocab_size, ignore_index, label_smoothing, z_loss, softcap, output_mask):
-    grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
-    return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
+def register(namespace, cuda_format):
+    """Fake kernels and autograd for the ops of ``torch.ops.<namespace>``. ``cuda_format(input)``
+    says whether the backend serving ``input`` returns the CUDA backend's deferred gradients
+    from sum_and_grad (see ops_def.h)."""
+    nsops = getattr(torch.ops, namespace)
+
+    def name(op):
+        return f"{namespace}::{op}"
+
+    @torch.library.register_fake(name("partial_stats"))
+    def _partial_stats_fake(input, weight, target, bias, vocab_start, ignore_index, softcap):
+        return input.new_empty((input.shape[0], 4), dtype=torch.float32)
+
+    @torch.library.register_fake(name("combine"))
+    def _combine_fake(partials, target, vocab_size, ignore_index, label_smoothing, z_loss):
+        n = partials.shape[1]
+        return partials.new_empty((n,)), partials.new_empty((n,)), partials.new_empty((n, 3))
+
+    @torch.library.register_fake(name("forward"))
+    def _forward_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
+                      softcap):
+        n = input.shape[0]
+        f32 = dict(dtype=torch.float32, device=input.device)
+        return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
+                input.new_empty((n, 3), **f32))
+
+    @torch.library.register_fake(name("backward"))
+    def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, stats, vocab_start,
+                       vocab_size, ignore_index, label_smoothing, z_loss, softcap, output_mask):
+        grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
+        return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
+
+    def setup_context(ctx, inputs, output):
+        input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap = inputs
+        _, _, stats = output
+        ctx.save_for_backward(input, weight, target, bias, stats)
+        ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
+
+    def backward(ctx, grad_loss, grad_lse, grad_stats):
+        input, weight, target, bias, stats = ctx.saved_tensors
+        ignore_index, label_smoothing, z_loss, softcap = ctx.options
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[3]]
+        if not any(mask):
+            return None, None, None, None, None, None, None, None
+        if grad_loss is None:
+            grad_loss = stats.new_zeros(()).expand(stats.shape[0])
+        gi, gw, gb = nsops.backward(grad_loss, grad_lse, input, weight, target, bias, stats, 0,
+                                    weight.shape[0], ignore_index, label_smoothing, z_loss,
+                                    softcap, mask)
+        return (gi if mask[0] else None, gw if mask[1] else None, None,
+                gb if mask[2] else None, None, None, None, None)
+
+    torch.library.register_autograd(name("forward"), backward, setup_context=setup_context)
+
+    @torch.library.register_fake(name("sum_and_grad"))
+    def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
+                           softcap, output_mask, mean):
+        if cuda_format(input):  # [1, *shape]: dE fp32, dW in the weight's dtype, dbias fp32
+            def deferred(t, wanted, dtype):
+                return t.new_empty((1, *t.shape), dtype=dtype) if wanted else t.new_empty((0,))
+        else:  # fp32 (sum, compensation) pairs [2, *shape]
+            def deferred(t, wanted, dtype):
+                return (t.new_empty((2, *t.shape), dtype=torch.float32) if wanted
+                        else t.new_empty((0,)))
+        grad_bias = (deferred(bias, output_mask[2], torch.float32) if bias is not None
+                     else weight.new_empty((0,)))
+        return (input.new_empty((), dtype=torch.float32), input.new_empty((), dtype=torch.float64),
+                deferred(input, output_mask[0], torch.float32),
+                deferred(weight, output_mask[1], weight.dtype), grad_bias)
+
+    @torch.library.register_fake(name("scale_grad"))
+    def _scale_grad_fake(deferred, scale, dtype):
+        return deferred.new_empty(deferred.shape[1:], dtype=dtype)
+
+    def sum_setup_context(ctx, inputs, output):
+        input, weight, target, bias = inputs[:4]
+        _, divisor, gi, gw, gb = output
+        ctx.save_for_backward(divisor, gi, gw, gb)
+        ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(divisor, gi, gw, gb)
+
+    def sum_backward(ctx, grad_loss, *_):
+        divisor, *deferred = ctx.saved_tensors
+        # The upstream gradient over the divisor, in double: a mean's 1/count is not rounded to
+        # fp32. Every token ignored: the mean is NaN (as torch) but the gradients are zero, not
+        # 0 * inf.
+        scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
+        needed = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+        # An unrequested gradient is [0]; a requested one [k, *shape] even for an empty input
+        # (N = 0), whose gradient is then the empty [0, D], not None.
+        gi, gw, gb = (nsops.scale_grad(p, scale, dt) if need and p.dim() >= 2 else None
+                      for p, dt, need in zip(deferred, ctx.dtypes, needed))
+        return gi, gw, None, gb, None, None, None, None, None, None
+
+    torch.library.register_autograd(name("sum_and_grad"), sum_backward,
+                                    setup_context=sum_setup_context)
 
 
-def _setup_context(ctx, inputs, output):
-    input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap = inputs
-    _, _, stats = output
-    ctx.save_for_backward(input, weight, target, bias, stats)
-    ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
-
-
-def _backward(ctx, grad_loss, grad_lse, grad_stats):
-    input, weight, target, bias, stats = ctx.saved_tensors
-    ignore_index, label_smoothing, z_loss, softcap = ctx.options
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-            bias is not None and ctx.needs_input_grad[3]]
-    if not any(mask):
-        return None, None, None, None, None, None, None, None
-    if grad_loss is None:
-        grad_loss = stats.new_zeros(()).expand(stats.shape[0])
-    gi, gw, gb = ops.backward(grad_loss, grad_lse, input, weight, target, bias, stats, 0,
-                              weight.shape[0], ignore_index, label_smoothing, z_loss, softcap,
-                              mask)
-    return (gi if mask[0] else None, gw if mask[1] else None, None,
-            gb if mask[2] else None, None, None, None, None)
-
-
-torch.library.register_autograd("flce::forward", _backward, setup_context=_setup_context)
-
-
-def _pair_like(t, wanted):
-    return t.new_empty((2, *t.shape), dtype=torch.float32) if wanted else t.new_empty((0,))
-
-
-@torch.library.register_fake("flce::sum_and_grad")
-def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
-                       softcap, output_mask, mean):
-    grad_bias = _pair_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
-    return (input.new_empty((), dtype=torch.float32), input.new_empty((), dtype=torch.float64),
-            _pair_like(input, output_mask[0]), _pair_like(weight, output_mask[1]), grad_bias)
-
-
-@torch.library.register_fake("flce::scale_grad")
-def _scale_grad_fake(pair, scale, dtype):
-    return pair.new_empty(pair.shape[1:], dtype=dtype)
-
-
-def _sum_setup_context(ctx, inputs, output):
-    input, weight, target, bias = inputs[:4]
-    _, divisor, gi, gw, gb = output
-    ctx.save_for_backward(divisor, gi, gw, gb)
-    ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
-    ctx.mark_non_differentiable(divisor, gi, gw, gb)
-
-
-def _sum_backward(ctx, grad_loss, *_):
-    divisor, *pairs = ctx.saved_tensors
-    # The upstream gradient over the divisor, in double: a mean's 1/count is not rounded to fp32.
-    # Every token ignored: the mean is NaN (as torch) but the gradients are zero, not 0 * inf.
-    scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
-    needed = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
-    # An unrequested pair is [0]; a requested one [2, *shape] even for an empty input (N = 0),
-    # whose gradient is then the empty [0, D], not None.
-    gi, gw, gb = (ops.scale_grad(p, scale, dt) if need and p.dim() >= 2 else None
-                  for p, dt, need in zip(pairs, ctx.dtypes, needed))
-    return gi, gw, None, gb, None, None, None, None, None, None
-
-
-torch.library.register_autograd("flce::sum_and_grad", _sum_backward,
-                                setup_context=_sum_setup_context)
+register("flce", lambda t: t.device.type == "cuda")

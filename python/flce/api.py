@@ -62,7 +62,7 @@ def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, s
 
 def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                         return_lse=False, single_pass=False, linear_weight=None,
+                         return_lse=False, single_pass=None, linear_weight=None,
                          linear_bias=None, options=None):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
@@ -85,10 +85,14 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
         z_loss: adds ``z_loss * lse**2`` per token (PaLM).
         softcap: applies ``softcap * tanh(z / softcap)`` to the logits (Gemma 2).
         return_lse: also return the per-token logsumexp, shape ``(...)``, float32.
-        single_pass: CPU, ``"mean"``/``"sum"``: compute the gradients in the forward pass (3 tile
-            GEMMs instead of 4, no recompute), holding them as fp32 (sum, compensation) pairs
-            until the backward: faster where the GEMMs dominate, at 2 fp32 copies of the
-            gradients more memory. Off by default.
+        single_pass: compute the gradients in the forward pass (3 GEMMs instead of 4: no
+            recompute of the logits in the backward), which then only scales them by the
+            upstream gradient. ``None`` (default): on for training on CUDA (gradients needed,
+            reduction ``"mean"``/``"sum"``, no ``return_lse``, bf16 or fp32 inputs), off
+            otherwise; on the CPU it holds the gradients as fp32 (sum, compensation) pairs
+            until the backward, more memory for little gain (docs/cpu-backend.md).
+            ``True``/``False`` force it on either backend (``True`` needs reduction
+            ``"mean"``/``"sum"`` and no ``return_lse``).
 
     Returns:
         The loss in float32 (whatever the input dtype), and the lse when ``return_lse``.
@@ -120,19 +124,30 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
     args = (x, weight, t, bias, int(ignore_index), float(label_smoothing), float(z_loss),
             float(softcap or 0.0))
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
-    if single_pass:
-        if reduction == "none" or return_lse or x.device.type != "cpu":
-            raise ValueError("flce: single_pass needs reduction 'mean' or 'sum', no return_lse, "
-                             f"and CPU tensors; got reduction={reduction!r}, return_lse="
-                             f"{return_lse}, device {x.device}")
-        if any(mask) and torch.is_grad_enabled():
-            # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
-            return _ops.ops.sum_and_grad(*args, mask, reduction == "mean")[0]
+    if _single_pass(single_pass, reduction, return_lse, x) and any(mask) and \
+            torch.is_grad_enabled():
+        # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
+        return _ops.ops.sum_and_grad(*args, mask, reduction == "mean")[0]
     loss, lse, _ = _ops.ops.forward(*args)
     loss = reduce_loss(loss, t, ignore_index, reduction, lead)
     if return_lse:
         return loss, lse.reshape(lead)
     return loss
+
+
+def _single_pass(single_pass, reduction, return_lse, x):
+    """Whether the loss and its gradients come from the single pass (flce::sum_and_grad)."""
+    if single_pass is None:
+        # fp16 stays on the recompute path: its gradient tile needs a scale that depends on
+        # every row's statistics, which the single pass has only row chunk by row chunk.
+        return (_ops.is_cuda_backend(x) and reduction != "none" and not return_lse
+                and x.dtype != torch.float16)
+    if single_pass not in (True, False):
+        raise TypeError(f"flce: single_pass must be None, True or False, got {single_pass!r}")
+    if single_pass and (reduction == "none" or return_lse):
+        raise ValueError("flce: single_pass needs reduction 'mean' or 'sum' and no return_lse; "
+                         f"got reduction={reduction!r}, return_lse={return_lse}")
+    return single_pass
 
 
 def _alias(name, value, torch_name, torch_value):
@@ -162,7 +177,7 @@ class LinearCrossEntropy(torch.nn.Module):
     """``nn.Module`` form of :func:`linear_cross_entropy`; call as ``module(input, weight, target)``."""
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
-                 softcap=None, return_lse=False, single_pass=False):
+                 softcap=None, return_lse=False, single_pass=None):
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"flce: reduction must be one of {_REDUCTIONS}, got {reduction!r}")

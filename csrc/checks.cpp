@@ -1,0 +1,78 @@
+// The argument checks every backend shares (declared in flce_ops.h). Kept apart from ops.cpp,
+// which registers the `flce` library, so that the test-only emulated CUDA binding
+// (csrc/cuda/emulated/) links them without registering `flce` twice.
+#include <ATen/ATen.h>
+
+#include "flce_ops.h"
+
+namespace flce {
+
+namespace {
+bool is_float_kind(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+}  // namespace
+
+void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(input.dim() == 2, "flce: input must be [N, D], got ", input.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2, "flce: weight must be [V, D], got ", weight.sizes());
+  TORCH_CHECK_VALUE(input.size(1) == weight.size(1), "flce: input has D=", input.size(1),
+                    " but weight has D=", weight.size(1));
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == input.size(0),
+                    "flce: target must be [N] with N=", input.size(0), ", got ", target.sizes());
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "flce: target must be int64, got ",
+                   target.scalar_type());
+  TORCH_CHECK_TYPE(is_float_kind(input.scalar_type()),
+                   "flce: input must be float32, bfloat16 or float16, got ", input.scalar_type());
+  TORCH_CHECK_TYPE(is_float_kind(weight.scalar_type()),
+                   "flce: weight must be float32, bfloat16 or float16, got ", weight.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == input.scalar_type() || weight.scalar_type() == at::kFloat,
+                   "flce: weight must have the input's dtype (", input.scalar_type(),
+                   ") or be float32 master weights, got ", weight.scalar_type());
+  TORCH_CHECK_VALUE(input.device() == weight.device() && input.device() == target.device(),
+                    "flce: input, weight and target must be on one device, got ", input.device(),
+                    ", ", weight.device(), ", ", target.device());
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                      "flce: bias must be [V] with V=", weight.size(0), ", got ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(),
+                     "flce: bias must have the weight's dtype ", weight.scalar_type(), ", got ",
+                     bias->scalar_type());
+    TORCH_CHECK_VALUE(bias->device() == input.device(), "flce: bias must be on ", input.device(),
+                      ", got ", bias->device());
+  }
+}
+
+void check_combine_args(const at::Tensor& partials, const at::Tensor& target) {
+  TORCH_CHECK_VALUE(partials.dim() == 3 && partials.size(2) == 4 &&
+                        partials.size(1) == target.size(0),
+                    "flce: partials must be [R, N, 4] with N=", target.size(0), ", got ",
+                    partials.sizes());
+  TORCH_CHECK_TYPE(partials.scalar_type() == at::kFloat, "flce: partials must be float32");
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "flce: target must be int64");
+  TORCH_CHECK_VALUE(partials.device() == target.device(),
+                    "flce: partials and target must be on one device");
+}
+
+void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+                         const at::Tensor& input, const at::Tensor& weight,
+                         const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                         const at::Tensor& stats) {
+  check_linear_args(input, weight, target, bias);
+  const int64_t n = input.size(0);
+  TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n &&
+                        grad_loss.scalar_type() == at::kFloat,
+                    "flce: grad_loss must be float32 [N], got ", grad_loss.sizes(), " ",
+                    grad_loss.scalar_type());
+  if (grad_lse) {
+    TORCH_CHECK_VALUE(grad_lse->dim() == 1 && grad_lse->size(0) == n &&
+                          grad_lse->scalar_type() == at::kFloat,
+                      "flce: grad_lse must be float32 [N]");
+  }
+  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(0) == n && stats.size(1) == 3 &&
+                        stats.scalar_type() == at::kFloat,
+                    "flce: stats must be float32 [N, 3], got ", stats.sizes());
+}
+
+}  // namespace flce

@@ -1,0 +1,109 @@
+// dev:: for the host emulation of the CUDA backend (csrc/cuda/device.h; built with
+// FLCE_CUDA_HOST into the test-only module of module.cpp): CPU tensors stand for device
+// memory, the kernels run on the host SIMT runtime (csrc/cuda/host/runtime.h) at their launch,
+// and at::addmm in fp32 stands in for cuBLAS. Every workspace from dev::empty is NaN-poisoned,
+// and every CPU allocation is registered with the runtime, so that a cp.async source outside
+// all live tensors is reported.
+#include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <limits>
+
+#include "cuda/device.h"
+#include "cuda/host/runtime.h"
+
+namespace flce {
+namespace dev {
+
+cudaStream_t stream() { return nullptr; }
+
+int64_t sm_count() { return host::device_properties().multi_processor_count; }
+
+bool capturing() { return false; }
+
+struct Guard::Impl {};
+Guard::Guard(const at::Tensor&) {}
+Guard::~Guard() = default;
+
+bool on_device(const at::Tensor& t) { return t.is_cpu(); }
+const char* device_kind() { return "CPU, for the host emulation of the CUDA backend"; }
+
+at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  at::Tensor t = at::empty(sizes, opts);
+  if (at::isFloatingType(t.scalar_type())) {
+    t.fill_(std::numeric_limits<double>::quiet_NaN());
+  } else if (t.numel() > 0) {
+    t.view({-1}).view(at::kByte).fill_(0xFF);
+  }
+  return t;
+}
+
+void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float alpha, float beta) {
+  TORCH_CHECK(a.size(1) == b.size(0) && c.size(0) == a.size(0) && c.size(1) == b.size(1),
+              "flce: gemm shapes ", a.sizes(), " @ ", b.sizes(), " -> ", c.sizes());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "flce: gemm operand dtypes differ");
+  TORCH_CHECK(a.stride(0) == 1 || a.stride(1) == 1 || a.size(0) <= 1 || a.size(1) <= 1,
+              "flce: gemm operand a needs a unit stride, got ", a.strides());
+  TORCH_CHECK(b.stride(0) == 1 || b.stride(1) == 1 || b.size(0) <= 1 || b.size(1) <= 1,
+              "flce: gemm operand b needs a unit stride, got ", b.strides());
+  if (c.numel() == 0) return;
+  // fp32 products and accumulation, rounded once to c's dtype, as cuBLAS with an fp32 compute
+  // type; beta = 0 never reads c (it may hold NaN poison).
+  at::Tensor r = at::mm(a.to(at::kFloat), b.to(at::kFloat));
+  if (alpha != 1.f) r.mul_(alpha);
+  if (beta != 0.f) r.add_(c.to(at::kFloat), beta);
+  c.copy_(r);
+}
+
+struct PendingCopy::Impl {
+  at::Tensor host;
+};
+PendingCopy::PendingCopy(const at::Tensor& src) : impl_(new Impl{src.clone()}) {}
+PendingCopy::~PendingCopy() = default;
+PendingCopy::PendingCopy(PendingCopy&&) noexcept = default;
+PendingCopy& PendingCopy::operator=(PendingCopy&&) noexcept = default;
+bool PendingCopy::ready() const { return true; }
+const at::Tensor& PendingCopy::wait() const { return impl_->host; }
+
+namespace {
+
+// The CPU allocator of the process, wrapped so that every live allocation is known to the
+// runtime's cp.async source check. Installed when the module loads.
+struct Registered {
+  c10::DataPtr inner;
+};
+
+void free_registered(void* ctx) {
+  auto* r = static_cast<Registered*>(ctx);
+  if (r->inner.get() != nullptr) host::unregister_allocation(r->inner.get());
+  delete r;
+}
+
+class RegisteringAllocator final : public c10::Allocator {
+ public:
+  explicit RegisteringAllocator(c10::Allocator* base) : base_(base) {}
+  c10::DataPtr allocate(size_t bytes) override {
+    c10::DataPtr inner = base_->allocate(bytes);
+    void* p = inner.get();
+    if (p != nullptr) host::register_allocation(p, bytes);
+    return {p, new Registered{std::move(inner)}, &free_registered, c10::Device(c10::kCPU)};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+ private:
+  c10::Allocator* base_;
+};
+
+const bool allocator_installed = [] {
+  static RegisteringAllocator alloc(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(&alloc, /*priority=*/100);
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace dev
+}  // namespace flce

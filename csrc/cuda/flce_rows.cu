@@ -1,0 +1,247 @@
+// Row kernels of the single pass (flce::sum_and_grad on CUDA, 3 GEMMs): the logits of a chunk of
+// rows come from cuBLAS in fp32 ([n, v], never rounded to 16 bits), and these kernels turn them
+// into the collapse-safe statistics and the gradient tile, with the math of flce/math.h.
+//
+// row_stats_kernel  one CTA per row: (m, s) online logsumexp over the non-target columns, z_t,
+//                   sum_z (partial_stats' [n, 4] format, merged by launch_combine);
+// row_grad_kernel   one CTA per rows_per_cta rows: dz_j = (j == t ? dz_t : A p_j - U) *
+//                   softcap'(z_j) from launch_row_coef's coefficients, stored in the compute
+//                   dtype over the logits (in place), tile by tile;
+// scale_grad_kernel the deferred gradients -> the gradient, scaled in double, rounded once.
+//
+// Thread k of a CTA owns the columns k + kThreads * i, walked in order; partial results are
+// combined in a fixed tree (warp butterflies, then the warps in order): bitwise reproducible,
+// no atomics.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "flce/math.h"
+#include "params.h"
+#include "ptx.cuh"
+
+namespace flce {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kPerThread = 4;                   // columns per thread per tile (independent loads)
+constexpr int kTile = kThreads * kPerThread;    // [kTile] columns of a row per step
+
+struct RowPartial {
+  OnlineLse lse;
+  float zt;
+  float sum;
+};
+
+__device__ __forceinline__ RowPartial merge(RowPartial a, const RowPartial& b) {
+  a.lse = lse_merge(a.lse, b.lse);
+  if (b.zt != neg_inf()) a.zt = b.zt;  // only the owner of the target column has one
+  a.sum += b.sum;
+  return a;
+}
+
+// Every lane of the warp ends with the merge of the warp's 32 partials (a butterfly: lse_merge
+// and + are symmetric in their arguments, so both partners compute the same value).
+__device__ __forceinline__ RowPartial warp_merge(RowPartial p) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    RowPartial o;
+    o.lse.m = __shfl_xor_sync(0xffffffffu, p.lse.m, off);
+    o.lse.s = __shfl_xor_sync(0xffffffffu, p.lse.s, off);
+    o.zt = __shfl_xor_sync(0xffffffffu, p.zt, off);
+    o.sum = __shfl_xor_sync(0xffffffffu, p.sum, off);
+    p = merge(p, o);
+  }
+  return p;
+}
+
+__global__ void __launch_bounds__(kThreads) row_stats_kernel(const RowStatsParams p) {
+  FLCE_DYNAMIC_SHARED(smem);
+  RowPartial* warp_part = reinterpret_cast<RowPartial*>(smem);  // [kWarps]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
+    const float* z = p.logits + row * p.ld;
+    const int64_t tcol =
+        target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
+    OnlineLse st = lse_empty();
+    float zt = neg_inf(), sum = 0.f, comp = 0.f;
+    for (int64_t c0 = 0; c0 < p.v; c0 += kTile) {
+      float x[kPerThread];
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const int64_t j = c0 + threadIdx.x + i * kThreads;
+        x[i] = j < p.v ? z[j] : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const int64_t j = c0 + threadIdx.x + i * kThreads;
+        if (j < p.v) {
+          const float zj = logit_of(x[i], p.bias, j, p.softcap);
+          if (j == tcol) {
+            zt = zj;
+          } else {
+            lse_add(st, zj);
+          }
+          kahan_add(sum, comp, zj);
+        }
+      }
+    }
+    RowPartial part = warp_merge(RowPartial{st, zt, kahan_result(sum, comp)});
+    if (lane == 0) warp_part[warp] = part;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      RowPartial all{lse_empty(), neg_inf(), 0.f};
+      float s = 0.f, c = 0.f;
+      for (int w = 0; w < kWarps; ++w) {
+        all = merge(all, warp_part[w]);
+        kahan_add(s, c, warp_part[w].sum);
+      }
+      *reinterpret_cast<float4*>(p.partials + row * 4) =
+          make_float4(all.lse.m, all.lse.s, all.zt, kahan_result(s, c));
+    }
+    __syncthreads();  // warp_part is reused by the next row
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradParams p) {
+  const int64_t rows = p.rows_per_cta;
+  const int64_t blocks = (p.n + rows - 1) / rows;
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = b * rows + r;
+      if (row >= p.n) break;  // CTA-uniform
+      const float* z = p.logits + row * p.ld;
+      T* out = static_cast<T*>(p.grad) + row * p.grad_ld;
+      T* lo = p.grad_lo != nullptr ? static_cast<T*>(p.grad_lo) + row * p.grad_lo_ld : nullptr;
+      float* colsum = p.col_partials != nullptr ? p.col_partials + b * p.v : nullptr;
+      const float4 c = *reinterpret_cast<const float4*>(p.coef + row * 8);
+      const RowGrad rg{c.x, c.y, c.z, c.w, p.coef[row * 8 + 4]};
+      const int64_t tcol =
+          target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
+      if (p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0) p.target_resid[row] = 0.f;
+      for (int64_t c0 = 0; c0 < p.v; c0 += kTile) {
+        float x[kPerThread];
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+          const int64_t j = c0 + threadIdx.x + i * kThreads;
+          x[i] = j < p.v ? z[j] : 0.f;
+        }
+        // In place, the 16-bit gradient of tile [c0, c0 + kTile) lands on the bytes of logits
+        // [c0 / 2, (c0 + kTile) / 2): all of them read already by every thread after this
+        // barrier (earlier tiles, and this one), none of a later tile.
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+          const int64_t j = c0 + threadIdx.x + i * kThreads;
+          if (j < p.v) {
+            const float zj = logit_of(x[i], p.bias, j, p.softcap);
+            const float dz =
+                (j == tcol ? rg.dz_t : logit_grad(rg, zj)) * softcap_grad(zj, p.softcap);
+            const T hi = from_float<T>(dz);
+            out[j] = hi;
+            if constexpr (sizeof(T) == 2) {  // an fp32 tile is exact: nothing to keep
+              const float resid = dz - to_float<T>(hi);
+              if (lo != nullptr) lo[j] = from_float<T>(resid);
+              if (j == tcol && p.target_resid != nullptr) p.target_resid[row] = resid;
+            }
+            if (colsum != nullptr) colsum[j] = r == 0 ? dz : colsum[j] + dz;
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename X>
+__global__ void scale_grad_kernel(T* __restrict__ out, const X* __restrict__ x, int slices,
+                                  int64_t count, const double* __restrict__ scale) {
+  const double k = *scale;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    double v = 0.0;
+    for (int s = 0; s < slices; ++s) v += static_cast<double>(to_float<X>(x[s * count + i]));
+    out[i] = from_float<T>(static_cast<float>(v * k));
+  }
+}
+
+unsigned grid_rows(int64_t blocks) {
+  return static_cast<unsigned>(blocks < 0x7fffffff ? blocks : 0x7fffffff);
+}
+
+template <typename T>
+cudaError_t scale_grad_to(T* out, const void* x, DType x_dtype, int slices, int64_t count,
+                          const double* scale, cudaStream_t stream) {
+  const int64_t blocks = (count + kThreads - 1) / kThreads;
+  const unsigned grid = static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
+  switch (x_dtype) {
+    case DType::kFloat32:
+    case DType::kFloat32Tf32:
+      launch_kernel<scale_grad_kernel<T, float>>(dim3(grid), dim3(kThreads), 0, stream, out,
+                                              static_cast<const float*>(x), slices, count,
+                                              scale);
+      break;
+    case DType::kBFloat16:
+      launch_kernel<scale_grad_kernel<T, __nv_bfloat16>>(dim3(grid), dim3(kThreads), 0, stream, out,
+                                              static_cast<const __nv_bfloat16*>(x), slices, count,
+                                              scale);
+      break;
+    case DType::kFloat16:
+      launch_kernel<scale_grad_kernel<T, __half>>(dim3(grid), dim3(kThreads), 0, stream, out,
+                                              static_cast<const __half*>(x), slices, count,
+                                              scale);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  launch_kernel<row_stats_kernel>(dim3(grid_rows(p.n)), dim3(kThreads),
+                                   kWarps * sizeof(RowPartial), stream, p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  if (p.rows_per_cta < 1 || (p.col_partials == nullptr && p.rows_per_cta != 1)) {
+    return cudaErrorInvalidValue;
+  }
+  const unsigned grid = grid_rows((p.n + p.rows_per_cta - 1) / p.rows_per_cta);
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kFloat32Tf32:
+      launch_kernel<row_grad_kernel<float>>(dim3(grid), dim3(kThreads), 0, stream, p);
+      break;
+    case DType::kBFloat16:
+      launch_kernel<row_grad_kernel<__nv_bfloat16>>(dim3(grid), dim3(kThreads), 0, stream, p);
+      break;
+    case DType::kFloat16:
+      launch_kernel<row_grad_kernel<__half>>(dim3(grid), dim3(kThreads), 0, stream, p);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_scale_grad(void* out, DType dtype, const void* x, DType x_dtype, int slices,
+                              int64_t count, const double* scale, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kFloat32Tf32:
+      return scale_grad_to(static_cast<float*>(out), x, x_dtype, slices, count, scale, stream);
+    case DType::kBFloat16:
+      return scale_grad_to(static_cast<__nv_bfloat16*>(out), x, x_dtype, slices, count, scale,
+                           stream);
+    case DType::kFloat16:
+      return scale_grad_to(static_cast<__half*>(out), x, x_dtype, slices, count, scale, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda
+}  // namespace flce

@@ -1,0 +1,61 @@
+// The schemas of the flce operator library, written once. csrc/ops.cpp defines them in the
+// `flce` namespace; the test-only build of the CUDA binding against the host emulation of the
+// kernels (csrc/cuda/emulated/) defines the same schemas in `flce_cuda_host`, so that the CUDA
+// launch sequence runs on CPU tensors under exactly the op contract it serves on a GPU.
+//
+// Shapes: input [N, D], weight [V_local, D], target [N] (int64, global vocabulary ids),
+// bias [V_local]. Python flattens (..., D) inputs to [N, D]. A single-device call is the
+// vocab-parallel case with one rank: vocab_start = 0, V_local = vocab_size.
+#pragma once
+
+#include <torch/library.h>
+
+namespace flce {
+
+inline void define_ops(torch::Library& m) {
+  // Per-row statistics of this rank's vocabulary shard [vocab_start, vocab_start + V_local):
+  // [N, 4] fp32 = (m, s, z_t, sum_z): running max and sum exp(z - m) over the shard's non-target
+  // logits, the target logit (-inf where the shard does not own the target or the row is
+  // ignored), and the sum of the shard's logits (label smoothing).
+  m.def(
+      "partial_stats(Tensor input, Tensor weight, Tensor target, Tensor? bias, int vocab_start, "
+      "int ignore_index, float softcap) -> Tensor");
+  // Combine R ranks' partials [R, N, 4] into the collapse-safe loss. Validates targets against
+  // the global vocab_size. Returns loss [N], lse [N], stats [N, 3] = (m_x, s_x, z_t) (the
+  // non-target logits' max and sum exp(z - m_x), and the target logit), all fp32.
+  m.def(
+      "combine(Tensor partials, Tensor target, int vocab_size, int ignore_index, "
+      "float label_smoothing, float z_loss) -> (Tensor loss, Tensor lse, Tensor stats)");
+  m.def(
+      "forward(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap) -> (Tensor loss, Tensor lse, "
+      "Tensor stats)");
+  // Gradients from recomputed logit tiles and the fp32 row statistics. grad_loss [N] fp32 (may be
+  // an expanded scalar), grad_lse [N] fp32 or None. Outputs follow output_mask (input, weight,
+  // bias); an unrequested one is an empty tensor. Each gradient has the dtype of its tensor.
+  m.def(
+      "backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor weight, Tensor target, "
+      "Tensor? bias, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap, bool[3] output_mask) -> "
+      "(Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // The single pass (3 GEMMs, no recompute): the reduced loss (fp32 scalar: the sum, or with
+  // mean=True the mean over non-ignored rows) and, per output_mask, the gradients, computed in
+  // the same pass. Gradients are deferred: tensors [k, *shape] (empty [0] when not requested)
+  // whose k slices, added in double, times the scale of scale_grad, give the gradient; the
+  // scale is the upstream gradient over `divisor` (float64 scalar). What k, the dtype and the
+  // divisor are is the backend's choice (python/flce/_ops.py's fake kernel mirrors it):
+  //   CPU:  k = 2, fp32 (sum, compensation) pairs of the gradients of the sum; divisor = 1 or
+  //         the token count.
+  //   CUDA: k = 1: grad_input fp32, grad_weight in the weight's dtype, grad_bias fp32, of the
+  //         reduced loss (the mean's 1 / count is applied on the device, no host sync);
+  //         divisor = 1.
+  // For reduction "sum"/"mean" when gradients are needed.
+  m.def(
+      "sum_and_grad(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, bool mean) -> "
+      "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
+  m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");
+}
+
+}  // namespace flce
