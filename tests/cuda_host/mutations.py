@@ -31,6 +31,7 @@ ASAN_OOB = r"AddressSanitizer: heap-buffer-overflow"
 TILES = "csrc/cuda/tiles.cuh"
 STATS = "csrc/cuda/flce_stats.cu"
 GRAD = "csrc/cuda/flce_grad.cu"
+ROWS = "csrc/cuda/flce_rows.cu"
 
 MUTATIONS = [
     dict(name="wait_group_off_by_one_race",
@@ -93,6 +94,10 @@ MUTATIONS = [
          file=STATS, config="asan", test="fp32_simt_tiles", expect=ASAN_OOB,
          original="    if (row >= a.n) break;\n    const RowState st = rows[r];",
          replacement="    if (row > a.n) break;\n    const RowState st = rows[r];"),
+    dict(name="no_barrier_before_in_place_gradient",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="none of a later tile.\n        __syncthreads();\n",
+         replacement="none of a later tile.\n"),
 ]
 
 
@@ -170,6 +175,15 @@ def mutate(cfg, m, bi):
     return True, f"caught (exit {rc}, rebuilt {', '.join(tus)}): {found}"
 
 
+LOG = []
+
+
+def say(text):
+    """Print, and keep for mutations.log next to the work directory (kept after the run)."""
+    print(text, flush=True)
+    LOG.append(text)
+
+
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
@@ -184,16 +198,18 @@ def main():
     for config, test in sorted({(m["config"], m["test"]) for m in muts}):
         rc, out = run_test(cfg["binaries"][config], test)
         status = "passes" if rc == 0 else f"FAILS (exit {rc})"
-        print(f"clean {config:9s} {test:18s} {status}", flush=True)
+        say(f"clean {config:9s} {test:18s} {status}")
         if rc != 0:
             failures += 1
-            print(out[-3000:])
+            say(out[-6000:])
     with ThreadPoolExecutor(max_workers=2) as ex:
         results = list(ex.map(lambda m: (m, mutate(cfg, m, bi)), muts))
     for m, (ok, msg) in results:
-        print(f"{'ok  ' if ok else 'FAIL'} {m['name']:40s} [{m['config']}, {m['test']}] {msg}")
+        say(f"{'ok  ' if ok else 'FAIL'} {m['name']:40s} [{m['config']}, {m['test']}] {msg}")
         failures += 0 if ok else 1
-    print(f"{len(muts)} mutations, {failures} problem(s), {time.time() - t0:.0f} s")
+    say(f"{len(muts)} mutations, {failures} problem(s), {time.time() - t0:.0f} s")
+    with open(os.path.join(os.path.dirname(cfg["work_dir"]), "mutations.log"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
     if failures == 0:
         shutil.rmtree(cfg["work_dir"], ignore_errors=True)
     return 1 if failures else 0

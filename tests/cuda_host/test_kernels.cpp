@@ -164,17 +164,19 @@ struct Case {
   bool padded = false;        // row strides beyond d (aligned for the tensor-core tiles)
   bool transposed_w = false;  // SIMT tile: weight with unit row stride
   bool collapsed_row = false; // row 0 with a target margin of ~40 (p_t rounds to 1 in fp32)
+  bool single_pass = false;   // the row kernels on fp32 logits from a GEMM (flce_rows.cu)
 };
 
 std::string describe(const Case& c) {
   char buf[256];
   std::snprintf(buf, sizeof(buf),
                 "%s N=%lld V=%lld D=%lld bias=%d cap=%g eps=%g z=%g ign=%d bad=%d glse=%d "
-                "g0=%d ranks=%d tps=%d chunk=%d master=%d pad=%d wT=%d coll=%d",
+                "g0=%d ranks=%d tps=%d chunk=%d master=%d pad=%d wT=%d coll=%d%s",
                 kind_name(c.kind), static_cast<long long>(c.n), static_cast<long long>(c.v),
                 static_cast<long long>(c.d), c.bias, c.softcap, c.eps, c.zloss, c.ignore_rows,
                 c.bad_targets, c.grad_lse, c.grad_loss_stride0, c.ranks, c.tiles_per_split,
-                c.chunk_tiles, c.master, c.padded, c.transposed_w, c.collapsed_row);
+                c.chunk_tiles, c.master, c.padded, c.transposed_w, c.collapsed_row,
+                c.single_pass ? " single-pass" : "");
   return buf;
 }
 
@@ -201,6 +203,7 @@ struct Problem {
   std::vector<float> grad_lse;    // [n]
   std::vector<double> z, delta;   // [n, v] reference logits and their kernel error bounds
   std::vector<double> zraw;       // before softcap
+  std::vector<double> acc;        // [n, v] the dot products alone (no bias)
   std::vector<int64_t> shard_lo;  // [ranks + 1]
 
   int64_t t(int64_t i) const { return target[2 * i]; }
@@ -213,7 +216,9 @@ void build(Problem& p) {
   const flce::cuda::TileShape ts = flce::cuda::tile_shape(dtype_of(c.kind));
   p.block_n = ts.block_n;
   p.block_v = ts.block_v;
-  if (c.kind == Kind::kF32) {
+  if (c.single_pass) {
+    p.steps = 0;  // the fp32 logits are the exact products rounded once (a GEMM's own error aside)
+  } else if (c.kind == Kind::kF32) {
     p.steps = static_cast<int>(c.d);
   } else {
     const int64_t mma_k = 32 / elt_size(c.kind);
@@ -253,6 +258,7 @@ void build(Problem& p) {
   // Reference logits from the operands the tiles multiply, and their error bounds.
   p.z.assign(c.n * c.v, 0);
   p.zraw.assign(c.n * c.v, 0);
+  p.acc.assign(c.n * c.v, 0);
   p.delta.assign(c.n * c.v, 0);
   for (int64_t i = 0; i < c.n; ++i) {
     for (int64_t j = 0; j < c.v; ++j) {
@@ -269,6 +275,7 @@ void build(Problem& p) {
         dz += kU * std::fabs(u) + 4 * kU * std::fabs(zz);
       }
       p.zraw[i * c.v + j] = u;
+      p.acc[i * c.v + j] = acc;
       p.z[i * c.v + j] = zz;
       p.delta[i * c.v + j] = dz;
     }
@@ -462,6 +469,100 @@ cudaError_t ok_or_report(cudaError_t e, const char* what) {
 
 // ---------------------------------------------------------------------------------------------
 // One case: the forward and backward launch sequences, every output checked
+// combine (finalize) of `ranks` partial blocks -> loss, lse, stats, flag, checked; returns the
+// rows' references.
+std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& target,
+                                      const float* partials, int64_t ranks, int merges,
+                                      DeviceBuffer<float>& stats) {
+  const Case& c = p.c;
+  const int64_t n = c.n;
+  DeviceBuffer<float> loss(n, harness::qnan()), lse(n, harness::qnan());
+  DeviceBuffer<int> flag(1, 0);
+  flce::cuda::CombineParams cp{};
+  cp.partials = partials;
+  cp.ranks = ranks;
+  cp.n = n;
+  cp.target = target.data();
+  cp.target_stride = 2;
+  cp.vocab_size = c.v;
+  cp.ignore_index = kIgnore;
+  cp.label_smoothing = c.eps;
+  cp.z_loss = c.zloss;
+  cp.loss = loss.data();
+  cp.lse = lse.data();
+  cp.stats = stats.data();
+  cp.error_flag = flag.data();
+  EXPECT(ok_or_report(flce::cuda::launch_combine(cp, true, nullptr), "combine") == cudaSuccess,
+         "combine");
+  std::vector<RowRef> rows(n);
+  {
+    Tally t("loss, lse, stats", c);
+    for (int64_t i = 0; i < n; ++i) {
+      const RowRef& rr = rows[i] = row_ref(p, i, merges);
+      const double x = rr.all.lse_x - rr.all.zt;
+      const double dlse = sigmoid(x) * rr.dlse_x + sigmoid(-x) * rr.all.dzt + 2 * kU * std::fabs(rr.lse);
+      t.check(t.near(loss[i], p.ignored(i) ? 0.0 : rr.loss, rr.dloss), "row %lld loss %.9g vs %.9g (tol %.3g)",
+              static_cast<long long>(i), loss[i], rr.loss, rr.dloss);
+      t.check(t.near(lse[i], rr.lse, dlse), "row %lld lse %.9g vs %.9g", static_cast<long long>(i), lse[i], rr.lse);
+      t.check(lse_near(stats[3 * i], stats[3 * i + 1], rr.all, merges), "row %lld stats (m_x, s_x)",
+              static_cast<long long>(i));
+      t.check(t.near(stats[3 * i + 2], rr.all.zt, rr.all.dzt), "row %lld stats z_t", static_cast<long long>(i));
+    }
+  }
+  EXPECT(flag[0] == (c.bad_targets && n > 2 ? 1 : 0), "target flag %d [%s]", flag[0], describe(c).c_str());
+
+  return rows;
+}
+
+// row_coef from the kernel's stats -> coef, bound, checked.
+void row_coef_and_check(const Problem& p, DeviceBuffer<int64_t>& target,
+                        DeviceBuffer<float>& grad_loss, DeviceBuffer<float>& grad_lse,
+                        DeviceBuffer<float>& stats, DeviceBuffer<float>& coef,
+                        DeviceBuffer<float>& bound) {
+  const Case& c = p.c;
+  const int64_t n = c.n;
+  // Backward: row coefficients from the kernel's stats, read through strides (col stride 2).
+  DeviceBuffer<float> stats2(n * 6, harness::qnan());
+  for (int64_t i = 0; i < 3 * n; ++i) stats2[(i / 3) * 6 + (i % 3) * 2] = stats[i];
+  flce::cuda::RowCoefParams rp{};
+  rp.n = n;
+  rp.target = target.data();
+  rp.target_stride = 2;
+  rp.stats = stats2.data();
+  rp.stats_row_stride = 6;
+  rp.stats_col_stride = 2;
+  rp.grad_loss = grad_loss.data();
+  rp.grad_loss_stride = c.grad_loss_stride0 ? 0 : 1;
+  rp.grad_lse = c.grad_lse ? grad_lse.data() : nullptr;
+  rp.grad_lse_stride = c.grad_lse ? 1 : 0;
+  rp.ignore_index = kIgnore;
+  rp.label_smoothing = c.eps;
+  rp.z_loss = c.zloss;
+  rp.softcap = c.softcap;
+  rp.vocab_size = c.v;
+  rp.coef = coef.data();
+  rp.bound = bound.data();
+  EXPECT(ok_or_report(flce::cuda::launch_row_coef(rp, nullptr), "row_coef") == cudaSuccess, "row_coef");
+  {
+    // The kernel evaluates math.h's row_grad: the same function on the host gives the same bits.
+    Tally t("coef, bound", c);
+    const flce::LossOptions opt{c.eps, c.zloss, c.softcap, c.v};
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = p.grad_loss[c.grad_loss_stride0 ? 0 : i];
+      const float gl = c.grad_lse ? p.grad_lse[i] : 0.f;
+      const flce::RowGrad rg = flce::row_grad(flce::OnlineLse{stats[3 * i], stats[3 * i + 1]},
+                                              stats[3 * i + 2], p.ignored(i), g, gl, opt);
+      const float want[8] = {rg.ref, rg.a, rg.u, rg.dz_t, rg.div, 0.f, 0.f, 0.f};
+      for (int k = 0; k < 8; ++k) {
+        t.check(std::memcmp(&coef[8 * i + k], &want[k], 4) == 0, "row %lld coef[%d] %g vs %g",
+                static_cast<long long>(i), k, coef[8 * i + k], want[k]);
+      }
+      const float b = std::fabs(rg.a) + std::fabs(rg.u) + (p.ignored(i) ? 0.f : std::fabs(rg.dz_t));
+      t.check(std::memcmp(&bound[i], &b, 4) == 0, "row %lld bound", static_cast<long long>(i));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 
 void run_case(const Case& c) {
@@ -562,82 +663,11 @@ void run_case(const Case& c) {
     final_ranks = c.ranks;
     total_merges += c.ranks;
   }
-  DeviceBuffer<float> loss(n, harness::qnan()), lse(n, harness::qnan()), stats(n * 3, harness::qnan());
-  DeviceBuffer<int> flag(1, 0);
-  flce::cuda::CombineParams cp{};
-  cp.partials = final_partials->data();
-  cp.ranks = final_ranks;
-  cp.n = n;
-  cp.target = target.data();
-  cp.target_stride = 2;
-  cp.vocab_size = c.v;
-  cp.ignore_index = kIgnore;
-  cp.label_smoothing = c.eps;
-  cp.z_loss = c.zloss;
-  cp.loss = loss.data();
-  cp.lse = lse.data();
-  cp.stats = stats.data();
-  cp.error_flag = flag.data();
-  EXPECT(ok_or_report(flce::cuda::launch_combine(cp, true, nullptr), "combine") == cudaSuccess,
-         "combine");
-  std::vector<RowRef> rows(n);
-  {
-    Tally t("loss, lse, stats", c);
-    for (int64_t i = 0; i < n; ++i) {
-      const RowRef& rr = rows[i] = row_ref(p, i, total_merges);
-      const double x = rr.all.lse_x - rr.all.zt;
-      const double dlse = sigmoid(x) * rr.dlse_x + sigmoid(-x) * rr.all.dzt + 2 * kU * std::fabs(rr.lse);
-      t.check(t.near(loss[i], p.ignored(i) ? 0.0 : rr.loss, rr.dloss), "row %lld loss %.9g vs %.9g (tol %.3g)",
-              static_cast<long long>(i), loss[i], rr.loss, rr.dloss);
-      t.check(t.near(lse[i], rr.lse, dlse), "row %lld lse %.9g vs %.9g", static_cast<long long>(i), lse[i], rr.lse);
-      t.check(lse_near(stats[3 * i], stats[3 * i + 1], rr.all, total_merges), "row %lld stats (m_x, s_x)",
-              static_cast<long long>(i));
-      t.check(t.near(stats[3 * i + 2], rr.all.zt, rr.all.dzt), "row %lld stats z_t", static_cast<long long>(i));
-    }
-  }
-  EXPECT(flag[0] == (c.bad_targets && n > 2 ? 1 : 0), "target flag %d [%s]", flag[0], describe(c).c_str());
-
-  // Backward: row coefficients from the kernel's stats, read through strides (col stride 2).
-  DeviceBuffer<float> stats2(n * 6, harness::qnan());
-  for (int64_t i = 0; i < 3 * n; ++i) stats2[(i / 3) * 6 + (i % 3) * 2] = stats[i];
-  DeviceBuffer<float> coef(n * 8, harness::qnan()), bound(n, harness::qnan());
-  flce::cuda::RowCoefParams rp{};
-  rp.n = n;
-  rp.target = target.data();
-  rp.target_stride = 2;
-  rp.stats = stats2.data();
-  rp.stats_row_stride = 6;
-  rp.stats_col_stride = 2;
-  rp.grad_loss = grad_loss.data();
-  rp.grad_loss_stride = c.grad_loss_stride0 ? 0 : 1;
-  rp.grad_lse = c.grad_lse ? grad_lse.data() : nullptr;
-  rp.grad_lse_stride = c.grad_lse ? 1 : 0;
-  rp.ignore_index = kIgnore;
-  rp.label_smoothing = c.eps;
-  rp.z_loss = c.zloss;
-  rp.softcap = c.softcap;
-  rp.vocab_size = c.v;
-  rp.coef = coef.data();
-  rp.bound = bound.data();
-  EXPECT(ok_or_report(flce::cuda::launch_row_coef(rp, nullptr), "row_coef") == cudaSuccess, "row_coef");
-  {
-    // The kernel evaluates math.h's row_grad: the same function on the host gives the same bits.
-    Tally t("coef, bound", c);
-    const flce::LossOptions opt{c.eps, c.zloss, c.softcap, c.v};
-    for (int64_t i = 0; i < n; ++i) {
-      const float g = p.grad_loss[c.grad_loss_stride0 ? 0 : i];
-      const float gl = c.grad_lse ? p.grad_lse[i] : 0.f;
-      const flce::RowGrad rg = flce::row_grad(flce::OnlineLse{stats[3 * i], stats[3 * i + 1]},
-                                              stats[3 * i + 2], p.ignored(i), g, gl, opt);
-      const float want[8] = {rg.ref, rg.a, rg.u, rg.dz_t, rg.div, 0.f, 0.f, 0.f};
-      for (int k = 0; k < 8; ++k) {
-        t.check(std::memcmp(&coef[8 * i + k], &want[k], 4) == 0, "row %lld coef[%d] %g vs %g",
-                static_cast<long long>(i), k, coef[8 * i + k], want[k]);
-      }
-      const float b = std::fabs(rg.a) + std::fabs(rg.u) + (p.ignored(i) ? 0.f : std::fabs(rg.dz_t));
-      t.check(std::memcmp(&bound[i], &b, 4) == 0, "row %lld bound", static_cast<long long>(i));
-    }
-  }
+  DeviceBuffer<float> stats(n * 3, harness::qnan()), coef(n * 8, harness::qnan()),
+      bound(n, harness::qnan());
+  const std::vector<RowRef> rows =
+      combine_and_check(p, target, final_partials->data(), final_ranks, total_merges, stats);
+  row_coef_and_check(p, target, grad_loss, grad_lse, stats, coef, bound);
   // fp16 tiles are stored as scale * dz, scale a power of two with max |scale dz| in
   // (2^13, 2^14], as the binding computes it.
   float scale = 1.f;
@@ -863,6 +893,183 @@ void run_case(const Case& c) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The single pass (flce_rows.cu): fp32 logits from a GEMM (here the exact products rounded once)
+// -> row_stats per shard -> combine -> row_coef -> row_grad in place over the logits ->
+// target_fix without compensation.
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+double grad_at(const float* logits_row0, int64_t grad_ld, int64_t i, int64_t j) {
+  return load<T>(reinterpret_cast<const T*>(logits_row0) + i * grad_ld, j);
+}
+
+void run_single_pass(const Case& c) {
+  Problem p;
+  p.c = c;
+  build(p);
+  const int64_t n = c.n, v = c.v, d = c.d;
+  const int64_t ld = v + 3;  // padded rows, the gap NaN
+  DeviceBuffer<int64_t> target(p.target);
+  DeviceBuffer<float> bias(p.bias);
+  DeviceBuffer<float> grad_loss(p.grad_loss), grad_lse(std::max<std::size_t>(p.grad_lse.size(), 1), 0.f);
+  for (std::size_t i = 0; i < p.grad_lse.size(); ++i) grad_lse[i] = p.grad_lse[i];
+  DeviceBuffer<float> logits(n * ld, harness::qnan());
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < v; ++j) logits[i * ld + j] = static_cast<float>(p.acc[i * v + j]);
+  }
+  // Forward: per-row statistics of each shard's columns, combined over the shards.
+  DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * 4, harness::qnan());
+  int merges = 0;
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
+    flce::cuda::RowStatsParams sp{};
+    sp.logits = logits.data() + lo;
+    sp.n = n;
+    sp.v = vr;
+    sp.ld = ld;
+    sp.bias = c.bias ? bias.data() + lo : nullptr;
+    sp.softcap = c.softcap;
+    sp.target = target.data();
+    sp.target_stride = 2;
+    sp.col_offset = lo;
+    sp.ignore_index = kIgnore;
+    sp.partials = stacked.data() + r * n * 4;
+    EXPECT(ok_or_report(flce::cuda::launch_row_stats(sp, nullptr), "row_stats") == cudaSuccess,
+           "row_stats [%s]", describe(c).c_str());
+    // lse_add per column (a rescale each time the max grows), then 5 butterfly and 8 warp merges.
+    const int shard_merges = static_cast<int>(2 * ((vr + 255) / 256) + 13);
+    merges = std::max(merges, shard_merges) + 1;
+    Tally t("row_stats partials (m, s, z_t, sum_z)", c);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* q = stacked.data() + (r * n + i) * 4;
+      const RangeRef rr = range_ref(p, i, lo, lo + vr);
+      double mag = 0;
+      for (int64_t j = lo; j < lo + vr; ++j) mag += std::fabs(p.z[i * v + j]);
+      t.check(lse_near(q[0], q[1], rr, shard_merges), "rank %d row %lld (m, s)", r,
+              static_cast<long long>(i));
+      t.check(t.near(q[2], rr.zt, rr.dzt), "rank %d row %lld z_t", r, static_cast<long long>(i));
+      // Compensated per thread, a plain 5-level butterfly across the warp, compensated over warps.
+      t.check(t.near(q[3], rr.sum, rr.dsum + 8 * kU * mag), "rank %d row %lld sum %.9g vs %.9g", r,
+              static_cast<long long>(i), q[3], rr.sum);
+    }
+  }
+  DeviceBuffer<float> stats(n * 3, harness::qnan()), coef(n * 8, harness::qnan()),
+      bound(n, harness::qnan());
+  const std::vector<RowRef> rows = combine_and_check(p, target, stacked.data(), c.ranks, merges, stats);
+  row_coef_and_check(p, target, grad_loss, grad_lse, stats, coef, bound);
+
+  // Backward: the gradient tile over the logits, in place (the binding's layout).
+  std::vector<GradRef> gr(n * v);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < v; ++j) gr[i * v + j] = grad_ref(p, rows[i], i, j);
+  }
+  const bool sixteen = elt_size(c.kind) == 2;
+  const int64_t grad_ld = ld * 4 / elt_size(c.kind);
+  const int rows_per_cta = c.bias ? 16 : 1;
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
+    const int64_t blocks = (n + rows_per_cta - 1) / rows_per_cta;
+    DeviceBuffer<unsigned char> glo(c.master ? n * vr * elt_size(c.kind) : 0, 0xff);
+    DeviceBuffer<float> resid(n, harness::qnan()), colp(c.bias ? blocks * vr : 0, harness::qnan());
+    flce::cuda::RowGradParams gp{};
+    gp.logits = logits.data() + lo;
+    gp.n = n;
+    gp.v = vr;
+    gp.ld = ld;
+    gp.bias = c.bias ? bias.data() + lo : nullptr;
+    gp.softcap = c.softcap;
+    gp.target = target.data();
+    gp.target_stride = 2;
+    gp.col_offset = lo;
+    gp.ignore_index = kIgnore;
+    gp.coef = coef.data();
+    gp.grad = logits.data() + lo;
+    gp.grad_ld = grad_ld;
+    gp.grad_lo = c.master ? glo.data() : nullptr;
+    gp.grad_lo_ld = vr;
+    gp.target_resid = sixteen ? resid.data() : nullptr;
+    gp.col_partials = c.bias ? colp.data() : nullptr;
+    gp.rows_per_cta = rows_per_cta;
+    EXPECT(ok_or_report(flce::cuda::launch_row_grad(gp, dtype_of(c.kind), nullptr), "row_grad") ==
+               cudaSuccess,
+           "row_grad [%s]", describe(c).c_str());
+    // Each shard's tile lies over its own columns' logits (16-bit rows take half the bytes).
+    Tally t("row_grad tile (hi, lo, target_resid, col_partials)", c);
+    const float* row0 = logits.data() + lo;
+    auto hi_at = [&](int64_t i, int64_t j) {
+      if (c.kind == Kind::kBf16) return grad_at<__nv_bfloat16>(row0, grad_ld, i, j);
+      if (c.kind == Kind::kF16) return grad_at<__half>(row0, grad_ld, i, j);
+      return grad_at<float>(row0, grad_ld, i, j);
+    };
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < vr; ++j) {
+        const GradRef& g = gr[i * v + lo + j];
+        const double h = hi_at(i, j), sd = std::fabs(g.dz) + g.tol;
+        t.check(t.near(h, g.dz, g.tol + 0.5 * ulp(sd, c.kind)), "row %lld col %lld: hi %.9g vs %.9g",
+                static_cast<long long>(i), static_cast<long long>(lo + j), h, g.dz);
+        if (c.master) {
+          const double l = tile_value(c.kind, glo.data(), i * vr + j);
+          t.check(t.near(h + l, g.dz, g.tol + kU * sd + 0.5 * ulp(0.5 * ulp(sd, c.kind), c.kind)),
+                  "row %lld col %lld: hi + lo", static_cast<long long>(i), static_cast<long long>(lo + j));
+        }
+      }
+      if (!sixteen) continue;
+      const bool here = p.valid_target(i) && p.t(i) >= lo && p.t(i) < lo + vr;
+      if (!here) {
+        t.check(resid[i] == 0.f, "row %lld: target_resid %g without the target", static_cast<long long>(i), resid[i]);
+        continue;
+      }
+      const GradRef& g = gr[i * v + p.t(i)];
+      t.check(t.near(hi_at(i, p.t(i) - lo) + resid[i], g.dz, g.tol + kU * (std::fabs(g.dz) + g.tol)),
+              "row %lld: hi + target_resid", static_cast<long long>(i));
+    }
+    for (int64_t b = 0; b < (c.bias ? blocks : 0); ++b) {
+      for (int64_t j = 0; j < vr; ++j) {
+        double ref = 0, tol = 0, mag = 0;
+        for (int64_t i = b * rows_per_cta; i < std::min(n, (b + 1) * rows_per_cta); ++i) {
+          ref += gr[i * v + lo + j].dz;
+          tol += gr[i * v + lo + j].tol;
+          mag += std::fabs(gr[i * v + lo + j].dz);
+        }
+        tol += rows_per_cta * kU * mag;  // plain fp32 adds, row by row
+        t.check(t.near(colp[b * vr + j], ref, tol), "col_partials[%lld, %lld] %.9g vs %.9g",
+                static_cast<long long>(b), static_cast<long long>(lo + j), colp[b * vr + j], ref);
+      }
+    }
+    if (!sixteen) continue;
+    // target_fix without compensation: sum += resid * W[t] in fp32, once, for the shard's rows.
+    std::vector<float> before(n * d);
+    for (float& x : before) x = check::normal();
+    DeviceBuffer<float> sum(before);
+    flce::cuda::TargetFixParams fp{};
+    fp.weight = p.W->row_ptr(lo);
+    fp.weight_row_stride = p.W->row_stride;
+    fp.n = n;
+    fp.v = vr;
+    fp.d = d;
+    fp.target = target.data();
+    fp.target_stride = 2;
+    fp.col_offset = lo;
+    fp.ignore_index = kIgnore;
+    fp.target_resid = resid.data();
+    fp.sum = sum.data();
+    fp.comp = nullptr;
+    EXPECT(ok_or_report(flce::cuda::launch_target_fix(fp, dtype_of(c.kind), nullptr), "target_fix") ==
+               cudaSuccess,
+           "target_fix");
+    Tally tf("target_fix (comp = nullptr)", c);
+    for (int64_t i = 0; i < n; ++i) {
+      const bool here = p.valid_target(i) && p.t(i) >= lo && p.t(i) < lo + vr;
+      for (int64_t k = 0; k < d; ++k) {
+        const float want = here ? before[i * d + k] + resid[i] * p.W->at(p.t(i), k) : before[i * d + k];
+        tf.check(std::memcmp(&sum[i * d + k], &want, 4) == 0, "row %lld [%lld]: %.9g vs %.9g",
+                 static_cast<long long>(i), static_cast<long long>(k), sum[i * d + k], want);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The cases: a sampled subset of the cross product N x V x D x options, per tile kind. Every
 // N in {1, 37, 130, 257}, V in {1, 100, 129, 300, 517} and D in {8, 24, 72, 136} appears
 // (tails in every dimension), and each option appears at least once per kind.
@@ -928,6 +1135,90 @@ std::vector<Case> tensor_core_cases(Kind k) {
     cs.push_back(c);
   }
   return cs;
+}
+
+void run_single_pass_all(const std::vector<Case>& cases) {
+  for (const Case& c : cases) {
+    const int before = check::failures;
+    run_single_pass(c);
+    std::printf("  %s %s\n", check::failures == before ? "ok  " : "FAIL", describe(c).c_str());
+  }
+}
+
+// Rows longer than one 1024-column step of a CTA (V = 1300) and shorter, shards, options.
+std::vector<Case> single_pass_cases(Kind k) {
+  std::vector<Case> cs;
+  {
+    Case c = make(k, 37, 1300, 24);
+    c.bias = true;
+    c.ignore_rows = true;
+    c.eps = 0.1f;
+    c.master = k != Kind::kF32;
+    c.collapsed_row = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(k, 20, 517, 8);
+    c.softcap = 15.f;
+    c.zloss = 1e-3f;
+    c.grad_lse = true;
+    c.ranks = 2;
+    c.bad_targets = true;
+    c.grad_loss_stride0 = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(k, 3, 1, 8);
+    cs.push_back(c);
+  }
+  for (Case& c : cs) c.single_pass = true;
+  return cs;
+}
+
+TEST(single_pass_rows) {
+  for (Kind k : {Kind::kBf16, Kind::kF16, Kind::kF32}) run_single_pass_all(single_pass_cases(k));
+}
+
+// launch_scale_grad: out = dtype((sum of the slices) * scale) for every (out, x) dtype pair,
+// against float64 (one rounding to fp32 and one to the output dtype) and every element written.
+TEST(scale_grad) {
+  const int slices = 3;
+  const int64_t count = 1000;
+  DeviceBuffer<double> k(1, 0.3);
+  for (Kind xk : {Kind::kF32, Kind::kBf16, Kind::kF16}) {
+    std::vector<float> xs(slices * count);
+    DeviceBuffer<unsigned char> x(slices * count * elt_size(xk));
+    for (int64_t i = 0; i < slices * count; ++i) {
+      xs[i] = quantize(check::normal(), xk);
+      unsigned char* at = x.data() + i * elt_size(xk);
+      if (xk == Kind::kBf16) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(xs[i]);
+        std::memcpy(at, &h, 2);
+      } else if (xk == Kind::kF16) {
+        const __half h = __float2half_rn(xs[i]);
+        std::memcpy(at, &h, 2);
+      } else {
+        std::memcpy(at, &xs[i], 4);
+      }
+    }
+    for (Kind ok_ : {Kind::kF32, Kind::kBf16, Kind::kF16}) {
+      DeviceBuffer<unsigned char> out(count * elt_size(ok_), 0xff);
+      EXPECT(flce::cuda::launch_scale_grad(out.data(), dtype_of(ok_), x.data(), dtype_of(xk), slices,
+                                           count, k.data(), nullptr) == cudaSuccess,
+             "scale_grad %s <- %s", kind_name(ok_), kind_name(xk));
+      Case c = make(ok_, 0, 0, 0);
+      Tally t(std::string("scale_grad ") + kind_name(ok_) + " <- " + kind_name(xk), c);
+      for (int64_t i = 0; i < count; ++i) {
+        long double ref = 0;
+        for (int s2 = 0; s2 < slices; ++s2) ref += xs[s2 * count + i];
+        ref *= static_cast<long double>(0.3);  // the double the kernel multiplies by
+        const double got = tile_value(ok_, out.data(), i);
+        t.check(t.near(got, static_cast<double>(ref),
+                       kU * std::fabs(static_cast<double>(ref)) * 1.01 + 0.5 * ulp(std::fabs(static_cast<double>(ref)) * 1.01, ok_)),
+                "[%lld] %.9g vs %.9Lg", static_cast<long long>(i), got, ref);
+      }
+    }
+  }
 }
 
 TEST(bf16_tiles) { run_all(tensor_core_cases(Kind::kBf16)); }

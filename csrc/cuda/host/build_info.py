@@ -20,6 +20,7 @@ From Python (e.g. a torch extension's setup):
 CLI: build_info.py json [config]  |  build_info.py cmake   (CMake `set()` lines, all configs;
 used by tests/cuda_host/CMakeLists.txt, so CMake and other builds share this one list).
 """
+import glob
 import json
 import os
 import subprocess
@@ -30,7 +31,6 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 CONFIGS = ("plain", "racecheck", "asan")
 
 RUNTIME_SOURCES = ["runtime.cpp", "ptx.cpp", "racecheck.cpp", "fiber.cpp"]
-KERNEL_SOURCES = ["flce_stats.cu", "flce_grad.cu", "flce_reduce.cu"]
 # The defines torch.utils.cpp_extension gives every .cu file (the nvcc build uses them too).
 DEFINES = [
     "FLCE_CUDA_HOST",
@@ -81,7 +81,8 @@ def build_info(config="plain"):
     return {
         "config": config,
         "runtime_sources": [os.path.join(host, s) for s in RUNTIME_SOURCES],
-        "kernel_sources": [os.path.join(ROOT, "csrc", "cuda", s) for s in KERNEL_SOURCES],
+        # Every kernel file of csrc/cuda (the binding, flce_cuda.cpp, is not one).
+        "kernel_sources": sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))),
         "include_dirs": [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"),
                          os.path.join(ROOT, "csrc", "cuda"), inc],
         "defines": list(DEFINES),
