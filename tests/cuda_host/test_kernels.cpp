@@ -1087,7 +1087,11 @@ Case make(Kind k, int64_t n, int64_t v, int64_t d) {
 void run_all(const std::vector<Case>& cases) {
   for (const Case& c : cases) {
     const int before = check::failures;
-    run_case(c);
+    if (c.single_pass) {
+      run_single_pass(c);
+    } else {
+      run_case(c);
+    }
     std::printf("  %s %s\n", check::failures == before ? "ok  " : "FAIL", describe(c).c_str());
   }
 }
@@ -1137,14 +1141,6 @@ std::vector<Case> tensor_core_cases(Kind k) {
   return cs;
 }
 
-void run_single_pass_all(const std::vector<Case>& cases) {
-  for (const Case& c : cases) {
-    const int before = check::failures;
-    run_single_pass(c);
-    std::printf("  %s %s\n", check::failures == before ? "ok  " : "FAIL", describe(c).c_str());
-  }
-}
-
 // Rows longer than one 1024-column step of a CTA (V = 1300) and shorter, shards, options.
 std::vector<Case> single_pass_cases(Kind k) {
   std::vector<Case> cs;
@@ -1176,7 +1172,7 @@ std::vector<Case> single_pass_cases(Kind k) {
 }
 
 TEST(single_pass_rows) {
-  for (Kind k : {Kind::kBf16, Kind::kF16, Kind::kF32}) run_single_pass_all(single_pass_cases(k));
+  for (Kind k : {Kind::kBf16, Kind::kF16, Kind::kF32}) run_all(single_pass_cases(k));
 }
 
 // launch_scale_grad: out = dtype((sum of the slices) * scale) for every (out, x) dtype pair,
