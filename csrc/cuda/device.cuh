@@ -32,11 +32,11 @@ namespace cuda {
 
 template <auto kKernel, typename... Args>
 inline void launch_kernel(dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
-                          const Args&... args) {
+                          Args&&... args) {
 #if defined(__CUDACC__)
-  kKernel<<<grid, block, smem, stream>>>(args...);
+  kKernel<<<grid, block, smem, stream>>>(static_cast<Args&&>(args)...);
 #else
-  ::flce::host::launch<kKernel>(grid, block, smem, stream, args...);
+  ::flce::host::launch<kKernel>(grid, block, smem, stream, static_cast<Args&&>(args)...);
 #endif
 }
 

@@ -108,9 +108,9 @@ struct KernelParams<void (*)(P...)> {
 // the kernel's parameter types once, as a launch copies them to parameter memory, and every
 // emulated thread calls the kernel with them. Runs the whole grid before it returns.
 template <auto kKernel, typename... Args>
-void launch(dim3 grid, dim3 block, std::size_t smem, cudaStream_t, const Args&... args) {
+void launch(dim3 grid, dim3 block, std::size_t smem, cudaStream_t, Args&&... args) {
   using Params = typename detail::KernelParams<decltype(kKernel)>::type;
-  Params params(args...);
+  Params params(static_cast<Args&&>(args)...);
 #if defined(__SANITIZE_THREAD__)
   constexpr bool kInstrumented = true;
 #else

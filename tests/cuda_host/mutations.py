@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Planted bugs that the cuda-host checks must catch.
+
+Each mutation is (file, an exact snippet that occurs exactly once, its replacement, the build,
+the test to run, the expected kind of report). For each one this script copies csrc/ to a
+scratch directory, applies the mutation there, recompiles only the kernel TUs that include the
+mutated file (with the flags of csrc/cuda/host/build_info.py, the ones CMake uses), relinks the
+test program with the unchanged objects of the CMake build, runs the test and requires it to FAIL
+with the expected report. (Every TU that includes a mutated header is rebuilt: the host linker
+keeps one copy of an inline function such as MmaTile<T>::compute for all TUs, where nvcc compiles
+each TU's device code on its own.) The unmutated CMake-built program must PASS the same test (else the
+mutation would prove nothing).
+
+Usage: mutations.py BUILD_JSON [NAME ...]   (BUILD_JSON: tests/cuda_host/mutation_build.json in
+the CMake build directory; NAMEs select mutations). Run by ctest (cuda_host.mutations).
+"""
+import json
+import os
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+RACE = r"shared-memory race|cp\.async in flight|uninitialized shared memory"
+NUMERIC = r"elements out of bounds \["
+ASAN_OOB = r"AddressSanitizer: heap-buffer-overflow"
+
+TILES = "csrc/cuda/tiles.cuh"
+STATS = "csrc/cuda/flce_stats.cu"
+GRAD = "csrc/cuda/flce_grad.cu"
+ROWS = "csrc/cuda/flce_rows.cu"
+
+MUTATIONS = [
+    dict(name="wait_group_off_by_one_race",
+         file=TILES, config="racecheck", test="bf16_tiles",
+         expect=r"cp\.async in flight",
+         original="      cp_async_wait<kStages - 2>();  // slice kt has landed",
+         replacement="      cp_async_wait<kStages - 1>();  // slice kt has landed"),
+    dict(name="wait_group_off_by_one_values",
+         file=TILES, config="plain", test="bf16_tiles", expect=NUMERIC,
+         original="      cp_async_wait<kStages - 2>();  // slice kt has landed",
+         replacement="      cp_async_wait<kStages - 1>();  // slice kt has landed"),
+    dict(name="no_barrier_ring_to_epilogue_tile",
+         file=TILES, config="racecheck", test="fp16_tiles", expect=RACE,
+         original="    cp_async_wait<0>();\n    __syncthreads();  // all warps are done with the",
+         replacement="    cp_async_wait<0>();\n    // all warps are done with the"),
+    dict(name="no_barrier_epilogue_tile_to_ring",
+         file=STATS, config="racecheck", test="bf16_tiles", expect=RACE,
+         original="    __syncthreads();  // epi (and the pipeline it aliases) is free again\n",
+         replacement="\n"),
+    dict(name="no_barrier_fragment_stores_to_epilogue",
+         file=TILES, config="racecheck", test="tf32_tiles", expect=RACE,
+         original="            make_float2(acc[mi][ni][2], acc[mi][ni][3]);\n      }\n    }\n"
+                  "    __syncthreads();\n",
+         replacement="            make_float2(acc[mi][ni][2], acc[mi][ni][3]);\n      }\n    }\n"),
+    dict(name="no_barrier_in_pipeline_loop",
+         file=TILES, config="racecheck", test="bf16_tiles", expect=RACE,
+         original="      __syncthreads();               // ... for all threads, and slice kt-1's",
+         replacement="      // ... for all threads, and slice kt-1's"),
+    dict(name="no_barrier_before_column_sums",
+         file=GRAD, config="racecheck", test="fp32_simt_tiles", expect=RACE,
+         original="  if (p.col_partials == nullptr) return;\n  __syncthreads();\n",
+         replacement="  if (p.col_partials == nullptr) return;\n"),
+    dict(name="swapped_b_fragments",
+         file=TILES, config="plain", test="bf16_tiles", expect=NUMERIC,
+         original="        bf[2 * nj][1] = r[1];\n        bf[2 * nj + 1][0] = r[2];",
+         replacement="        bf[2 * nj][1] = r[2];\n        bf[2 * nj + 1][0] = r[1];"),
+    dict(name="wrong_a_fragment_rows",
+         file=TILES, config="plain", test="fp16_tiles", expect=NUMERIC,
+         original="const int row = warp_n * kWarpN + mi * 16 + (lane % 16);",
+         replacement="const int row = warp_n * kWarpN + mi * 16 + (lane % 8);"),
+    dict(name="tf32_rounding_dropped",
+         file=TILES, config="plain", test="tf32_tiles", expect=NUMERIC,
+         original="        ldmatrix_x4(af[mi], smem_addr(sA + row * kSmemRow + col));\n"
+                  "        to_mma_operand<T>(af[mi]);",
+         replacement="        ldmatrix_x4(af[mi], smem_addr(sA + row * kSmemRow + col));"),
+    dict(name="null_source_for_zero_fill",
+         file=TILES, config="plain", test="bf16_tiles",
+         expect=r"cp\.async source outside every registered allocation",
+         original="const T* g = valid ? src + r * ld + k : src;",
+         replacement="const T* g = valid ? src + r * ld + k : nullptr;"),
+    dict(name="gradient_store_one_past",
+         file=GRAD, config="asan", test="bf16_tiles", expect=ASAN_OOB,
+         original="        out[row * a.v + col] = hi;",
+         replacement="        out[row * a.v + col + 1] = hi;"),
+    dict(name="wrong_row_guard_in_gradient_epilogue",
+         file=GRAD, config="asan", test="fp16_tiles", expect=ASAN_OOB,
+         original="      if (row < a.n && col < a.v) {",
+         replacement="      if (row <= a.n && col < a.v) {"),
+    dict(name="wrong_row_guard_in_stats_store",
+         file=STATS, config="asan", test="fp32_simt_tiles", expect=ASAN_OOB,
+         original="    if (row >= a.n) break;\n    const RowState st = rows[r];",
+         replacement="    if (row > a.n) break;\n    const RowState st = rows[r];"),
+    dict(name="no_barrier_before_in_place_gradient",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="none of a later tile.\n        __syncthreads();\n",
+         replacement="none of a later tile.\n"),
+]
+
+
+def run_test(binary, test, timeout=600):
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1",
+               FLCE_HOST_SYMBOLIZE="1")
+    try:
+        p = subprocess.run([binary, test], capture_output=True, text=True, timeout=timeout, env=env)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        return 124, f"timeout after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+
+
+def including_tus(root, rel):
+    """The kernel .cu files of csrc/cuda that include `rel` (directly or through headers)."""
+    cuda = os.path.join(root, "csrc", "cuda")
+    target = os.path.normpath(os.path.join(root, rel))
+
+    def includes(path, seen):
+        if path in seen or not os.path.isfile(path):
+            return seen
+        seen.add(path)
+        for inc in re.findall(r'^#include "([^"]+)"', open(path).read(), re.M):
+            includes(os.path.normpath(os.path.join(os.path.dirname(path), inc)), seen)
+        return seen
+
+    return [f for f in sorted(os.listdir(cuda)) if f.endswith(".cu")
+            and target in includes(os.path.join(cuda, f), set())]
+
+
+def mutate(cfg, m, bi):
+    root = cfg["source_root"]
+    src_path = os.path.join(root, m["file"])
+    text = open(src_path).read()
+    count = text.count(m["original"])
+    if count != 1:
+        return False, f"the original snippet occurs {count} times in {m['file']} (must be once)"
+    work = os.path.join(cfg["work_dir"], m["name"])
+    shutil.rmtree(work, ignore_errors=True)
+    for sub in ("csrc/include", "csrc/cuda"):
+        shutil.copytree(os.path.join(root, sub), os.path.join(work, sub))
+    with open(os.path.join(work, m["file"]), "w") as f:
+        f.write(text.replace(m["original"], m["replacement"]))
+    info = bi["build_info"](m["config"])
+    info["include_dirs"] = [d.replace(os.path.join(root, "csrc"), os.path.join(work, "csrc"))
+                            for d in info["include_dirs"]]
+    kernel_objects = cfg["kernel_objects"][m["config"]].split(";")
+    tus = including_tus(root, m["file"])
+    if not tus:
+        return False, f"no kernel TU includes {m['file']}"
+    mutated = []
+    for tu in tus:
+        obj = os.path.join(work, tu + ".o")
+        cmd = bi["compile_command"](info, os.path.join(work, "csrc", "cuda", tu), obj, True,
+                                    cfg["compiler"])
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            return False, f"compiling the mutated {tu} failed:\n{p.stderr[-2000:]}"
+        mutated.append(obj)
+        kernel_objects = [k for k in kernel_objects if not os.path.basename(k).startswith(tu + ".")]
+    exe = os.path.join(work, "test_kernels")
+    link = ([cfg["compiler"]] + cfg["harness_objects"][m["config"]].split(";") + mutated
+            + kernel_objects
+            + [cfg["runtime_libraries"][m["config"]]] + info["ldflags"] + ["-o", exe])
+    p = subprocess.run(link, capture_output=True, text=True)
+    if p.returncode != 0:
+        return False, f"linking failed:\n{p.stderr[-2000:]}"
+    rc, out = run_test(exe, m["test"])
+    if rc == 0:
+        return False, "the mutated build PASSED: the checks missed the bug"
+    if not re.search(m["expect"], out):
+        return False, f"failed (exit {rc}) but without the expected report /{m['expect']}/:\n" + out[-3000:]
+    hit = re.search(m["expect"], out)
+    found = out[out.rfind("\n", 0, hit.start()) + 1:out.find("\n", hit.end())].strip()[:160]
+    return True, f"caught (exit {rc}, rebuilt {', '.join(tus)}): {found}"
+
+
+LOG = []
+
+
+def say(text):
+    """Print, and keep for mutations.log next to the work directory (kept after the run)."""
+    print(text, flush=True)
+    LOG.append(text)
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    cfg = json.load(open(sys.argv[1]))
+    wanted = set(sys.argv[2:])
+    muts = [m for m in MUTATIONS if not wanted or m["name"] in wanted]
+    bi = runpy.run_path(os.path.join(cfg["source_root"], "csrc", "cuda", "host", "build_info.py"))
+    os.makedirs(cfg["work_dir"], exist_ok=True)
+    t0 = time.time()
+    failures = 0
+    # The clean builds must pass every test a mutation uses.
+    for config, test in sorted({(m["config"], m["test"]) for m in muts}):
+        rc, out = run_test(cfg["binaries"][config], test)
+        status = "passes" if rc == 0 else f"FAILS (exit {rc})"
+        say(f"clean {config:9s} {test:18s} {status}")
+        if rc != 0:
+            failures += 1
+            say(out[-6000:])
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        results = list(ex.map(lambda m: (m, mutate(cfg, m, bi)), muts))
+    for m, (ok, msg) in results:
+        say(f"{'ok  ' if ok else 'FAIL'} {m['name']:40s} [{m['config']}, {m['test']}] {msg}")
+        failures += 0 if ok else 1
+    say(f"{len(muts)} mutations, {failures} problem(s), {time.time() - t0:.0f} s")
+    with open(os.path.join(os.path.dirname(cfg["work_dir"]), "mutations.log"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+    if failures == 0:
+        shutil.rmtree(cfg["work_dir"], ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

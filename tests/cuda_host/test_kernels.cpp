@@ -1,0 +1,1327 @@
+// Every launcher of csrc/cuda/params.h on the host SIMT emulation, against float64.
+//
+// Each case builds a problem (N, V, D, tile kind, options), runs the forward launch sequence of
+// the binding (partial_stats per vocabulary shard ("rank") -> combine of the splits -> combine
+// of the ranks) and the backward sequence (row_coef -> per vocabulary chunk: grad_logits, the
+// GEMMs (done here in double, standing in for cuBLAS with fp32 output), kahan_accumulate,
+// target_fix, column_sum, scale_store) and compares every stored value with a float64
+// reference of the collapse-safe formulas (shared NUMERICS.md):
+//   partials (m, s, z_t, sum_z) of every split, merged rank partials, loss, lse, stats, the
+//   target flag, coef and bound, the stored gradient tiles (hi, lo), col_partials,
+//   target_resid, and the final dE, dC, dbias.
+// Every output and workspace starts NaN (unwritten elements fail); padding elements of the
+// operands are NaN (read ones poison the result).
+//
+// Tolerances are bounds, per element, built from the rounding floor: a logit carries at most
+// delta = (steps + 2) u sum_k |e_k w_k| (+ bias, softcap) with u = 2^-24 and `steps` the fp32
+// roundings of the tile's accumulation (one per mma step; one per FMA for the SIMT tile); row
+// statistics and gradients inherit it through their derivatives plus a few u per operation; a
+// stored 16-bit tile adds half an ulp of its dtype per entry, which the GEMMs carry into dE and
+// dC as sum |tile error| |operand|. No tolerance is a free constant.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdarg>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "flce/math.h"
+#include "harness.h"
+#include "params.h"
+
+using flce::cuda::DType;
+using harness::DeviceBuffer;
+
+namespace {
+
+constexpr double kU = 0x1p-24;
+constexpr int64_t kIgnore = -100;
+const double kInf = INFINITY;
+
+enum class Kind { kBf16, kF16, kTf32, kF32 };
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kBf16:
+      return "bf16";
+    case Kind::kF16:
+      return "fp16";
+    case Kind::kTf32:
+      return "tf32";
+    case Kind::kF32:
+      return "fp32";
+  }
+  return "?";
+}
+
+DType dtype_of(Kind k) {
+  switch (k) {
+    case Kind::kBf16:
+      return DType::kBFloat16;
+    case Kind::kF16:
+      return DType::kFloat16;
+    case Kind::kTf32:
+      return DType::kFloat32Tf32;
+    case Kind::kF32:
+      return DType::kFloat32;
+  }
+  return DType::kFloat32;
+}
+
+int elt_size(Kind k) { return k == Kind::kBf16 || k == Kind::kF16 ? 2 : 4; }
+
+// Value of an element stored in the kind's dtype.
+float quantize(float x, Kind k) {
+  if (k == Kind::kBf16) return __bfloat162float(__float2bfloat16_rn(x));
+  if (k == Kind::kF16) return __half2float(__float2half_rn(x));
+  return x;
+}
+
+// The operand the tensor cores multiply: cvt.rna.tf32 for the TF32 tile, the value otherwise.
+double tile_operand(float x, Kind k) {
+  if (k != Kind::kTf32) return x;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x1000u) & 0xffffe000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+// The spacing of the dtype at |x| (its rounding is at most half of it).
+double ulp(double x, Kind k) {
+  int mant = 23, min_exp = -126;
+  if (k == Kind::kBf16) mant = 7;
+  if (k == Kind::kF16) mant = 10, min_exp = -14;
+  const int e = x == 0 || !std::isfinite(x) ? min_exp : std::max(std::ilogb(x), min_exp);
+  return std::ldexp(1.0, e - mant);
+}
+
+bool near(double got, double ref, double tol) {
+  if (std::isnan(ref)) return std::isnan(got);
+  if (std::isinf(ref)) return got == ref;
+  return std::isfinite(got) && std::fabs(got - ref) <= tol;
+}
+
+// A [rows, cols] operand in device storage (element (r, c) at r * row_stride + c * col_stride;
+// the other elements are NaN padding) and the values the kernels see.
+struct Operand {
+  Kind kind;
+  int64_t rows = 0, cols = 0, row_stride = 0, col_stride = 1;
+  std::vector<float> value;  // [rows * cols] dense: the stored value
+  std::unique_ptr<DeviceBuffer<unsigned char>> storage;
+
+  Operand(Kind k, int64_t r, int64_t c, int64_t rs, int64_t cs, float sigma)
+      : kind(k), rows(r), cols(c), row_stride(rs), col_stride(cs), value(r * c) {
+    const int64_t span = r * c == 0 ? 0 : (r - 1) * rs + (c - 1) * cs + 1;
+    storage = std::make_unique<DeviceBuffer<unsigned char>>(span * elt_size(k));
+    for (int64_t i = 0; i < span; ++i) store(i, NAN);
+    for (int64_t i = 0; i < r; ++i) {
+      for (int64_t j = 0; j < c; ++j) {
+        const float x = quantize(check::normal(sigma), k);
+        value[i * c + j] = x;
+        store(i * rs + j * cs, x);
+      }
+    }
+  }
+  void store(int64_t at, float x) {
+    unsigned char* p = storage->data() + at * elt_size(kind);
+    if (kind == Kind::kBf16) {
+      const __nv_bfloat16 h = __float2bfloat16_rn(x);
+      std::memcpy(p, &h, 2);
+    } else if (kind == Kind::kF16) {
+      const __half h = __float2half_rn(x);
+      std::memcpy(p, &h, 2);
+    } else {
+      std::memcpy(p, &x, 4);
+    }
+  }
+  const void* row_ptr(int64_t r) const {
+    return storage->data() + r * row_stride * elt_size(kind);
+  }
+  float at(int64_t r, int64_t c) const { return value[r * cols + c]; }
+};
+
+struct Case {
+  Kind kind;
+  int64_t n, v, d;
+  bool bias = false;
+  float softcap = 0.f, eps = 0.f, zloss = 0.f;
+  bool ignore_rows = false;   // every 7th row is ignore_index
+  bool bad_targets = false;   // two rows with targets outside [0, V)
+  bool grad_lse = false;
+  bool grad_loss_stride0 = false;
+  int ranks = 1;              // vocabulary shards
+  int tiles_per_split = 1;
+  int chunk_tiles = 1;        // backward vocabulary chunk, in tiles
+  bool master = false;        // fp32 grad_weight from 16-bit operands: hi + lo tiles
+  bool padded = false;        // row strides beyond d (aligned for the tensor-core tiles)
+  bool transposed_w = false;  // SIMT tile: weight with unit row stride
+  bool collapsed_row = false; // row 0 with a target margin of ~40 (p_t rounds to 1 in fp32)
+  bool single_pass = false;   // the row kernels on fp32 logits from a GEMM (flce_rows.cu)
+};
+
+std::string describe(const Case& c) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf),
+                "%s N=%lld V=%lld D=%lld bias=%d cap=%g eps=%g z=%g ign=%d bad=%d glse=%d "
+                "g0=%d ranks=%d tps=%d chunk=%d master=%d pad=%d wT=%d coll=%d%s",
+                kind_name(c.kind), static_cast<long long>(c.n), static_cast<long long>(c.v),
+                static_cast<long long>(c.d), c.bias, c.softcap, c.eps, c.zloss, c.ignore_rows,
+                c.bad_targets, c.grad_lse, c.grad_loss_stride0, c.ranks, c.tiles_per_split,
+                c.chunk_tiles, c.master, c.padded, c.transposed_w, c.collapsed_row,
+                c.single_pass ? " single-pass" : "");
+  return buf;
+}
+
+// Reference statistics of one row over a column range [j0, j1) (split, shard or all), with
+// the bound of the kernel's error.
+struct RangeRef {
+  double max_x = -kInf;  // max non-target logit
+  double lse_x = -kInf;  // logsumexp of the non-target logits
+  double zt = -kInf;     // target logit, if in range
+  double sum = 0;        // sum of all logits
+  double dmax = 0;       // max delta over the non-target columns
+  double dzt = 0;
+  double dsum = 0;       // sum of |z| u + delta over the columns
+};
+
+struct Problem {
+  Case c;
+  int64_t block_n = 0, block_v = 0;
+  int steps = 0;  // fp32 roundings of a logit's accumulation
+  std::unique_ptr<Operand> E, W;
+  std::vector<float> bias;        // [v]
+  std::vector<int64_t> target;    // [n * 2] (stride 2)
+  std::vector<float> grad_loss;   // [n] or [1]
+  std::vector<float> grad_lse;    // [n]
+  std::vector<double> z, delta;   // [n, v] reference logits and their kernel error bounds
+  std::vector<double> zraw;       // before softcap
+  std::vector<double> acc;        // [n, v] the dot products alone (no bias)
+  std::vector<int64_t> shard_lo;  // [ranks + 1]
+
+  int64_t t(int64_t i) const { return target[2 * i]; }
+  bool ignored(int64_t i) const { return t(i) == kIgnore; }
+  bool valid_target(int64_t i) const { return !ignored(i) && t(i) >= 0 && t(i) < c.v; }
+};
+
+void build(Problem& p) {
+  const Case& c = p.c;
+  const flce::cuda::TileShape ts = flce::cuda::tile_shape(dtype_of(c.kind));
+  p.block_n = ts.block_n;
+  p.block_v = ts.block_v;
+  if (c.single_pass) {
+    p.steps = 0;  // the fp32 logits are the exact products rounded once (a GEMM's own error aside)
+  } else if (c.kind == Kind::kF32) {
+    p.steps = static_cast<int>(c.d);
+  } else {
+    const int64_t mma_k = 32 / elt_size(c.kind);
+    p.steps = static_cast<int>((c.d + mma_k - 1) / mma_k);
+  }
+  const int64_t align = 16 / elt_size(c.kind);  // elements per 16 bytes
+  const int64_t e_rs = c.padded ? c.d + (c.kind == Kind::kF32 ? 3 : align) : c.d;
+  const float w_sigma = c.d > 0 ? 2.5f / std::sqrt(static_cast<float>(c.d)) : 1.f;
+  p.E = std::make_unique<Operand>(c.kind, c.n, c.d, e_rs, 1, 1.f);
+  if (c.transposed_w) {
+    p.W = std::make_unique<Operand>(c.kind, c.v, c.d, 1, c.v, w_sigma);
+  } else {
+    const int64_t w_rs = c.padded ? c.d + (c.kind == Kind::kF32 ? 5 : 2 * align) : c.d;
+    p.W = std::make_unique<Operand>(c.kind, c.v, c.d, w_rs, 1, w_sigma);
+  }
+  p.bias.assign(c.v, 0.f);
+  if (c.bias) {
+    for (float& b : p.bias) b = check::normal(1.f);
+  }
+  p.target.assign(2 * c.n, -1234567);  // odd entries: the stride's gap
+  for (int64_t i = 0; i < c.n; ++i) {
+    p.target[2 * i] = static_cast<int64_t>(check::uniform(0, static_cast<float>(c.v)));
+    if (p.target[2 * i] >= c.v) p.target[2 * i] = c.v - 1;
+    if (c.ignore_rows && i % 7 == 3) p.target[2 * i] = kIgnore;
+  }
+  if (c.bad_targets && c.n > 2) {
+    p.target[2 * 1] = c.v + 5;
+    p.target[2 * 2] = -7;
+  }
+  if (c.collapsed_row && c.n > 0 && c.bias) p.bias[p.t(0)] += 40.f;
+  p.grad_loss.resize(c.grad_loss_stride0 ? 1 : c.n);
+  for (float& g : p.grad_loss) g = check::uniform(-2.f, 2.f) / std::max<float>(1, c.n);
+  if (c.grad_lse) {
+    p.grad_lse.resize(c.n);
+    for (float& g : p.grad_lse) g = check::uniform(-1.f, 1.f) / std::max<float>(1, c.n);
+  }
+  // Reference logits from the operands the tiles multiply, and their error bounds.
+  p.z.assign(c.n * c.v, 0);
+  p.zraw.assign(c.n * c.v, 0);
+  p.acc.assign(c.n * c.v, 0);
+  p.delta.assign(c.n * c.v, 0);
+  for (int64_t i = 0; i < c.n; ++i) {
+    for (int64_t j = 0; j < c.v; ++j) {
+      double acc = 0, mag = 0;
+      for (int64_t k = 0; k < c.d; ++k) {
+        const double prod = tile_operand(p.E->at(i, k), c.kind) * tile_operand(p.W->at(j, k), c.kind);
+        acc += prod;
+        mag += std::fabs(prod);
+      }
+      const double u = acc + p.bias[j];
+      double zz = u, dz = (p.steps + 2) * kU * (mag + std::fabs(p.bias[j]));
+      if (c.softcap > 0) {
+        zz = c.softcap * std::tanh(u / c.softcap);
+        dz += kU * std::fabs(u) + 4 * kU * std::fabs(zz);
+      }
+      p.zraw[i * c.v + j] = u;
+      p.acc[i * c.v + j] = acc;
+      p.z[i * c.v + j] = zz;
+      p.delta[i * c.v + j] = dz;
+    }
+  }
+  p.shard_lo.clear();
+  for (int r = 0; r <= c.ranks; ++r) p.shard_lo.push_back(c.v * r / c.ranks);
+}
+
+RangeRef range_ref(const Problem& p, int64_t i, int64_t j0, int64_t j1) {
+  RangeRef r;
+  const int64_t tt = p.valid_target(i) ? p.t(i) : -1;
+  for (int64_t j = j0; j < j1; ++j) {
+    const double zz = p.z[i * p.c.v + j], dz = p.delta[i * p.c.v + j];
+    r.sum += zz;
+    r.dsum += dz + 2 * kU * std::fabs(zz);
+    if (j == tt) {
+      r.zt = zz;
+      r.dzt = dz;
+    } else {
+      r.max_x = std::max(r.max_x, zz);
+      r.dmax = std::max(r.dmax, dz);
+    }
+  }
+  if (r.max_x > -kInf) {
+    double s = 0;
+    for (int64_t j = j0; j < j1; ++j) {
+      if (j != tt) s += std::exp(p.z[i * p.c.v + j] - r.max_x);
+    }
+    r.lse_x = r.max_x + std::log(s);
+  }
+  return r;
+}
+
+// The kernel's (m, s) against the reference lse of the same columns: |m + log s - lse_x| within
+// the logit bound plus the fp32 rounding of the exp, the sums and the merges.
+bool lse_near(float m, float s, const RangeRef& r, int merges) {
+  if (r.max_x == -kInf) return m == -INFINITY && s == 0.f;
+  if (!(s > 0) || !std::isfinite(m)) return false;
+  const double got = static_cast<double>(m) + std::log(static_cast<double>(s));
+  const double tol = r.dmax + (24 + 4 * merges) * kU + 2 * kU * std::fabs(r.lse_x);
+  return std::fabs(got - r.lse_x) <= tol && std::fabs(m - r.max_x) <= r.dmax + kU * std::fabs(r.max_x);
+}
+
+double sigmoid(double x) { return x >= 0 ? 1 / (1 + std::exp(-x)) : std::exp(x) / (1 + std::exp(x)); }
+double softplus(double x) { return x > 0 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
+double logaddexp(double a, double b) {
+  const double mx = std::max(a, b), mn = std::min(a, b);
+  return mn == -kInf ? mx : mx + std::log1p(std::exp(mn - mx));
+}
+
+// The row's true loss statistics and gradient coefficients (float64), with error bounds.
+struct RowRef {
+  RangeRef all;
+  double lse = 0, loss = 0, dlse_x = 0, dloss = 0;
+  double A = 0, B = 0, U = 0;  // dz_j = (A p_j - U) sc'_j, dz_t = (A - B) p_t - B q_t - U
+};
+
+RowRef row_ref(const Problem& p, int64_t i, int merges) {
+  const Case& c = p.c;
+  RowRef r;
+  r.all = range_ref(p, i, 0, c.v);
+  r.lse = logaddexp(r.all.lse_x, r.all.zt);
+  // No non-target column: lse_x is -inf exactly (the kernel's (m, s) = (-inf, 0)).
+  r.dlse_x = r.all.lse_x == -kInf
+                 ? 0.0
+                 : r.all.dmax + (24 + 4 * merges) * kU + 2 * kU * std::fabs(r.all.lse_x);
+  const double x = r.all.lse_x - r.all.zt, sx = sigmoid(x), st = sigmoid(-x);
+  if (!p.ignored(i)) {
+    r.loss = (1 - c.eps) * softplus(x);
+    if (c.eps != 0) r.loss += c.eps * (r.lse - r.all.sum / c.v);
+    if (c.zloss != 0) r.loss += c.zloss * r.lse * r.lse;
+    const double wl = 2 * c.zloss * std::fabs(r.lse);
+    r.dloss = (sx + wl * sx) * r.dlse_x + (sx + c.eps + wl) * r.all.dzt + c.eps * r.all.dsum / c.v +
+              16 * kU * ((1 - c.eps) * softplus(x) + c.eps * (std::fabs(r.lse) + std::fabs(r.all.sum) / c.v) +
+                         c.zloss * r.lse * r.lse);
+  }
+  (void)st;
+  const double g = p.ignored(i) ? 0.0 : p.grad_loss[c.grad_loss_stride0 ? 0 : i];
+  const double gl = c.grad_lse ? p.grad_lse[i] : 0.0;
+  r.A = g * (1 + 2 * c.zloss * r.lse) + gl;
+  r.B = g * (1 - c.eps);
+  r.U = g * c.eps / c.v;
+  return r;
+}
+
+// The true gradient of logit (i, j) (softcap chain rule included) and the bound of the fp32
+// kernel's error in it.
+struct GradRef {
+  double dz, tol;
+};
+
+GradRef grad_ref(const Problem& p, const RowRef& r, int64_t i, int64_t j) {
+  const Case& c = p.c;
+  const double zz = p.z[i * c.v + j], dj = p.delta[i * c.v + j];
+  double sc = 1, dsc = 0;
+  if (c.softcap > 0) {
+    const double q = zz / c.softcap;
+    sc = 1 - q * q;
+    dsc = 2 * std::fabs(q) / c.softcap * dj + 4 * kU;
+  }
+  // a = g (1 + 2 w lse) + g_lse in fp32: four roundings of terms that may cancel, and the error
+  // of the row's lse (lse_x and z_t) through w.
+  const double g0 = p.ignored(i) ? 0.0 : p.grad_loss[c.grad_loss_stride0 ? 0 : i];
+  const double dA = 2 * std::fabs(g0) * c.zloss * (r.dlse_x + r.all.dzt) +
+                    4 * kU * (std::fabs(g0 * (1 + 2 * c.zloss * r.lse)) +
+                              std::fabs(c.grad_lse ? p.grad_lse[i] : 0.0) + std::fabs(r.A));
+  double g, tol;
+  if (p.valid_target(i) && j == p.t(i)) {
+    const double x = zz - r.all.lse_x, pt = sigmoid(x), qt = sigmoid(-x);
+    g = (r.A - r.B) * pt - r.B * qt - r.U;
+    tol = std::fabs(r.A) * pt * qt * (dj + r.dlse_x) + dA * pt +
+          8 * kU * (std::fabs(r.A - r.B) * pt + std::fabs(r.B) * qt + std::fabs(r.U));
+  } else {
+    const double pj = std::exp(zz - r.lse);
+    g = r.A * pj - r.U;
+    // p_j = exp(z_j - lse) inherits the errors of z_j and of the row's lse (lse_x and z_t).
+    tol = std::fabs(r.A) * pj * (dj + r.dlse_x + r.all.dzt + 8 * kU) + dA * pj +
+          4 * kU * std::fabs(r.U);
+  }
+  return GradRef{g * sc, tol * sc + std::fabs(g) * dsc + kU * std::fabs(g * sc)};
+}
+
+
+// Counts the elements of one quantity that miss their bound; reports the first few.
+class Tally {
+ public:
+  Tally(std::string what, const Case& c) : what_(std::move(what)), case_(describe(c)) {}
+  ~Tally() {
+    EXPECT(bad_ == 0, "%s: %ld of %ld elements out of bounds [%s]%s", what_.c_str(), bad_, n_,
+           case_.c_str(), first_.c_str());
+    // FLCE_TEST_RATIOS=1: how much of its bound the largest error uses (tightness of the bounds).
+    static const bool show = std::getenv("FLCE_TEST_RATIOS") != nullptr;
+    if (show) std::printf("    %-40s max |error| / bound = %.3f\n", what_.c_str(), max_ratio_);
+  }
+  // near(), recording |got - ref| / tol for the tightness report.
+  bool near(double got, double ref, double tol) {
+    if (std::isfinite(ref) && std::isfinite(got) && tol > 0) {
+      max_ratio_ = std::max(max_ratio_, std::fabs(got - ref) / tol);
+    }
+    return ::near(got, ref, tol);
+  }
+  void check(bool ok, const char* fmt, ...) __attribute__((format(printf, 3, 4))) {
+    ++n_;
+    if (ok) return;
+    if (bad_++ < 3) {
+      char buf[256];
+      va_list ap;
+      va_start(ap, fmt);
+      std::vsnprintf(buf, sizeof(buf), fmt, ap);
+      va_end(ap);
+      first_ += "\n    ";
+      first_ += buf;
+    }
+  }
+
+ private:
+  std::string what_, case_, first_;
+  long bad_ = 0, n_ = 0;
+  double max_ratio_ = 0;
+};
+
+template <typename T>
+double load(const void* p, int64_t i) {
+  const T* q = static_cast<const T*>(p);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(q[i]);
+  if constexpr (std::is_same_v<T, __half>) return __half2float(q[i]);
+  if constexpr (std::is_same_v<T, float>) return q[i];
+}
+
+double tile_value(Kind k, const void* p, int64_t i) {
+  if (k == Kind::kBf16) return load<__nv_bfloat16>(p, i);
+  if (k == Kind::kF16) return load<__half>(p, i);
+  return load<float>(p, i);
+}
+
+template <typename T>
+DeviceBuffer<T> poisoned(std::size_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return DeviceBuffer<T>(n, harness::qnan());
+  } else {
+    return DeviceBuffer<T>(n, T{});
+  }
+}
+
+cudaError_t ok_or_report(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(e));
+  }
+  return e;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One case: the forward and backward launch sequences, every output checked
+// combine (finalize) of `ranks` partial blocks -> loss, lse, stats, flag, checked; returns the
+// rows' references.
+std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& target,
+                                      const float* partials, int64_t ranks, int merges,
+                                      DeviceBuffer<float>& stats) {
+  const Case& c = p.c;
+  const int64_t n = c.n;
+  DeviceBuffer<float> loss(n, harness::qnan()), lse(n, harness::qnan());
+  DeviceBuffer<int> flag(1, 0);
+  flce::cuda::CombineParams cp{};
+  cp.partials = partials;
+  cp.ranks = ranks;
+  cp.n = n;
+  cp.target = target.data();
+  cp.target_stride = 2;
+  cp.vocab_size = c.v;
+  cp.ignore_index = kIgnore;
+  cp.label_smoothing = c.eps;
+  cp.z_loss = c.zloss;
+  cp.loss = loss.data();
+  cp.lse = lse.data();
+  cp.stats = stats.data();
+  cp.error_flag = flag.data();
+  EXPECT(ok_or_report(flce::cuda::launch_combine(cp, true, nullptr), "combine") == cudaSuccess,
+         "combine");
+  std::vector<RowRef> rows(n);
+  {
+    Tally t("loss, lse, stats", c);
+    for (int64_t i = 0; i < n; ++i) {
+      const RowRef& rr = rows[i] = row_ref(p, i, merges);
+      const double x = rr.all.lse_x - rr.all.zt;
+      const double dlse = sigmoid(x) * rr.dlse_x + sigmoid(-x) * rr.all.dzt + 2 * kU * std::fabs(rr.lse);
+      t.check(t.near(loss[i], p.ignored(i) ? 0.0 : rr.loss, rr.dloss), "row %lld loss %.9g vs %.9g (tol %.3g)",
+              static_cast<long long>(i), loss[i], rr.loss, rr.dloss);
+      t.check(t.near(lse[i], rr.lse, dlse), "row %lld lse %.9g vs %.9g", static_cast<long long>(i), lse[i], rr.lse);
+      t.check(lse_near(stats[3 * i], stats[3 * i + 1], rr.all, merges), "row %lld stats (m_x, s_x)",
+              static_cast<long long>(i));
+      t.check(t.near(stats[3 * i + 2], rr.all.zt, rr.all.dzt), "row %lld stats z_t", static_cast<long long>(i));
+    }
+  }
+  EXPECT(flag[0] == (c.bad_targets && n > 2 ? 1 : 0), "target flag %d [%s]", flag[0], describe(c).c_str());
+
+  return rows;
+}
+
+// row_coef from the kernel's stats -> coef, bound, checked.
+void row_coef_and_check(const Problem& p, DeviceBuffer<int64_t>& target,
+                        DeviceBuffer<float>& grad_loss, DeviceBuffer<float>& grad_lse,
+                        DeviceBuffer<float>& stats, DeviceBuffer<float>& coef,
+                        DeviceBuffer<float>& bound) {
+  const Case& c = p.c;
+  const int64_t n = c.n;
+  // Backward: row coefficients from the kernel's stats, read through strides (col stride 2).
+  DeviceBuffer<float> stats2(n * 6, harness::qnan());
+  for (int64_t i = 0; i < 3 * n; ++i) stats2[(i / 3) * 6 + (i % 3) * 2] = stats[i];
+  flce::cuda::RowCoefParams rp{};
+  rp.n = n;
+  rp.target = target.data();
+  rp.target_stride = 2;
+  rp.stats = stats2.data();
+  rp.stats_row_stride = 6;
+  rp.stats_col_stride = 2;
+  rp.grad_loss = grad_loss.data();
+  rp.grad_loss_stride = c.grad_loss_stride0 ? 0 : 1;
+  rp.grad_lse = c.grad_lse ? grad_lse.data() : nullptr;
+  rp.grad_lse_stride = c.grad_lse ? 1 : 0;
+  rp.ignore_index = kIgnore;
+  rp.label_smoothing = c.eps;
+  rp.z_loss = c.zloss;
+  rp.softcap = c.softcap;
+  rp.vocab_size = c.v;
+  rp.coef = coef.data();
+  rp.bound = bound.data();
+  EXPECT(ok_or_report(flce::cuda::launch_row_coef(rp, nullptr), "row_coef") == cudaSuccess, "row_coef");
+  {
+    // The kernel evaluates math.h's row_grad: the same function on the host gives the same bits.
+    Tally t("coef, bound", c);
+    const flce::LossOptions opt{c.eps, c.zloss, c.softcap, c.v};
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = p.grad_loss[c.grad_loss_stride0 ? 0 : i];
+      const float gl = c.grad_lse ? p.grad_lse[i] : 0.f;
+      const flce::RowGrad rg = flce::row_grad(flce::OnlineLse{stats[3 * i], stats[3 * i + 1]},
+                                              stats[3 * i + 2], p.ignored(i), g, gl, opt);
+      const float want[8] = {rg.ref, rg.a, rg.u, rg.dz_t, rg.div, 0.f, 0.f, 0.f};
+      for (int k = 0; k < 8; ++k) {
+        t.check(std::memcmp(&coef[8 * i + k], &want[k], 4) == 0, "row %lld coef[%d] %g vs %g",
+                static_cast<long long>(i), k, coef[8 * i + k], want[k]);
+      }
+      const float b = std::fabs(rg.a) + std::fabs(rg.u) + (p.ignored(i) ? 0.f : std::fabs(rg.dz_t));
+      t.check(std::memcmp(&bound[i], &b, 4) == 0, "row %lld bound", static_cast<long long>(i));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void run_case(const Case& c) {
+  Problem p;
+  p.c = c;
+  build(p);
+  const int64_t n = c.n, d = c.d;
+  const int64_t row_blocks = (n + p.block_n - 1) / p.block_n;
+  DeviceBuffer<int64_t> target(p.target);
+  DeviceBuffer<float> bias(p.bias);
+  DeviceBuffer<float> grad_loss(p.grad_loss), grad_lse(std::max<std::size_t>(p.grad_lse.size(), 1), 0.f);
+  for (std::size_t i = 0; i < p.grad_lse.size(); ++i) grad_lse[i] = p.grad_lse[i];
+
+  auto lin = [&](int64_t w0, int64_t vw) {
+    flce::cuda::LinearArgs a{};
+    a.input = p.E->row_ptr(0);
+    a.weight = p.W->row_ptr(w0);
+    a.bias = c.bias ? bias.data() + w0 : nullptr;
+    a.n = n;
+    a.v = vw;
+    a.d = d;
+    a.input_row_stride = p.E->row_stride;
+    a.input_col_stride = p.E->col_stride;
+    a.weight_row_stride = p.W->row_stride;
+    a.weight_col_stride = p.W->col_stride;
+    a.target = target.data();
+    a.target_stride = 2;
+    a.col_offset = w0;
+    a.ignore_index = kIgnore;
+    a.softcap = c.softcap;
+    return a;
+  };
+
+  // Forward: partial statistics per shard and split, merged per shard, combined over shards.
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> merged;
+  int total_merges = 0;
+  DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * 4, harness::qnan());
+  DeviceBuffer<float>* final_partials = nullptr;
+  int64_t final_ranks = 0;
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
+    const int64_t vtiles = (vr + p.block_v - 1) / p.block_v;
+    const int64_t splits = (vtiles + c.tiles_per_split - 1) / c.tiles_per_split;
+    auto partials = std::make_unique<DeviceBuffer<float>>(splits * n * 4, harness::qnan());
+    flce::cuda::StatsParams sp{};
+    sp.lin = lin(lo, vr);
+    sp.partials = partials->data();
+    sp.splits = static_cast<int>(splits);
+    sp.tiles_per_split = c.tiles_per_split;
+    EXPECT(ok_or_report(flce::cuda::launch_partial_stats(sp, dtype_of(c.kind), nullptr),
+                        "partial_stats") == cudaSuccess,
+           "partial_stats [%s]", describe(c).c_str());
+    {
+      Tally t("partials (m, s, z_t, sum_z)", c);
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t j0 = lo + s * c.tiles_per_split * p.block_v;
+        const int64_t j1 = std::min(lo + vr, j0 + c.tiles_per_split * p.block_v);
+        const int tiles = static_cast<int>((j1 - j0 + p.block_v - 1) / p.block_v);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* q = partials->data() + (s * n + i) * 4;
+          const RangeRef rr = range_ref(p, i, j0, j1);
+          t.check(lse_near(q[0], q[1], rr, tiles), "split %lld row %lld: (m, s) = (%g, %g), lse_x %g",
+                  static_cast<long long>(s), static_cast<long long>(i), q[0], q[1], rr.lse_x);
+          t.check(t.near(q[2], rr.zt, rr.dzt), "split %lld row %lld: z_t %g vs %g",
+                  static_cast<long long>(s), static_cast<long long>(i), q[2], rr.zt);
+          t.check(t.near(q[3], rr.sum, rr.dsum), "split %lld row %lld: sum %g vs %g",
+                  static_cast<long long>(s), static_cast<long long>(i), q[3], rr.sum);
+        }
+      }
+    }
+    total_merges += static_cast<int>(vtiles + splits);
+    if (c.ranks == 1) {
+      final_partials = partials.get();
+      final_ranks = splits;
+      merged.push_back(std::move(partials));
+      continue;
+    }
+    // The partial_stats op: splits merged to [n, 4] (combine without finalize).
+    flce::cuda::CombineParams cp{};
+    cp.partials = partials->data();
+    cp.ranks = splits;
+    cp.n = n;
+    cp.merged = stacked.data() + r * n * 4;
+    EXPECT(ok_or_report(flce::cuda::launch_combine(cp, false, nullptr), "merge") == cudaSuccess,
+           "merge");
+    Tally t("merged shard partials", c);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* q = stacked.data() + (r * n + i) * 4;
+      const RangeRef rr = range_ref(p, i, lo, lo + vr);
+      t.check(lse_near(q[0], q[1], rr, static_cast<int>(vtiles + splits)), "rank %d row %lld (m, s)",
+              r, static_cast<long long>(i));
+      t.check(t.near(q[2], rr.zt, rr.dzt), "rank %d row %lld z_t", r, static_cast<long long>(i));
+      t.check(t.near(q[3], rr.sum, rr.dsum), "rank %d row %lld sum", r, static_cast<long long>(i));
+    }
+  }
+  if (c.ranks > 1) {
+    final_partials = &stacked;
+    final_ranks = c.ranks;
+    total_merges += c.ranks;
+  }
+  DeviceBuffer<float> stats(n * 3, harness::qnan()), coef(n * 8, harness::qnan()),
+      bound(n, harness::qnan());
+  const std::vector<RowRef> rows =
+      combine_and_check(p, target, final_partials->data(), final_ranks, total_merges, stats);
+  row_coef_and_check(p, target, grad_loss, grad_lse, stats, coef, bound);
+  // fp16 tiles are stored as scale * dz, scale a power of two with max |scale dz| in
+  // (2^13, 2^14], as the binding computes it.
+  float scale = 1.f;
+  if (c.kind == Kind::kF16) {
+    float mx = 0.f;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, bound[i]);
+    if (std::isfinite(mx) && mx > 0) {
+      scale = std::ldexp(1.f, static_cast<int>(std::clamp(14.0 - std::ceil(std::log2(mx)), -126.0, 126.0)));
+    }
+  }
+  DeviceBuffer<float> dscale(1, scale), dinv(1, 1.f / scale);
+  const bool has_scale = c.kind == Kind::kF16;
+  const bool sixteen = elt_size(c.kind) == 2;
+
+  // True gradients and their fp32-kernel bounds.
+  std::vector<GradRef> gr(n * c.v);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < c.v; ++j) gr[i * c.v + j] = grad_ref(p, rows[i], i, j);
+  }
+  // What the stored tile (hi, or hi + lo, or hi + the target fix) may miss dz by, / scale.
+  auto tile_err = [&](int64_t i, int64_t j, bool fixed, bool with_lo) {
+    const GradRef& g = gr[i * c.v + j];
+    const double sd = scale * (std::fabs(g.dz) + g.tol);
+    double e = scale * g.tol + kU * sd;
+    if (fixed) return e / scale;
+    if (with_lo) return (e + 0.5 * ulp(0.5 * ulp(sd, c.kind), c.kind)) / scale;
+    return (e + 0.5 * ulp(sd, c.kind)) / scale;
+  };
+
+  DeviceBuffer<float> dE_total(n * d, 0.f);  // the all-reduce over shards, done here
+  const bool fp32_wgrad = !sixteen || c.master;
+  std::vector<double> dC(c.v * d, NAN);
+  std::vector<float> gb(c.v, harness::qnan());
+  std::vector<double> dE_round(n * d, 0);  // the bound's GEMM-output rounding terms
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
+    const int64_t chunk = c.chunk_tiles * p.block_v;
+    DeviceBuffer<float> sum(n * d, harness::qnan()), comp(n * d, 0.f), tmp(n * d, harness::qnan());
+    DeviceBuffer<float> gbr(vr, harness::qnan());
+    for (int64_t v0 = 0; v0 < vr; v0 += chunk) {
+      const int64_t vc = std::min(chunk, vr - v0), w0 = lo + v0;
+      DeviceBuffer<unsigned char> hi(n * vc * elt_size(c.kind), 0xff);  // NaN in every dtype
+      DeviceBuffer<unsigned char> lo_t(c.master ? n * vc * elt_size(c.kind) : 0, 0xff);
+      DeviceBuffer<float> colp(c.bias ? row_blocks * vc : 0, harness::qnan());
+      DeviceBuffer<float> resid(n, harness::qnan());
+      flce::cuda::GradParams gp{};
+      gp.lin = lin(w0, vc);
+      gp.coef = coef.data();
+      gp.scale = has_scale ? dscale.data() : nullptr;
+      gp.grad_logits = hi.data();
+      gp.grad_logits_lo = c.master ? lo_t.data() : nullptr;
+      gp.col_partials = c.bias ? colp.data() : nullptr;
+      gp.target_resid = sixteen ? resid.data() : nullptr;
+      EXPECT(ok_or_report(flce::cuda::launch_grad_logits(gp, dtype_of(c.kind), nullptr),
+                          "grad_logits") == cudaSuccess,
+             "grad_logits [%s]", describe(c).c_str());
+      {
+        Tally t("gradient tile (hi, lo, target_resid)", c);
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t j = 0; j < vc; ++j) {
+            const GradRef& g = gr[i * c.v + w0 + j];
+            const double h = tile_value(c.kind, hi.data(), i * vc + j);
+            const double sd = scale * (std::fabs(g.dz) + g.tol);
+            t.check(t.near(h, scale * g.dz, scale * g.tol + 0.5 * ulp(sd, c.kind)),
+                    "row %lld col %lld: hi %.9g vs %.9g", static_cast<long long>(i),
+                    static_cast<long long>(w0 + j), h, scale * g.dz);
+            if (c.master) {
+              const double l = tile_value(c.kind, lo_t.data(), i * vc + j);
+              t.check(t.near(h + l, scale * g.dz, scale * g.tol + kU * sd + 0.5 * ulp(0.5 * ulp(sd, c.kind), c.kind)),
+                      "row %lld col %lld: hi + lo %.9g vs %.9g", static_cast<long long>(i),
+                      static_cast<long long>(w0 + j), h + l, scale * g.dz);
+            }
+          }
+          if (!sixteen) continue;
+          const bool here = p.valid_target(i) && p.t(i) >= w0 && p.t(i) < w0 + vc;
+          if (!here) {
+            t.check(std::isnan(resid[i]), "row %lld: target_resid written without the target", static_cast<long long>(i));
+            continue;
+          }
+          const GradRef& g = gr[i * c.v + p.t(i)];
+          const double h = tile_value(c.kind, hi.data(), i * vc + p.t(i) - w0);
+          t.check(t.near(h + resid[i], scale * g.dz, scale * g.tol + kU * scale * (std::fabs(g.dz) + g.tol)),
+                  "row %lld: hi + target_resid %.9g vs %.9g", static_cast<long long>(i), h + resid[i], scale * g.dz);
+        }
+        for (int64_t b = 0; b < (c.bias ? row_blocks : 0); ++b) {
+          for (int64_t j = 0; j < vc; ++j) {
+            double ref = 0, tol = 0;
+            for (int64_t i = b * p.block_n; i < std::min(n, (b + 1) * p.block_n); ++i) {
+              const GradRef& g = gr[i * c.v + w0 + j];
+              ref += g.dz;
+              tol += g.tol + 4 * kU * std::fabs(g.dz);
+            }
+            t.check(t.near(colp[b * vc + j], ref, tol), "col_partials[%lld, %lld] %.9g vs %.9g",
+                    static_cast<long long>(b), static_cast<long long>(w0 + j), colp[b * vc + j], ref);
+          }
+        }
+      }
+      // dE += tile @ W_chunk (fp32 GEMM output, then compensated accumulation), then the
+      // 16-bit tiles' target fix.
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t k = 0; k < d; ++k) {
+          double acc = 0, mag = 0;
+          for (int64_t j = 0; j < vc; ++j) {
+            const double prod = tile_value(c.kind, hi.data(), i * vc + j) * p.W->at(w0 + j, k);
+            acc += prod;
+            mag += std::fabs(prod);
+          }
+          tmp[i * d + k] = static_cast<float>(acc);
+          dE_round[i * d + k] += kU * mag / scale;
+        }
+      }
+      if (v0 == 0 && !has_scale) {
+        for (int64_t e = 0; e < n * d; ++e) sum[e] = tmp[e];
+      } else {
+        // With a scale the first chunk is accumulated too, into a zeroed sum. (The binding's
+        // sum_e is at::empty there: see the report; this harness NaN-poisons it otherwise.)
+        if (v0 == 0) {
+          for (int64_t e = 0; e < n * d; ++e) sum[e] = 0.f;
+        }
+        EXPECT(ok_or_report(flce::cuda::launch_kahan_accumulate(sum.data(), comp.data(), tmp.data(), n * d,
+                                                                has_scale ? dinv.data() : nullptr, nullptr),
+                            "kahan_accumulate") == cudaSuccess,
+               "kahan_accumulate");
+      }
+      if (sixteen) {
+        flce::cuda::TargetFixParams fp{};
+        fp.weight = p.W->row_ptr(w0);
+        fp.weight_row_stride = p.W->row_stride;
+        fp.n = n;
+        fp.v = vc;
+        fp.d = d;
+        fp.target = target.data();
+        fp.target_stride = 2;
+        fp.col_offset = w0;
+        fp.ignore_index = kIgnore;
+        fp.target_resid = resid.data();
+        fp.inv_scale = has_scale ? dinv.data() : nullptr;
+        fp.sum = sum.data();
+        fp.comp = comp.data();
+        EXPECT(ok_or_report(flce::cuda::launch_target_fix(fp, dtype_of(c.kind), nullptr), "target_fix") ==
+                   cudaSuccess,
+               "target_fix");
+      }
+      // dC rows of the chunk: tile^T @ E, through scale_store (every dtype) or hi + lo.
+      DeviceBuffer<float> tc(vc * d, harness::qnan()), tc_lo(c.master ? vc * d : 0, harness::qnan());
+      for (int64_t j = 0; j < vc; ++j) {
+        for (int64_t k = 0; k < d; ++k) {
+          double a = 0, b = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            a += tile_value(c.kind, hi.data(), i * vc + j) * p.E->at(i, k);
+            if (c.master) b += tile_value(c.kind, lo_t.data(), i * vc + j) * p.E->at(i, k);
+          }
+          tc[j * d + k] = static_cast<float>(a);
+          if (c.master) tc_lo[j * d + k] = static_cast<float>(b);
+        }
+      }
+      if (c.master) {
+        for (int64_t e = 0; e < vc * d; ++e) {
+          dC[w0 * d + e] = (tc[e] + tc_lo[e]) * (1.f / scale);
+        }
+      } else {
+        const DType out_type = c.kind == Kind::kF32 ? DType::kFloat32 : dtype_of(c.kind);
+        DeviceBuffer<unsigned char> out(vc * d * elt_size(c.kind), 0xff);
+        EXPECT(ok_or_report(flce::cuda::launch_scale_store(out.data(), out_type, tc.data(), vc * d,
+                                                           has_scale ? dinv.data() : nullptr, nullptr),
+                            "scale_store") == cudaSuccess,
+               "scale_store");
+        for (int64_t e = 0; e < vc * d; ++e) dC[w0 * d + e] = tile_value(c.kind, out.data(), e);
+      }
+      if (c.bias) {
+        EXPECT(ok_or_report(flce::cuda::launch_column_sum(colp.data(), row_blocks, vc, gbr.data() + v0, nullptr),
+                            "column_sum") == cudaSuccess,
+               "column_sum");
+      }
+    }
+    for (int64_t e = 0; e < n * d; ++e) dE_total[e] += flce::kahan_result(sum[e], comp[e]);
+    for (int64_t j = 0; j < vr; ++j) gb[lo + j] = gbr[j];
+  }
+  {
+    Tally t("dE", c);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t k = 0; k < d; ++k) {
+        double ref = 0, tol = dE_round[i * d + k];
+        for (int64_t j = 0; j < c.v; ++j) {
+          const bool fixed = sixteen && p.valid_target(i) && j == p.t(i);
+          ref += gr[i * c.v + j].dz * p.W->at(j, k);
+          tol += tile_err(i, j, fixed || !sixteen, false) * std::fabs(p.W->at(j, k));
+        }
+        tol += 3 * kU * std::fabs(ref) * c.ranks;
+        t.check(t.near(dE_total[i * d + k], ref, tol), "dE[%lld, %lld] %.9g vs %.9g (tol %.3g)",
+                static_cast<long long>(i), static_cast<long long>(k), dE_total[i * d + k], ref, tol);
+      }
+    }
+  }
+  {
+    Tally t("dC", c);
+    for (int64_t j = 0; j < c.v; ++j) {
+      for (int64_t k = 0; k < d; ++k) {
+        double ref = 0, tol = 0, mag = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          ref += gr[i * c.v + j].dz * p.E->at(i, k);
+          tol += tile_err(i, j, !sixteen, c.master) * std::fabs(p.E->at(i, k));
+          mag += std::fabs(gr[i * c.v + j].dz * p.E->at(i, k)) + tile_err(i, j, false, false) * std::fabs(p.E->at(i, k));
+        }
+        tol += 3 * kU * mag;  // the fp32 GEMM outputs (and their sum for hi + lo)
+        if (!fp32_wgrad) tol += 0.5 * ulp(std::fabs(ref) + tol, c.kind);
+        t.check(t.near(dC[j * d + k], ref, tol), "dC[%lld, %lld] %.9g vs %.9g (tol %.3g)",
+                static_cast<long long>(j), static_cast<long long>(k), dC[j * d + k], ref, tol);
+      }
+    }
+  }
+  if (c.bias) {
+    Tally t("dbias", c);
+    for (int64_t j = 0; j < c.v; ++j) {
+      double ref = 0, tol = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        ref += gr[i * c.v + j].dz;
+        tol += gr[i * c.v + j].tol + 6 * kU * std::fabs(gr[i * c.v + j].dz);
+      }
+      t.check(t.near(gb[j], ref, tol), "dbias[%lld] %.9g vs %.9g", static_cast<long long>(j), gb[j], ref);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The single pass (flce_rows.cu): fp32 logits from a GEMM (here the exact products rounded once)
+// -> row_stats per shard -> combine -> row_coef -> row_grad in place over the logits ->
+// target_fix without compensation.
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+double grad_at(const float* logits_row0, int64_t grad_ld, int64_t i, int64_t j) {
+  return load<T>(reinterpret_cast<const T*>(logits_row0) + i * grad_ld, j);
+}
+
+void run_single_pass(const Case& c) {
+  Problem p;
+  p.c = c;
+  build(p);
+  const int64_t n = c.n, v = c.v, d = c.d;
+  const int64_t ld = v + 3;  // padded rows, the gap NaN
+  DeviceBuffer<int64_t> target(p.target);
+  DeviceBuffer<float> bias(p.bias);
+  DeviceBuffer<float> grad_loss(p.grad_loss), grad_lse(std::max<std::size_t>(p.grad_lse.size(), 1), 0.f);
+  for (std::size_t i = 0; i < p.grad_lse.size(); ++i) grad_lse[i] = p.grad_lse[i];
+  DeviceBuffer<float> logits(n * ld, harness::qnan());
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < v; ++j) logits[i * ld + j] = static_cast<float>(p.acc[i * v + j]);
+  }
+  // Forward: per-row statistics of each shard's columns, combined over the shards.
+  DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * 4, harness::qnan());
+  int merges = 0;
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
+    flce::cuda::RowStatsParams sp{};
+    sp.logits = logits.data() + lo;
+    sp.n = n;
+    sp.v = vr;
+    sp.ld = ld;
+    sp.bias = c.bias ? bias.data() + lo : nullptr;
+    sp.softcap = c.softcap;
+    sp.target = target.data();
+    sp.target_stride = 2;
+    sp.col_offset = lo;
+    sp.ignore_index = kIgnore;
+    sp.partials = stacked.data() + r * n * 4;
+    EXPECT(ok_or_report(flce::cuda::launch_row_stats(sp, nullptr), "row_stats") == cudaSuccess,
+           "row_stats [%s]", describe(c).c_str());
+    // lse_add per column (a rescale each time the max grows), then 5 butterfly and 8 warp merges.
+    const int shard_merges = static_cast<int>(2 * ((vr + 255) / 256) + 13);
+    merges = std::max(merges, shard_merges) + 1;
+    Tally t("row_stats partials (m, s, z_t, sum_z)", c);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* q = stacked.data() + (r * n + i) * 4;
+      const RangeRef rr = range_ref(p, i, lo, lo + vr);
+      double mag = 0;
+      for (int64_t j = lo; j < lo + vr; ++j) mag += std::fabs(p.z[i * v + j]);
+      t.check(lse_near(q[0], q[1], rr, shard_merges), "rank %d row %lld (m, s)", r,
+              static_cast<long long>(i));
+      t.check(t.near(q[2], rr.zt, rr.dzt), "rank %d row %lld z_t", r, static_cast<long long>(i));
+      // Compensated per thread, a plain 5-level butterfly across the warp, compensated over warps.
+      t.check(t.near(q[3], rr.sum, rr.dsum + 8 * kU * mag), "rank %d row %lld sum %.9g vs %.9g", r,
+              static_cast<long long>(i), q[3], rr.sum);
+    }
+  }
+  DeviceBuffer<float> stats(n * 3, harness::qnan()), coef(n * 8, harness::qnan()),
+      bound(n, harness::qnan());
+  const std::vector<RowRef> rows = combine_and_check(p, target, stacked.data(), c.ranks, merges, stats);
+  row_coef_and_check(p, target, grad_loss, grad_lse, stats, coef, bound);
+
+  // Backward: the gradient tile over the logits, in place (the binding's layout).
+  std::vector<GradRef> gr(n * v);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < v; ++j) gr[i * v + j] = grad_ref(p, rows[i], i, j);
+  }
+  const bool sixteen = elt_size(c.kind) == 2;
+  const int64_t grad_ld = ld * 4 / elt_size(c.kind);
+  const int rows_per_cta = c.bias ? 16 : 1;
+  for (int r = 0; r < c.ranks; ++r) {
+    const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
+    const int64_t blocks = (n + rows_per_cta - 1) / rows_per_cta;
+    DeviceBuffer<unsigned char> glo(c.master ? n * vr * elt_size(c.kind) : 0, 0xff);
+    DeviceBuffer<float> resid(n, harness::qnan()), colp(c.bias ? blocks * vr : 0, harness::qnan());
+    flce::cuda::RowGradParams gp{};
+    gp.logits = logits.data() + lo;
+    gp.n = n;
+    gp.v = vr;
+    gp.ld = ld;
+    gp.bias = c.bias ? bias.data() + lo : nullptr;
+    gp.softcap = c.softcap;
+    gp.target = target.data();
+    gp.target_stride = 2;
+    gp.col_offset = lo;
+    gp.ignore_index = kIgnore;
+    gp.coef = coef.data();
+    gp.grad = logits.data() + lo;
+    gp.grad_ld = grad_ld;
+    gp.grad_lo = c.master ? glo.data() : nullptr;
+    gp.grad_lo_ld = vr;
+    gp.target_resid = sixteen ? resid.data() : nullptr;
+    gp.col_partials = c.bias ? colp.data() : nullptr;
+    gp.rows_per_cta = rows_per_cta;
+    EXPECT(ok_or_report(flce::cuda::launch_row_grad(gp, dtype_of(c.kind), nullptr), "row_grad") ==
+               cudaSuccess,
+           "row_grad [%s]", describe(c).c_str());
+    // Each shard's tile lies over its own columns' logits (16-bit rows take half the bytes).
+    Tally t("row_grad tile (hi, lo, target_resid, col_partials)", c);
+    const float* row0 = logits.data() + lo;
+    auto hi_at = [&](int64_t i, int64_t j) {
+      if (c.kind == Kind::kBf16) return grad_at<__nv_bfloat16>(row0, grad_ld, i, j);
+      if (c.kind == Kind::kF16) return grad_at<__half>(row0, grad_ld, i, j);
+      return grad_at<float>(row0, grad_ld, i, j);
+    };
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < vr; ++j) {
+        const GradRef& g = gr[i * v + lo + j];
+        const double h = hi_at(i, j), sd = std::fabs(g.dz) + g.tol;
+        t.check(t.near(h, g.dz, g.tol + 0.5 * ulp(sd, c.kind)), "row %lld col %lld: hi %.9g vs %.9g",
+                static_cast<long long>(i), static_cast<long long>(lo + j), h, g.dz);
+        if (c.master) {
+          const double l = tile_value(c.kind, glo.data(), i * vr + j);
+          t.check(t.near(h + l, g.dz, g.tol + kU * sd + 0.5 * ulp(0.5 * ulp(sd, c.kind), c.kind)),
+                  "row %lld col %lld: hi + lo", static_cast<long long>(i), static_cast<long long>(lo + j));
+        }
+      }
+      if (!sixteen) continue;
+      const bool here = p.valid_target(i) && p.t(i) >= lo && p.t(i) < lo + vr;
+      if (!here) {
+        t.check(resid[i] == 0.f, "row %lld: target_resid %g without the target", static_cast<long long>(i), resid[i]);
+        continue;
+      }
+      const GradRef& g = gr[i * v + p.t(i)];
+      t.check(t.near(hi_at(i, p.t(i) - lo) + resid[i], g.dz, g.tol + kU * (std::fabs(g.dz) + g.tol)),
+              "row %lld: hi + target_resid", static_cast<long long>(i));
+    }
+    for (int64_t b = 0; b < (c.bias ? blocks : 0); ++b) {
+      for (int64_t j = 0; j < vr; ++j) {
+        double ref = 0, tol = 0, mag = 0;
+        for (int64_t i = b * rows_per_cta; i < std::min(n, (b + 1) * rows_per_cta); ++i) {
+          ref += gr[i * v + lo + j].dz;
+          tol += gr[i * v + lo + j].tol;
+          mag += std::fabs(gr[i * v + lo + j].dz);
+        }
+        tol += rows_per_cta * kU * mag;  // plain fp32 adds, row by row
+        t.check(t.near(colp[b * vr + j], ref, tol), "col_partials[%lld, %lld] %.9g vs %.9g",
+                static_cast<long long>(b), static_cast<long long>(lo + j), colp[b * vr + j], ref);
+      }
+    }
+    if (!sixteen) continue;
+    // target_fix without compensation: sum += resid * W[t] in fp32, once, for the shard's rows.
+    std::vector<float> before(n * d);
+    for (float& x : before) x = check::normal();
+    DeviceBuffer<float> sum(before);
+    flce::cuda::TargetFixParams fp{};
+    fp.weight = p.W->row_ptr(lo);
+    fp.weight_row_stride = p.W->row_stride;
+    fp.n = n;
+    fp.v = vr;
+    fp.d = d;
+    fp.target = target.data();
+    fp.target_stride = 2;
+    fp.col_offset = lo;
+    fp.ignore_index = kIgnore;
+    fp.target_resid = resid.data();
+    fp.sum = sum.data();
+    fp.comp = nullptr;
+    EXPECT(ok_or_report(flce::cuda::launch_target_fix(fp, dtype_of(c.kind), nullptr), "target_fix") ==
+               cudaSuccess,
+           "target_fix");
+    Tally tf("target_fix (comp = nullptr)", c);
+    for (int64_t i = 0; i < n; ++i) {
+      const bool here = p.valid_target(i) && p.t(i) >= lo && p.t(i) < lo + vr;
+      for (int64_t k = 0; k < d; ++k) {
+        const float want = here ? before[i * d + k] + resid[i] * p.W->at(p.t(i), k) : before[i * d + k];
+        tf.check(std::memcmp(&sum[i * d + k], &want, 4) == 0, "row %lld [%lld]: %.9g vs %.9g",
+                 static_cast<long long>(i), static_cast<long long>(k), sum[i * d + k], want);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cases: a sampled subset of the cross product N x V x D x options, per tile kind. Every
+// N in {1, 37, 130, 257}, V in {1, 100, 129, 300, 517} and D in {8, 24, 72, 136} appears
+// (tails in every dimension), and each option appears at least once per kind.
+// ---------------------------------------------------------------------------------------------
+
+Case make(Kind k, int64_t n, int64_t v, int64_t d) {
+  Case c;
+  c.kind = k;
+  c.n = n;
+  c.v = v;
+  c.d = d;
+  return c;
+}
+
+void run_all(const std::vector<Case>& cases) {
+  for (const Case& c : cases) {
+    const int before = check::failures;
+    if (c.single_pass) {
+      run_single_pass(c);
+    } else {
+      run_case(c);
+    }
+    std::printf("  %s %s\n", check::failures == before ? "ok  " : "FAIL", describe(c).c_str());
+  }
+}
+
+std::vector<Case> tensor_core_cases(Kind k) {
+  std::vector<Case> cs;
+  {
+    Case c = make(k, 130, 300, 136);  // 2 row blocks, 3 vocab tiles, 5 pipeline stages of k
+    c.bias = true;
+    c.ignore_rows = true;
+    c.eps = 0.1f;
+    c.tiles_per_split = 2;
+    c.chunk_tiles = 1;
+    c.master = k != Kind::kTf32;
+    c.collapsed_row = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(k, 257, 517, 72);
+    c.softcap = 15.f;
+    c.zloss = 1e-3f;
+    c.grad_lse = true;
+    c.ranks = 2;
+    c.chunk_tiles = 2;
+    c.padded = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(k, 37, 129, 24);
+    c.bad_targets = true;
+    c.grad_loss_stride0 = true;
+    c.bias = true;
+    c.tiles_per_split = 3;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(k, 1, 100, 8);
+    c.ranks = 2;
+    c.eps = 0.2f;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(k, 37, 1, 8);  // one vocabulary column: the target is often the only one
+    c.bias = true;
+    cs.push_back(c);
+  }
+  return cs;
+}
+
+// Rows longer than one 1024-column step of a CTA (V = 1300) and shorter, shards, options.
+std::vector<Case> single_pass_cases(Kind k) {
+  std::vector<Case> cs;
+  {
+    Case c = make(k, 37, 1300, 24);
+    c.bias = true;
+    c.ignore_rows = true;
+    c.eps = 0.1f;
+    c.master = k != Kind::kF32;
+    c.collapsed_row = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(k, 20, 517, 8);
+    c.softcap = 15.f;
+    c.zloss = 1e-3f;
+    c.grad_lse = true;
+    c.ranks = 2;
+    c.bad_targets = true;
+    c.grad_loss_stride0 = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(k, 3, 1, 8);
+    cs.push_back(c);
+  }
+  for (Case& c : cs) c.single_pass = true;
+  return cs;
+}
+
+TEST(single_pass_rows) {
+  for (Kind k : {Kind::kBf16, Kind::kF16, Kind::kF32}) run_all(single_pass_cases(k));
+}
+
+// launch_scale_grad: out = dtype((sum of the slices) * scale) for every (out, x) dtype pair,
+// against float64 (one rounding to fp32 and one to the output dtype) and every element written.
+TEST(scale_grad) {
+  const int slices = 3;
+  const int64_t count = 1000;
+  DeviceBuffer<double> k(1, 0.3);
+  for (Kind xk : {Kind::kF32, Kind::kBf16, Kind::kF16}) {
+    std::vector<float> xs(slices * count);
+    DeviceBuffer<unsigned char> x(slices * count * elt_size(xk));
+    for (int64_t i = 0; i < slices * count; ++i) {
+      xs[i] = quantize(check::normal(), xk);
+      unsigned char* at = x.data() + i * elt_size(xk);
+      if (xk == Kind::kBf16) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(xs[i]);
+        std::memcpy(at, &h, 2);
+      } else if (xk == Kind::kF16) {
+        const __half h = __float2half_rn(xs[i]);
+        std::memcpy(at, &h, 2);
+      } else {
+        std::memcpy(at, &xs[i], 4);
+      }
+    }
+    for (Kind ok_ : {Kind::kF32, Kind::kBf16, Kind::kF16}) {
+      DeviceBuffer<unsigned char> out(count * elt_size(ok_), 0xff);
+      EXPECT(flce::cuda::launch_scale_grad(out.data(), dtype_of(ok_), x.data(), dtype_of(xk), slices,
+                                           count, k.data(), nullptr) == cudaSuccess,
+             "scale_grad %s <- %s", kind_name(ok_), kind_name(xk));
+      Case c = make(ok_, 0, 0, 0);
+      Tally t(std::string("scale_grad ") + kind_name(ok_) + " <- " + kind_name(xk), c);
+      for (int64_t i = 0; i < count; ++i) {
+        long double ref = 0;
+        for (int s2 = 0; s2 < slices; ++s2) ref += xs[s2 * count + i];
+        ref *= static_cast<long double>(0.3);  // the double the kernel multiplies by
+        const double got = tile_value(ok_, out.data(), i);
+        t.check(t.near(got, static_cast<double>(ref),
+                       kU * std::fabs(static_cast<double>(ref)) * 1.01 + 0.5 * ulp(std::fabs(static_cast<double>(ref)) * 1.01, ok_)),
+                "[%lld] %.9g vs %.9Lg", static_cast<long long>(i), got, ref);
+      }
+    }
+  }
+}
+
+TEST(bf16_tiles) { run_all(tensor_core_cases(Kind::kBf16)); }
+TEST(fp16_tiles) { run_all(tensor_core_cases(Kind::kF16)); }
+TEST(tf32_tiles) { run_all(tensor_core_cases(Kind::kTf32)); }
+
+TEST(fp32_simt_tiles) {
+  std::vector<Case> cs;
+  {
+    Case c = make(Kind::kF32, 257, 517, 72);  // 5 row blocks, 9 vocab tiles of 64
+    c.bias = true;
+    c.softcap = 15.f;
+    c.ranks = 2;
+    c.padded = true;
+    c.tiles_per_split = 2;
+    c.chunk_tiles = 3;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(Kind::kF32, 37, 300, 136);
+    c.transposed_w = true;
+    c.eps = 0.1f;
+    c.ignore_rows = true;
+    c.grad_lse = true;
+    c.collapsed_row = true;
+    c.bias = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(Kind::kF32, 130, 129, 24);
+    c.zloss = 1e-3f;
+    c.bad_targets = true;
+    c.grad_loss_stride0 = true;
+    c.tiles_per_split = 3;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(Kind::kF32, 1, 100, 8);
+    c.bias = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(Kind::kF32, 37, 1, 0);  // D = 0: the logits are the bias
+    c.bias = true;
+    cs.push_back(c);
+  }
+  run_all(cs);
+}
+
+// Empty extents: the launchers return success without launching and leave the outputs alone;
+// a column sum over zero rows is zero.
+TEST(empty_shapes) {
+  DeviceBuffer<float> sentinel(64, 7.f);
+  DeviceBuffer<int64_t> target(4, 0);
+  flce::cuda::StatsParams sp{};
+  sp.lin.target = target.data();
+  sp.lin.target_stride = 1;
+  sp.lin.ignore_index = kIgnore;
+  sp.partials = sentinel.data();
+  sp.splits = 1;
+  sp.tiles_per_split = 1;
+  sp.lin.v = 100;
+  sp.lin.d = 8;
+  for (Kind k : {Kind::kBf16, Kind::kF16, Kind::kTf32, Kind::kF32}) {
+    EXPECT(flce::cuda::launch_partial_stats(sp, dtype_of(k), nullptr) == cudaSuccess, "n = 0 %s",
+           kind_name(k));
+    flce::cuda::GradParams gp{};
+    gp.lin = sp.lin;
+    gp.lin.n = 37;
+    gp.lin.v = 0;
+    gp.grad_logits = sentinel.data();
+    EXPECT(flce::cuda::launch_grad_logits(gp, dtype_of(k), nullptr) == cudaSuccess, "v = 0 %s",
+           kind_name(k));
+  }
+  flce::cuda::CombineParams cp{};
+  cp.loss = sentinel.data();
+  EXPECT(flce::cuda::launch_combine(cp, true, nullptr) == cudaSuccess, "combine n = 0");
+  flce::cuda::RowCoefParams rp{};
+  rp.coef = sentinel.data();
+  EXPECT(flce::cuda::launch_row_coef(rp, nullptr) == cudaSuccess, "row_coef n = 0");
+  flce::cuda::TargetFixParams fp{};
+  fp.sum = sentinel.data();
+  EXPECT(flce::cuda::launch_target_fix(fp, DType::kBFloat16, nullptr) == cudaSuccess, "target_fix n = 0");
+  EXPECT(flce::cuda::launch_kahan_accumulate(sentinel.data(), sentinel.data(), sentinel.data(), 0,
+                                             nullptr, nullptr) == cudaSuccess,
+         "kahan count = 0");
+  EXPECT(flce::cuda::launch_scale_store(sentinel.data(), DType::kFloat32, sentinel.data(), 0, nullptr,
+                                        nullptr) == cudaSuccess,
+         "scale_store count = 0");
+  EXPECT(flce::cuda::launch_column_sum(sentinel.data(), 3, 0, sentinel.data(), nullptr) == cudaSuccess,
+         "column_sum cols = 0");
+  for (int i = 0; i < 64; ++i) EXPECT(sentinel[i] == 7.f, "element %d touched: %g", i, sentinel[i]);
+  DeviceBuffer<float> out(5, harness::qnan());
+  EXPECT(flce::cuda::launch_column_sum(sentinel.data(), 0, 5, out.data(), nullptr) == cudaSuccess,
+         "column_sum rows = 0");
+  for (int i = 0; i < 5; ++i) EXPECT(out[i] == 0.f, "sum over no rows [%d] = %g", i, out[i]);
+  // Out-of-range fp16 stores saturate to infinity, NaN stays NaN (scale_store<__half>).
+  DeviceBuffer<float> x(std::vector<float>{7e4f, -7e4f, harness::qnan(), 1.5f});
+  DeviceBuffer<__half> h(4);
+  EXPECT(flce::cuda::launch_scale_store(h.data(), DType::kFloat16, x.data(), 4, nullptr, nullptr) ==
+             cudaSuccess,
+         "scale_store fp16");
+  EXPECT(std::isinf(__half2float(h[0])) && __half2float(h[0]) > 0 && std::isinf(__half2float(h[1])) &&
+             std::isnan(__half2float(h[2])) && __half2float(h[3]) == 1.5f,
+         "fp16 saturation");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return check::run_all(argc, argv); }
