@@ -28,31 +28,17 @@ class Unavailable(RuntimeError):
     """The emulated CUDA backend cannot be built here (no CUDA headers)."""
 
 
-def _cuda_include():
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if home and os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
-            return os.path.join(home, "include")
-    raise Unavailable("no CUDA toolkit headers (cuda_runtime.h): set CUDA_HOME")
+def _build_info():
+    import runpy
+
+    return runpy.run_path(os.path.join(ROOT, "csrc", "cuda", "host", "build_info.py"))
 
 
-def _sources(build_dir):
-    """The binding and runtime sources, plus one wrapper per kernel file: a .cpp that includes the
-    unchanged .cu, so that the host compiler builds it."""
+def _binding_sources():
     src = os.path.join(ROOT, "csrc")
-    binding = [os.path.join(src, "checks.cpp"), os.path.join(src, "cuda", "flce_cuda.cpp"),
-               os.path.join(src, "cuda", "emulated", "device_host.cpp"),
-               os.path.join(src, "cuda", "emulated", "module.cpp")]
-    runtime = sorted(glob.glob(os.path.join(src, "cuda", "host", "*.cpp")))
-    wrappers = []
-    os.makedirs(build_dir, exist_ok=True)
-    for cu in sorted(glob.glob(os.path.join(src, "cuda", "*.cu"))):
-        path = os.path.join(build_dir, os.path.basename(cu)[:-3] + "_host.cpp")
-        text = f'#include "{cu}"\n'
-        if not os.path.exists(path) or open(path).read() != text:
-            with open(path, "w") as f:
-                f.write(text)
-        wrappers.append(path)
-    return binding + runtime, wrappers
+    return [os.path.join(src, "checks.cpp"), os.path.join(src, "cuda", "flce_cuda.cpp"),
+            os.path.join(src, "cuda", "emulated", "device_host.cpp"),
+            os.path.join(src, "cuda", "emulated", "module.cpp")]
 
 
 def _digest(paths):
@@ -71,50 +57,33 @@ def load():
 
     import flce._ops
 
-    cuda_inc = _cuda_include()
-    racecheck = os.environ.get("FLCE_CUDA_HOST_RACECHECK") == "1"
-    base = os.path.join(ROOT, "build", "cuda_host" + ("_racecheck" if racecheck else ""))
-    plain, kernels = _sources(base)
-    headers = glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True) + glob.glob(
-        os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True) + glob.glob(
-        os.path.join(ROOT, "csrc", "cuda", "*.cu"))
-    # One build directory per source state: ninja's dependency scan does not see through the
-    # wrappers' absolute includes reliably across checkouts.
-    build_dir = os.path.join(base, _digest(plain + headers))
+    bi = _build_info()
+    config = "racecheck" if os.environ.get("FLCE_CUDA_HOST_RACECHECK") == "1" else "plain"
+    try:
+        info = bi["build_info"](config)
+    except FileNotFoundError as e:
+        raise Unavailable(str(e)) from None
+    binding = _binding_sources()
+    sources = glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True) + glob.glob(
+        os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True) + binding + \
+        info["kernel_sources"] + info["runtime_sources"]
+    # One build directory per source state: the kernels' and runtime's objects are rebuilt by
+    # their own timestamps only, and ninja does not see header changes through them.
+    build_dir = os.path.join(ROOT, "build", "cuda_host", f"{config}-{_digest(sources)}")
     os.makedirs(build_dir, exist_ok=True)
-    flags = ["-O2", "-std=c++20", "-DFLCE_CUDA_HOST=1", "-fno-math-errno", "-fno-trapping-math",
-             f"-I{cuda_inc}", f"-I{os.path.join(ROOT, 'csrc', 'include')}",
-             f"-I{os.path.join(ROOT, 'csrc')}"]
-    # The kernels' race detector sees shared-memory accesses through -fsanitize=thread
-    # instrumentation whose callbacks the runtime supplies (no libtsan is linked).
-    if racecheck:
-        kernel_objs = _compile_instrumented(kernels, build_dir, flags)
-        sources, extra_ldflags = plain, kernel_objs
-    else:
-        sources, extra_ldflags = plain + kernels, []
+    # The kernels and the runtime as build_info.py compiles them (one flag list for every build
+    # of the emulation; racecheck: the kernels instrumented for the race detector, no libtsan).
+    objects = bi["compile_objects"](build_dir, config, jobs=int(os.environ.get("MAX_JOBS", "2")))
+    flags = ([f"-D{d}" for d in info["defines"]] + [f"-I{i}" for i in info["include_dirs"]]
+             + [f for f in info["cflags"] if f not in ("-Wall", "-Wextra")]
+             + ["-fno-math-errno", "-fno-trapping-math"])
     cpp_extension.load(
-        name=NAMESPACE, sources=sources, extra_cflags=flags,
+        name=NAMESPACE, sources=binding, extra_cflags=flags,
         # -Bsymbolic: the runtime's own cudaGetLastError & co. must not bind to the libcudart
         # that torch loaded.
-        extra_ldflags=extra_ldflags + ["-Wl,-Bsymbolic"], build_directory=build_dir,
+        extra_ldflags=objects + info["ldflags"] + ["-Wl,-Bsymbolic"], build_directory=build_dir,
         with_cuda=False, verbose=os.environ.get("FLCE_CUDA_HOST_VERBOSE") == "1")
     if not getattr(load, "_registered", False):
         flce._ops.register(NAMESPACE, lambda t: True)
         load._registered = True
     return getattr(torch.ops, NAMESPACE)
-
-
-def _compile_instrumented(kernels, build_dir, flags):
-    import subprocess
-
-    from torch.utils import cpp_extension
-
-    objs = []
-    for src in kernels:
-        obj = os.path.join(build_dir, os.path.basename(src)[:-4] + ".tsan.o")
-        if not os.path.exists(obj) or os.path.getmtime(obj) < os.path.getmtime(src):
-            cmd = ["c++", "-c", src, "-o", obj, "-fPIC", "-fsanitize=thread"] + flags + [
-                f"-I{p}" for p in cpp_extension.include_paths()]
-            subprocess.run(cmd, check=True)
-        objs.append(obj)
-    return objs
