@@ -3,7 +3,6 @@
 #include "cpu/epilogue.h"
 
 #include <ATen/Context.h>
-#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -163,31 +162,27 @@ float widen(const void* p, at::ScalarType dtype, int64_t i) {
 template <typename T, typename F>
 void copy_op(const GemmOperand& src, int64_t rows, int64_t cols, T* dst, int64_t ldd, F convert) {
   constexpr int64_t T16 = 16;
-  const int64_t rb = (rows + T16 - 1) / T16;
-  at::parallel_for(0, rb, std::max<int64_t>(1, 256 / std::max<int64_t>(cols, 1)),
-                   [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * T16, r1 = std::min(rows, r0 + T16);
-      for (int64_t c0 = 0; c0 < cols; c0 += T16) {
-        const int64_t c1 = std::min(cols, c0 + T16);
-        if (src.trans) {
-          // Through a 16 x 16 buffer: contiguous reads along the stored rows (op's columns),
-          // contiguous writes along dst's rows.
-          decltype(convert(0)) buf[T16][T16];
-          for (int64_t j = c0; j < c1; ++j) {
-            for (int64_t r = r0; r < r1; ++r) buf[j - c0][r - r0] = convert(j * src.ld + r);
-          }
-          for (int64_t r = r0; r < r1; ++r) {
-            for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = buf[j - c0][r - r0];
-          }
-        } else {
-          for (int64_t r = r0; r < r1; ++r) {
-            for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = convert(r * src.ld + j);
-          }
+  for (int64_t r0 = 0; r0 < rows; r0 += T16) {
+    const int64_t r1 = std::min(rows, r0 + T16);
+    for (int64_t c0 = 0; c0 < cols; c0 += T16) {
+      const int64_t c1 = std::min(cols, c0 + T16);
+      if (src.trans) {
+        // Through a 16 x 16 buffer: contiguous reads along the stored rows (op's columns),
+        // contiguous writes along dst's rows.
+        decltype(convert(0)) buf[T16][T16];
+        for (int64_t j = c0; j < c1; ++j) {
+          for (int64_t r = r0; r < r1; ++r) buf[j - c0][r - r0] = convert(j * src.ld + r);
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = buf[j - c0][r - r0];
+        }
+      } else {
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = convert(r * src.ld + j);
         }
       }
     }
-  });
+  }
 }
 
 #if defined(__x86_64__)
@@ -196,20 +191,15 @@ void copy_op(const GemmOperand& src, int64_t rows, int64_t cols, T* dst, int64_t
 template <int B, typename T, typename Block>
 void transpose_by_blocks(const T* src, int64_t lds, T* dst, int64_t ldd, int64_t rows,
                          int64_t cols, Block block) {
-  at::parallel_for(0, (rows + B - 1) / B,
-                   std::max<int64_t>(1, 256 / (B * std::max<int64_t>(cols, 1))),
-                   [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * B;
-      int64_t c0 = 0;
-      if (r0 + B <= rows) {
-        for (; c0 + B <= cols; c0 += B) block(src + c0 * lds + r0, lds, dst + r0 * ldd + c0, ldd);
-      }
-      for (int64_t r = r0; r < std::min(rows, r0 + B); ++r) {
-        for (int64_t c = c0; c < cols; ++c) dst[r * ldd + c] = src[c * lds + r];
-      }
+  for (int64_t r0 = 0; r0 < rows; r0 += B) {
+    int64_t c0 = 0;
+    if (r0 + B <= rows) {
+      for (; c0 + B <= cols; c0 += B) block(src + c0 * lds + r0, lds, dst + r0 * ldd + c0, ldd);
     }
-  });
+    for (int64_t r = r0; r < std::min(rows, r0 + B); ++r) {
+      for (int64_t c = c0; c < cols; ++c) dst[r * ldd + c] = src[c * lds + r];
+    }
+  }
 }
 
 // SSE2 (the x86-64 baseline) register transposes, 4 x 4 fp32 and 8 x 8 16-bit: several times
@@ -402,7 +392,7 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
       arow[i] = lhs_for_kernels(dtype, rows, k, kk, lhs_rows(a[i], m0, dtype), dst, lda[i]);
     }
   };
-  const int64_t nbm = (m + MB - 1) / MB, nbn = (n + NB - 1) / NB;
+  const int64_t nbn = (n + NB - 1) / NB;
   // One [mm, nn] block of the product: the sum over operands and k chunks, the first chunk
   // written to dst (or added to it with `add`), the others summed in `part`. arow[i]: the
   // block's first row of operand i.
@@ -437,16 +427,15 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
       }
     }
   };
+  float part[MB * NB];
   if (out.sum == nullptr) {
-    // Column blocks outer: consecutive blocks of a thread reuse one B block from cache.
+    // Column blocks outer: consecutive blocks reuse one B block from cache.
     const void* arow[2];
     int64_t lda[2];
     lhs(0, m, scratch.bf16, scratch.f32, arow, lda);
     const int64_t es = bf16 ? 2 : 4;  // the kernels' element: fp16 operands were widened to fp32
-    at::parallel_for(0, nbm * nbn, 1, [&](int64_t i0, int64_t i1) {
-      float part[MB * NB];
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t m0 = (i % nbm) * MB, nblk = i / nbm;
+    for (int64_t nblk = 0; nblk < nbn; ++nblk) {
+      for (int64_t m0 = 0; m0 < m; m0 += MB) {
         const void* rows[2];
         for (int op = 0; op < na; ++op) {
           rows[op] = static_cast<const char*>(arow[op]) + m0 * lda[op] * es;
@@ -454,42 +443,34 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
         block(rows, lda, std::min(MB, m - m0), nblk, out.c + m0 * out.ldc + nblk * NB, out.ldc,
               out.accumulate, part);
       }
-    });
+    }
     return;
   }
-  // Compensated output: a thread takes whole row panels, so that the adds run along full rows
-  // of the accumulators (a [64, 64] block at a time would hit them in scattered pieces). It
-  // copies the panel's rows of A itself where they need a copy (the transposed gradient tile of
-  // the dC GEMM): a panel at a time, while in cache, and never the whole operand.
-  at::parallel_for(0, nbm, 1, [&](int64_t p0, int64_t p1) {
-    float part[MB * NB];
-    std::vector<float> panel(MB * n);  // [mm, n]
-    std::vector<uint16_t> copy16;
-    std::vector<float> copy32;
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t m0 = p * MB, mm = std::min(MB, m - m0);
-      const void* arow[2];
-      int64_t lda[2];
-      lhs(m0, mm, copy16, copy32, arow, lda);
-      for (int64_t nblk = 0; nblk < nbn; ++nblk) {
-        block(arow, lda, mm, nblk, panel.data() + nblk * NB, n, false, part);
-      }
-      for (int64_t r = 0; r < mm; ++r) out.add_row(m0 + r, panel.data() + r * n, n);
+  // Compensated output, by row panels, so that the adds run along full rows of the
+  // accumulators (a [64, 64] block at a time would hit them in scattered pieces). The panel's
+  // rows of A are copied where they need a copy (the transposed gradient tile of the dC GEMM):
+  // a panel at a time, while in cache, and never the whole operand.
+  scratch.panel.resize(MB * n);  // [mm, n]
+  for (int64_t m0 = 0; m0 < m; m0 += MB) {
+    const int64_t mm = std::min(MB, m - m0);
+    const void* arow[2];
+    int64_t lda[2];
+    lhs(m0, mm, scratch.bf16, scratch.f32, arow, lda);
+    for (int64_t nblk = 0; nblk < nbn; ++nblk) {
+      block(arow, lda, mm, nblk, scratch.panel.data() + nblk * NB, n, false, part);
     }
-  });
+    for (int64_t r = 0; r < mm; ++r) out.add_row(m0 + r, scratch.panel.data() + r * n, n);
+  }
 }
 
 // The blas path of gemm_accumulate: the product in a scratch tile, then the compensated adds.
 void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
                      const GemmOperand* a, int na, GemmOperand b, const Out& out,
                      LhsScratch& scratch) {
-  scratch.f32.resize(m * n);
-  float* prod = scratch.f32.data();
+  scratch.panel.resize(m * n);
+  float* prod = scratch.panel.data();
   for (int i = 0; i < na; ++i) gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, prod, n);
-  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)),
-                   [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) out.add_row(r, prod + r * n, n);
-  });
+  for (int64_t r = 0; r < m; ++r) out.add_row(r, prod + r * n, n);
 }
 
 }  // namespace
@@ -526,47 +507,43 @@ void Rhs::prepare(at::ScalarType dtype, GemmOperand b, int64_t k, int64_t n) {
     vnni_.assign(blocks * kk * NB, 0);
     uint16_t* dst = vnni_.data();
     const uint16_t* src = static_cast<const uint16_t*>(b.ptr);
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
-        uint16_t* out = dst + blk * kk * NB;
-        // Read along the stored rows: op(B)'s columns when transposed, else its rows.
-        if (b.trans) {
-          for (int64_t j = 0; j < nn; ++j) {
-            const uint16_t* col = src + (n0 + j) * b.ld;
-            for (int64_t r = 0; r < k; ++r) out[((r / 2) * NB + j) * 2 + r % 2] = col[r];
-          }
-        } else {
-          for (int64_t r = 0; r < k; ++r) {
-            const uint16_t* row = src + r * b.ld + n0;
-            for (int64_t j = 0; j < nn; ++j) out[((r / 2) * NB + j) * 2 + r % 2] = row[j];
-          }
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
+      uint16_t* out = dst + blk * kk * NB;
+      // Read along the stored rows: op(B)'s columns when transposed, else its rows.
+      if (b.trans) {
+        for (int64_t j = 0; j < nn; ++j) {
+          const uint16_t* col = src + (n0 + j) * b.ld;
+          for (int64_t r = 0; r < k; ++r) out[((r / 2) * NB + j) * 2 + r % 2] = col[r];
+        }
+      } else {
+        for (int64_t r = 0; r < k; ++r) {
+          const uint16_t* row = src + r * b.ld + n0;
+          for (int64_t j = 0; j < nn; ++j) out[((r / 2) * NB + j) * 2 + r % 2] = row[j];
         }
       }
-    });
+    }
     return;
   }
   f32_.assign(blocks * k * NB, 0.f);
   float* dst = f32_.data();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
-      const GemmOperand sub{static_cast<const char*>(b.ptr) +
-                                (b.trans ? n0 * b.ld : n0) * at::elementSize(dtype),
-                            b.ld, b.trans};
-      if (dtype == at::kFloat) {
-        const float* src = static_cast<const float*>(sub.ptr);
-        if (sub.trans) {
-          transpose(src, sub.ld, dst + blk * k * NB, NB, k, nn);
-        } else {
-          copy_op(sub, k, nn, dst + blk * k * NB, NB, [src](int64_t i) { return src[i]; });
-        }
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
+    const GemmOperand sub{static_cast<const char*>(b.ptr) +
+                              (b.trans ? n0 * b.ld : n0) * at::elementSize(dtype),
+                          b.ld, b.trans};
+    if (dtype == at::kFloat) {
+      const float* src = static_cast<const float*>(sub.ptr);
+      if (sub.trans) {
+        transpose(src, sub.ld, dst + blk * k * NB, NB, k, nn);
       } else {
-        copy_op(sub, k, nn, dst + blk * k * NB, NB,
-                [&](int64_t i) { return widen(sub.ptr, dtype, i); });
+        copy_op(sub, k, nn, dst + blk * k * NB, NB, [src](int64_t i) { return src[i]; });
       }
+    } else {
+      copy_op(sub, k, nn, dst + blk * k * NB, NB,
+              [&](int64_t i) { return widen(sub.ptr, dtype, i); });
     }
-  });
+  }
 }
 
 namespace {
