@@ -381,12 +381,21 @@ struct TileWork {
   std::vector<float> t_grad;        // per tile row: the target column's gradient
   std::vector<float> row_max;       // per tile row: max |gradient| (bf16 split scale)
   std::vector<float> prod, colsum;  // a scaled operand row; the tile's column sums (bias)
+  // 16-bit inputs multiplied in fp32: the tile's weight rows and input rows widened, and which
+  // rows they hold (the operand's address).
+  std::vector<float> w32, x32;
+  const void* w32_of = nullptr;
+  const void* x32_of = nullptr;
 
-  TileWork(int64_t rows, int64_t ld, bool split, int64_t d, int64_t bv) {
+  TileWork(int64_t rows, int64_t ld, bool split, bool widen, int64_t d, int64_t bv) {
     tile.resize(rows * ld);
     if (split) {
       hi.resize(rows * ld);
       lo.resize(rows * ld);
+    }
+    if (widen) {
+      w32.resize(bv * d);
+      x32.resize(rows * d);
     }
     rg.resize(rows);
     ts.resize(rows);
@@ -408,7 +417,8 @@ class GradPass {
            Axis split, int64_t block, int64_t workers, float cap, bool deferred)
       : o_(o), cap_(cap),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
-        split_(o.dtype == at::kBFloat16) {
+        split_(o.dtype == at::kBFloat16 && cpu::bf16_gemm_native()),
+        widen_(o.dtype != at::kFloat && !split_) {
     const auto opts = o.x.options();
     auto make = [&](std::optional<Grad>& g, at::ScalarType dt, int64_t total, int64_t width,
                     Axis axis) {
@@ -417,16 +427,12 @@ class GradPass {
     if (need_e_) make(ge_, o.dtype, o.n, o.d, Axis::rows);
     if (need_c_) make(gc_, o.w_dtype, o.v, o.d, Axis::vocab);
     if (need_b_) make(gb_, bias->scalar_type(), o.v, 1, Axis::vocab);
-    // fp16 inputs multiply the fp32 gradient tile against fp32 operands (fp16 tiles would
-    // underflow small gradients); bf16 splits the tile instead (tile()).
-    if (!split_ && o.dtype != at::kFloat) {
-      x32_ = o.x.to(at::kFloat);
-      w32_ = o.w.to(at::kFloat);
-    }
   }
 
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
-  bool split_tile() const { return split_; }
+  TileWork tile_work(int64_t rows) const {
+    return TileWork(rows, o_.ld_tile(), split_, widen_, o_.d, o_.block_v);
+  }
 
   // Worker w's rows [s0, s0 + sn) of the split axis: zeroed before, written out after the pass.
   void begin_split(int64_t w, Span s) const { each_global([&](const Grad& g) { g.zero(w, 0, s.begin, s.size()); }); }
@@ -460,6 +466,12 @@ class GradPass {
       if (has_t) row[tl] = 0.f;
       if (split_) tw.row_max[r] = cpu::row_absmax(row, bv);
     }
+    // bf16 inputs: where bf16 GEMMs are native (cpu::bf16_gemm_native) the fp32 gradient tile
+    // is split G = hi + lo into two bf16 tiles, so that the tile products run on them at ~16
+    // mantissa bits, far below bf16's rounding. Elsewhere a bf16 GEMM costs an fp32 one, and
+    // two of them twice: G multiplies fp32 copies of the tile's weight and input rows (widen_),
+    // as fp16 inputs always do (fp16 tiles would underflow small gradients).
+    //
     // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary
     // (margins ~80) a row's gradients are ~1e-35 with most of its columns below FLT_MIN: the
     // split tile is scaled by a power of two that puts its largest entry near 1, and the GEMMs
@@ -505,7 +517,7 @@ class GradPass {
         cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, tw.w_rhs, alpha, eout,
                              tw.lhs);
       } else {
-        const void* wt = w32_.defined() ? static_cast<const void*>(w32_.data_ptr<float>() + v0 * d) : wp;
+        const void* wt = widen_ ? static_cast<const void*>(widened(tw.w32, tw.w32_of, wp, bv)) : wp;
         const GemmOperand g{tile, ld, false};
         tw.w_rhs.prepare(at::kFloat, GemmOperand{wt, d, false}, bv, d);
         cpu::gemm_accumulate(at::kFloat, bn, d, bv, &g, 1, tw.w_rhs, 1.f, eout, tw.lhs);
@@ -527,7 +539,7 @@ class GradPass {
         cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, 2, tw.x_rhs, alpha, cout,
                              tw.lhs);
       } else {
-        const void* xr = x32_.defined() ? static_cast<const void*>(x32_.data_ptr<float>() + n0 * d) : xp;
+        const void* xr = widen_ ? static_cast<const void*>(widened(tw.x32, tw.x32_of, xp, bn)) : xp;
         const GemmOperand gt{tile, ld, true};
         tw.x_rhs.prepare(at::kFloat, GemmOperand{xr, d, false}, bn, d);
         cpu::gemm_accumulate(at::kFloat, bv, d, bn, &gt, 1, tw.x_rhs, 1.f, cout, tw.lhs);
@@ -569,9 +581,22 @@ class GradPass {
 
   const Operands& o_;
   float cap_;
-  bool need_e_, need_c_, need_b_, split_;
+  // rows [rows, D] of a 16-bit operand at src, widened (exactly) into buf unless buf holds them.
+  const float* widened(std::vector<float>& buf, const void*& holds, const void* src,
+                       int64_t rows) const {
+    if (holds != src) {
+      const int64_t es = o_.x.element_size();
+      for (int64_t r = 0; r < rows; ++r) {
+        cpu::row_scale(buf.data() + r * o_.d, static_cast<const char*>(src) + r * o_.d * es,
+                       o_.row_dtype, o_.d, 1.f);
+      }
+      holds = src;
+    }
+    return buf.data();
+  }
+
+  bool need_e_, need_c_, need_b_, split_, widen_;
   std::optional<Grad> ge_, gc_, gb_;
-  at::Tensor x32_, w32_;
 };
 
 // How the backward's workers share a shard: the split axis is the smaller one (its gradient is
@@ -609,7 +634,7 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
   cpu::run_workers(plan.workers, [&](int64_t w) {
     const Span own = cpu::split(split_extent, plan.workers, w, ALIGN);
     const Tiles tiles(own, plan.split_tile, ALIGN);
-    TileWork tw(BLOCK_N, o.ld_tile(), pass.split_tile(), o.d, o.block_v);
+    TileWork tw = pass.tile_work(BLOCK_N);
     pass.begin_split(w, own);
     blocks.each([&](int64_t x0, int64_t xb) {
       pass.begin_block(w, x0, xb);
@@ -726,7 +751,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
   cpu::run_workers(workers, [&](int64_t w) {
     const Span own = cpu::split(o.v, workers, w, ALIGN);
     const Tiles tiles = o.vocab_tiles(own);
-    TileWork tw(bn_f, o.ld_tile(), pass.split_tile(), o.d, o.block_v);
+    TileWork tw = pass.tile_work(bn_f);
     LogitScratch scratch;
     RowState* mine = parts.data() + w * bn_f;
     pass.begin_split(w, own);

@@ -48,23 +48,30 @@ constexpr int kTrans = 112;
 // MKL ILP64 vs LP64: torch's MKL is LP64 (int indices). These prototypes are MKL's.
 using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
                           int, float, float*, int);
+// cblas_sgemm_compute with neither operand packed: sgemm without alpha (ours is always 1).
+using sgemm_compute_fn = void (*)(int, int, int, int, int, int, const float*, int, const float*,
+                                  int, float, float*, int);
 using lowp_gemm_fn = void (*)(int, int, int, int, int, int, float, const void*, int, const void*,
                               int, float, float*, int);
 
 struct Blas {
   sgemm_fn sgemm = nullptr;
+  sgemm_compute_fn sgemm_compute = nullptr;
   lowp_gemm_fn bf16 = nullptr;
   lowp_gemm_fn f16 = nullptr;
 };
 
 // Resolve the BLAS torch itself links (MKL on x86-64 wheels) from the already loaded
-// libtorch_cpu; nothing is loaded that was not there.
+// libtorch_cpu; nothing is loaded that was not there. torch 2.14's libtorch_cpu exports MKL's
+// cblas_sgemm_compute but not cblas_sgemm: the former serves, without ATen's dispatch and
+// tensor views in every worker's call (the portable fallback below).
 const Blas& blas() {
   static const Blas b = [] {
     Blas r;
     void* h = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
     if (h == nullptr) h = RTLD_DEFAULT;
     r.sgemm = reinterpret_cast<sgemm_fn>(dlsym(h, "cblas_sgemm"));
+    r.sgemm_compute = reinterpret_cast<sgemm_compute_fn>(dlsym(h, "cblas_sgemm_compute"));
     r.bf16 = reinterpret_cast<lowp_gemm_fn>(dlsym(h, "cblas_gemm_bf16bf16f32"));
     r.f16 = reinterpret_cast<lowp_gemm_fn>(dlsym(h, "cblas_gemm_f16f16f32"));
     return r;
@@ -95,6 +102,12 @@ void gemm_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, GemmOperan
     if (dtype == at::kFloat && bl.sgemm) {
       bl.sgemm(kRowMajor, ta, tb, int(m), int(n), int(k), 1.f, static_cast<const float*>(a.ptr),
                int(a.ld), static_cast<const float*>(b.ptr), int(b.ld), beta, c, int(ldc));
+      return;
+    }
+    if (dtype == at::kFloat && bl.sgemm_compute) {
+      bl.sgemm_compute(kRowMajor, ta, tb, int(m), int(n), int(k),
+                       static_cast<const float*>(a.ptr), int(a.ld),
+                       static_cast<const float*>(b.ptr), int(b.ld), beta, c, int(ldc));
       return;
     }
     lowp_gemm_fn f = dtype == at::kBFloat16 ? bl.bf16 : dtype == at::kHalf ? bl.f16 : nullptr;
@@ -260,6 +273,26 @@ bool cpu_is_intel() {
   std::memcpy(vendor + 8, &c, 4);
   vendor[12] = '\0';
   return std::strcmp(vendor, "GenuineIntel") == 0;
+#else
+  return false;
+#endif
+}
+
+// Whether MKL multiplies bf16 natively here (AVX512-BF16 or AMX-BF16 on an Intel CPU, which is
+// where MKL uses them, unless MKL_ENABLE_INSTRUCTIONS holds it below AVX-512). Elsewhere it
+// widens bf16 to fp32 and runs its fp32 kernels: a bf16 GEMM costs what an fp32 one does
+// (measured on the Zen 4 CI machine, natively and with AVX2 emulated).
+bool mkl_bf16_native() {
+#if defined(__x86_64__)
+  if (!cpu_is_intel() || blas().bf16 == nullptr) return false;
+  const auto isa = c10::utils::get_env("MKL_ENABLE_INSTRUCTIONS");
+  if (isa && isa->find("AVX512") == std::string::npos && isa->find("AMX") == std::string::npos) {
+    return false;
+  }
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  const bool amx = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u);
+  const bool avx512_bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u);
+  return amx || avx512_bf16;
 #else
   return false;
 #endif
@@ -474,6 +507,11 @@ void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
 }
 
 }  // namespace
+
+bool bf16_gemm_native() {
+  static const bool mkl = mkl_bf16_native();
+  return gemm_path(at::kBFloat16) == GemmPath::onednn || mkl;
+}
 
 GemmPath gemm_path(at::ScalarType dtype) {
   (void)dtype;  // one choice for every dtype: fp16 runs the fp32 kernels on the onednn path

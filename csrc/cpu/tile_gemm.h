@@ -40,6 +40,11 @@ enum class GemmPath { blas, onednn };
 // current setting: with oneDNN disabled the blas path runs).
 GemmPath gemm_path(at::ScalarType dtype);
 
+// Whether bf16 x bf16 -> fp32 tile GEMMs run faster than fp32 ones here: on the onednn path
+// (its bf16 kernels need AVX512-BF16 or AMX), and on the blas path where MKL has them natively
+// (Intel CPUs with AVX512-BF16 / AMX). Elsewhere a bf16 GEMM costs an fp32 one.
+bool bf16_gemm_native();
+
 // The right operand op(B) [k, n] of a tile GEMM, ready for the path: on the onednn path a packed
 // copy (except an untransposed fp32 operand, read in place), on the blas path the operand
 // itself. prepare() repacks only when the operand or the shape changed since its last call, so
