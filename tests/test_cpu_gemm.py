@@ -1,7 +1,7 @@
 """The CPU backend's two tile-GEMM paths (csrc/cpu/tile_gemm.h): oneDNN's micro-kernels and the
 BLAS torch links. A process uses one (flce.build_info()["cpu_gemm"]); the whole suite runs on
-that one, and the other runs a selection of the option, accuracy and determinism tests in a child process
-(FLCE_CPU_GEMM), so that both are tested on every machine where both run."""
+that one, and the other runs a selection of the option, accuracy and determinism tests in a
+child process (FLCE_CPU_GEMM), so that both are tested on every machine where both run."""
 import os
 import subprocess
 import sys
