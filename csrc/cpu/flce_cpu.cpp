@@ -44,13 +44,15 @@ namespace flce {
 namespace {
 
 constexpr int64_t BLOCK_N = 256;   // rows per tile
-// Vocabulary columns per tile: 512 for fp32 inputs, 2048 for 16-bit ones (Operands::block_v).
-// fp32's packed weight tile, tile and gradient block weigh twice as much per column, and its
-// backward's peak memory is the one that competes with chunked torch's (78 MB against 80 at
-// N=4096, V=32768, D=512; 2048 columns would add 6 MB). bf16 gains 5% from the wider tiles (its
-// split gradient tile runs 4 GEMMs per tile, each adding into the Kahan accumulators) and has
-// memory to spare (a fifth of chunked torch's with them).
-constexpr int64_t BLOCK_V_F32 = 512;
+// Vocabulary columns per tile: 256 for fp32 inputs, 2048 for 16-bit ones (Operands::block_v).
+// fp32's backward is the one whose peak memory competes with chunked torch's, and each worker
+// holds a tile, a packed weight tile (onednn) or product tile (blas) and a partial of the dC
+// block, all proportional to the tile's columns: at N=4096, V=32768, D=512 on 2 workers, 512
+// columns peaked at 83.1 MB (onednn) / 80.8 MB (blas), 384 at 80.3 / 80.3, 256 at 79.1-79.6 /
+// 78.3, against chunked torch's 80.2; the time moved by 0-5% (docs/cpu-backend.md). bf16 gains
+// from wide tiles (its split gradient tile runs 4 GEMMs per tile, each adding into the Kahan
+// accumulators) and has memory to spare (a fifth of chunked torch's).
+constexpr int64_t BLOCK_V_F32 = 256;
 constexpr int64_t BLOCK_V_16BIT = 2048;
 // Worker ranges and tiles start at multiples of ALIGN rows / columns.
 constexpr int64_t ALIGN = 16;
