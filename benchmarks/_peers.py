@@ -56,11 +56,74 @@ def available(name):
     return None
 
 
-def child_env(name, device):
+# An AVX2-only x86-64 CPU, emulated on a newer one for one process: torch's own kernels
+# (ATEN_CPU_CAPABILITY), oneDNN's JIT kernels (which then refuse torch's brgemm micro-kernels, so
+# flce takes its BLAS path, as on a real AVX2 machine) and MKL's code paths all stop at AVX2. The
+# core stays what it is (caches, clocks, the width of its datapaths).
+EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def child_env(name, device, isa=None):
     env = dict(os.environ)
     if name == "liger" and device == "cpu":
         env["TRITON_INTERPRET"] = "1"
+    if isa == "avx2":
+        env.update(EMULATE_AVX2)
     return env
+
+
+def cpu_model():
+    """The CPU as /proc/cpuinfo names it ("AMD EPYC, family 25 model 17"), or platform's guess."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "CPU part") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
+    except OSError:
+        pass
+    if "model name" not in fields:
+        import platform
+        return platform.processor() or platform.machine()
+    extra = f", family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields else ""
+    return fields["model name"] + extra
+
+
+# A competing process for `--load`: pure CPU (an interpreter loop; no I/O, no network) that ends
+# by itself at its deadline even if nobody stops it.
+_SPIN = ("import sys, time\n"
+         "end = time.monotonic() + float(sys.argv[1])\n"
+         "while time.monotonic() < end:\n"
+         "    pass\n")
+
+
+class BusyLoad:
+    """``n`` processes spinning on the CPU for at most ``seconds``, killed on exit."""
+
+    def __init__(self, n, seconds):
+        self.n, self.seconds, self.procs = n, seconds, []
+
+    def __enter__(self):
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-c", _SPIN, str(self.seconds)], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if self.n:
+            time.sleep(0.2)  # let them start spinning before anything is timed
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        self.procs = []
+        return False
 
 
 def make_impl(name, device):
@@ -234,7 +297,12 @@ def measure(spec):
         sync()
         return loss
 
-    for _ in range(spec.get("warmup", 1)):
+    # The process's first step is timed on its own (lazy initialization, JIT, first-touch
+    # page faults, thread-pool start: what a user's first training step pays).
+    start = time.perf_counter()
+    step()
+    first = time.perf_counter() - start
+    for _ in range(spec.get("warmup", 1) - 1):
         step()
     times = []
     for _ in range(spec["repeats"]):
@@ -242,8 +310,11 @@ def measure(spec):
         loss = step()
         times.append(time.perf_counter() - start)
     out = {"time_median_s": statistics.median(times), "time_min_s": min(times),
-           "time_max_s": max(times), "loss": float(loss.detach()),
-           "threads": torch.get_num_threads()}
+           "time_max_s": max(times), "time_first_s": first, "loss": float(loss.detach()),
+           "threads": torch.get_num_threads(), "isa": isa_level(device)}
+    if name == "flce" and device == "cpu":
+        import flce
+        out["cpu_gemm"] = flce.build_info()["cpu_gemm"]
     x.grad = None
     w.grad = None
     del loss
@@ -259,13 +330,21 @@ def measure(spec):
     return out
 
 
+def isa_level(device):
+    """torch's CPU kernel level ("AVX512", "AVX2", ...), or the GPU's name on CUDA."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def run_child(spec, timeout=None):
     """Run :func:`measure` for ``spec`` in a fresh interpreter; returns its dict, or one with an
-    ``error`` key when the child fails."""
+    ``error`` key when the child fails. ``spec["isa"] == "avx2"`` emulates an AVX2-only CPU in
+    the child (EMULATE_AVX2)."""
     cmd = [sys.executable, os.path.abspath(__file__), json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=child_env(spec["impl"], spec["device"]))
+                              env=child_env(spec["impl"], spec["device"], spec.get("isa")))
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

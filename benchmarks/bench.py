@@ -4,13 +4,17 @@ memory and loss accuracy at a large target margin.
     python benchmarks/bench.py                       # N=4096 V=32768 D=512, fp32, default peers
     python benchmarks/bench.py --dtype bf16 --compile --csv out.csv
     python benchmarks/bench.py -N 256 -V 4096 -D 64 --peers eager,chunked,liger
+    python benchmarks/bench.py --load 2 --peers eager,chunked   # 2 busy processes compete
+    python benchmarks/bench.py --isa avx2                       # an AVX2-only CPU, emulated
 
 Every (implementation, shape) runs in its own fresh process; see docs/benchmarks.md for the
-method. Take numbers on a quiet machine: the timings are medians, but a busy CPU still moves them.
+method. Take numbers on a quiet machine: the timings are medians, but a busy CPU still moves them
+(the table records the load average before and after).
 """
 import argparse
 import csv
 import os
+import statistics
 import sys
 
 import torch
@@ -21,7 +25,9 @@ import _peers  # noqa: E402
 DEFAULT_PEERS = ("eager", "chunked", "cce")
 CSV_COLUMNS = ("impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
                "time_median_s", "time_min_s", "time_max_s", "peak_mem_mb", "peak_total_mb",
-               "time_vs_flce", "mem_vs_flce", "loss", "acc_margin", "loss_rel_err")
+               "time_vs_flce", "mem_vs_flce", "loss", "acc_margin", "loss_rel_err",
+               "time_first_s", "first_vs_median", "load", "loadavg_before", "loadavg_after",
+               "isa", "cpu_gemm", "cpu", "rounds")
 
 
 def parse_args(argv=None):
@@ -46,11 +52,24 @@ def parse_args(argv=None):
     p.add_argument("--acc-V", type=int, default=8192, help="vocabulary of the accuracy side batch")
     p.add_argument("--acc-D", type=int, default=64, help="hidden size of the accuracy side batch")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
+    p.add_argument("--load", type=int, default=0,
+                   help="competing busy processes (pure CPU spinning) running for the whole "
+                        "measurement, at most --timeout seconds per child, killed at the end")
+    p.add_argument("--isa", default="native", choices=("native", "avx2"),
+                   help="avx2: emulate an AVX2-only CPU in the children (torch, oneDNN and MKL "
+                        "stop at AVX2; docs/benchmarks.md)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the implementations' children this many times, interleaved, and "
+                        "report the median of their medians (steadier on a shared machine)")
     p.add_argument("--csv", help="also write the results to this CSV file")
     args = p.parse_args(argv)
+    if args.load < 0:
+        p.error("--load must be >= 0")
+    if args.isa != "native" and args.device != "cpu":
+        p.error("--isa applies to --device cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
-    for name in ("N", "V", "D", "repeats", "acc_V", "acc_D"):
+    for name in ("N", "V", "D", "repeats", "acc_V", "acc_D", "warmup", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"-{name if len(name) == 1 else '-' + name.replace('_', '-')} must be >= 1")
     peers = [s.strip() for s in args.peers.split(",") if s.strip()]
@@ -75,33 +94,67 @@ def skip_reason(name, args):
     return None
 
 
+def _spec(name, args):
+    return {"impl": name, "device": args.device, "dtype": args.dtype, "N": args.N, "V": args.V,
+            "D": args.D, "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
+            "margin": args.margin, "acc_V": args.acc_V, "acc_D": args.acc_D, "isa": args.isa}
+
+
+def _merge(results):
+    """One row from the rounds of one implementation: medians of the per-round values, the
+    extremes of the extremes; memory and accuracy from the first round (they do not vary)."""
+    row = dict(results[0])
+    for key in ("time_median_s", "time_first_s"):
+        row[key] = statistics.median(r[key] for r in results)
+    row["time_min_s"] = min(r["time_min_s"] for r in results)
+    row["time_max_s"] = max(r["time_max_s"] for r in results)
+    return row
+
+
 def run(args, log=print):
     """Measure every implementation of ``args``; returns one row dict per implementation."""
-    rows = []
+    rows = {}
+    results = {name: [] for name in args.impls}
     for name in args.impls:
         row = {"impl": name, "device": args.device, "dtype": args.dtype, "N": args.N,
-               "V": args.V, "D": args.D, "repeats": args.repeats}
+               "V": args.V, "D": args.D, "repeats": args.repeats, "load": args.load,
+               "rounds": args.rounds}
         reason = skip_reason(name, args)
         if reason is not None:
             row["status"] = f"skipped: {reason}"
-            rows.append(row)
+        rows[name] = row
+    runnable = [n for n in args.impls if "status" not in rows[n]]
+    before = os.getloadavg()[0]
+    # The busy processes outlive every child by at most one child's timeout.
+    budget = args.timeout * (len(runnable) * args.rounds + 1)
+    with _peers.BusyLoad(args.load, budget):
+        for rnd in range(args.rounds):
+            for name in runnable:
+                if rows[name].get("status", "").startswith("failed"):
+                    continue
+                tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
+                log(f"  {name:8s}{tag} ...", end="", flush=True)
+                result = _peers.run_child(_spec(name, args), timeout=args.timeout)
+                if "error" in result:
+                    rows[name]["status"] = f"failed: {result['error']}"
+                    log(f" {rows[name]['status']}")
+                    continue
+                results[name].append(result)
+                log(f" {result['time_median_s']:.3f} s (first {result['time_first_s']:.3f} s),"
+                    f" {result['peak_mem_bytes'] / 2 ** 20:.0f} MB")
+    after = os.getloadavg()[0]
+    cpu = _peers.cpu_model() if args.device == "cpu" else ""
+    for name in runnable:
+        row = rows[name]
+        row.update(loadavg_before=before, loadavg_after=after, cpu=cpu)
+        if row.get("status", "").startswith("failed"):
             continue
-        log(f"  {name:8s} ...", end="", flush=True)
-        spec = {"impl": name, "device": args.device, "dtype": args.dtype, "N": args.N,
-                "V": args.V, "D": args.D, "repeats": args.repeats, "warmup": args.warmup,
-                "threads": args.threads, "margin": args.margin, "acc_V": args.acc_V,
-                "acc_D": args.acc_D}
-        result = _peers.run_child(spec, timeout=args.timeout)
-        if "error" in result:
-            row["status"] = f"failed: {result['error']}"
-            log(f" {row['status']}")
-        else:
-            row.update(result)
-            row["status"] = "ok"
-            row["peak_mem_mb"] = result["peak_mem_bytes"] / 2 ** 20
-            row["peak_total_mb"] = result["peak_total_bytes"] / 2 ** 20
-            log(f" {row['time_median_s']:.3f} s, {row['peak_mem_mb']:.0f} MB")
-        rows.append(row)
+        row.update(_merge(results[name]))
+        row["status"] = "ok"
+        row["peak_mem_mb"] = row["peak_mem_bytes"] / 2 ** 20
+        row["peak_total_mb"] = row["peak_total_bytes"] / 2 ** 20
+        row["first_vs_median"] = row["time_first_s"] / row["time_median_s"]
+    rows = [rows[n] for n in args.impls]
     base = rows[0] if rows[0]["status"] == "ok" else None
     for row in rows:
         if base is not None and row["status"] == "ok":
@@ -115,22 +168,35 @@ def _fmt(value, spec):
 
 
 def format_table(rows, args):
-    head = (f"{'impl':8s} {'time (s)':>9s} {'x flce':>7s} {'peak MB':>8s} {'x flce':>7s} "
-            f"{'loss':>9s} {'rel.err @ m=' + format(args.margin, 'g'):>14s}")
+    head = (f"{'impl':8s} {'time (s)':>9s} {'x flce':>7s} {'first (s)':>9s} {'/time':>6s} "
+            f"{'peak MB':>8s} {'x flce':>7s} {'loss':>9s} "
+            f"{'rel.err @ m=' + format(args.margin, 'g'):>14s}")
+    ok = [r for r in rows if r["status"] == "ok"]
+    env = ""
+    if ok:
+        r0 = ok[0]
+        gemm = next((r["cpu_gemm"] for r in ok if r.get("cpu_gemm")), None)
+        env = (f"\n{r0.get('cpu') or args.device}, isa={r0.get('isa')}"
+               f"{' (emulated: --isa avx2)' if args.isa == 'avx2' else ''}"
+               f"{', cpu_gemm=' + gemm if gemm else ''}, load: {args.load} busy processes, "
+               f"load average {r0['loadavg_before']:.2f} before, {r0['loadavg_after']:.2f} after")
     lines = [f"fwd+bwd, {args.device} {args.dtype}, N={args.N} V={args.V} D={args.D}, "
-             f"median of {args.repeats} after {args.warmup} warm-up, threads="
-             f"{rows[0].get('threads', args.threads or torch.get_num_threads())}",
+             f"median of {args.repeats} after {args.warmup} warm-up"
+             f"{f' (median over {args.rounds} rounds)' if args.rounds > 1 else ''}, threads="
+             f"{rows[0].get('threads', args.threads or torch.get_num_threads())}{env}",
              head, "-" * len(head)]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"{r['impl']:8s} {r['status']}")
             continue
         lines.append(f"{r['impl']:8s} {r['time_median_s']:9.3f} "
-                     f"{_fmt(r.get('time_vs_flce'), '7.2f')} {r['peak_mem_mb']:8.0f} "
+                     f"{_fmt(r.get('time_vs_flce'), '7.2f')} {r['time_first_s']:9.3f} "
+                     f"{r['first_vs_median']:6.2f} {r['peak_mem_mb']:8.0f} "
                      f"{_fmt(r.get('mem_vs_flce'), '7.2f')} {r['loss']:9.5f} "
                      f"{_fmt(r.get('loss_rel_err'), '14.2e')}")
-    lines.append("x flce: ratio to flce (> 1: flce is faster / smaller). peak MB: growth of peak "
-                 "memory during one fwd+bwd above the inputs, gradients included.")
+    lines.append("x flce: ratio to flce (> 1: flce is faster / smaller). first: the process's "
+                 "first fwd+bwd, /time: its ratio to the median. peak MB: growth of peak memory "
+                 "during one fwd+bwd above the inputs, gradients included.")
     lines.append(f"rel.err: |loss - float64 collapse-safe reference| / reference on a "
                  f"{args.acc_V}x{args.acc_D} side batch at target margin ~{args.margin:g} "
                  "(1.00 = the loss came out as exactly 0).")

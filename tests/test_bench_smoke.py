@@ -15,7 +15,9 @@ import demo  # noqa: E402
 
 EXPECTED_COLUMNS = ["impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
                     "time_median_s", "time_min_s", "time_max_s", "peak_mem_mb", "peak_total_mb",
-                    "time_vs_flce", "mem_vs_flce", "loss", "acc_margin", "loss_rel_err"]
+                    "time_vs_flce", "mem_vs_flce", "loss", "acc_margin", "loss_rel_err",
+                    "time_first_s", "first_vs_median", "load", "loadavg_before", "loadavg_after",
+                    "isa", "cpu_gemm", "cpu", "rounds"]
 
 
 def test_bench_csv(tmp_path, capsys):
@@ -33,12 +35,14 @@ def test_bench_csv(tmp_path, capsys):
     for r in rows.values():
         assert r["status"] == "ok", r
         assert float(r["time_min_s"]) <= float(r["time_median_s"]) <= float(r["time_max_s"])
+        assert float(r["time_first_s"]) > 0 and r["isa"] and r["cpu"]
         assert 0 <= float(r["peak_mem_mb"]) < float(r["peak_total_mb"])
         assert math.isfinite(float(r["time_vs_flce"])) and math.isfinite(float(r["mem_vs_flce"]))
         assert abs(float(r["acc_margin"]) - 40) < 0.1
         # Every implementation computes the same loss on the same random batch.
         assert float(r["loss"]) == pytest.approx(float(rows["flce"]["loss"]), rel=1e-4)
     assert float(rows["flce"]["time_vs_flce"]) == 1.0
+    assert rows["flce"]["cpu_gemm"] in ("blas", "onednn") and rows["chunked"]["cpu_gemm"] == ""
     # At margin 40 the usual formula returns exactly 0 (relative error 1); flce does not.
     assert float(rows["flce"]["loss_rel_err"]) < 1e-3
     assert float(rows["chunked"]["loss_rel_err"]) == 1.0

@@ -1,7 +1,7 @@
 """The CPU backend's two tile-GEMM paths (csrc/cpu/tile_gemm.h): oneDNN's micro-kernels and the
 BLAS torch links. A process uses one (flce.build_info()["cpu_gemm"]); the whole suite runs on
-that one, and the other runs a selection of the option and accuracy tests in a child process
-(FLCE_CPU_GEMM), so that both are tested on every machine where both run."""
+that one, and the other runs a selection of the option, accuracy and determinism tests in a
+child process (FLCE_CPU_GEMM), so that both are tested on every machine where both run."""
 import os
 import subprocess
 import sys
@@ -75,6 +75,7 @@ def test_other_path_passes_option_and_accuracy_tests(path):
         pytest.skip("oneDNN micro-kernels unavailable on this CPU / torch build")
     r = _child(path, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                       "test_options.py", "test_accuracy.py", "test_single_pass.py",
+                      "test_cpu_determinism.py",
                       "-k", "not cuda"])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout

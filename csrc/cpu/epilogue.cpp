@@ -1,6 +1,7 @@
 #include "cpu/epilogue.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "flce/math.h"
 
@@ -91,6 +92,32 @@ FLCE_CLONES void row_kahan_add(float* s, uint16_t* c, const float* x, int64_t n)
 FLCE_CLONES void row_add_bf16(float* s, const uint16_t* c, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) s[j] = kahan_result(s[j], bf16_value(c[j]));
+}
+
+FLCE_CLONES void row_kahan_add_pair(float* s, uint16_t* c, const float* xs, const uint16_t* xc,
+                                    int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    kahan_add_bf16c(s[j], c[j], xs[j]);
+    kahan_add_bf16c(s[j], c[j], bf16_value(xc[j]));
+  }
+}
+
+FLCE_CLONES void row_widen_bf16(const uint16_t* c, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = bf16_value(c[j]);
+}
+
+void row_store(const float* x, void* out, Dtype dtype, int64_t n) {
+  if (dtype == Dtype::f32) {
+    std::memcpy(out, x, n * sizeof(float));
+  } else if (dtype == Dtype::bf16) {
+    uint16_t* o = static_cast<uint16_t*>(out);
+    for (int64_t j = 0; j < n; ++j) o[j] = bf16_bits(x[j]);
+  } else {
+    _Float16* o = static_cast<_Float16*>(out);
+    for (int64_t j = 0; j < n; ++j) o[j] = static_cast<_Float16>(x[j]);
+  }
 }
 
 }  // namespace flce::cpu

@@ -32,5 +32,12 @@ void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha);
 void row_kahan_add(float* s, uint16_t* c, const float* x, int64_t n);
 // s[j] += c[j] for bf16 c: a compensated sum's result (kahan_result).
 void row_add_bf16(float* s, const uint16_t* c, int64_t n);
+// (s, c) += (xs, xc) elementwise: another accumulator's sum and bf16 compensation, each added
+// with kahan_add_bf16c.
+void row_kahan_add_pair(float* s, uint16_t* c, const float* xs, const uint16_t* xc, int64_t n);
+// out[j] = c[j] widened from bf16.
+void row_widen_bf16(const uint16_t* c, float* out, int64_t n);
+// out[j] = x[j] rounded (to nearest even) to dtype.
+void row_store(const float* x, void* out, Dtype dtype, int64_t n);
 
 }  // namespace flce::cpu

@@ -1,33 +1,42 @@
 // The fused CPU backend: the same tiled algorithm as the CUDA kernels.
 //
-// Logits exist only as one [BLOCK_N, block_v] fp32 tile at a time (tile GEMMs through oneDNN's
-// micro-kernels or the BLAS torch links, csrc/cpu/tile_gemm.h); the epilogue applies bias and
-// softcap and folds the tile into per-row statistics (forward) or turns it into the gradient tile
-// (backward) with the shared math of csrc/include/flce/math.h. The backward recomputes the tiles.
+// Logits exist only as [BLOCK_N, block_v] fp32 tiles, one per worker at a time (tile GEMMs
+// through oneDNN's micro-kernels or the BLAS torch links, csrc/cpu/tile_gemm.h); the epilogue
+// applies bias and softcap and folds the tile into per-row statistics (forward) or turns it into
+// the gradient tile (backward) with the shared math of csrc/include/flce/math.h. The backward
+// recomputes the tiles.
 //
-// Scratch memory (docs/cpu-backend.md):
-//   forward:  one logit tile                       BLOCK_N * ld_tile * 4 bytes
-//             (+ the weight tile packed for the GEMM)
-//   backward: one logit/gradient tile (+ its bf16 split for bf16 inputs), the GEMMs' packed
-//             operands (the transposed weight tile; bf16: the weight tile and input rows),
-//             the inner loop's gradient block: its bf16 compensation (BLOCK * D * 2 bytes; plus
-//             an fp32 sum unless the gradient is fp32, which is its own sum), and the same for
-//             the outer loop's gradient, sized min(N, V) * D: the loop order puts the smaller
-//             of dE [N, D] and dC [V, D] in the global accumulator. The tile products are added
-//             to the accumulators block by block (cpu::gemm_accumulate), never stored whole.
+// Parallelism (cpu/workers.h): each op phase is one parallel region of workers that own a
+// contiguous range of rows or vocabulary columns and run their tiles single-threaded. The
+// forward splits rows. The backward splits the smaller of the two axes (rows when N < V), whose
+// gradient each worker then accumulates alone over the whole pass; the other axis is walked in
+// blocks by every worker, each filling a partial of that block's gradient, and the partials are
+// added in worker order between two barriers at the end of the block.
 //
-// Deterministic: every sum runs in a fixed order that depends on the shapes only, and threads
-// split rows or columns, never a reduction.
+// Scratch memory (docs/cpu-backend.md), T workers:
+//   forward:  T logit tiles                          BLOCK_N * ld_tile * 4 bytes each
+//             (+ the weight tile packed for the GEMM, per worker)
+//   backward: per worker a logit/gradient tile (+ its bf16 split for bf16 inputs) and the
+//             GEMMs' packed operands; the split axis's gradient: its bf16 compensation (plus
+//             an fp32 sum unless the gradient is fp32, which is its own sum), the size of that
+//             gradient; the other axis's block: T partials of [block, D] (fp32 sum + bf16
+//             compensation; worker 0's sum is the gradient itself where that is fp32).
+//
+// Deterministic: every sum runs in a fixed order that depends on the shapes and the worker count
+// only, never on scheduling: workers own fixed ranges, and partials are added in worker order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 #include "cpu/epilogue.h"
 #include "cpu/tile_gemm.h"
+#include "cpu/workers.h"
 #include "flce/math.h"
 #include "flce_ops.h"
 
@@ -35,23 +44,27 @@ namespace flce {
 namespace {
 
 constexpr int64_t BLOCK_N = 256;   // rows per tile
-// Vocabulary columns per tile: 512 for fp32 inputs, 2048 for 16-bit ones (Operands::block_v).
-// fp32's packed weight tile, tile and gradient block weigh twice as much per column, and its
-// backward's peak memory is the one that competes with chunked torch's (78 MB against 80 at
-// N=4096, V=32768, D=512; 2048 columns would add 6 MB). bf16 gains 5% from the wider tiles (its
-// split gradient tile runs 4 GEMMs per tile, each adding into the Kahan accumulators) and has
-// memory to spare (a fifth of chunked torch's with them).
-constexpr int64_t BLOCK_V_F32 = 512;
+// Vocabulary columns per tile: 256 for fp32 inputs, 2048 for 16-bit ones (Operands::block_v).
+// fp32's backward is the one whose peak memory competes with chunked torch's, and each worker
+// holds a tile, a packed weight tile (onednn) or product tile (blas) and a partial of the dC
+// block, all proportional to the tile's columns: at N=4096, V=32768, D=512 on 2 workers, 512
+// columns peaked at 83.1 MB (onednn) / 80.8 MB (blas), 384 at 80.3 / 80.3, 256 at 79.1-79.6 /
+// 78.3, against chunked torch's 80.2; the time moved by 0-5% (docs/cpu-backend.md). bf16 gains
+// from wide tiles (its split gradient tile runs 4 GEMMs per tile, each adding into the Kahan
+// accumulators) and has memory to spare (a fifth of chunked torch's).
+constexpr int64_t BLOCK_V_F32 = 256;
 constexpr int64_t BLOCK_V_16BIT = 2048;
+// Worker ranges and tiles start at multiples of ALIGN rows / columns.
+constexpr int64_t ALIGN = 16;
 
 using cpu::GemmOperand;
 using cpu::gemm_f32out;
 using cpu::LhsScratch;
 using cpu::Rhs;
+using cpu::Span;
+using cpu::Tiles;
 
-int64_t grain(int64_t work_per_item) {
-  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, work_per_item));
-}
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The operands as the tiles read them: row-major contiguous, weight in the compute dtype.
 struct Operands {
@@ -66,15 +79,19 @@ struct Operands {
   // Row stride of the tile buffers: not a power of two. The dC GEMM reads the gradient tile
   // transposed, and a column of a 2^k-strided tile maps to a single cache set.
   int64_t ld_tile() const { return block_v + 16; }
+  // The vocabulary tiles of [v0, v1): block_v columns each, about evenly cut.
+  Tiles vocab_tiles(Span cols) const { return Tiles(cols, block_v, ALIGN); }
 };
+
+cpu::Dtype row_dtype(at::ScalarType t) {
+  return t == at::kFloat ? cpu::Dtype::f32 : t == at::kBFloat16 ? cpu::Dtype::bf16 : cpu::Dtype::f16;
+}
 
 Operands prepare(const at::Tensor& input, const at::Tensor& weight,
                  const std::optional<at::Tensor>& bias) {
   Operands o;
   o.dtype = input.scalar_type();
-  o.row_dtype = o.dtype == at::kFloat      ? cpu::Dtype::f32
-                : o.dtype == at::kBFloat16 ? cpu::Dtype::bf16
-                                           : cpu::Dtype::f16;
+  o.row_dtype = row_dtype(o.dtype);
   o.w_dtype = weight.scalar_type();
   o.x = input.contiguous();
   o.w = weight.to(o.dtype).contiguous();  // fp32 master weights: one cast copy
@@ -86,8 +103,9 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
   return o;
 }
 
-// The scratch of the logit tiles: the weight tile W[v0:v0+bv]^T as the GEMM reads it (packed
-// once per vocab tile on the onednn path) and copies of the input rows where it needs them.
+// A worker's scratch for logit tiles: the weight tile W[v0:v0+bv]^T as the GEMM reads it
+// (packed once per vocab tile on the onednn path) and copies of the input rows where it needs
+// them.
 struct LogitScratch {
   Rhs wt;
   LhsScratch lhs;
@@ -105,9 +123,7 @@ void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t b
               scratch.lhs);
   const float* b = o.bias.defined() ? o.bias.data_ptr<float>() + v0 : nullptr;
   if (b == nullptr && !(cap > 0.f)) return;
-  at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) cpu::row_bias_softcap(tile + r * ld, b, bv, cap);
-  });
+  for (int64_t r = 0; r < bn; ++r) cpu::row_bias_softcap(tile + r * ld, b, bv, cap);
 }
 
 // Row i of a row-major [rows, D] operand (input or weight in the compute dtype).
@@ -123,6 +139,13 @@ struct RowState {
   float z_t = neg_inf();        // target logit, where this shard holds it
   float sum_z = 0.f, sum_c = 0.f;  // Kahan sum of all logits (label smoothing)
   float sum() const { return kahan_result(sum_z, sum_c); }
+  // Append the statistics of a later vocabulary range: only the range that holds the target
+  // has its logit (NaN passes through).
+  void merge(const RowState& b) {
+    lse = lse_merge(lse, b.lse);
+    if (b.z_t != neg_inf()) z_t = b.z_t;
+    kahan_add(sum_z, sum_c, b.sum());
+  }
 };
 
 // Fold one tile row (bv logits; the target at column tl, or tl outside [0, bv)) into st.
@@ -165,31 +188,34 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
   const int64_t* t = tgt.data_ptr<int64_t>();
   at::Tensor out = at::empty({o.n, 4}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
-  std::vector<float> tile(BLOCK_N * o.ld_tile());
-  // Vocab tiles outer: each weight tile is prepared for the GEMM once; every row folds the
-  // tiles in vocabulary order all the same.
-  std::vector<RowState> rows(o.n);
-  LogitScratch scratch;
-  for (int64_t v0 = 0; v0 < o.v; v0 += o.block_v) {
-    const int64_t bv = std::min(o.block_v, o.v - v0);
-    for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
-      const int64_t bn = std::min(BLOCK_N, o.n - n0);
-      logit_tile(o, n0, bn, v0, bv, cap, tile.data(), o.ld_tile(), scratch);
-      at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
+  // Workers own rows: a row's statistics fold its tiles in vocabulary order, whoever runs it.
+  const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
+  cpu::run_workers(workers, [&](int64_t w) {
+    const Span rows = cpu::split(o.n, workers, w, ALIGN);
+    const Tiles row_tiles(rows, BLOCK_N, ALIGN);
+    std::vector<float> tile(row_tiles.step * o.ld_tile());
+    std::vector<RowState> state(rows.size());
+    LogitScratch scratch;
+    // Vocab tiles outer: each weight tile is prepared for the GEMM once per worker.
+    o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
+      row_tiles.each([&](int64_t n0, int64_t bn) {
+        logit_tile(o, n0, bn, v0, bv, cap, tile.data(), o.ld_tile(), scratch);
+        for (int64_t r = 0; r < bn; ++r) {
           const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
-          fold_row(tile.data() + r * o.ld_tile(), bv, tl < 0 ? -1 : tl - v0, rows[n0 + r]);
+          fold_row(tile.data() + r * o.ld_tile(), bv, tl < 0 ? -1 : tl - v0,
+                   state[n0 - rows.begin + r]);
         }
       });
+    });
+    for (int64_t i = rows.begin; i < rows.end; ++i) {
+      const RowState& r = state[i - rows.begin];
+      float* p = st + i * 4;
+      p[0] = r.lse.m;
+      p[1] = r.lse.s;
+      p[2] = r.z_t;
+      p[3] = r.sum();
     }
-  }
-  for (int64_t i = 0; i < o.n; ++i) {
-    float* p = st + i * 4;
-    p[0] = rows[i].lse.m;
-    p[1] = rows[i].lse.s;
-    p[2] = rows[i].z_t;
-    p[3] = rows[i].sum();
-  }
+  });
   return out;
 }
 
@@ -211,22 +237,18 @@ Tensor3 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
   float* sp = stats.data_ptr<float>();
   at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      OnlineLse st = lse_empty();
-      float zt = neg_inf(), sum_z = 0.f, sum_c = 0.f;
+      RowState st;
       for (int64_t r = 0; r < ranks; ++r) {  // fixed rank order: deterministic
         const float* q = pp + (r * n + i) * 4;
-        st = lse_merge(st, OnlineLse{q[0], q[1]});
-        if (q[2] != neg_inf()) zt = q[2];  // only the owner has it (NaN passes through)
-        kahan_add(sum_z, sum_c, q[3]);
+        st.merge(RowState{OnlineLse{q[0], q[1]}, q[2], q[3], 0.f});
       }
-      const float lse_x = lse_value(st);
-      const RowLoss rl = row_loss(lse_x, zt, kahan_result(sum_z, sum_c),
-                                  row_ignored(t[i], ignore_index), opt);
+      const float lse_x = lse_value(st.lse);
+      const RowLoss rl = row_loss(lse_x, st.z_t, st.sum(), row_ignored(t[i], ignore_index), opt);
       lo[i] = rl.loss;
       ls[i] = rl.lse;
-      sp[3 * i] = st.m;  // (m_x, s_x, z_t): the backward's p_j = exp(z_j - M) / S
-      sp[3 * i + 1] = st.s;
-      sp[3 * i + 2] = zt;
+      sp[3 * i] = st.lse.m;  // (m_x, s_x, z_t): the backward's p_j = exp(z_j - M) / S
+      sp[3 * i + 1] = st.lse.s;
+      sp[3 * i + 2] = st.z_t;
     }
   });
   return {loss, lse, stats};
@@ -248,161 +270,237 @@ struct KahanAcc {
   }
 };
 
-// One gradient [total, width]: its compensated fp32 accumulator, either over the whole extent
-// (global) or over one block of rows that flush() writes out (local). An fp32 gradient is its
-// own sum (no copy); otherwise the result is rounded once to the gradient's dtype, or, deferred,
-// kept as the fp32 (sum, compensation) pair [2, total, width] for a later scale_grad.
-struct GradBuffer {
-  at::Tensor out;   // [total, width] in the gradient's dtype, or the pair [2, total, width]
-  at::Tensor sum;   // fp32: [total, width] where it is the result (or out[0]), else [rows, width]
-  at::Tensor comp;  // bf16 bit patterns: [total, width] (global) or [rows, width] (local)
-  bool global, deferred, sum_in_out;
+// The axis a gradient runs along: dE along the rows, dC and db along the vocabulary.
+enum class Axis { rows, vocab };
 
-  // global: the accumulator spans all `total` rows; else it holds one block of `rows`.
-  GradBuffer(at::ScalarType dtype, const at::TensorOptions& opts, int64_t total, int64_t rows,
-             int64_t width, bool global_, bool deferred_)
-      : global(global_), deferred(deferred_) {
+// One gradient [total, width] (db is [V, 1]) as the workers accumulate it.
+//
+// Along the split axis (`global`) each worker accumulates its own rows over the whole pass and
+// finishes them. Along the other axis, walked block by block by every worker, each worker w
+// accumulates a partial of the current block; combine() adds the partials in worker order and
+// writes the block out. The result is rounded once to the gradient's dtype or, deferred, kept as
+// the fp32 (sum, compensation) pair [2, total, width] for a later scale_grad. Where the result is
+// fp32 (or deferred), the sum of the global accumulator and of worker 0's partial is the result
+// itself.
+class Grad {
+ public:
+  Grad(at::ScalarType dtype, const at::TensorOptions& opts, int64_t total, int64_t width,
+       bool global, int64_t block, int64_t workers, bool deferred)
+      : dtype_(row_dtype(dtype)), width_(width), global_(global), deferred_(deferred),
+        block_(block), workers_(workers), sum_in_out_(deferred || dtype == at::kFloat) {
     const auto f32 = opts.dtype(at::kFloat);
-    out = deferred ? at::empty({2, total, width}, f32)
-                   : at::empty({total, width}, opts.dtype(dtype));
-    sum_in_out = deferred ? global : dtype == at::kFloat;
-    sum = !sum_in_out ? at::empty({rows, width}, f32) : deferred ? out[0] : out;
-    comp = at::empty({global ? total : rows, width}, opts.dtype(at::kBFloat16));
-    sum.zero_();
-    comp.zero_();
+    out_ = deferred ? at::empty({2, total, width}, f32) : at::empty({total, width}, opts.dtype(dtype));
+    out_sum_ = sum_in_out_ ? static_cast<float*>(out_.data_ptr()) : nullptr;
+    // at::empty: no pages are touched here; each worker zeroes (first-touches) its own rows.
+    const int64_t sum_rows = global ? (sum_in_out_ ? 0 : total) : (workers - sum_in_out_) * block;
+    const int64_t comp_rows = global ? total : workers * block;
+    sum_ = at::empty({sum_rows, width}, f32);
+    comp_ = at::empty({comp_rows, width}, opts.dtype(at::kBFloat16));
   }
-  // The accumulator from gradient row r0 on (a local block starts at r0).
-  KahanAcc acc(int64_t r0) {
-    const int64_t w = comp.size(1);
-    return {sum.data_ptr<float>() + (global || sum_in_out ? r0 : 0) * w,
-            reinterpret_cast<uint16_t*>(comp.data_ptr()) + (global ? r0 : 0) * w, w};
+
+  bool global() const { return global_; }
+
+  // Worker w's accumulator whose row 0 is gradient row r0; x0: the first row of the current
+  // block (partials only).
+  KahanAcc at(int64_t w, int64_t x0, int64_t r0) const {
+    uint16_t* comp = reinterpret_cast<uint16_t*>(comp_.data_ptr());
+    if (global_) return {sum_row(r0), comp + r0 * width_, width_};
+    const int64_t i = w * block_ + r0 - x0;
+    float* sum = w == 0 && sum_in_out_
+                     ? out_sum_ + r0 * width_
+                     : sum_.data_ptr<float>() + ((w - sum_in_out_) * block_ + r0 - x0) * width_;
+    return {sum, comp + i * width_, width_};
   }
-  // Local block -> rows [r0, r0 + rows) of the result; the accumulator starts over.
-  void flush(int64_t r0, int64_t rows) {
-    if (deferred) {
-      out[0].narrow(0, r0, rows).copy_(sum.narrow(0, 0, rows));
-      out[1].narrow(0, r0, rows).copy_(comp.narrow(0, 0, rows));
-    } else {
-      at::Tensor s = sum_in_out ? out.narrow(0, r0, rows) : sum.narrow(0, 0, rows);
-      fold_comp(s);
-      if (!sum_in_out) out.narrow(0, r0, rows).copy_(s);
+
+  // Zeroes worker w's accumulator rows [r0, r0 + rows) (x0 as for at()).
+  void zero(int64_t w, int64_t x0, int64_t r0, int64_t rows) const {
+    const KahanAcc a = at(w, x0, r0);
+    std::memset(a.sum, 0, rows * width_ * sizeof(float));
+    std::memset(a.comp, 0, rows * width_ * sizeof(uint16_t));
+  }
+
+  // Global: worker's own rows [r0, r0 + rows) are complete; write them out.
+  void finish(int64_t r0, int64_t rows) const { write(at(0, 0, r0), r0, rows); }
+
+  // Partials of the block [x0, x0 + xb) are complete: worker w adds them up (in worker order)
+  // for its share of the block's rows and writes them out. Every worker must have finished the
+  // block before, and every worker must have combined before a partial is reused.
+  void combine(int64_t w, int64_t x0, int64_t xb) const {
+    const Span rows = cpu::split(xb, workers_, w, 1);
+    if (rows.size() == 0) return;
+    const int64_t r0 = x0 + rows.begin, n = rows.size() * width_;
+    const KahanAcc acc = at(0, x0, r0);
+    for (int64_t p = 1; p < workers_; ++p) {
+      const KahanAcc part = at(p, x0, r0);
+      cpu::row_kahan_add_pair(acc.sum, acc.comp, part.sum, part.comp, n);
     }
-    if (!sum_in_out) sum.zero_();
-    comp.zero_();
+    write(acc, r0, rows.size());
   }
-  // Global accumulator -> result.
-  void finish() {
-    if (deferred) {
-      out[1].copy_(comp);
+
+  // The result: [total, width] (or the pair [2, total, width]).
+  const at::Tensor& out() const { return out_; }
+
+ private:
+  float* sum_row(int64_t r) const {
+    return (sum_in_out_ ? out_sum_ : sum_.data_ptr<float>()) + r * width_;
+  }
+
+  // Rows [r0, r0 + rows) of the result from the complete accumulator a (its row 0 is r0).
+  void write(const KahanAcc& a, int64_t r0, int64_t rows) const {
+    const int64_t n = rows * width_;
+    if (deferred_) {
+      float* s = out_sum_ + r0 * width_;
+      if (a.sum != s) std::memcpy(s, a.sum, n * sizeof(float));
+      cpu::row_widen_bf16(a.comp, out_sum_ + (out_.size(1) + r0) * width_, n);
       return;
     }
-    fold_comp(sum);
-    if (!sum_in_out) out.copy_(sum);
+    cpu::row_add_bf16(a.sum, a.comp, n);
+    if (!sum_in_out_) {
+      cpu::row_store(a.sum, static_cast<char*>(out_.data_ptr()) + r0 * width_ * out_.element_size(),
+                     dtype_, n);
+    }
   }
 
-  // s [rows, width] += the first rows of comp, in place (at::add_ would first make an fp32 copy
-  // of the bf16 compensation).
-  void fold_comp(const at::Tensor& s) {
-    const int64_t w = comp.size(1);
-    float* sp = s.data_ptr<float>();
-    const uint16_t* cp = reinterpret_cast<const uint16_t*>(comp.data_ptr());
-    at::parallel_for(0, s.size(0), std::max<int64_t>(1, 16384 / std::max<int64_t>(w, 1)),
-                     [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) cpu::row_add_bf16(sp + r * w, cp + r * w, w);
-    });
+  cpu::Dtype dtype_;
+  int64_t width_;
+  bool global_, deferred_;
+  int64_t block_, workers_;
+  bool sum_in_out_;
+  at::Tensor out_, sum_, comp_;
+  float* out_sum_;
+};
+
+// A worker's scratch for the backward's tiles.
+struct TileWork {
+  std::vector<float> tile;          // [rows, ld_tile]: logits, then the gradient
+  std::vector<uint16_t> hi, lo;     // bf16 inputs: the gradient tile split, same layout
+  LogitScratch logits;
+  Rhs w_rhs, x_rhs;  // the tile GEMMs' right operands: W tile (dE), input rows (dC)
+  LhsScratch lhs;
+  std::vector<RowGrad> rg;          // per tile row: gradient coefficients
+  std::vector<int64_t> ts;          // per tile row: target column in the shard, -1 ignored
+  std::vector<int64_t> t_col;       // per tile row: target column in the tile, -1 none
+  std::vector<float> t_grad;        // per tile row: the target column's gradient
+  std::vector<float> row_max;       // per tile row: max |gradient| (bf16 split scale)
+  std::vector<float> prod, colsum;  // a scaled operand row; the tile's column sums (bias)
+  // 16-bit inputs multiplied in fp32: the tile's weight rows and input rows widened, and which
+  // rows they hold (the operand's address).
+  std::vector<float> w32, x32;
+  const void* w32_of = nullptr;
+  const void* x32_of = nullptr;
+
+  TileWork(int64_t rows, int64_t ld, bool split, bool widen, int64_t d, int64_t bv) {
+    tile.resize(rows * ld);
+    if (split) {
+      hi.resize(rows * ld);
+      lo.resize(rows * ld);
+    }
+    if (widen) {
+      w32.resize(bv * d);
+      x32.resize(rows * d);
+    }
+    rg.resize(rows);
+    ts.resize(rows);
+    t_col.resize(rows);
+    t_grad.resize(rows);
+    row_max.resize(rows);
+    prod.resize(d);
+    colsum.resize(bv);
   }
 };
 
-// The backward's tile loop state: gradient buffers, the tile's bf16 split, per-row target data.
-// Callers put logits in a tile, then call tile(); the loop order decides which gradient is global.
+// The backward's gradients and the work on one tile, shared by the recompute backward and the
+// fused forward+backward.
 class GradPass {
  public:
+  // split: the axis the workers split (its gradients are global); block: the other axis's
+  // block size.
   GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
-           bool rows_outer, int64_t block_n, float cap, bool deferred)
-      : o_(o), rows_outer_(rows_outer), cap_(cap),
+           Axis split, int64_t block, int64_t workers, float cap, bool deferred)
+      : o_(o), cap_(cap),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
-        split_(o.dtype == at::kBFloat16) {
+        split_(o.dtype == at::kBFloat16 && cpu::bf16_gemm_native()),
+        widen_(o.dtype != at::kFloat && !split_) {
     const auto opts = o.x.options();
-    const int64_t n = o.n, v = o.v, d = o.d;
-    if (need_e_) {
-      ge_.emplace(o.dtype, opts, n, rows_outer ? std::min(n, block_n) : n, d, !rows_outer,
-                  deferred);
-    }
-    if (need_c_) {
-      gc_.emplace(o.w_dtype, opts, v, rows_outer ? v : std::min(v, o.block_v), d, rows_outer,
-                  deferred);
-    }
-    if (need_b_) gb_.emplace(bias->scalar_type(), opts, 1, 1, v, true, deferred);
-    // bf16 inputs: the fp32 gradient tile is split G = hi + lo into two bf16 tiles so that the
-    // tile products run on the bf16 GEMM (AMX) at ~16 mantissa bits, far below bf16's rounding.
-    // fp16 tiles would underflow small gradients, so fp16 (and fp32) multiply G in fp32 against
-    // fp32 operands.
-    if (split_) {
-      hi_.resize(block_n * o.ld_tile());
-      lo_.resize(block_n * o.ld_tile());
-    } else if (o.dtype != at::kFloat) {
-      x32_ = o.x.to(at::kFloat);
-      w32_ = o.w.to(at::kFloat);
-    }
-    t_col_.resize(block_n);
-    t_grad_.resize(block_n);
-    row_max_.resize(block_n);
+    auto make = [&](std::optional<Grad>& g, at::ScalarType dt, int64_t total, int64_t width,
+                    Axis axis) {
+      g.emplace(dt, opts, total, width, axis == split, std::min(block, total), workers, deferred);
+    };
+    if (need_e_) make(ge_, o.dtype, o.n, o.d, Axis::rows);
+    if (need_c_) make(gc_, o.w_dtype, o.v, o.d, Axis::vocab);
+    if (need_b_) make(gb_, bias->scalar_type(), o.v, 1, Axis::vocab);
   }
 
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
+  TileWork tile_work(int64_t rows) const {
+    return TileWork(rows, o_.ld_tile(), split_, widen_, o_.d, o_.block_v);
+  }
 
-  // The tile [bn, bv] (row stride ld) holds the logits of rows [n0, n0 + bn) and shard columns
-  // [v0, v0 + bv); rg[r] are the rows' gradient coefficients and t_shard[r] each row's target
-  // column in the shard (-1: ignored). Turns the tile into the gradient and accumulates it.
-  void tile(int64_t n0, int64_t bn, int64_t v0, int64_t bv, float* tile, int64_t ld,
-            const RowGrad* rg, const int64_t* t_shard) {
+  // Worker w's rows [s0, s0 + sn) of the split axis: zeroed before, written out after the pass.
+  void begin_split(int64_t w, Span s) const { each_global([&](const Grad& g) { g.zero(w, 0, s.begin, s.size()); }); }
+  void end_split(Span s) const { each_global([&](const Grad& g) { g.finish(s.begin, s.size()); }); }
+  // Worker w's partials of the other axis's block [x0, x0 + xb).
+  void begin_block(int64_t w, int64_t x0, int64_t xb) const {
+    each_partial([&](const Grad& g) { g.zero(w, x0, x0, xb); });
+  }
+  void combine_block(int64_t w, int64_t x0, int64_t xb) const {
+    each_partial([&](const Grad& g) { g.combine(w, x0, xb); });
+  }
+
+  // Worker w's tile [bn, bv] (row stride ld) holds the logits of rows [n0, n0 + bn) and shard
+  // columns [v0, v0 + bv); tw.rg[r] are the rows' gradient coefficients and tw.ts[r] each row's
+  // target column in the shard (-1: ignored). x0: the first row of the current block of the
+  // axis that is not split. Turns the tile into the gradient and accumulates it.
+  void tile(TileWork& tw, int64_t w, int64_t x0, int64_t n0, int64_t bn, int64_t v0, int64_t bv,
+            float* tile, int64_t ld) const {
     const int64_t d = o_.d;
-    at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        float* row = tile + r * ld;
-        const int64_t tl = t_shard[r] - v0;
-        const bool has_t = t_shard[r] >= 0 && tl >= 0 && tl < bv;
-        const float z_target = has_t ? row[tl] : 0.f;
-        cpu::row_grad_fill(row, bv, rg[r], cap_);
-        // The target column leaves the tile: its gradient (about -1 while the others are about
-        // 1/V) would dominate every fp32 partial sum of the tile GEMMs, whose rounding error
-        // scales with those partial sums. It is added on its own below, exactly once per row.
-        t_col_[r] = has_t ? tl : -1;
-        t_grad_[r] = has_t ? rg[r].dz_t * softcap_grad(z_target, cap_) : 0.f;
-        if (has_t) row[tl] = 0.f;
-        if (split_) row_max_[r] = cpu::row_absmax(row, bv);
-      }
-    });
+    for (int64_t r = 0; r < bn; ++r) {
+      float* row = tile + r * ld;
+      const int64_t tl = tw.ts[r] - v0;
+      const bool has_t = tw.ts[r] >= 0 && tl >= 0 && tl < bv;
+      const float z_target = has_t ? row[tl] : 0.f;
+      cpu::row_grad_fill(row, bv, tw.rg[r], cap_);
+      // The target column leaves the tile: its gradient (about -1 while the others are about
+      // 1/V) would dominate every fp32 partial sum of the tile GEMMs, whose rounding error
+      // scales with those partial sums. It is added on its own below, exactly once per row.
+      tw.t_col[r] = has_t ? tl : -1;
+      tw.t_grad[r] = has_t ? tw.rg[r].dz_t * softcap_grad(z_target, cap_) : 0.f;
+      if (has_t) row[tl] = 0.f;
+      if (split_) tw.row_max[r] = cpu::row_absmax(row, bv);
+    }
+    // bf16 inputs: where bf16 GEMMs are native (cpu::bf16_gemm_native) the fp32 gradient tile
+    // is split G = hi + lo into two bf16 tiles, so that the tile products run on them at ~16
+    // mantissa bits, far below bf16's rounding. Elsewhere a bf16 GEMM costs an fp32 one, and
+    // two of them twice: G multiplies fp32 copies of the tile's weight and input rows (widen_),
+    // as fp16 inputs always do (fp16 tiles would underflow small gradients).
+    //
     // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary
     // (margins ~80) a row's gradients are ~1e-35 with most of its columns below FLT_MIN: the
     // split tile is scaled by a power of two that puts its largest entry near 1, and the GEMMs
     // take the inverse as alpha (both exact).
     float alpha = 1.f;
+    const int64_t ls = o_.ld_tile();
     if (split_) {
       float mx = 0.f;
-      for (int64_t r = 0; r < bn; ++r) mx = std::max(mx, row_max_[r]);
+      for (int64_t r = 0; r < bn; ++r) mx = std::max(mx, tw.row_max[r]);
       const int k = (mx > 0.f && std::isfinite(mx)) ? std::clamp(-std::ilogb(mx), -126, 126) : 0;
       const float scale = std::ldexp(1.f, k);
       alpha = std::ldexp(1.f, -k);
-      at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          const int64_t off = r * o_.ld_tile();
-          cpu::row_split_bf16(tile + r * ld, &hi_[off], &lo_[off], bv, scale);
-        }
-      });
+      for (int64_t r = 0; r < bn; ++r) {
+        cpu::row_split_bf16(tile + r * ld, &tw.hi[r * ls], &tw.lo[r * ls], bv, scale);
+      }
     }
     if (need_b_) {
       // Column sums in row order, one Kahan add per column, then the target columns one by one.
-      const KahanAcc all = gb_->acc(0);  // one row of V columns
-      const KahanAcc bacc{all.sum + v0, all.comp + v0, bv};
-      std::vector<float> colsum(bv, 0.f);
+      const KahanAcc bacc = gb_->at(w, x0, v0);  // [bv, 1]: bv contiguous columns
+      std::fill(tw.colsum.begin(), tw.colsum.begin() + bv, 0.f);
       for (int64_t r = 0; r < bn; ++r) {
         const float* row = tile + r * ld;
-        for (int64_t j = 0; j < bv; ++j) colsum[j] += row[j];
+        for (int64_t j = 0; j < bv; ++j) tw.colsum[j] += row[j];
       }
-      bacc.add_row(0, colsum.data());
+      cpu::row_kahan_add(bacc.sum, bacc.comp, tw.colsum.data(), bv);
       for (int64_t r = 0; r < bn; ++r) {
-        if (t_col_[r] >= 0) bacc.add(0, t_col_[r], t_grad_[r]);
+        if (tw.t_col[r] >= 0) bacc.add(tw.t_col[r], 0, tw.t_grad[r]);
       }
     }
     const int64_t es = o_.x.element_size();
@@ -410,146 +508,158 @@ class GradPass {
     const char* wp = static_cast<const char*>(o_.w.data_ptr()) + v0 * d * es;
     // The tile products go straight into the Kahan accumulators; the split tile's are scaled
     // back by alpha (a power of two: exact).
-    const int64_t ls = o_.ld_tile();
-    const GemmOperand split_rows[2] = {{hi_.data(), ls, false}, {lo_.data(), ls, false}};
-    const GemmOperand split_cols[2] = {{hi_.data(), ls, true}, {lo_.data(), ls, true}};
+    const GemmOperand split_rows[2] = {{tw.hi.data(), ls, false}, {tw.lo.data(), ls, false}};
+    const GemmOperand split_cols[2] = {{tw.hi.data(), ls, true}, {tw.lo.data(), ls, true}};
     if (need_e_) {
       // dE[n0:n0+bn] += G [bn, bv] @ W[v0:v0+bv] [bv, D]
-      const KahanAcc eacc = ge_->acc(n0);
+      const KahanAcc eacc = ge_->at(w, x0, n0);
       const cpu::KahanOut eout{eacc.sum, eacc.comp, d};
       if (split_) {
-        w_rhs_.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
-        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, w_rhs_, alpha, eout, lhs_);
+        tw.w_rhs.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
+        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, tw.w_rhs, alpha, eout,
+                             tw.lhs);
       } else {
-        const void* w = w32_.defined() ? static_cast<const void*>(w32_.data_ptr<float>() + v0 * d) : wp;
+        const void* wt = widen_ ? static_cast<const void*>(widened(tw.w32, tw.w32_of, wp, bv)) : wp;
         const GemmOperand g{tile, ld, false};
-        w_rhs_.prepare(at::kFloat, GemmOperand{w, d, false}, bv, d);
-        cpu::gemm_accumulate(at::kFloat, bn, d, bv, &g, 1, w_rhs_, 1.f, eout, lhs_);
+        tw.w_rhs.prepare(at::kFloat, GemmOperand{wt, d, false}, bv, d);
+        cpu::gemm_accumulate(at::kFloat, bn, d, bv, &g, 1, tw.w_rhs, 1.f, eout, tw.lhs);
       }
       // dE[n] += dz_t W[t]: one scaled row per row that has its target in this tile.
-      at::parallel_for(0, bn, grain(d), [&](int64_t r0, int64_t r1) {
-        std::vector<float> prod(d);
-        for (int64_t r = r0; r < r1; ++r) {
-          if (t_col_[r] < 0) continue;
-          cpu::row_scale(prod.data(), operand_row(o_.w, v0 + t_col_[r]), o_.row_dtype, d,
-                         t_grad_[r]);
-          eacc.add_row(r, prod.data());
-        }
-      });
+      for (int64_t r = 0; r < bn; ++r) {
+        if (tw.t_col[r] < 0) continue;
+        cpu::row_scale(tw.prod.data(), operand_row(o_.w, v0 + tw.t_col[r]), o_.row_dtype, d,
+                       tw.t_grad[r]);
+        eacc.add_row(r, tw.prod.data());
+      }
     }
     if (need_c_) {
       // dC[v0:v0+bv] += G^T [bv, bn] @ X[n0:n0+bn] [bn, D]
-      const KahanAcc cacc = gc_->acc(v0);
+      const KahanAcc cacc = gc_->at(w, x0, v0);
       const cpu::KahanOut cout{cacc.sum, cacc.comp, d};
       if (split_) {
-        x_rhs_.prepare(at::kBFloat16, GemmOperand{xp, d, false}, bn, d);
-        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, 2, x_rhs_, alpha, cout, lhs_);
+        tw.x_rhs.prepare(at::kBFloat16, GemmOperand{xp, d, false}, bn, d);
+        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, 2, tw.x_rhs, alpha, cout,
+                             tw.lhs);
       } else {
-        const void* x = x32_.defined() ? static_cast<const void*>(x32_.data_ptr<float>() + n0 * d) : xp;
+        const void* xr = widen_ ? static_cast<const void*>(widened(tw.x32, tw.x32_of, xp, bn)) : xp;
         const GemmOperand gt{tile, ld, true};
-        x_rhs_.prepare(at::kFloat, GemmOperand{x, d, false}, bn, d);
-        cpu::gemm_accumulate(at::kFloat, bv, d, bn, &gt, 1, x_rhs_, 1.f, cout, lhs_);
+        tw.x_rhs.prepare(at::kFloat, GemmOperand{xr, d, false}, bn, d);
+        cpu::gemm_accumulate(at::kFloat, bv, d, bn, &gt, 1, tw.x_rhs, 1.f, cout, tw.lhs);
       }
       // dC[t] += dz_t X[n], in row order: rows that share a target add to one row of dC.
-      std::vector<float> prod(d);
       for (int64_t r = 0; r < bn; ++r) {
-        if (t_col_[r] < 0) continue;
-        cpu::row_scale(prod.data(), operand_row(o_.x, n0 + r), o_.row_dtype, d, t_grad_[r]);
-        cacc.add_row(t_col_[r], prod.data());
+        if (tw.t_col[r] < 0) continue;
+        cpu::row_scale(tw.prod.data(), operand_row(o_.x, n0 + r), o_.row_dtype, d, tw.t_grad[r]);
+        cacc.add_row(tw.t_col[r], tw.prod.data());
       }
     }
   }
 
-  // End of an outer-loop block: the inner gradient's local block is complete.
-  void end_row_block(int64_t n0, int64_t bn) {
-    if (rows_outer_ && need_e_) ge_->flush(n0, bn);
-  }
-  void end_vocab_block(int64_t v0, int64_t bv) {
-    if (!rows_outer_ && need_c_) gc_->flush(v0, bv);
-  }
-
-  Tensor3 finish() {
+  Tensor3 outputs() const {
     // Distinct empty tensors: outputs must not alias.
     at::Tensor e = o_.x.new_empty({0}), c = o_.x.new_empty({0}), b = o_.x.new_empty({0});
-    if (need_e_) {
-      if (!rows_outer_) ge_->finish();
-      e = ge_->out;
-    }
-    if (need_c_) {
-      if (rows_outer_) gc_->finish();
-      c = gc_->out;
-    }
+    if (need_e_) e = ge_->out();
+    if (need_c_) c = gc_->out();
     if (need_b_) {
-      gb_->finish();
-      b = gb_->deferred ? gb_->out.reshape({2, o_.v}) : gb_->out.reshape({o_.v});
+      const at::Tensor& out = gb_->out();
+      b = out.dim() == 3 ? out.reshape({2, o_.v}) : out.reshape({o_.v});
     }
     return {e, c, b};
   }
 
  private:
+  template <typename F>
+  void each_global(F f) const {
+    for (const auto* g : {&ge_, &gc_, &gb_}) {
+      if (*g && (*g)->global()) f(**g);
+    }
+  }
+  template <typename F>
+  void each_partial(F f) const {
+    for (const auto* g : {&ge_, &gc_, &gb_}) {
+      if (*g && !(*g)->global()) f(**g);
+    }
+  }
+
   const Operands& o_;
-  bool rows_outer_;
   float cap_;
-  bool need_e_, need_c_, need_b_, split_;
-  std::optional<GradBuffer> ge_, gc_, gb_;
-  std::vector<uint16_t> hi_, lo_;
-  at::Tensor x32_, w32_;
-  Rhs w_rhs_, x_rhs_;  // the tile GEMMs' right operands: W tile (dE), input rows (dC)
-  LhsScratch lhs_;
-  std::vector<int64_t> t_col_;
-  std::vector<float> t_grad_;
-  std::vector<float> row_max_;  // per tile row: max |gradient| (bf16 split scale)
+  // rows [rows, D] of a 16-bit operand at src, widened (exactly) into buf unless buf holds them.
+  const float* widened(std::vector<float>& buf, const void*& holds, const void* src,
+                       int64_t rows) const {
+    if (holds != src) {
+      const int64_t es = o_.x.element_size();
+      for (int64_t r = 0; r < rows; ++r) {
+        cpu::row_scale(buf.data() + r * o_.d, static_cast<const char*>(src) + r * o_.d * es,
+                       o_.row_dtype, o_.d, 1.f);
+      }
+      holds = src;
+    }
+    return buf.data();
+  }
+
+  bool need_e_, need_c_, need_b_, split_, widen_;
+  std::optional<Grad> ge_, gc_, gb_;
 };
 
+// How the backward's workers share a shard: the split axis is the smaller one (its gradient is
+// the one accumulated whole), in ranges of ALIGN-multiples; the other axis is walked in blocks
+// of `block`.
+struct BackwardPlan {
+  Axis split;
+  int64_t workers;
+  int64_t block;       // block of the other axis
+  int64_t split_tile;  // tiles of a worker's range
+};
+
+BackwardPlan backward_plan(const Operands& o) {
+  BackwardPlan p;
+  p.split = o.v <= o.n ? Axis::vocab : Axis::rows;
+  const int64_t extent = p.split == Axis::rows ? o.n : o.v;
+  p.workers = cpu::num_workers(ceil_div(extent, ALIGN));
+  p.block = p.split == Axis::rows ? o.block_v : BLOCK_N;
+  p.split_tile = p.split == Axis::rows ? BLOCK_N : o.block_v;
+  return p;
+}
 
 // The backward over the shard's tiles, recomputing each logit tile.
 Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, const int64_t* t,
                      const float* g, const float* glse, const float* st, int64_t vocab_start,
                      int64_t ignore_index, const LossOptions& opt, std::array<bool, 3> mask,
                      bool deferred) {
-  // Outer loop over row blocks when the vocabulary is the smaller side (dC is the global
-  // accumulator, dE is finished block by block), else over vocab blocks.
-  const bool rows_outer = o.v <= o.n;
-  GradPass pass(o, bias, mask, rows_outer, BLOCK_N, opt.softcap, deferred);
-  if (!pass.needs_any()) return pass.finish();
-  std::vector<float> tile(BLOCK_N * o.ld_tile());
-  std::vector<RowGrad> rg(BLOCK_N);
-  std::vector<int64_t> ts(BLOCK_N);
-  LogitScratch scratch;
-  auto row_block = [&](int64_t n0, int64_t bn) {
-    for (int64_t r = 0; r < bn; ++r) {
-      const int64_t i = n0 + r;
-      const bool ign = row_ignored(t[i], ignore_index);
-      rg[r] = row_grad(OnlineLse{st[3 * i], st[3 * i + 1]}, st[3 * i + 2], ign, g[i],
-                       glse ? glse[i] : 0.f, opt);
-      ts[r] = shard_col(t[i], vocab_start, ignore_index);
-    }
-  };
-  auto one_tile = [&](int64_t n0, int64_t bn, int64_t v0, int64_t bv) {
-    logit_tile(o, n0, bn, v0, bv, opt.softcap, tile.data(), o.ld_tile(), scratch);
-    pass.tile(n0, bn, v0, bv, tile.data(), o.ld_tile(), rg.data(), ts.data());
-  };
-  if (rows_outer) {
-    for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
-      const int64_t bn = std::min(BLOCK_N, o.n - n0);
-      row_block(n0, bn);
-      for (int64_t v0 = 0; v0 < o.v; v0 += o.block_v) {
-        one_tile(n0, bn, v0, std::min(o.block_v, o.v - v0));
-      }
-      pass.end_row_block(n0, bn);
-    }
-  } else {
-    for (int64_t v0 = 0; v0 < o.v; v0 += o.block_v) {
-      const int64_t bv = std::min(o.block_v, o.v - v0);
-      for (int64_t n0 = 0; n0 < o.n; n0 += BLOCK_N) {
-        const int64_t bn = std::min(BLOCK_N, o.n - n0);
-        row_block(n0, bn);
-        one_tile(n0, bn, v0, bv);
-      }
-      pass.end_vocab_block(v0, bv);
-    }
-  }
-  return pass.finish();
+  const BackwardPlan plan = backward_plan(o);
+  const GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap, deferred);
+  if (!pass.needs_any()) return pass.outputs();
+  const bool rows_split = plan.split == Axis::rows;
+  const int64_t split_extent = rows_split ? o.n : o.v, other_extent = rows_split ? o.v : o.n;
+  const Tiles blocks({0, other_extent}, plan.block, ALIGN);
+  cpu::Barrier barrier(plan.workers);
+  cpu::run_workers(plan.workers, [&](int64_t w) {
+    const Span own = cpu::split(split_extent, plan.workers, w, ALIGN);
+    const Tiles tiles(own, plan.split_tile, ALIGN);
+    TileWork tw = pass.tile_work(BLOCK_N);
+    pass.begin_split(w, own);
+    blocks.each([&](int64_t x0, int64_t xb) {
+      pass.begin_block(w, x0, xb);
+      tiles.each([&](int64_t s0, int64_t sb) {
+        const int64_t n0 = rows_split ? s0 : x0, bn = rows_split ? sb : xb;
+        const int64_t v0 = rows_split ? x0 : s0, bv = rows_split ? xb : sb;
+        for (int64_t r = 0; r < bn; ++r) {
+          const int64_t i = n0 + r;
+          const bool ign = row_ignored(t[i], ignore_index);
+          tw.rg[r] = row_grad(OnlineLse{st[3 * i], st[3 * i + 1]}, st[3 * i + 2], ign, g[i],
+                              glse ? glse[i] : 0.f, opt);
+          tw.ts[r] = shard_col(t[i], vocab_start, ignore_index);
+        }
+        logit_tile(o, n0, bn, v0, bv, opt.softcap, tw.tile.data(), o.ld_tile(), tw.logits);
+        pass.tile(tw, w, x0, n0, bn, v0, bv, tw.tile.data(), o.ld_tile());
+      });
+      barrier.wait();  // every partial of the block is complete
+      pass.combine_block(w, x0, xb);
+      barrier.wait();  // every worker has read the partials: they may be reused
+    });
+    pass.end_split(own);
+  }, &barrier);
+  return pass.outputs();
 }
 
 LossOptions loss_options(double label_smoothing, double z_loss, double softcap,
@@ -594,7 +704,9 @@ int64_t fused_block_rows(int64_t v) {
 // once, folded into the row statistics, then turned into the gradient tile (3 GEMMs instead of
 // the 4 of forward + recompute backward). Gradients come back deferred, as fp32
 // (sum, compensation) pairs [2, ...] for scale_grad to scale by the upstream gradient and
-// round once.
+// round once. Workers split the vocabulary; per row block they fold their columns' statistics,
+// merge them (barrier), turn their columns into gradients, and add up the block's dE partials
+// (barrier).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
     const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
     const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
@@ -635,43 +747,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
                                   output_mask, /*deferred=*/true);
     return {reduced(total), div, e, c, b};
   }
-  GradPass pass(o, bias, output_mask, /*rows_outer=*/true, bn_f, opt.softcap, /*deferred=*/true);
-  // [bn_f, V]: the row block's logits
+  const int64_t workers = cpu::num_workers(ceil_div(o.v, ALIGN));
+  const GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap,
+                      /*deferred=*/true);
+  // [bn_f, V]: the row block's logits, each worker filling its own columns
   const int64_t ld_z = fused_row_stride(o.v);
   std::vector<float> z(bn_f * ld_z);
-  LogitScratch scratch;
-  std::vector<RowState> rows(bn_f);
-  std::vector<RowGrad> rg(bn_f);
-  std::vector<int64_t> ts(bn_f);
-  float ls = 0.f, lc = 0.f;
-  for (int64_t n0 = 0; n0 < o.n; n0 += bn_f) {
-    const int64_t bn = std::min(bn_f, o.n - n0);
-    std::fill(rows.begin(), rows.end(), RowState{});
-    for (int64_t r = 0; r < bn; ++r) ts[r] = shard_col(t[n0 + r], 0, ignore_index);
-    for (int64_t v0 = 0; v0 < o.v; v0 += o.block_v) {
-      const int64_t bv = std::min(o.block_v, o.v - v0);
-      logit_tile(o, n0, bn, v0, bv, opt.softcap, z.data() + v0, ld_z, scratch);
-      at::parallel_for(0, bn, grain(bv), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          fold_row(z.data() + r * ld_z + v0, bv, ts[r] < 0 ? -1 : ts[r] - v0, rows[r]);
+  std::vector<RowState> parts(workers * bn_f);  // per worker: its columns' row statistics
+  float ls = 0.f, lc = 0.f;  // worker 0's Kahan sum of the row losses, in row order
+  cpu::Barrier barrier(workers);
+  cpu::run_workers(workers, [&](int64_t w) {
+    const Span own = cpu::split(o.v, workers, w, ALIGN);
+    const Tiles tiles = o.vocab_tiles(own);
+    TileWork tw = pass.tile_work(bn_f);
+    LogitScratch scratch;
+    RowState* mine = parts.data() + w * bn_f;
+    pass.begin_split(w, own);
+    Tiles({0, o.n}, bn_f, ALIGN).each([&](int64_t n0, int64_t bn) {
+      std::fill(mine, mine + bn_f, RowState{});
+      for (int64_t r = 0; r < bn; ++r) tw.ts[r] = shard_col(t[n0 + r], 0, ignore_index);
+      tiles.each([&](int64_t v0, int64_t bv) {
+        logit_tile(o, n0, bn, v0, bv, opt.softcap, z.data() + v0, ld_z, scratch);
+        for (int64_t r = 0; r < bn; ++r) {
+          fold_row(z.data() + r * ld_z + v0, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r]);
         }
       });
-    }
-    for (int64_t r = 0; r < bn; ++r) {  // as combine_cpu with one shard: the same loss bits
-      const bool ign = ts[r] < 0;
-      const float lse_x = lse_value(rows[r].lse);
-      kahan_add(ls, lc, row_loss(lse_x, rows[r].z_t, rows[r].sum(), ign, opt).loss);
-      rg[r] = row_grad(rows[r].lse, rows[r].z_t, ign, 1.f, 0.f, opt);
-    }
-    if (pass.needs_any()) {
-      for (int64_t v0 = 0; v0 < o.v; v0 += o.block_v) {
-        pass.tile(n0, bn, v0, std::min(o.block_v, o.v - v0), z.data() + v0, ld_z, rg.data(),
-                  ts.data());
+      barrier.wait();  // every worker's statistics of the block are complete
+      for (int64_t r = 0; r < bn; ++r) {
+        RowState row = parts[r];
+        for (int64_t p = 1; p < workers; ++p) row.merge(parts[p * bn_f + r]);
+        const bool ign = tw.ts[r] < 0;
+        if (w == 0) {  // as combine_cpu with one shard
+          kahan_add(ls, lc, row_loss(lse_value(row.lse), row.z_t, row.sum(), ign, opt).loss);
+        }
+        tw.rg[r] = row_grad(row.lse, row.z_t, ign, 1.f, 0.f, opt);
       }
-      pass.end_row_block(n0, bn);
-    }
-  }
-  auto [e, c, b] = pass.finish();
+      if (!pass.needs_any()) {
+        barrier.wait();  // statistics read: they may be overwritten
+        return;
+      }
+      pass.begin_block(w, n0, bn);
+      tiles.each([&](int64_t v0, int64_t bv) {
+        pass.tile(tw, w, n0, n0, bn, v0, bv, z.data() + v0, ld_z);
+      });
+      // Every partial of the block is complete, and every worker has read the statistics. The
+      // next block's statistics are written before its first barrier, its partials after it:
+      // by then every worker has combined this block.
+      barrier.wait();
+      pass.combine_block(w, n0, bn);
+    });
+    pass.end_split(own);
+  }, &barrier);
+  auto [e, c, b] = pass.outputs();
   return {reduced(static_cast<double>(ls) + static_cast<double>(lc)), div, e, c, b};
 }
 

@@ -3,7 +3,6 @@
 #include "cpu/epilogue.h"
 
 #include <ATen/Context.h>
-#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -49,23 +48,30 @@ constexpr int kTrans = 112;
 // MKL ILP64 vs LP64: torch's MKL is LP64 (int indices). These prototypes are MKL's.
 using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
                           int, float, float*, int);
+// cblas_sgemm_compute with neither operand packed: sgemm without alpha (ours is always 1).
+using sgemm_compute_fn = void (*)(int, int, int, int, int, int, const float*, int, const float*,
+                                  int, float, float*, int);
 using lowp_gemm_fn = void (*)(int, int, int, int, int, int, float, const void*, int, const void*,
                               int, float, float*, int);
 
 struct Blas {
   sgemm_fn sgemm = nullptr;
+  sgemm_compute_fn sgemm_compute = nullptr;
   lowp_gemm_fn bf16 = nullptr;
   lowp_gemm_fn f16 = nullptr;
 };
 
 // Resolve the BLAS torch itself links (MKL on x86-64 wheels) from the already loaded
-// libtorch_cpu; nothing is loaded that was not there.
+// libtorch_cpu; nothing is loaded that was not there. torch 2.14's libtorch_cpu exports MKL's
+// cblas_sgemm_compute but not cblas_sgemm: the former serves, without ATen's dispatch and
+// tensor views in every worker's call (the portable fallback below).
 const Blas& blas() {
   static const Blas b = [] {
     Blas r;
     void* h = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
     if (h == nullptr) h = RTLD_DEFAULT;
     r.sgemm = reinterpret_cast<sgemm_fn>(dlsym(h, "cblas_sgemm"));
+    r.sgemm_compute = reinterpret_cast<sgemm_compute_fn>(dlsym(h, "cblas_sgemm_compute"));
     r.bf16 = reinterpret_cast<lowp_gemm_fn>(dlsym(h, "cblas_gemm_bf16bf16f32"));
     r.f16 = reinterpret_cast<lowp_gemm_fn>(dlsym(h, "cblas_gemm_f16f16f32"));
     return r;
@@ -98,6 +104,12 @@ void gemm_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, GemmOperan
                int(a.ld), static_cast<const float*>(b.ptr), int(b.ld), beta, c, int(ldc));
       return;
     }
+    if (dtype == at::kFloat && bl.sgemm_compute) {
+      bl.sgemm_compute(kRowMajor, ta, tb, int(m), int(n), int(k),
+                       static_cast<const float*>(a.ptr), int(a.ld),
+                       static_cast<const float*>(b.ptr), int(b.ld), beta, c, int(ldc));
+      return;
+    }
     lowp_gemm_fn f = dtype == at::kBFloat16 ? bl.bf16 : dtype == at::kHalf ? bl.f16 : nullptr;
     if (f) {
       f(kRowMajor, ta, tb, int(m), int(n), int(k), 1.f, a.ptr, int(a.ld), b.ptr, int(b.ld), beta,
@@ -120,7 +132,7 @@ void gemm_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, GemmOperan
 // ---------------------------------------------------------------------------------------------
 
 // Blocks of C per brgemm call: [MB, NB] with the whole k (in KC chunks). 64 x 64 keeps an fp32
-// B block of k = 512 in L2 and gives a [256, 512] tile 32 blocks to share between threads. On
+// B block of k = 512 in L2. Measured when the blocks of a tile were shared between threads, on
 // a 2-core Zen 5 (fwd + bwd at N=4096, V=32768, D=512) it took fp32 from 1.55 to 1.36 s and bf16
 // from 1.30 to 1.21 s against 32 x 64 (the cost per brgemm call, a kernel lookup among them, is
 // spread over twice the work); 128 x 64, 32 x 128, 64 x 32 and 64 x 128 were slower.
@@ -163,31 +175,27 @@ float widen(const void* p, at::ScalarType dtype, int64_t i) {
 template <typename T, typename F>
 void copy_op(const GemmOperand& src, int64_t rows, int64_t cols, T* dst, int64_t ldd, F convert) {
   constexpr int64_t T16 = 16;
-  const int64_t rb = (rows + T16 - 1) / T16;
-  at::parallel_for(0, rb, std::max<int64_t>(1, 256 / std::max<int64_t>(cols, 1)),
-                   [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * T16, r1 = std::min(rows, r0 + T16);
-      for (int64_t c0 = 0; c0 < cols; c0 += T16) {
-        const int64_t c1 = std::min(cols, c0 + T16);
-        if (src.trans) {
-          // Through a 16 x 16 buffer: contiguous reads along the stored rows (op's columns),
-          // contiguous writes along dst's rows.
-          decltype(convert(0)) buf[T16][T16];
-          for (int64_t j = c0; j < c1; ++j) {
-            for (int64_t r = r0; r < r1; ++r) buf[j - c0][r - r0] = convert(j * src.ld + r);
-          }
-          for (int64_t r = r0; r < r1; ++r) {
-            for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = buf[j - c0][r - r0];
-          }
-        } else {
-          for (int64_t r = r0; r < r1; ++r) {
-            for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = convert(r * src.ld + j);
-          }
+  for (int64_t r0 = 0; r0 < rows; r0 += T16) {
+    const int64_t r1 = std::min(rows, r0 + T16);
+    for (int64_t c0 = 0; c0 < cols; c0 += T16) {
+      const int64_t c1 = std::min(cols, c0 + T16);
+      if (src.trans) {
+        // Through a 16 x 16 buffer: contiguous reads along the stored rows (op's columns),
+        // contiguous writes along dst's rows.
+        decltype(convert(0)) buf[T16][T16];
+        for (int64_t j = c0; j < c1; ++j) {
+          for (int64_t r = r0; r < r1; ++r) buf[j - c0][r - r0] = convert(j * src.ld + r);
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = buf[j - c0][r - r0];
+        }
+      } else {
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t j = c0; j < c1; ++j) dst[r * ldd + j] = convert(r * src.ld + j);
         }
       }
     }
-  });
+  }
 }
 
 #if defined(__x86_64__)
@@ -196,20 +204,15 @@ void copy_op(const GemmOperand& src, int64_t rows, int64_t cols, T* dst, int64_t
 template <int B, typename T, typename Block>
 void transpose_by_blocks(const T* src, int64_t lds, T* dst, int64_t ldd, int64_t rows,
                          int64_t cols, Block block) {
-  at::parallel_for(0, (rows + B - 1) / B,
-                   std::max<int64_t>(1, 256 / (B * std::max<int64_t>(cols, 1))),
-                   [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * B;
-      int64_t c0 = 0;
-      if (r0 + B <= rows) {
-        for (; c0 + B <= cols; c0 += B) block(src + c0 * lds + r0, lds, dst + r0 * ldd + c0, ldd);
-      }
-      for (int64_t r = r0; r < std::min(rows, r0 + B); ++r) {
-        for (int64_t c = c0; c < cols; ++c) dst[r * ldd + c] = src[c * lds + r];
-      }
+  for (int64_t r0 = 0; r0 < rows; r0 += B) {
+    int64_t c0 = 0;
+    if (r0 + B <= rows) {
+      for (; c0 + B <= cols; c0 += B) block(src + c0 * lds + r0, lds, dst + r0 * ldd + c0, ldd);
     }
-  });
+    for (int64_t r = r0; r < std::min(rows, r0 + B); ++r) {
+      for (int64_t c = c0; c < cols; ++c) dst[r * ldd + c] = src[c * lds + r];
+    }
+  }
 }
 
 // SSE2 (the x86-64 baseline) register transposes, 4 x 4 fp32 and 8 x 8 16-bit: several times
@@ -270,6 +273,26 @@ bool cpu_is_intel() {
   std::memcpy(vendor + 8, &c, 4);
   vendor[12] = '\0';
   return std::strcmp(vendor, "GenuineIntel") == 0;
+#else
+  return false;
+#endif
+}
+
+// Whether MKL multiplies bf16 natively here (AVX512-BF16 or AMX-BF16 on an Intel CPU, which is
+// where MKL uses them, unless MKL_ENABLE_INSTRUCTIONS holds it below AVX-512). Elsewhere it
+// widens bf16 to fp32 and runs its fp32 kernels: a bf16 GEMM costs what an fp32 one does
+// (measured on the Zen 4 CI machine, natively and with AVX2 emulated).
+bool mkl_bf16_native() {
+#if defined(__x86_64__)
+  if (!cpu_is_intel() || blas().bf16 == nullptr) return false;
+  const auto isa = c10::utils::get_env("MKL_ENABLE_INSTRUCTIONS");
+  if (isa && isa->find("AVX512") == std::string::npos && isa->find("AMX") == std::string::npos) {
+    return false;
+  }
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  const bool amx = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u);
+  const bool avx512_bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u);
+  return amx || avx512_bf16;
 #else
   return false;
 #endif
@@ -402,7 +425,7 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
       arow[i] = lhs_for_kernels(dtype, rows, k, kk, lhs_rows(a[i], m0, dtype), dst, lda[i]);
     }
   };
-  const int64_t nbm = (m + MB - 1) / MB, nbn = (n + NB - 1) / NB;
+  const int64_t nbn = (n + NB - 1) / NB;
   // One [mm, nn] block of the product: the sum over operands and k chunks, the first chunk
   // written to dst (or added to it with `add`), the others summed in `part`. arow[i]: the
   // block's first row of operand i.
@@ -437,16 +460,15 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
       }
     }
   };
+  float part[MB * NB];
   if (out.sum == nullptr) {
-    // Column blocks outer: consecutive blocks of a thread reuse one B block from cache.
+    // Column blocks outer: consecutive blocks reuse one B block from cache.
     const void* arow[2];
     int64_t lda[2];
     lhs(0, m, scratch.bf16, scratch.f32, arow, lda);
     const int64_t es = bf16 ? 2 : 4;  // the kernels' element: fp16 operands were widened to fp32
-    at::parallel_for(0, nbm * nbn, 1, [&](int64_t i0, int64_t i1) {
-      float part[MB * NB];
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t m0 = (i % nbm) * MB, nblk = i / nbm;
+    for (int64_t nblk = 0; nblk < nbn; ++nblk) {
+      for (int64_t m0 = 0; m0 < m; m0 += MB) {
         const void* rows[2];
         for (int op = 0; op < na; ++op) {
           rows[op] = static_cast<const char*>(arow[op]) + m0 * lda[op] * es;
@@ -454,45 +476,42 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
         block(rows, lda, std::min(MB, m - m0), nblk, out.c + m0 * out.ldc + nblk * NB, out.ldc,
               out.accumulate, part);
       }
-    });
+    }
     return;
   }
-  // Compensated output: a thread takes whole row panels, so that the adds run along full rows
-  // of the accumulators (a [64, 64] block at a time would hit them in scattered pieces). It
-  // copies the panel's rows of A itself where they need a copy (the transposed gradient tile of
-  // the dC GEMM): a panel at a time, while in cache, and never the whole operand.
-  at::parallel_for(0, nbm, 1, [&](int64_t p0, int64_t p1) {
-    float part[MB * NB];
-    std::vector<float> panel(MB * n);  // [mm, n]
-    std::vector<uint16_t> copy16;
-    std::vector<float> copy32;
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t m0 = p * MB, mm = std::min(MB, m - m0);
-      const void* arow[2];
-      int64_t lda[2];
-      lhs(m0, mm, copy16, copy32, arow, lda);
-      for (int64_t nblk = 0; nblk < nbn; ++nblk) {
-        block(arow, lda, mm, nblk, panel.data() + nblk * NB, n, false, part);
-      }
-      for (int64_t r = 0; r < mm; ++r) out.add_row(m0 + r, panel.data() + r * n, n);
+  // Compensated output, by row panels, so that the adds run along full rows of the
+  // accumulators (a [64, 64] block at a time would hit them in scattered pieces). The panel's
+  // rows of A are copied where they need a copy (the transposed gradient tile of the dC GEMM):
+  // a panel at a time, while in cache, and never the whole operand.
+  scratch.panel.resize(MB * n);  // [mm, n]
+  for (int64_t m0 = 0; m0 < m; m0 += MB) {
+    const int64_t mm = std::min(MB, m - m0);
+    const void* arow[2];
+    int64_t lda[2];
+    lhs(m0, mm, scratch.bf16, scratch.f32, arow, lda);
+    for (int64_t nblk = 0; nblk < nbn; ++nblk) {
+      block(arow, lda, mm, nblk, scratch.panel.data() + nblk * NB, n, false, part);
     }
-  });
+    for (int64_t r = 0; r < mm; ++r) out.add_row(m0 + r, scratch.panel.data() + r * n, n);
+  }
 }
 
 // The blas path of gemm_accumulate: the product in a scratch tile, then the compensated adds.
 void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
                      const GemmOperand* a, int na, GemmOperand b, const Out& out,
                      LhsScratch& scratch) {
-  scratch.f32.resize(m * n);
-  float* prod = scratch.f32.data();
+  scratch.panel.resize(m * n);
+  float* prod = scratch.panel.data();
   for (int i = 0; i < na; ++i) gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, prod, n);
-  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)),
-                   [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) out.add_row(r, prod + r * n, n);
-  });
+  for (int64_t r = 0; r < m; ++r) out.add_row(r, prod + r * n, n);
 }
 
 }  // namespace
+
+bool bf16_gemm_native() {
+  static const bool mkl = mkl_bf16_native();
+  return gemm_path(at::kBFloat16) == GemmPath::onednn || mkl;
+}
 
 GemmPath gemm_path(at::ScalarType dtype) {
   (void)dtype;  // one choice for every dtype: fp16 runs the fp32 kernels on the onednn path
@@ -517,7 +536,7 @@ void Rhs::prepare(at::ScalarType dtype, GemmOperand b, int64_t k, int64_t n) {
     f32_ = {};
     return;
   }
-  // Column blocks of NB, each contiguous: a B block stays in L2 while the threads sweep the row
+  // Column blocks of NB, each contiguous: a B block stays in L2 while the GEMM sweeps the row
   // blocks of A, where a power-of-two row stride (a weight tile's) would map it to a few sets.
   const int64_t blocks = (n + NB - 1) / NB;
   if (dtype == at::kBFloat16) {
@@ -526,47 +545,43 @@ void Rhs::prepare(at::ScalarType dtype, GemmOperand b, int64_t k, int64_t n) {
     vnni_.assign(blocks * kk * NB, 0);
     uint16_t* dst = vnni_.data();
     const uint16_t* src = static_cast<const uint16_t*>(b.ptr);
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
-        uint16_t* out = dst + blk * kk * NB;
-        // Read along the stored rows: op(B)'s columns when transposed, else its rows.
-        if (b.trans) {
-          for (int64_t j = 0; j < nn; ++j) {
-            const uint16_t* col = src + (n0 + j) * b.ld;
-            for (int64_t r = 0; r < k; ++r) out[((r / 2) * NB + j) * 2 + r % 2] = col[r];
-          }
-        } else {
-          for (int64_t r = 0; r < k; ++r) {
-            const uint16_t* row = src + r * b.ld + n0;
-            for (int64_t j = 0; j < nn; ++j) out[((r / 2) * NB + j) * 2 + r % 2] = row[j];
-          }
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
+      uint16_t* out = dst + blk * kk * NB;
+      // Read along the stored rows: op(B)'s columns when transposed, else its rows.
+      if (b.trans) {
+        for (int64_t j = 0; j < nn; ++j) {
+          const uint16_t* col = src + (n0 + j) * b.ld;
+          for (int64_t r = 0; r < k; ++r) out[((r / 2) * NB + j) * 2 + r % 2] = col[r];
+        }
+      } else {
+        for (int64_t r = 0; r < k; ++r) {
+          const uint16_t* row = src + r * b.ld + n0;
+          for (int64_t j = 0; j < nn; ++j) out[((r / 2) * NB + j) * 2 + r % 2] = row[j];
         }
       }
-    });
+    }
     return;
   }
   f32_.assign(blocks * k * NB, 0.f);
   float* dst = f32_.data();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
-      const GemmOperand sub{static_cast<const char*>(b.ptr) +
-                                (b.trans ? n0 * b.ld : n0) * at::elementSize(dtype),
-                            b.ld, b.trans};
-      if (dtype == at::kFloat) {
-        const float* src = static_cast<const float*>(sub.ptr);
-        if (sub.trans) {
-          transpose(src, sub.ld, dst + blk * k * NB, NB, k, nn);
-        } else {
-          copy_op(sub, k, nn, dst + blk * k * NB, NB, [src](int64_t i) { return src[i]; });
-        }
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * NB, nn = std::min(NB, n - n0);
+    const GemmOperand sub{static_cast<const char*>(b.ptr) +
+                              (b.trans ? n0 * b.ld : n0) * at::elementSize(dtype),
+                          b.ld, b.trans};
+    if (dtype == at::kFloat) {
+      const float* src = static_cast<const float*>(sub.ptr);
+      if (sub.trans) {
+        transpose(src, sub.ld, dst + blk * k * NB, NB, k, nn);
       } else {
-        copy_op(sub, k, nn, dst + blk * k * NB, NB,
-                [&](int64_t i) { return widen(sub.ptr, dtype, i); });
+        copy_op(sub, k, nn, dst + blk * k * NB, NB, [src](int64_t i) { return src[i]; });
       }
+    } else {
+      copy_op(sub, k, nn, dst + blk * k * NB, NB,
+              [&](int64_t i) { return widen(sub.ptr, dtype, i); });
     }
-  });
+  }
 }
 
 namespace {

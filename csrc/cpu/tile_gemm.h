@@ -1,14 +1,15 @@
 // Tile GEMMs with fp32 results for the CPU backend: C[m, n] (+)= op(A) op(B).
 //
 // A and B are row-major float, bfloat16 or float16; C is always float32: logits are never
-// rounded to the input dtype. Two paths, picked once per process (gemm_path()):
+// rounded to the input dtype. Every call runs on the calling thread only: the backend's workers
+// (cpu/workers.h) each multiply their own tiles, inside one parallel region per op phase. Two
+// paths, picked once per process (gemm_path()):
 //
 // - onednn: oneDNN's batch-reduce GEMM micro-kernels as torch exports them
 //   (at::native::cpublas::brgemm: JIT-generated AVX-512 BF16 / AVX-512 / AVX2 kernels with fp32
-//   accumulation). flce cuts the tile into [MB, NB] blocks, splits them across threads, and
-//   packs the right operand once into column blocks that the kernels read contiguously (fp32
-//   [n / NB, k, NB], bf16 pairs [n / NB, k / 2, NB, 2]); fp16 operands are widened to fp32
-//   (exactly) on the way.
+//   accumulation). flce cuts the tile into [MB, NB] blocks and packs the right operand once
+//   into column blocks that the kernels read contiguously (fp32 [n / NB, k, NB], bf16 pairs
+//   [n / NB, k / 2, NB, 2]); fp16 operands are widened to fp32 (exactly) on the way.
 // - blas: the BLAS torch links (MKL on x86-64 wheels: cblas_sgemm, cblas_gemm_bf16bf16f32,
 //   cblas_gemm_f16f16f32, with AMX where the CPU has it), or ATen's fp32 matmul where the BLAS
 //   lacks the mixed-precision GEMMs.
@@ -39,6 +40,11 @@ enum class GemmPath { blas, onednn };
 // current setting: with oneDNN disabled the blas path runs).
 GemmPath gemm_path(at::ScalarType dtype);
 
+// Whether bf16 x bf16 -> fp32 tile GEMMs run faster than fp32 ones here: on the onednn path
+// (its bf16 kernels need AVX512-BF16 or AMX), and on the blas path where MKL has them natively
+// (Intel CPUs with AVX512-BF16 / AMX). Elsewhere a bf16 GEMM costs an fp32 one.
+bool bf16_gemm_native();
+
 // The right operand op(B) [k, n] of a tile GEMM, ready for the path: on the onednn path a packed
 // copy (except an untransposed fp32 operand, read in place), on the blas path the operand
 // itself. prepare() repacks only when the operand or the shape changed since its last call, so
@@ -59,10 +65,11 @@ class Rhs {
 };
 
 // Copies of the left operands that the onednn path makes (transposed, widened or padded), and
-// the blas path's product tile; the caller owns it so that its memory is released with the op.
+// the product panel of a compensated GEMM; each worker owns one, released with the op.
 struct LhsScratch {
   std::vector<float> f32;
   std::vector<uint16_t> bf16;
+  std::vector<float> panel;
 };
 
 // C [m, n] (row-major, leading dimension ldc) = op(A) [m, k] @ op(B) [k, n], plus C when

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every CPU run that docs/benchmarks.md records for issue 14, in one go: the reference shape
+# (N=4096, V=32768, D=512), fp32 and bf16, native and emulated AVX2 (bench.py --isa avx2), quiet
+# and with one busy process per core (--load), each child bounded by --timeout; then the small
+# shape of the issue (N=1024, V=8192, D=256) quiet, loaded, and loaded with one thread. First-call
+# times are in every table (first (s), /time). CSVs and the full log go to $OUT (default
+# benchmarks/results/issue14-<date>/). Start it on a quiet machine (it prints the load average
+# and warns above 0.5): the loaded runs make their own load, the quiet ones need none.
+#
+#     bash benchmarks/issue14_runs.sh            # about 30 min on the 2-core CI machine
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+OUT=${OUT:-benchmarks/results/issue14-$(date -u +%Y%m%d-%H%M)}
+LOAD=${LOAD:-$(nproc)}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+
+echo "== $(date -u) $(git rev-parse --short HEAD 2>/dev/null || echo '?') on $(hostname)"
+uptime
+if awk '{exit !($1 > 0.5)}' /proc/loadavg; then
+  echo "WARNING: load average $(cut -d' ' -f1 /proc/loadavg) > 0.5: the quiet runs will not be quiet"
+fi
+"$PY" -c "import torch, flce; print('torch', torch.__version__, torch.backends.cpu.get_cpu_capability(), 'threads', torch.get_num_threads()); print(flce.build_info())"
+grep -m1 'model name' /proc/cpuinfo; nproc
+
+run() {  # run NAME ARGS...: one bench.py comparison, its CSV under $OUT
+  local name=$1; shift
+  echo; echo "== $name: bench.py $*"; uptime
+  "$PY" benchmarks/bench.py --peers eager,chunked --timeout 1200 --csv "$OUT/$name.csv" "$@" ||
+    echo "bench.py failed: $name"
+}
+
+for isa in native avx2; do
+  for dtype in fp32 bf16; do
+    reps=5; [ "$dtype" = bf16 ] && reps=3
+    run "${isa}-${dtype}-quiet" --isa "$isa" --dtype "$dtype" --repeats "$reps"
+    run "${isa}-${dtype}-load${LOAD}" --isa "$isa" --dtype "$dtype" --repeats "$reps" --load "$LOAD"
+  done
+done
+
+for isa in native avx2; do
+  small=(-N 1024 -V 8192 -D 256 --repeats 9 --isa "$isa")
+  run "${isa}-small-quiet" "${small[@]}"
+  run "${isa}-small-load${LOAD}" "${small[@]}" --load "$LOAD"
+  run "${isa}-small-load${LOAD}-1thread" "${small[@]}" --load "$LOAD" --threads 1
+done
+echo; echo "== done $(date -u)"; uptime
