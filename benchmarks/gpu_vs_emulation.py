@@ -45,11 +45,12 @@ def inputs(n, v, d, dtype, seed):
 def run(ops, device, x, w, t, b, opts):
     x, w, t, b = (a.to(device) for a in (x, w, t, b))
     ls, zl, cap = opts.get("label_smoothing", 0.0), opts.get("z_loss", 0.0), opts.get("softcap", 0.0)
-    loss, lse, stats = ops.forward(x, w, t, b, -100, ls, zl, cap)
+    loss, lse, stats, ent = ops.forward(x, w, t, b, -100, ls, zl, cap)
     g = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(3)).to(device)
     gx, gw, gb = ops.backward(g, None, x, w, t, b, stats, 0, w.shape[0], -100, ls, zl, cap,
                               [True, True, True])
-    out = {"loss": loss, "lse": lse, "stats": stats, "bwd dE": gx, "bwd dW": gw, "bwd db": gb}
+    out = {"loss": loss, "lse": lse, "entropy": ent, "stats": stats, "bwd dE": gx, "bwd dW": gw,
+           "bwd db": gb}
     if x.dtype != torch.float16:
         s = ops.sum_and_grad(x, w, t, b, -100, ls, zl, cap, [True, True, True], True)
         out.update({"single loss": s[0], "single dE": s[2], "single dW": s[3], "single db": s[4]})

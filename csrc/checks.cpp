@@ -45,10 +45,10 @@ void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const 
 }
 
 void check_combine_args(const at::Tensor& partials, const at::Tensor& target) {
-  TORCH_CHECK_VALUE(partials.dim() == 3 && partials.size(2) == 4 &&
+  TORCH_CHECK_VALUE(partials.dim() == 3 && partials.size(2) == kPartialCols &&
                         partials.size(1) == target.size(0),
-                    "flce: partials must be [R, N, 4] with N=", target.size(0), ", got ",
-                    partials.sizes());
+                    "flce: partials must be [R, N, ", kPartialCols, "] with N=", target.size(0),
+                    ", got ", partials.sizes());
   TORCH_CHECK_TYPE(partials.scalar_type() == at::kFloat, "flce: partials must be float32");
   TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "flce: target must be int64");
   TORCH_CHECK_VALUE(partials.device() == target.device(),
@@ -58,7 +58,7 @@ void check_combine_args(const at::Tensor& partials, const at::Tensor& target) {
 void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                          const at::Tensor& input, const at::Tensor& weight,
                          const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                         const at::Tensor& stats) {
+                         const at::Tensor& stats, const std::optional<at::Tensor>& grad_entropy) {
   check_linear_args(input, weight, target, bias);
   const int64_t n = input.size(0);
   TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n &&
@@ -70,9 +70,14 @@ void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Te
                           grad_lse->scalar_type() == at::kFloat,
                       "flce: grad_lse must be float32 [N]");
   }
-  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(0) == n && stats.size(1) == 3 &&
+  if (grad_entropy) {
+    TORCH_CHECK_VALUE(grad_entropy->dim() == 1 && grad_entropy->size(0) == n &&
+                          grad_entropy->scalar_type() == at::kFloat,
+                      "flce: grad_entropy must be float32 [N]");
+  }
+  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(0) == n && stats.size(1) == kStatsCols &&
                         stats.scalar_type() == at::kFloat,
-                    "flce: stats must be float32 [N, 3], got ", stats.sizes());
+                    "flce: stats must be float32 [N, ", kStatsCols, "], got ", stats.sizes());
 }
 
 }  // namespace flce

@@ -10,11 +10,18 @@
 namespace flce {
 
 using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Row layouts of the ops (ops_def.h): partials [N, kPartialCols] = (m, s, z_t, sum_z, u),
+// stats [N, kStatsCols] = (m_x, s_x, z_t, u_x).
+constexpr int64_t kPartialCols = 5;
+constexpr int64_t kStatsCols = 4;
 
 using PartialStatsFn = at::Tensor(const at::Tensor& input, const at::Tensor& weight,
                                   const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                                  int64_t vocab_start, int64_t ignore_index, double softcap);
-using CombineFn = Tensor3(const at::Tensor& partials, const at::Tensor& target,
+                                  int64_t vocab_start, int64_t ignore_index, double softcap,
+                                  double temperature);
+using CombineFn = Tensor4(const at::Tensor& partials, const at::Tensor& target,
                           int64_t vocab_size, int64_t ignore_index, double label_smoothing,
                           double z_loss);
 using BackwardFn = Tensor3(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
@@ -22,7 +29,8 @@ using BackwardFn = Tensor3(const at::Tensor& grad_loss, const std::optional<at::
                            const at::Tensor& target, const std::optional<at::Tensor>& bias,
                            const at::Tensor& stats, int64_t vocab_start, int64_t vocab_size,
                            int64_t ignore_index, double label_smoothing, double z_loss,
-                           double softcap, std::array<bool, 3> output_mask);
+                           double softcap, std::array<bool, 3> output_mask,
+                           const std::optional<at::Tensor>& grad_entropy, double temperature);
 
 // Checks shared by all backends. Python validates first with argument names; these keep a
 // direct torch.ops.flce call from reaching a kernel with inconsistent arguments.
@@ -32,6 +40,7 @@ void check_combine_args(const at::Tensor& partials, const at::Tensor& target);
 void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                          const at::Tensor& input, const at::Tensor& weight,
                          const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                         const at::Tensor& stats);
+                         const at::Tensor& stats,
+                         const std::optional<at::Tensor>& grad_entropy = std::nullopt);
 
 }  // namespace flce

@@ -15,17 +15,18 @@ namespace flce {
 
 // forward = combine(partial_stats(...)) on one device. Composite so that every backend that
 // implements the two parts gets it; a backend may register a fused kernel of its own instead.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_composite(
-    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-    double z_loss, double softcap) {
+Tensor4 forward_composite(const at::Tensor& input, const at::Tensor& weight,
+                          const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                          int64_t ignore_index, double label_smoothing, double z_loss,
+                          double softcap, double temperature) {
   static auto partial_op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("flce::partial_stats", "")
                                .typed<PartialStatsFn>();
   static auto combine_op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("flce::combine", "")
                                .typed<CombineFn>();
-  at::Tensor partials = partial_op.call(input, weight, target, bias, 0, ignore_index, softcap);
+  at::Tensor partials =
+      partial_op.call(input, weight, target, bias, 0, ignore_index, softcap, temperature);
   return combine_op.call(partials.unsqueeze(0), target, weight.size(0), ignore_index,
                          label_smoothing, z_loss);
 }

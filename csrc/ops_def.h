@@ -13,30 +13,37 @@
 namespace flce {
 
 inline void define_ops(torch::Library& m) {
+  // The logits are z = softcap(input . weight + bias) / temperature (temperature 1: none).
+  //
   // Per-row statistics of this rank's vocabulary shard [vocab_start, vocab_start + V_local):
-  // [N, 4] fp32 = (m, s, z_t, sum_z): running max and sum exp(z - m) over the shard's non-target
-  // logits, the target logit (-inf where the shard does not own the target or the row is
-  // ignored), and the sum of the shard's logits (label smoothing).
+  // [N, 5] fp32 = (m, s, z_t, sum_z, u): running max m and sum exp(z - m) over the shard's
+  // non-target logits, the target logit (-inf where the shard does not own the target or the row
+  // is ignored), the sum of the shard's logits (label smoothing), and u = sum exp(z - m) (m - z)
+  // over the non-target logits (the entropy, math.h OnlineLse).
   m.def(
       "partial_stats(Tensor input, Tensor weight, Tensor target, Tensor? bias, int vocab_start, "
-      "int ignore_index, float softcap) -> Tensor");
-  // Combine R ranks' partials [R, N, 4] into the collapse-safe loss. Validates targets against
-  // the global vocab_size. Returns loss [N], lse [N], stats [N, 3] = (m_x, s_x, z_t) (the
-  // non-target logits' max and sum exp(z - m_x), and the target logit), all fp32.
+      "int ignore_index, float softcap, float temperature=1.0) -> Tensor");
+  // Combine R ranks' partials [R, N, 5] into the collapse-safe loss. Validates targets against
+  // the global vocab_size. Returns loss [N], lse [N], stats [N, 4] = (m_x, s_x, z_t, u_x) (the
+  // non-target logits' online state, and the target logit) and entropy [N] (of softmax(z), 0
+  // for ignored rows), all fp32.
   m.def(
       "combine(Tensor partials, Tensor target, int vocab_size, int ignore_index, "
-      "float label_smoothing, float z_loss) -> (Tensor loss, Tensor lse, Tensor stats)");
+      "float label_smoothing, float z_loss) -> (Tensor loss, Tensor lse, Tensor stats, "
+      "Tensor entropy)");
   m.def(
       "forward(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
-      "float label_smoothing, float z_loss, float softcap) -> (Tensor loss, Tensor lse, "
-      "Tensor stats)");
+      "float label_smoothing, float z_loss, float softcap, float temperature=1.0) -> "
+      "(Tensor loss, Tensor lse, Tensor stats, Tensor entropy)");
   // Gradients from recomputed logit tiles and the fp32 row statistics. grad_loss [N] fp32 (may be
-  // an expanded scalar), grad_lse [N] fp32 or None. Outputs follow output_mask (input, weight,
-  // bias); an unrequested one is an empty tensor. Each gradient has the dtype of its tensor.
+  // an expanded scalar), grad_lse and grad_entropy [N] fp32 or None. Outputs follow output_mask
+  // (input, weight, bias); an unrequested one is an empty tensor. Each gradient has the dtype of
+  // its tensor.
   m.def(
       "backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor weight, Tensor target, "
       "Tensor? bias, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
-      "float label_smoothing, float z_loss, float softcap, bool[3] output_mask) -> "
+      "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, "
+      "Tensor? grad_entropy=None, float temperature=1.0) -> "
       "(Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // The single pass (3 GEMMs, no recompute): the reduced loss (fp32 scalar: the sum, or with
   // mean=True the mean over non-ignored rows) and, per output_mask, the gradients, computed in
@@ -59,7 +66,8 @@ inline void define_ops(torch::Library& m) {
   m.def(
       "sum_and_grad(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, bool mean, "
-      "int vocab_start=0, int vocab_size=-1, str? group_name=None, int group_size=1) -> "
+      "int vocab_start=0, int vocab_size=-1, str? group_name=None, int group_size=1, "
+      "float temperature=1.0) -> "
       "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
   m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");

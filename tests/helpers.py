@@ -260,19 +260,21 @@ def tile_ideal_grads(x, w, t, b, objective, **opts):
     entry, which it corrects in fp32 (target_fix / target_rows), with exact products (float64;
     the caller rounds once). Three GEMMs need the tile in the compute dtype; where a gradient's
     terms cancel, its rounding shows on top of the output's own (the CPU backend splits the tile
-    into hi + lo and does not have it). ``objective(loss, lse)`` is the reduced float64 loss."""
+    into hi + lo and does not have it). ``objective(loss, lse, entropy)`` is the reduced float64
+    loss."""
     x64, w64, b64 = (None if a is None else a.detach().cpu() for a in as_f64(x, w, b))
     u = x64.reshape(-1, x64.shape[-1]) @ w64.T
     if b64 is not None:
         u = u + b64
     u.requires_grad_()
     kw = {k: v for k, v in opts.items() if k in ("ignore_index", "reduction", "label_smoothing",
-                                                  "z_loss", "softcap")}
-    loss, lse = flce.reference.logits_cross_entropy(u, t.reshape(-1).cpu(), return_lse=True, **kw)
+                                                  "z_loss", "softcap", "temperature")}
+    loss, lse, ent = flce.reference.logits_cross_entropy(u, t.reshape(-1).cpu(), return_lse=True,
+                                                         return_entropy=True, **kw)
     shape = t.shape
     if kw.get("reduction", "mean") == "none":
         loss = loss.reshape(shape)
-    objective(loss, lse.reshape(shape)).backward()
+    objective(loss, lse.reshape(shape), ent.reshape(shape)).backward()
     dz = u.grad
     # fp16: the tile holds scale * dz with max |scale * dz| in (2^13, 2^14] (a power of two: no
     # subnormals), as the CUDA backend stores it.
@@ -306,11 +308,12 @@ GRAD_FACTOR = {torch.float32: 1024.0, torch.bfloat16: 1.0, torch.float16: 1.0}
 GRAD_NORM_FACTOR = {torch.float32: 64.0, torch.bfloat16: 0.35, torch.float16: 0.35}
 
 
-def check_flce(x, w, t, b=None, *, return_lse=False, grads=True, loss_factor=LOSS_FACTOR,
-               grad_factor=None, seed=123, **opts):
+def check_flce(x, w, t, b=None, *, return_lse=False, return_entropy=False, grads=True,
+               loss_factor=LOSS_FACTOR, grad_factor=None, seed=123, **opts):
     """Run flce.linear_cross_entropy forward + backward and compare every element with the
     float64 reference (``assert_close_to_ref``). Upstream gradients are random (fresh, nonzero)
-    for reduction="none" and for the lse. Returns (loss, lse or None, grads dict)."""
+    for reduction="none", for the lse and for the entropy. Returns (loss, lse or None, grads
+    dict)."""
     reduction = opts.get("reduction", "mean")
     g = gen(seed)
     leaves = {"input": x, "weight": w}
@@ -319,16 +322,19 @@ def check_flce(x, w, t, b=None, *, return_lse=False, grads=True, loss_factor=LOS
     # detach, not clone: a clone of a strided view would be contiguous
     leaves = {k: v.detach().requires_grad_(grads) for k, v in leaves.items()}
     out = flce.linear_cross_entropy(leaves["input"], leaves["weight"], t, bias=leaves.get("bias"),
-                                    return_lse=return_lse, **opts)
-    loss, lse = out if return_lse else (out, None)
+                                    return_lse=return_lse, return_entropy=return_entropy, **opts)
+    out = list(out) if (return_lse or return_entropy) else [out]
+    loss = out.pop(0)
+    lse = out.pop(0) if return_lse else None
+    ent = out.pop(0) if return_entropy else None
     assert loss.dtype == torch.float32
     up = torch.rand(t.shape, generator=g, dtype=torch.float64) + 0.5
     up_lse = torch.rand(t.shape, generator=g, dtype=torch.float64) - 0.5
+    up_ent = torch.rand(t.shape, generator=g, dtype=torch.float64) - 0.5
     x64, w64, b64 = (None if a is None else a.detach().cpu().requires_grad_(grads)
                      for a in as_f64(x, w, b))
-    rout = flce.reference.linear_cross_entropy(x64, w64, t.cpu(), bias=b64, return_lse=True,
-                                               **opts)
-    rloss, rlse = rout
+    rloss, rlse, rent = flce.reference.linear_cross_entropy(
+        x64, w64, t.cpu(), bias=b64, return_lse=True, return_entropy=True, **opts)
     assert loss.shape == rloss.shape
     if reduction == "mean" and not (t != opts.get("ignore_index", -100)).any():
         assert torch.isnan(loss).all() and torch.isnan(rloss).all()
@@ -337,19 +343,27 @@ def check_flce(x, w, t, b=None, *, return_lse=False, grads=True, loss_factor=LOS
     if return_lse:
         assert lse.shape == t.shape and lse.dtype == torch.float32
         assert_close_to_ref(lse, rlse, torch.float32, factor=loss_factor, what="lse")
+    if return_entropy:
+        assert ent.shape == t.shape and ent.dtype == torch.float32
+        assert_close_to_ref(ent, rent, torch.float32, factor=loss_factor, what="entropy")
     result = {}
     if grads:
-        def total(l, s, u, ul):
+        def total(l, s, h, u, ul, uh):
             tot = (l * u).sum() if reduction == "none" else l
             if return_lse:
                 tot = tot + (s * ul).sum()
+            if return_entropy:
+                tot = tot + (h * uh).sum()
             return tot
-        total(loss, lse, up.float().to(loss.device), up_lse.float().to(loss.device)).backward()
-        total(rloss, rlse, up, up_lse).backward()
+        dev = loss.device
+        total(loss, lse, ent, up.float().to(dev), up_lse.float().to(dev),
+              up_ent.float().to(dev)).backward()
+        total(rloss, rlse, rent, up, up_lse, up_ent).backward()
         refs = {"input": x64.grad, "weight": w64.grad, "bias": None if b64 is None else b64.grad}
         tile = None
         if x.dtype != torch.float32 and flce._ops.is_cuda_backend(loss):
-            tile = tile_ideal_grads(x, w, t, b, lambda l, s: total(l, s, up, up_lse), **opts)
+            tile = tile_ideal_grads(x, w, t, b,
+                                    lambda l, s, h: total(l, s, h, up, up_lse, up_ent), **opts)
         for name, leaf in leaves.items():
             gr = leaf.grad
             assert gr is not None and gr.shape == leaf.shape and gr.dtype == leaf.dtype, name

@@ -212,8 +212,8 @@ def test_vocab_parallel_partials_combine(dev):
     cut = 1234
     p0 = ops.partial_stats(x, w[:cut], t, b[:cut], 0, -100, 0.0)
     p1 = ops.partial_stats(x, w[cut:], t, b[cut:], cut, -100, 0.0)
-    loss, lse, stats = ops.combine(torch.stack([p0, p1]), t, 3000, -100, 0.0, 0.0)
-    rloss, rlse, rstats = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+    loss, lse, stats, _ = ops.combine(torch.stack([p0, p1]), t, 3000, -100, 0.0, 0.0)
+    rloss, rlse, rstats, _ = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
     torch.testing.assert_close(loss, rloss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
     # Backward of each shard: grad_weight rows of the shards concatenate to the full one.
@@ -295,7 +295,7 @@ def test_alignment_fallback(dev, dtype):
 def test_expanded_grad_loss_and_mask(dev):
     x, w, t, b = _make(50, 200, 40, torch.bfloat16, bias=True, device=dev)
     ops = _ops.ops
-    _, _, stats = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
+    _, _, stats, _ = ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)
     g = torch.full((), 0.5, device=x.device).expand(50)
     full = ops.backward(g, None, x, w, t, b, stats, 0, 200, -100, 0.0, 0.0, 0.0,
                         [True, True, True])

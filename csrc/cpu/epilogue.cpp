@@ -20,10 +20,16 @@ FLCE_CLONES float row_max(const float* z, int64_t n) {
   return m;
 }
 
-FLCE_CLONES float row_sum_exp(const float* z, int64_t n, float m) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < n; ++j) s += vexp(z[j] - m);
+FLCE_CLONES float row_sum_exp(const float* z, int64_t n, float m, float* u) {
+  float s = 0.f, v = 0.f;
+#pragma omp simd reduction(+ : s, v)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = vexp(z[j] - m);
+    s += e;
+    // A -inf logit (masked, or the target masked in place) adds 0 to both (0 * inf is NaN).
+    v += z[j] == neg_inf() ? 0.f : e * (m - z[j]);
+  }
+  *u = v;
   return s;
 }
 
@@ -34,8 +40,11 @@ FLCE_CLONES float row_sum(const float* z, int64_t n) {
   return s;
 }
 
-FLCE_CLONES void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap) {
-  if (cap > 0.f) {
+FLCE_CLONES void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap, float temp) {
+  if (temp != 1.f) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] = logit_grad(rg, z[j]) * logit_transform_grad(z[j], cap, temp);
+  } else if (cap > 0.f) {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) z[j] = logit_grad(rg, z[j]) * softcap_grad(z[j], cap);
   } else {
@@ -44,12 +53,12 @@ FLCE_CLONES void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap
   }
 }
 
-void row_bias_softcap(float* z, const float* bias, int64_t n, float cap) {
+void row_bias_softcap(float* z, const float* bias, int64_t n, float cap, float temp) {
   if (bias) {
     for (int64_t j = 0; j < n; ++j) z[j] += bias[j];
   }
-  if (cap > 0.f) {
-    for (int64_t j = 0; j < n; ++j) z[j] = softcap_apply(z[j], cap);
+  if (cap > 0.f || temp != 1.f) {
+    for (int64_t j = 0; j < n; ++j) z[j] = logit_transform(z[j], cap, temp);
   }
 }
 

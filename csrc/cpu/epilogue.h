@@ -12,14 +12,17 @@ namespace flce::cpu {
 
 // max_j z[j]; -inf for n = 0.
 float row_max(const float* z, int64_t n);
-// sum_j exp(z[j] - m) (vexp).
-float row_sum_exp(const float* z, int64_t n, float m);
+// sum_j exp(z[j] - m) (vexp), and in *u the entropy's sum_j exp(z[j] - m) (m - z[j]) (-inf
+// logits add nothing to either).
+float row_sum_exp(const float* z, int64_t n, float m, float* u);
 // sum_j z[j].
 float row_sum(const float* z, int64_t n);
-// z[j] <- logit_grad(rg, z[j]) * dsoftcap(z[j]): the non-target gradient of a row.
-void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap);
-// z[j] <- softcap(z[j] + bias[j]) (bias may be null, cap <= 0 disables the softcap).
-void row_bias_softcap(float* z, const float* bias, int64_t n, float cap);
+// z[j] <- logit_grad(rg, z[j]) * dz/du(z[j]): the non-target gradient of a row (softcap and
+// temperature chain rule).
+void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap, float temp);
+// z[j] <- softcap(z[j] + bias[j]) / temp (bias may be null, cap <= 0 disables the softcap,
+// temp = 1 the temperature).
+void row_bias_softcap(float* z, const float* bias, int64_t n, float cap, float temp);
 // scale * g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even.
 void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n, float scale);
 // max_j |z[j]| (NaN-blind; 0 for n = 0).

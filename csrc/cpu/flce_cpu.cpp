@@ -111,10 +111,10 @@ struct LogitScratch {
   LhsScratch lhs;
 };
 
-// logits[r, j] = x[n0 + r] . w[v0 + j] + bias[v0 + j], then softcap; tile is [bn, bv] with row
-// stride ld.
+// logits[r, j] = x[n0 + r] . w[v0 + j] + bias[v0 + j], then softcap and temperature; tile is
+// [bn, bv] with row stride ld.
 void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t bv, float cap,
-                float* tile, int64_t ld, LogitScratch& scratch) {
+                float temp, float* tile, int64_t ld, LogitScratch& scratch) {
   const int64_t es = o.x.element_size();
   const char* xp = static_cast<const char*>(o.x.data_ptr()) + n0 * o.d * es;
   const char* wp = static_cast<const char*>(o.w.data_ptr()) + v0 * o.d * es;
@@ -122,8 +122,8 @@ void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t b
   gemm_f32out(o.dtype, bn, bv, o.d, GemmOperand{xp, o.d, false}, scratch.wt, false, tile, ld,
               scratch.lhs);
   const float* b = o.bias.defined() ? o.bias.data_ptr<float>() + v0 : nullptr;
-  if (b == nullptr && !(cap > 0.f)) return;
-  for (int64_t r = 0; r < bn; ++r) cpu::row_bias_softcap(tile + r * ld, b, bv, cap);
+  if (b == nullptr && !(cap > 0.f) && temp == 1.f) return;
+  for (int64_t r = 0; r < bn; ++r) cpu::row_bias_softcap(tile + r * ld, b, bv, cap, temp);
 }
 
 // Row i of a row-major [rows, D] operand (input or weight in the compute dtype).
@@ -159,8 +159,9 @@ void fold_row(float* row, int64_t bv, int64_t tl, RowState& st) {
   }
   const float mx = cpu::row_max(row, bv);
   // An all -inf tile (only the target, or -inf logits) adds nothing: exp(-inf - -inf) is NaN.
-  const float s = mx == neg_inf() ? 0.f : cpu::row_sum_exp(row, bv, mx);
-  lse_add_tile(st.lse, mx, s);
+  float u = 0.f;
+  const float s = mx == neg_inf() ? 0.f : cpu::row_sum_exp(row, bv, mx, &u);
+  lse_add_tile(st.lse, mx, s, u);
   if (has_t) row[tl] = z_target;
   kahan_add(st.sum_z, st.sum_c, cpu::row_sum(row, bv));
 }
@@ -180,13 +181,14 @@ void check_targets(const int64_t* t, int64_t n, int64_t vocab_size, int64_t igno
 
 at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                             int64_t vocab_start, int64_t ignore_index, double softcap) {
+                             int64_t vocab_start, int64_t ignore_index, double softcap,
+                             double temperature) {
   check_linear_args(input, weight, target, bias);
   const Operands o = prepare(input, weight, bias);
-  const float cap = static_cast<float>(softcap);
+  const float cap = static_cast<float>(softcap), temp = static_cast<float>(temperature);
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();
-  at::Tensor out = at::empty({o.n, 4}, input.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({o.n, kPartialCols}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
   // Workers own rows: a row's statistics fold its tiles in vocabulary order, whoever runs it.
   const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
@@ -199,7 +201,7 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
     // Vocab tiles outer: each weight tile is prepared for the GEMM once per worker.
     o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
       row_tiles.each([&](int64_t n0, int64_t bn) {
-        logit_tile(o, n0, bn, v0, bv, cap, tile.data(), o.ld_tile(), scratch);
+        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), scratch);
         for (int64_t r = 0; r < bn; ++r) {
           const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
           fold_row(tile.data() + r * o.ld_tile(), bv, tl < 0 ? -1 : tl - v0,
@@ -209,17 +211,18 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
     });
     for (int64_t i = rows.begin; i < rows.end; ++i) {
       const RowState& r = state[i - rows.begin];
-      float* p = st + i * 4;
+      float* p = st + i * kPartialCols;  // (m, s, z_t, sum_z, u)
       p[0] = r.lse.m;
       p[1] = r.lse.s;
       p[2] = r.z_t;
       p[3] = r.sum();
+      p[4] = r.lse.u;
     }
   });
   return out;
 }
 
-Tensor3 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
+Tensor4 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
                     int64_t ignore_index, double label_smoothing, double z_loss) {
   check_combine_args(partials, target);
   const at::Tensor p = partials.contiguous();
@@ -228,30 +231,37 @@ Tensor3 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
   const int64_t* t = tgt.data_ptr<int64_t>();
   check_targets(t, n, vocab_size, ignore_index);
   auto f32 = p.options();
-  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), stats = at::empty({n, 3}, f32);
+  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), ent = at::empty({n}, f32),
+             stats = at::empty({n, kStatsCols}, f32);
   const LossOptions opt{static_cast<float>(label_smoothing), static_cast<float>(z_loss), 0.f,
                         vocab_size};
   const float* pp = p.data_ptr<float>();
   float* lo = loss.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
   float* sp = stats.data_ptr<float>();
+  float* ep = ent.data_ptr<float>();
   at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       RowState st;
       for (int64_t r = 0; r < ranks; ++r) {  // fixed rank order: deterministic
-        const float* q = pp + (r * n + i) * 4;
-        st.merge(RowState{OnlineLse{q[0], q[1]}, q[2], q[3], 0.f});
+        const float* q = pp + (r * n + i) * kPartialCols;
+        st.merge(RowState{OnlineLse{q[0], q[1], q[4]}, q[2], q[3], 0.f});
       }
+      const bool ign = row_ignored(t[i], ignore_index);
       const float lse_x = lse_value(st.lse);
-      const RowLoss rl = row_loss(lse_x, st.z_t, st.sum(), row_ignored(t[i], ignore_index), opt);
+      const RowLoss rl = row_loss(lse_x, st.z_t, st.sum(), ign, opt);
       lo[i] = rl.loss;
       ls[i] = rl.lse;
-      sp[3 * i] = st.lse.m;  // (m_x, s_x, z_t): the backward's p_j = exp(z_j - M) / S
-      sp[3 * i + 1] = st.lse.s;
-      sp[3 * i + 2] = st.z_t;
+      ep[i] = row_entropy(st.lse, st.z_t, ign);
+      // (m_x, s_x, z_t, u_x): the backward's p_j = exp(z_j - M) / S, and the entropy's state
+      float* out = sp + kStatsCols * i;
+      out[0] = st.lse.m;
+      out[1] = st.lse.s;
+      out[2] = st.z_t;
+      out[3] = st.lse.u;
     }
   });
-  return {loss, lse, stats};
+  return {loss, lse, stats, ent};
 }
 
 // Gradient accumulator rows of `width` floats: fp32 sums and their compensations, stored as
@@ -416,8 +426,8 @@ class GradPass {
   // split: the axis the workers split (its gradients are global); block: the other axis's
   // block size.
   GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
-           Axis split, int64_t block, int64_t workers, float cap, bool deferred)
-      : o_(o), cap_(cap),
+           Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred)
+      : o_(o), cap_(cap), temp_(temp),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
         split_(o.dtype == at::kBFloat16 && cpu::bf16_gemm_native()),
         widen_(o.dtype != at::kFloat && !split_) {
@@ -459,12 +469,12 @@ class GradPass {
       const int64_t tl = tw.ts[r] - v0;
       const bool has_t = tw.ts[r] >= 0 && tl >= 0 && tl < bv;
       const float z_target = has_t ? row[tl] : 0.f;
-      cpu::row_grad_fill(row, bv, tw.rg[r], cap_);
+      cpu::row_grad_fill(row, bv, tw.rg[r], cap_, temp_);
       // The target column leaves the tile: its gradient (about -1 while the others are about
       // 1/V) would dominate every fp32 partial sum of the tile GEMMs, whose rounding error
       // scales with those partial sums. It is added on its own below, exactly once per row.
       tw.t_col[r] = has_t ? tl : -1;
-      tw.t_grad[r] = has_t ? tw.rg[r].dz_t * softcap_grad(z_target, cap_) : 0.f;
+      tw.t_grad[r] = has_t ? tw.rg[r].dz_t * logit_transform_grad(z_target, cap_, temp_) : 0.f;
       if (has_t) row[tl] = 0.f;
       if (split_) tw.row_max[r] = cpu::row_absmax(row, bv);
     }
@@ -582,7 +592,7 @@ class GradPass {
   }
 
   const Operands& o_;
-  float cap_;
+  float cap_, temp_;
   // rows [rows, D] of a 16-bit operand at src, widened (exactly) into buf unless buf holds them.
   const float* widened(std::vector<float>& buf, const void*& holds, const void* src,
                        int64_t rows) const {
@@ -623,11 +633,12 @@ BackwardPlan backward_plan(const Operands& o) {
 
 // The backward over the shard's tiles, recomputing each logit tile.
 Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, const int64_t* t,
-                     const float* g, const float* glse, const float* st, int64_t vocab_start,
-                     int64_t ignore_index, const LossOptions& opt, std::array<bool, 3> mask,
-                     bool deferred) {
+                     const float* g, const float* glse, const float* gent, const float* st,
+                     int64_t vocab_start, int64_t ignore_index, const LossOptions& opt,
+                     std::array<bool, 3> mask, bool deferred) {
   const BackwardPlan plan = backward_plan(o);
-  const GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap, deferred);
+  const GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap,
+                      opt.temperature, deferred);
   if (!pass.needs_any()) return pass.outputs();
   const bool rows_split = plan.split == Axis::rows;
   const int64_t split_extent = rows_split ? o.n : o.v, other_extent = rows_split ? o.v : o.n;
@@ -646,11 +657,13 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
         for (int64_t r = 0; r < bn; ++r) {
           const int64_t i = n0 + r;
           const bool ign = row_ignored(t[i], ignore_index);
-          tw.rg[r] = row_grad(OnlineLse{st[3 * i], st[3 * i + 1]}, st[3 * i + 2], ign, g[i],
-                              glse ? glse[i] : 0.f, opt);
+          const float* si = st + kStatsCols * i;  // (m_x, s_x, z_t, u_x)
+          tw.rg[r] = row_grad(OnlineLse{si[0], si[1], si[3]}, si[2], ign, g[i],
+                              glse ? glse[i] : 0.f, opt, gent ? gent[i] : 0.f);
           tw.ts[r] = shard_col(t[i], vocab_start, ignore_index);
         }
-        logit_tile(o, n0, bn, v0, bv, opt.softcap, tw.tile.data(), o.ld_tile(), tw.logits);
+        logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, tw.tile.data(), o.ld_tile(),
+                   tw.logits);
         pass.tile(tw, w, x0, n0, bn, v0, bv, tw.tile.data(), o.ld_tile());
       });
       barrier.wait();  // every partial of the block is complete
@@ -663,9 +676,9 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
 }
 
 LossOptions loss_options(double label_smoothing, double z_loss, double softcap,
-                         int64_t vocab_size) {
+                         int64_t vocab_size, double temperature) {
   return LossOptions{static_cast<float>(label_smoothing), static_cast<float>(z_loss),
-                     static_cast<float>(softcap), vocab_size};
+                     static_cast<float>(softcap), vocab_size, static_cast<float>(temperature)};
 }
 
 Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
@@ -673,18 +686,21 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                      const std::optional<at::Tensor>& bias, const at::Tensor& stats,
                      int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                      double label_smoothing, double z_loss, double softcap,
-                     std::array<bool, 3> output_mask) {
-  check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats);
+                     std::array<bool, 3> output_mask, const std::optional<at::Tensor>& grad_entropy,
+                     double temperature) {
+  check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats, grad_entropy);
   const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
   const at::Tensor gl = grad_loss.contiguous();  // an expanded scalar becomes [N]: small
   const at::Tensor glse = grad_lse ? grad_lse->contiguous() : at::Tensor();
+  const at::Tensor gent = grad_entropy ? grad_entropy->contiguous() : at::Tensor();
   const at::Tensor st = stats.contiguous();
   return run_backward(o, bias, tgt.data_ptr<int64_t>(), gl.data_ptr<float>(),
-                      glse.defined() ? glse.data_ptr<float>() : nullptr, st.data_ptr<float>(),
+                      glse.defined() ? glse.data_ptr<float>() : nullptr,
+                      gent.defined() ? gent.data_ptr<float>() : nullptr, st.data_ptr<float>(),
                       vocab_start, ignore_index,
-                      loss_options(label_smoothing, z_loss, softcap, vocab_size), output_mask,
-                      /*deferred=*/false);
+                      loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
+                      output_mask, /*deferred=*/false);
 }
 
 // Rows per block of the fused forward+backward: a row block keeps its logits for the whole
@@ -712,7 +728,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
     double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean,
     int64_t vocab_start, int64_t vocab_size, const std::optional<std::string>& group_name,
-    int64_t group_size) {
+    int64_t group_size, double temperature) {
   check_linear_args(input, weight, target, bias);
   TORCH_CHECK_VALUE(!group_name && vocab_start == 0 && (vocab_size < 0 || vocab_size ==
                                                         weight.size(0)),
@@ -722,7 +738,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();
   check_targets(t, o.n, o.v, ignore_index);
-  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, o.v);
+  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, o.v, temperature);
   at::Tensor loss_sum = at::empty({}, input.options().dtype(at::kFloat));
   int64_t count = 0;
   for (int64_t i = 0; i < o.n; ++i) count += !row_ignored(t[i], ignore_index);
@@ -737,19 +753,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
   if (bn_f == 0) {
     // The vocabulary is too large to keep a row block's logits: forward, then the recompute
     // backward of the sum (upstream gradient 1 per row).
-    const at::Tensor partial = partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap);
-    auto [loss, lse, stats] = combine_cpu(partial.unsqueeze(0), target, o.v, ignore_index,
-                                          label_smoothing, z_loss);
+    const at::Tensor partial =
+        partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap, temperature);
+    auto [loss, lse, stats, ent] = combine_cpu(partial.unsqueeze(0), target, o.v, ignore_index,
+                                               label_smoothing, z_loss);
     const double total = loss.to(at::kDouble).sum().item<double>();
     const at::Tensor ones = at::ones({o.n}, loss.options());
-    auto [e, c, b] = run_backward(o, bias, t, ones.data_ptr<float>(), nullptr,
+    auto [e, c, b] = run_backward(o, bias, t, ones.data_ptr<float>(), nullptr, nullptr,
                                   stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
                                   output_mask, /*deferred=*/true);
     return {reduced(total), div, e, c, b};
   }
   const int64_t workers = cpu::num_workers(ceil_div(o.v, ALIGN));
   const GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap,
-                      /*deferred=*/true);
+                      opt.temperature, /*deferred=*/true);
   // [bn_f, V]: the row block's logits, each worker filling its own columns
   const int64_t ld_z = fused_row_stride(o.v);
   std::vector<float> z(bn_f * ld_z);
@@ -767,7 +784,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
       std::fill(mine, mine + bn_f, RowState{});
       for (int64_t r = 0; r < bn; ++r) tw.ts[r] = shard_col(t[n0 + r], 0, ignore_index);
       tiles.each([&](int64_t v0, int64_t bv) {
-        logit_tile(o, n0, bn, v0, bv, opt.softcap, z.data() + v0, ld_z, scratch);
+        logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, z.data() + v0, ld_z, scratch);
         for (int64_t r = 0; r < bn; ++r) {
           fold_row(z.data() + r * ld_z + v0, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r]);
         }

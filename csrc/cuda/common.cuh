@@ -56,10 +56,23 @@ __device__ __forceinline__ TileCoord grouped_tile(int64_t id, int64_t row_blocks
   return TileCoord{first + in % rows_here, in / rows_here};
 }
 
-// The logit z = softcap(acc + bias) of column col.
-__device__ __forceinline__ float logit_of(float acc, const float* bias, int64_t col, float cap) {
+// The logit z = softcap(acc + bias) / temperature of column col.
+__device__ __forceinline__ float logit_of(float acc, const float* bias, int64_t col, float cap,
+                                          float temp) {
   if (bias != nullptr) acc += bias[col];
-  return softcap_apply(acc, cap);
+  return logit_transform(acc, cap, temp);
+}
+
+// One row of partial statistics [kPartialCols] = (m, s, z_t, sum_z, u), and back.
+__device__ __forceinline__ void store_partial(float* q, OnlineLse st, float zt, float sum) {
+  q[0] = st.m;
+  q[1] = st.s;
+  q[2] = zt;
+  q[3] = sum;
+  q[4] = st.u;
+}
+__device__ __forceinline__ OnlineLse partial_lse(const float* q) {
+  return OnlineLse{q[0], q[1], q[4]};
 }
 
 }  // namespace cuda

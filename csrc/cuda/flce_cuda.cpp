@@ -157,7 +157,7 @@ Prepared prepare(const at::Tensor& input, const at::Tensor& weight,
 
 cuda::LinearArgs linear_args(const Prepared& p, const at::Tensor& w, int64_t bias_offset,
                              const at::Tensor& target, int64_t col_offset, int64_t ignore_index,
-                             double softcap) {
+                             double softcap, double temperature) {
   cuda::LinearArgs a{};
   a.input = p.x.data_ptr();
   a.weight = w.data_ptr();
@@ -174,6 +174,7 @@ cuda::LinearArgs linear_args(const Prepared& p, const at::Tensor& w, int64_t bia
   a.col_offset = col_offset;
   a.ignore_index = ignore_index;
   a.softcap = static_cast<float>(softcap);
+  a.temperature = static_cast<float>(temperature);
   return a;
 }
 
@@ -255,14 +256,17 @@ void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t voc
 // [splits, n, 4] partial statistics of the whole weight (vocabulary ids from vocab_start).
 at::Tensor run_partials(const at::Tensor& input, const at::Tensor& weight,
                         const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                        int64_t vocab_start, int64_t ignore_index, double softcap) {
+                        int64_t vocab_start, int64_t ignore_index, double softcap,
+                        double temperature) {
   const auto f32 = f32_of(input);
   const int64_t n = input.size(0), v = weight.size(0);
-  if (n == 0) return dev::empty({1, 0, 4}, f32);
+  if (n == 0) return dev::empty({1, 0, cuda::kPartialCols}, f32);
   if (v == 0) {
-    // An empty shard: the empty state for every row.
+    // An empty shard: the empty state (m, s, z_t, sum_z, u) for every row.
     const float inf = std::numeric_limits<float>::infinity();
-    return at::tensor({-inf, 0.f, -inf, 0.f}, f32).expand({1, n, 4}).contiguous();
+    return at::tensor({-inf, 0.f, -inf, 0.f, 0.f}, f32)
+        .expand({1, n, cuda::kPartialCols})
+        .contiguous();
   }
   const Prepared p = prepare(input, weight, bias);
   const at::Tensor w = p.operand(weight);
@@ -276,9 +280,9 @@ at::Tensor run_partials(const at::Tensor& input, const at::Tensor& weight,
   const int64_t tiles_per_split = ceil_div(vtiles, splits);
   splits = ceil_div(vtiles, tiles_per_split);  // no empty split
 
-  at::Tensor partials = dev::empty({splits, n, 4}, f32);
+  at::Tensor partials = dev::empty({splits, n, cuda::kPartialCols}, f32);
   cuda::StatsParams sp{};
-  sp.lin = linear_args(p, w, 0, target, vocab_start, ignore_index, softcap);
+  sp.lin = linear_args(p, w, 0, target, vocab_start, ignore_index, softcap, temperature);
   sp.partials = partials.data_ptr<float>();
   sp.splits = static_cast<int>(splits);
   sp.tiles_per_split = tiles_per_split;
@@ -290,7 +294,7 @@ at::Tensor run_partials(const at::Tensor& input, const at::Tensor& weight,
 // through their pointers), raising *flag for out-of-range targets.
 void launch_finalize(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
                      int64_t ignore_index, double label_smoothing, double z_loss, float* loss,
-                     float* lse, float* stats, int* flag) {
+                     float* lse, float* entropy, float* stats, int* flag) {
   cuda::CombineParams cp{};
   cp.partials = partials.data_ptr<float>();
   cp.ranks = partials.size(0);
@@ -303,38 +307,40 @@ void launch_finalize(const at::Tensor& partials, const at::Tensor& target, int64
   cp.z_loss = static_cast<float>(z_loss);
   cp.loss = loss;
   cp.lse = lse;
+  cp.entropy = entropy;
   cp.stats = stats;
   cp.error_flag = flag;
   check_launch(cuda::launch_combine(cp, true, dev::stream()), "combine");
 }
 
-Tensor3 combine_impl(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
+Tensor4 combine_impl(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
                      int64_t ignore_index, double label_smoothing, double z_loss) {
   const at::Tensor p = aligned_contiguous(partials);
   const int64_t n = p.size(1);
   const auto f32 = p.options();
   at::Tensor loss = dev::empty({n}, f32), lse = dev::empty({n}, f32),
-             stats = dev::empty({n, 3}, f32);
+             entropy = dev::empty({n}, f32), stats = dev::empty({n, cuda::kStatsCols}, f32);
   at::Tensor flag = at::zeros({1}, p.options().dtype(at::kInt));
   launch_finalize(p, target, vocab_size, ignore_index, label_smoothing, z_loss,
-                  loss.data_ptr<float>(), lse.data_ptr<float>(), stats.data_ptr<float>(),
-                  flag.data_ptr<int>());
+                  loss.data_ptr<float>(), lse.data_ptr<float>(), entropy.data_ptr<float>(),
+                  stats.data_ptr<float>(), flag.data_ptr<int>());
   check_targets(flag, target, vocab_size, ignore_index);
-  return {loss, lse, stats};
+  return {loss, lse, stats, entropy};
 }
 
 at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                              int64_t vocab_start, int64_t ignore_index, double softcap) {
+                              int64_t vocab_start, int64_t ignore_index, double softcap,
+                              double temperature) {
   check_linear_args(input, weight, target, bias);
   check_device_tensor(input, input, "input");
   const dev::Guard guard(input);
   const NvtxRange range("flce::partial_stats");
   poll_target_checks();
-  at::Tensor partials =
-      run_partials(input, weight, target, bias, vocab_start, ignore_index, softcap);
+  at::Tensor partials = run_partials(input, weight, target, bias, vocab_start, ignore_index,
+                                     softcap, temperature);
   if (partials.size(0) == 1) return partials.select(0, 0);
-  at::Tensor merged = dev::empty({input.size(0), 4}, partials.options());
+  at::Tensor merged = dev::empty({input.size(0), cuda::kPartialCols}, partials.options());
   cuda::CombineParams cp{};
   cp.partials = partials.data_ptr<float>();
   cp.ranks = partials.size(0);
@@ -344,7 +350,7 @@ at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
   return merged;
 }
 
-Tensor3 combine_cuda(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
+Tensor4 combine_cuda(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
                      int64_t ignore_index, double label_smoothing, double z_loss) {
   check_combine_args(partials, target);
   check_device_tensor(partials, partials, "partials");
@@ -354,15 +360,16 @@ Tensor3 combine_cuda(const at::Tensor& partials, const at::Tensor& target, int64
   return combine_impl(partials, target, vocab_size, ignore_index, label_smoothing, z_loss);
 }
 
-Tensor3 forward_cuda(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+Tensor4 forward_cuda(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& bias, int64_t ignore_index,
-                     double label_smoothing, double z_loss, double softcap) {
+                     double label_smoothing, double z_loss, double softcap, double temperature) {
   check_linear_args(input, weight, target, bias);
   check_device_tensor(input, input, "input");
   const dev::Guard guard(input);
   const NvtxRange range("flce::forward");
   poll_target_checks();
-  const at::Tensor partials = run_partials(input, weight, target, bias, 0, ignore_index, softcap);
+  const at::Tensor partials =
+      run_partials(input, weight, target, bias, 0, ignore_index, softcap, temperature);
   return combine_impl(partials, target, weight.size(0), ignore_index, label_smoothing, z_loss);
 }
 
@@ -384,8 +391,9 @@ void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
 // The per-row gradient coefficients (math.h row_grad) from the row statistics.
 void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float* grad_loss,
                  int64_t grad_loss_stride, const float* grad_lse, int64_t grad_lse_stride,
-                 int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
-                 int64_t vocab_size, float* coef, float* bound) {
+                 const float* grad_entropy, int64_t grad_entropy_stride, int64_t ignore_index,
+                 double label_smoothing, double z_loss, double softcap, int64_t vocab_size,
+                 float* coef, float* bound) {
   cuda::RowCoefParams rp{};
   rp.n = target.size(0);
   rp.target = target.data_ptr<int64_t>();
@@ -397,6 +405,8 @@ void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float*
   rp.grad_loss_stride = grad_loss_stride;
   rp.grad_lse = grad_lse;
   rp.grad_lse_stride = grad_lse_stride;
+  rp.grad_entropy = grad_entropy;
+  rp.grad_entropy_stride = grad_entropy_stride;
   rp.ignore_index = ignore_index;
   rp.label_smoothing = static_cast<float>(label_smoothing);
   rp.z_loss = static_cast<float>(z_loss);
@@ -468,12 +478,14 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                       const std::optional<at::Tensor>& bias, const at::Tensor& stats,
                       int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                       double label_smoothing, double z_loss, double softcap,
-                      std::array<bool, 3> output_mask) {
-  check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats);
+                      std::array<bool, 3> output_mask,
+                      const std::optional<at::Tensor>& grad_entropy, double temperature) {
+  check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats, grad_entropy);
   check_device_tensor(input, input, "input");
   check_device_tensor(grad_loss, input, "grad_loss");
   check_device_tensor(stats, input, "stats");
   if (grad_lse) check_device_tensor(*grad_lse, input, "grad_lse");
+  if (grad_entropy) check_device_tensor(*grad_entropy, input, "grad_entropy");
   const dev::Guard guard(input);
   const NvtxRange range("flce::backward");
   poll_target_checks();
@@ -498,8 +510,10 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   at::Tensor coef = dev::empty({n, 8}, f32), bound = dev::empty({n}, f32);
   launch_coef(target, stats, grad_loss.data_ptr<float>(), grad_loss.stride(0),
               grad_lse ? grad_lse->data_ptr<float>() : nullptr,
-              grad_lse ? grad_lse->stride(0) : 0, ignore_index, label_smoothing, z_loss, softcap,
-              vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
+              grad_lse ? grad_lse->stride(0) : 0,
+              grad_entropy ? grad_entropy->data_ptr<float>() : nullptr,
+              grad_entropy ? grad_entropy->stride(0) : 0, ignore_index, label_smoothing, z_loss,
+              softcap, vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
   at::Tensor scale, inv_scale;
   if (p.compute == at::kHalf) {
     const at::Tensor mx = bound.amax();
@@ -556,7 +570,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
     at::Tensor g = dz.narrow(0, 0, n * vc).view({n, vc});
     at::Tensor g_lo = split_c ? dz_lo.narrow(0, 0, n * vc).view({n, vc}) : at::Tensor();
     cuda::GradParams gp{};
-    gp.lin = linear_args(p, w, v0, target, vocab_start + v0, ignore_index, softcap);
+    gp.lin = linear_args(p, w, v0, target, vocab_start + v0, ignore_index, softcap, temperature);
     gp.coef = coef.data_ptr<float>();
     gp.scale = scale.defined() ? scale.data_ptr<float>() : nullptr;
     gp.grad_logits = g.data_ptr();
@@ -624,7 +638,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
 //
 // Rows are processed in groups of G rows, each in sub-chunks of S rows:
 //   logits [S, V] fp32        = E_s W^T                      (cuBLAS, fp32 output)
-//   partials [S, 4]           = row_stats(logits + bias, softcap)
+//   partials [S, 5]           = row_stats(logits + bias, softcap, temperature)
 //   loss, lse, stats          = combine(partials)            (math.h row_loss, target check)
 //   coef [S, 8]               = row_coef(stats, g)           (g = 1, or 1 / count for the mean)
 //   dz [S, V] compute dtype   = row_grad(logits, coef)       -> rows of the group buffer [G, V]
@@ -644,13 +658,13 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
 // quack's chunked linear cross-entropy holds its 4096 x V bf16 logits, 0.98 GiB.
 // ---------------------------------------------------------------------------------------------
 
-// Vocab-parallel: every rank's [n, 4] partial statistics of the same rows, [ranks, n, 4] in rank
+// Vocab-parallel: every rank's [n, 5] partial statistics of the same rows, [ranks, n, 5] in rank
 // order, by torch's functional all-gather over the named process group (on its stream; the
 // wait makes the current stream wait for it, the host does not).
 at::Tensor gather_partials(const at::Tensor& partials, const std::optional<std::string>& group,
                            int64_t group_size) {
   const int64_t n = partials.size(0);
-  if (!group) return partials.view({1, n, 4});
+  if (!group) return partials.view({1, n, cuda::kPartialCols});
   // (group_name is "Any" in the schema: a group's name or the group itself)
   static auto gather = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("_c10d_functional::all_gather_into_tensor", "")
@@ -660,7 +674,7 @@ at::Tensor gather_partials(const at::Tensor& partials, const std::optional<std::
                          .typed<at::Tensor(const at::Tensor&)>();
   at::Tensor all =
       wait.call(gather.call(partials.contiguous(), group_size, c10::IValue(*group)));
-  return aligned_contiguous(all.view({group_size, n, 4}));
+  return aligned_contiguous(all.view({group_size, n, cuda::kPartialCols}));
 }
 
 // Rows per single-pass group and per logits sub-chunk for this shape within the budget; 0 when
@@ -719,18 +733,19 @@ struct Shard {
 Tensor5 sum_and_grad_recompute(const at::Tensor& input, const at::Tensor& weight,
                                const at::Tensor& target, const std::optional<at::Tensor>& bias,
                                int64_t ignore_index, double label_smoothing, double z_loss,
-                               double softcap, std::array<bool, 3> mask,
+                               double softcap, double temperature, std::array<bool, 3> mask,
                                const at::Tensor& grad_scale, const at::Tensor& count, bool mean,
                                const Shard& shard) {
   const at::Tensor partials = partial_stats_cuda(input, weight, target, bias, shard.vocab_start,
-                                                 ignore_index, softcap);
-  auto [loss, lse, stats] =
+                                                 ignore_index, softcap, temperature);
+  auto [loss, lse, stats, entropy] =
       combine_impl(gather_partials(partials, shard.group, shard.group_size), target,
                    shard.vocab_size, ignore_index, label_smoothing, z_loss);
   const int64_t n = input.size(0);
   auto [ge, gc, gb] = backward_cuda(grad_scale.expand({n}), std::nullopt, input, weight, target,
                                     bias, stats, shard.vocab_start, shard.vocab_size,
-                                    ignore_index, label_smoothing, z_loss, softcap, mask);
+                                    ignore_index, label_smoothing, z_loss, softcap, mask,
+                                    std::nullopt, temperature);
   const at::Tensor total = loss.sum(at::kDouble);
   const at::Tensor reduced = (mean ? total / count.to(at::kDouble) : total).to(at::kFloat);
   const at::Tensor one = at::ones({}, input.options().dtype(at::kDouble));
@@ -746,7 +761,8 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
                           int64_t ignore_index, double label_smoothing, double z_loss,
                           double softcap, std::array<bool, 3> output_mask, bool mean,
                           int64_t vocab_start, int64_t vocab_size,
-                          const std::optional<std::string>& group_name, int64_t group_size) {
+                          const std::optional<std::string>& group_name, int64_t group_size,
+                          double temperature) {
   check_linear_args(input, weight, target, bias);
   check_device_tensor(input, input, "input");
   TORCH_CHECK_VALUE(vocab_start >= 0 && group_size >= 1 && (group_name || group_size == 1),
@@ -785,7 +801,8 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       n, shard.group ? ceil_div(shard.vocab_size, shard.group_size) : v, compute, split);
   if (compute == at::kHalf || plan.group_rows == 0 || n == 0 || (v == 0 && !shard.group)) {
     return sum_and_grad_recompute(input, weight, target, bias, ignore_index, label_smoothing,
-                                  z_loss, softcap, output_mask, grad_scale, count, mean, shard);
+                                  z_loss, softcap, temperature, output_mask, grad_scale, count,
+                                  mean, shard);
   }
 
   // GEMM operands in the compute dtype with a unit stride (cuBLAS takes any leading dimension).
@@ -806,8 +823,8 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   at::Tensor group = dev::empty({G * gld}, input.options());
   at::Tensor group_lo = split ? dev::empty({G * v}, input.options()) : at::Tensor();
   at::Tensor scratch = plan.in_place ? at::Tensor() : dev::empty({S * ld}, f32);
-  at::Tensor partials = dev::empty({S, 4}, f32), lse = dev::empty({S}, f32),
-             stats = dev::empty({S, 3}, f32), coef = dev::empty({S, 8}, f32),
+  at::Tensor partials = dev::empty({S, cuda::kPartialCols}, f32), lse = dev::empty({S}, f32),
+             stats = dev::empty({S, cuda::kStatsCols}, f32), coef = dev::empty({S, 8}, f32),
              bound = dev::empty({S}, f32);
   at::Tensor flag = at::zeros({1}, input.options().dtype(at::kInt));
   // dW: an fp32 weight (master weights, or fp32 training) is its own fp32 accumulator; a 16-bit
@@ -867,6 +884,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rs.ld = ld;
       rs.bias = bias ? bias32.data_ptr<float>() : nullptr;
       rs.softcap = static_cast<float>(softcap);
+      rs.temperature = static_cast<float>(temperature);
       rs.target = ts.data_ptr<int64_t>();
       rs.target_stride = ts.stride(0);
       rs.col_offset = shard.vocab_start;
@@ -877,9 +895,9 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
           gather_partials(partials.narrow(0, 0, sn), shard.group, shard.group_size);
       const at::Tensor st = stats.narrow(0, 0, sn);
       launch_finalize(part, ts, shard.vocab_size, ignore_index, label_smoothing, z_loss,
-                      loss_rows.data_ptr<float>() + s0, lse.data_ptr<float>(),
+                      loss_rows.data_ptr<float>() + s0, lse.data_ptr<float>(), nullptr,
                       st.data_ptr<float>(), flag.data_ptr<int>());
-      launch_coef(ts, st, grad_scale.data_ptr<float>(), 0, nullptr, 0, ignore_index,
+      launch_coef(ts, st, grad_scale.data_ptr<float>(), 0, nullptr, 0, nullptr, 0, ignore_index,
                   label_smoothing, z_loss, softcap, shard.vocab_size, coef.data_ptr<float>(),
                   bound.data_ptr<float>());
 
@@ -890,6 +908,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rg.ld = ld;
       rg.bias = rs.bias;
       rg.softcap = rs.softcap;
+      rg.temperature = rs.temperature;
       rg.target = rs.target;
       rg.target_stride = rs.target_stride;
       rg.col_offset = shard.vocab_start;

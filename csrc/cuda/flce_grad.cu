@@ -29,16 +29,21 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
   if (row >= p.n) return;
   const LossOptions opt{p.label_smoothing, p.z_loss, p.softcap, p.vocab_size};
   const bool ignored = p.target[row * p.target_stride] == p.ignore_index;
-  const float* st = p.stats + row * p.stats_row_stride;  // (m_x, s_x, z_t)
-  const OnlineLse x{st[0], st[p.stats_col_stride]};
+  const float* st = p.stats + row * p.stats_row_stride;  // (m_x, s_x, z_t, u_x)
+  const OnlineLse x{st[0], st[p.stats_col_stride], st[3 * p.stats_col_stride]};
   const float z_t = st[2 * p.stats_col_stride];
   const float g = p.grad_loss[row * p.grad_loss_stride];
   const float g_lse = p.grad_lse != nullptr ? p.grad_lse[row * p.grad_lse_stride] : 0.f;
-  const RowGrad rg = row_grad(x, z_t, ignored, g, g_lse, opt);
+  const float g_ent =
+      p.grad_entropy != nullptr ? p.grad_entropy[row * p.grad_entropy_stride] : 0.f;
+  const RowGrad rg = row_grad(x, z_t, ignored, g, g_lse, opt, g_ent);
   *reinterpret_cast<float4*>(p.coef + row * 8) = make_float4(rg.ref, rg.a, rg.u, rg.dz_t);
-  *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, 0.f, 0.f, 0.f);
-  // For an ignored row dz_t is never used (it has no target column).
-  p.bound[row] = fabsf(rg.a) + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t));
+  *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, rg.h, rg.k, 0.f);
+  // For an ignored row dz_t is never used (it has no target column). The entropy's term
+  // p_j |log p_j + H| is at most 1/e + H, H = lse - k.
+  const float ent_bound =
+      rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(logaddexp(lse_value(x), z_t) - rg.k)) : 0.f;
+  p.bound[row] = fabsf(rg.a) + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t)) + ent_bound;
 }
 
 // Row blocks per rasterization group: 16 x ~16 resident column tiles touch 16 input row blocks
@@ -70,8 +75,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) grad_logits_kernel(const Gr
     RowCoef rc{RowGrad{0.f, 0.f, 0.f, 0.f}, -1};
     if (row < a.n) {
       const float4 c = *reinterpret_cast<const float4*>(p.coef + row * 8);
-      const float div = p.coef[row * 8 + 4];
-      rc.rg = RowGrad{c.x, c.y, c.z, c.w, div};
+      const float4 c2 = *reinterpret_cast<const float4*>(p.coef + row * 8 + 4);
+      rc.rg = RowGrad{c.x, c.y, c.z, c.w, c2.x, c2.y, c2.z};
       rc.tcol = target_column(a.target[row * a.target_stride], a.ignore_index, a.col_offset, a.v);
     }
     rows[r] = rc;
@@ -92,8 +97,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) grad_logits_kernel(const Gr
       const int64_t col = n0 + c;
       float dz = 0.f;  // rows/columns outside the matrix add nothing to the column sums
       if (row < a.n && col < a.v) {
-        const float z = logit_of(epi[r * Tile::kEpiLd + c], a.bias, col, a.softcap);
-        dz = (col == rc.tcol ? rc.rg.dz_t : logit_grad(rc.rg, z)) * softcap_grad(z, a.softcap);
+        const float z = logit_of(epi[r * Tile::kEpiLd + c], a.bias, col, a.softcap, a.temperature);
+        dz = (col == rc.tcol ? rc.rg.dz_t : logit_grad(rc.rg, z)) *
+             logit_transform_grad(z, a.softcap, a.temperature);
         const float sd = dz * scale;
         const T hi = from_float<T>(sd);
         out[row * a.v + col] = hi;

@@ -28,14 +28,13 @@ __global__ void combine_kernel(const CombineParams p) {
     OnlineLse st = lse_empty();
     float zt = neg_inf(), sum = 0.f, comp = 0.f;
     for (int64_t r = 0; r < p.ranks; ++r) {  // fixed order: deterministic
-      const float4 q = *reinterpret_cast<const float4*>(p.partials + (r * p.n + row) * 4);
-      st = lse_merge(st, OnlineLse{q.x, q.y});
-      if (q.z != neg_inf()) zt = q.z;  // only the owner has it (NaN passes through)
-      kahan_add(sum, comp, q.w);
+      const float* q = p.partials + (r * p.n + row) * kPartialCols;
+      st = lse_merge(st, partial_lse(q));
+      if (q[2] != neg_inf()) zt = q[2];  // only the owner has it (NaN passes through)
+      kahan_add(sum, comp, q[3]);
     }
     if (!kFinalize) {
-      *reinterpret_cast<float4*>(p.merged + row * 4) =
-          make_float4(st.m, st.s, zt, kahan_result(sum, comp));
+      store_partial(p.merged + row * kPartialCols, st, zt, kahan_result(sum, comp));
       continue;
     }
     const int64_t t = p.target[row * p.target_stride];
@@ -47,9 +46,13 @@ __global__ void combine_kernel(const CombineParams p) {
     const RowLoss rl = row_loss(lse_x, zt, kahan_result(sum, comp), ignored, opt);
     p.loss[row] = rl.loss;
     p.lse[row] = rl.lse;
-    p.stats[row * 3] = st.m;  // (m_x, s_x, z_t): the backward's p_j = exp(z_j - M) / S
-    p.stats[row * 3 + 1] = st.s;
-    p.stats[row * 3 + 2] = zt;
+    if (p.entropy != nullptr) p.entropy[row] = row_entropy(st, zt, ignored);
+    // (m_x, s_x, z_t, u_x): the backward's p_j = exp(z_j - M) / S, and the entropy's state
+    float* out = p.stats + row * kStatsCols;
+    out[0] = st.m;
+    out[1] = st.s;
+    out[2] = zt;
+    out[3] = st.u;
   }
 }
 

@@ -50,6 +50,7 @@ __device__ __forceinline__ RowPartial warp_merge(RowPartial p) {
     RowPartial o;
     o.lse.m = __shfl_xor_sync(0xffffffffu, p.lse.m, off);
     o.lse.s = __shfl_xor_sync(0xffffffffu, p.lse.s, off);
+    o.lse.u = __shfl_xor_sync(0xffffffffu, p.lse.u, off);
     o.zt = __shfl_xor_sync(0xffffffffu, p.zt, off);
     o.sum = __shfl_xor_sync(0xffffffffu, p.sum, off);
     p = merge(p, o);
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const RowStatsParam
       for (int i = 0; i < kPerThread; ++i) {
         const int64_t j = c0 + threadIdx.x + i * kThreads;
         if (j < p.v) {
-          const float zj = logit_of(x[i], p.bias, j, p.softcap);
+          const float zj = logit_of(x[i], p.bias, j, p.softcap, p.temperature);
           if (j == tcol) {
             zt = zj;
           } else {
@@ -98,8 +99,7 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const RowStatsParam
         all = merge(all, warp_part[w]);
         kahan_add(s, c, warp_part[w].sum);
       }
-      *reinterpret_cast<float4*>(p.partials + row * 4) =
-          make_float4(all.lse.m, all.lse.s, all.zt, kahan_result(s, c));
+      store_partial(p.partials + row * kPartialCols, all.lse, all.zt, kahan_result(s, c));
     }
     __syncthreads();  // warp_part is reused by the next row
   }
@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
       T* lo = p.grad_lo != nullptr ? static_cast<T*>(p.grad_lo) + row * p.grad_lo_ld : nullptr;
       float* colsum = p.col_partials != nullptr ? p.col_partials + b * p.v : nullptr;
       const float4 c = *reinterpret_cast<const float4*>(p.coef + row * 8);
-      const RowGrad rg{c.x, c.y, c.z, c.w, p.coef[row * 8 + 4]};
+      const float4 c2 = *reinterpret_cast<const float4*>(p.coef + row * 8 + 4);
+      const RowGrad rg{c.x, c.y, c.z, c.w, c2.x, c2.y, c2.z};
       const int64_t tcol =
           target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
       if (p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0) p.target_resid[row] = 0.f;
@@ -137,9 +138,10 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
         for (int i = 0; i < kPerThread; ++i) {
           const int64_t j = c0 + threadIdx.x + i * kThreads;
           if (j < p.v) {
-            const float zj = logit_of(x[i], p.bias, j, p.softcap);
+            const float zj = logit_of(x[i], p.bias, j, p.softcap, p.temperature);
             const float dz =
-                (j == tcol ? rg.dz_t : logit_grad(rg, zj)) * softcap_grad(zj, p.softcap);
+                (j == tcol ? rg.dz_t : logit_grad(rg, zj)) *
+                logit_transform_grad(zj, p.softcap, p.temperature);
             const T hi = from_float<T>(dz);
             out[j] = hi;
             if constexpr (sizeof(T) == 2) {  // an fp32 tile is exact: nothing to keep

@@ -25,7 +25,7 @@ constexpr int64_t kGroupRows = 8;
 
 // Per-row running state of one CTA (shared memory).
 struct RowState {
-  float m, s;        // OnlineLse over non-target columns
+  float m, s, u;     // OnlineLse over non-target columns (u: the entropy's sum)
   float zt;          // target logit, -inf until seen
   float sum, comp;   // sum_z and its compensation
   int64_t tcol;      // target column relative to the weight block, or -1
@@ -51,7 +51,7 @@ __device__ void fold_tile(const float* epi, RowState* rows, int64_t m0, int64_t 
       const int64_t col = n0 + c;
       z[i] = 0.f;
       if (col < a.v) {
-        z[i] = logit_of(epi[r * Tile::kEpiLd + c], a.bias, col, a.softcap);
+        z[i] = logit_of(epi[r * Tile::kEpiLd + c], a.bias, col, a.softcap, a.temperature);
         sum_z += z[i];
         nan |= isnan(z[i]);
         if (col == tcol) {
@@ -62,7 +62,7 @@ __device__ void fold_tile(const float* epi, RowState* rows, int64_t m0, int64_t 
       }
     }
     mx = warp_max(mx);
-    float se = 0.f;
+    float se = 0.f, ue = 0.f;
     // Same tile semantics as the CPU backend: a tile without a finite max (no non-target column,
     // or all -inf, e.g. -inf bias on padded vocabulary entries) adds the empty sum, and a NaN
     // anywhere in the tile (target included) poisons s, since the max comparisons skip NaN.
@@ -70,17 +70,23 @@ __device__ void fold_tile(const float* epi, RowState* rows, int64_t m0, int64_t 
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
         const int64_t col = n0 + lane + 32 * i;
-        if (col < a.v && col != tcol) se += expf(z[i] - mx);
+        if (col < a.v && col != tcol && z[i] != neg_inf()) {
+          const float e = expf(z[i] - mx);
+          se += e;
+          ue += e * (mx - z[i]);
+        }
       }
     }
     se = warp_sum(se);
+    ue = warp_sum(ue);
     sum_z = warp_sum(sum_z);
     nan = __any_sync(0xffffffffu, nan);
     if (lane == 0) {
-      OnlineLse st{rows[r].m, rows[r].s};
-      lse_add_tile(st, mx, nan ? NAN : se);
+      OnlineLse st{rows[r].m, rows[r].s, rows[r].u};
+      lse_add_tile(st, mx, nan ? NAN : se, nan ? NAN : ue);
       rows[r].m = st.m;
       rows[r].s = st.s;
+      rows[r].u = st.u;
       kahan_add(rows[r].sum, rows[r].comp, sum_z);
     }
   }
@@ -102,7 +108,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) partial_stats_kernel(const 
                                                                  : num_tiles;
   for (int r = threadIdx.x; r < Tile::kBlockN; r += Tile::kThreads) {
     const int64_t row = m0 + r;
-    rows[r] = RowState{neg_inf(), 0.f, neg_inf(), 0.f, 0.f, -1};
+    rows[r] = RowState{neg_inf(), 0.f, 0.f, neg_inf(), 0.f, 0.f, -1};
     if (row < a.n) {
       rows[r].tcol = target_column(a.target[row * a.target_stride], a.ignore_index, a.col_offset,
                                    a.v);
@@ -115,13 +121,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) partial_stats_kernel(const 
     fold_tile<Tile>(epi, rows, m0, n0, a);
     __syncthreads();  // epi (and the pipeline it aliases) is free again
   }
-  float* out = p.partials + split * a.n * 4;
+  float* out = p.partials + split * a.n * kPartialCols;
   for (int r = threadIdx.x; r < Tile::kBlockN; r += Tile::kThreads) {
     const int64_t row = m0 + r;
     if (row >= a.n) break;
     const RowState st = rows[r];
-    *reinterpret_cast<float4*>(out + row * 4) =
-        make_float4(st.m, st.s, st.zt, kahan_result(st.sum, st.comp));
+    store_partial(out + row * kPartialCols, OnlineLse{st.m, st.s, st.u}, st.zt,
+                  kahan_result(st.sum, st.comp));
   }
 }
 

@@ -14,6 +14,12 @@
 namespace flce {
 namespace cuda {
 
+// Row layouts: partial statistics [kPartialCols] = (m, s, z_t, sum_z, u) (online logsumexp of
+// the non-target logits, the target logit, the sum of all logits, the entropy's sum u of
+// math.h OnlineLse); row statistics [kStatsCols] = (m_x, s_x, z_t, u_x).
+constexpr int kPartialCols = 5;
+constexpr int kStatsCols = 4;
+
 // Operand storage and tile kind. kFloat32: exact fp32 (SIMT FMA). kFloat32Tf32: fp32 storage on
 // TF32 tensor cores (only when torch's float32 matmul precision is not "highest").
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat32Tf32 = 3 };
@@ -38,12 +44,13 @@ struct LinearArgs {
   int64_t col_offset;    // vocabulary id of weight row 0
   int64_t ignore_index;
   float softcap;         // <= 0: none
+  float temperature = 1.f;  // the logits are softcap(x . w + b) / temperature; 1: none
 };
 
 // Forward: per-row partial statistics over vocab tiles [split*tiles_per_split, ...).
 struct StatsParams {
   LinearArgs lin;
-  float* partials;  // [splits, n, 4] = (m, s, z_t, sum_z)
+  float* partials;  // [splits, n, kPartialCols]
   int splits;
   int64_t tiles_per_split;
 };
@@ -54,16 +61,18 @@ struct RowCoefParams {
   int64_t n;
   const int64_t* target;
   int64_t target_stride;
-  const float* stats;  // [n, 3] = (m_x, s_x, z_t)
+  const float* stats;  // [n, kStatsCols] = (m_x, s_x, z_t, u_x)
   int64_t stats_row_stride, stats_col_stride;
   const float* grad_loss;  // [n], stride may be 0
   int64_t grad_loss_stride;
   const float* grad_lse;   // [n] or nullptr
   int64_t grad_lse_stride;
+  const float* grad_entropy;  // [n] or nullptr (dL/dH of the row's entropy)
+  int64_t grad_entropy_stride;
   int64_t ignore_index;
   float label_smoothing, z_loss, softcap;
   int64_t vocab_size;
-  float* coef;   // [n, 8] = RowGrad (ref, a, u, dz_t), (div, 0, 0, 0)
+  float* coef;   // [n, 8] = RowGrad (ref, a, u, dz_t), (div, h, k, 0)
   float* bound;  // [n] >= max_j |dz_j| of the row
 };
 cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream);
@@ -102,11 +111,12 @@ struct TargetFixParams {
 };
 cudaError_t launch_target_fix(const TargetFixParams& p, DType dtype, cudaStream_t stream);
 
-// Merge R partial-stat blocks [R, n, 4] in rank order. finalize = false: write the merged
-// (m, s, z_t, sum_z) to merged [n, 4]. finalize = true: write loss, lse, stats = (m_x, s_x, z_t) and
-// raise *error_flag (set to 1) for a target outside [0, vocab_size) that is not ignore_index.
+// Merge R partial-stat blocks [R, n, kPartialCols] in rank order. finalize = false: write the
+// merged partials to merged [n, kPartialCols]. finalize = true: write loss, lse, entropy and
+// stats [n, kStatsCols], and raise *error_flag (set to 1) for a target outside [0, vocab_size)
+// that is not ignore_index.
 struct CombineParams {
-  const float* partials;  // [ranks, n, 4] contiguous
+  const float* partials;  // [ranks, n, kPartialCols] contiguous
   int64_t ranks, n;
   const int64_t* target;
   int64_t target_stride;
@@ -115,6 +125,7 @@ struct CombineParams {
   float* merged;
   float* loss;
   float* lse;
+  float* entropy;  // [n], or nullptr
   float* stats;
   int* error_flag;
 };
@@ -149,11 +160,12 @@ struct RowStatsParams {
   int64_t n, v, ld;
   const float* bias;    // [v] fp32 or nullptr
   float softcap;        // <= 0: none
+  float temperature = 1.f;
   const int64_t* target;
   int64_t target_stride;
   int64_t col_offset;   // vocabulary id of column 0
   int64_t ignore_index;
-  float* partials;      // [n, 4] = (m, s, z_t, sum_z), contiguous
+  float* partials;      // [n, kPartialCols], contiguous
 };
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
 
@@ -162,6 +174,7 @@ struct RowGradParams {
   int64_t n, v, ld;
   const float* bias;
   float softcap;
+  float temperature = 1.f;
   const int64_t* target;
   int64_t target_stride;
   int64_t col_offset, ignore_index;

@@ -14,6 +14,11 @@ from . import _C  # noqa: F401  (registers torch.ops.flce.*)
 
 ops = torch.ops.flce
 
+# Row layouts of the ops (csrc/flce_ops.h): partials (m, s, z_t, sum_z, u), stats (m_x, s_x,
+# z_t, u_x).
+PARTIAL_COLS = 5
+STATS_COLS = 4
+
 
 def is_cuda_backend(t):
     """Whether ``t`` is served by the CUDA backend: a CUDA tensor, or any tensor while the ops
@@ -46,55 +51,60 @@ def register(namespace, cuda_format):
         return f"{namespace}::{op}"
 
     @torch.library.register_fake(name("partial_stats"))
-    def _partial_stats_fake(input, weight, target, bias, vocab_start, ignore_index, softcap):
-        return input.new_empty((input.shape[0], 4), dtype=torch.float32)
+    def _partial_stats_fake(input, weight, target, bias, vocab_start, ignore_index, softcap,
+                            temperature=1.0):
+        return input.new_empty((input.shape[0], PARTIAL_COLS), dtype=torch.float32)
 
     @torch.library.register_fake(name("combine"))
     def _combine_fake(partials, target, vocab_size, ignore_index, label_smoothing, z_loss):
         n = partials.shape[1]
-        return partials.new_empty((n,)), partials.new_empty((n,)), partials.new_empty((n, 3))
+        return (partials.new_empty((n,)), partials.new_empty((n,)),
+                partials.new_empty((n, STATS_COLS)), partials.new_empty((n,)))
 
     @torch.library.register_fake(name("forward"))
     def _forward_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
-                      softcap):
+                      softcap, temperature=1.0):
         n = input.shape[0]
         f32 = dict(dtype=torch.float32, device=input.device)
         return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
-                input.new_empty((n, 3), **f32))
+                input.new_empty((n, STATS_COLS), **f32), input.new_empty((n,), **f32))
 
     @torch.library.register_fake(name("backward"))
     def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, stats, vocab_start,
-                       vocab_size, ignore_index, label_smoothing, z_loss, softcap, output_mask):
+                       vocab_size, ignore_index, label_smoothing, z_loss, softcap, output_mask,
+                       grad_entropy=None, temperature=1.0):
         grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
         return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
 
     def setup_context(ctx, inputs, output):
-        input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap = inputs
-        _, _, stats = output
+        input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap = inputs[:8]
+        temperature = inputs[8] if len(inputs) > 8 else 1.0
+        stats = output[2]
         ctx.save_for_backward(input, weight, target, bias, stats)
-        ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
+        ctx.options = (ignore_index, label_smoothing, z_loss, softcap, temperature)
+        ctx.mark_non_differentiable(stats)
 
-    def backward(ctx, grad_loss, grad_lse, grad_stats):
+    def backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy):
         input, weight, target, bias, stats = ctx.saved_tensors
-        ignore_index, label_smoothing, z_loss, softcap = ctx.options
+        ignore_index, label_smoothing, z_loss, softcap, temperature = ctx.options
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                 bias is not None and ctx.needs_input_grad[3]]
         if not any(mask):
-            return None, None, None, None, None, None, None, None
+            return (None,) * 9
         if grad_loss is None:
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
         gi, gw, gb = nsops.backward(grad_loss, grad_lse, input, weight, target, bias, stats, 0,
                                     weight.shape[0], ignore_index, label_smoothing, z_loss,
-                                    softcap, mask)
+                                    softcap, mask, grad_entropy, temperature)
         return (gi if mask[0] else None, gw if mask[1] else None, None,
-                gb if mask[2] else None, None, None, None, None)
+                gb if mask[2] else None) + (None,) * 5
 
     torch.library.register_autograd(name("forward"), backward, setup_context=setup_context)
 
     @torch.library.register_fake(name("sum_and_grad"))
     def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
                            softcap, output_mask, mean, vocab_start=0, vocab_size=-1,
-                           group_name=None, group_size=1):
+                           group_name=None, group_size=1, temperature=1.0):
         if cuda_format(input):  # [1, *shape]: dE fp32, dW in the weight's dtype, dbias fp32
             def deferred(t, wanted, dtype):
                 return t.new_empty((1, *t.shape), dtype=dtype) if wanted else t.new_empty((0,))
@@ -130,7 +140,7 @@ def register(namespace, cuda_format):
         # (N = 0), whose gradient is then the empty [0, D], not None.
         gi, gw, gb = (nsops.scale_grad(p, scale, dt) if need and p.dim() >= 2 else None
                       for p, dt, need in zip(deferred, ctx.dtypes, needed))
-        return (gi, gw, None, gb) + (None,) * 10
+        return (gi, gw, None, gb) + (None,) * 11
 
     torch.library.register_autograd(name("sum_and_grad"), sum_backward,
                                     setup_context=sum_setup_context)

@@ -11,7 +11,8 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap):
+def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap,
+              temperature=1.0):
     for name, t in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flce: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -58,12 +59,14 @@ def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, s
         raise ValueError(f"flce: z_loss must be a finite number >= 0, got {z_loss}")
     if softcap is not None and not 0 < softcap < math.inf:
         raise ValueError(f"flce: softcap must be a positive finite number or None, got {softcap}")
+    if isinstance(temperature, torch.Tensor) or not 0 < temperature < math.inf:
+        raise ValueError(f"flce: temperature must be a positive finite number, got {temperature!r}")
 
 
 def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                         return_lse=False, single_pass=None, linear_weight=None,
-                         linear_bias=None, options=None):
+                         temperature=1.0, return_lse=False, return_entropy=False,
+                         single_pass=None, linear_weight=None, linear_bias=None, options=None):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
@@ -84,7 +87,15 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
         label_smoothing: torch semantics, ``(1 - eps) nll + eps (lse - mean_j z_j)``.
         z_loss: adds ``z_loss * lse**2`` per token (PaLM).
         softcap: applies ``softcap * tanh(z / softcap)`` to the logits (Gemma 2).
+        temperature: divides the logits after the softcap, ``z = softcap(x . w + b) / T``, as RL
+            trainers (verl, TRL, OpenRLHF) divide the model's logits; differentiable.
         return_lse: also return the per-token logsumexp, shape ``(...)``, float32.
+        return_entropy: also return the per-token entropy of ``softmax(z)``, shape ``(...)``,
+            float32, 0 for ignored tokens, differentiable (``dH/dz_j = -p_j (log p_j + H)``),
+            computed from the online statistics without cancellation (it keeps its relative
+            accuracy near collapse, where ``H -> 0``). The per-token log-probability of the
+            target is ``-loss`` with ``reduction="none"`` (rollout scoring: call under
+            ``torch.no_grad()``, which saves nothing for a backward).
         single_pass: compute the gradients in the forward pass (3 GEMMs instead of 4: no
             recompute of the logits in the backward), which then only scales them by the
             upstream gradient. ``None`` (default): on for training on CUDA (gradients needed,
@@ -92,10 +103,11 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
             otherwise; on the CPU it holds the gradients as fp32 (sum, compensation) pairs
             until the backward, more memory for little gain (docs/cpu-backend.md).
             ``True``/``False`` force it on either backend (``True`` needs reduction
-            ``"mean"``/``"sum"`` and no ``return_lse``).
+            ``"mean"``/``"sum"`` and neither ``return_lse`` nor ``return_entropy``).
 
     Returns:
-        The loss in float32 (whatever the input dtype), and the lse when ``return_lse``.
+        The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
+        the entropy when ``return_entropy``.
     """
     weight = _alias("weight", weight, "linear_weight", linear_weight)
     bias = _alias("bias", bias, "linear_bias", linear_bias)
@@ -104,7 +116,8 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
     del options
     if ignore_index is None:
         ignore_index = -100
-    _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap)
+    _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap,
+              temperature)
     if input.is_cuda:
         _build.check_cuda_device(input.device)
 
@@ -116,7 +129,8 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
             return parallel.linear_cross_entropy_dtensor(
                 input, weight, target, bias=bias, ignore_index=ignore_index,
                 reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
-                softcap=softcap, return_lse=return_lse)
+                softcap=softcap, temperature=temperature, return_lse=return_lse,
+                return_entropy=return_entropy)
 
     lead = target.shape
     x = input.reshape(-1, input.shape[-1])
@@ -124,29 +138,43 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
     args = (x, weight, t, bias, int(ignore_index), float(label_smoothing), float(z_loss),
             float(softcap or 0.0))
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
-    if _single_pass(single_pass, reduction, return_lse, x) and any(mask) and \
+    per_token = return_lse or return_entropy
+    if _single_pass(single_pass, reduction, per_token, x) and any(mask) and \
             torch.is_grad_enabled():
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
-        return _ops.ops.sum_and_grad(*args, mask, reduction == "mean")[0]
-    loss, lse, _ = _ops.ops.forward(*args)
-    loss = reduce_loss(loss, t, ignore_index, reduction, lead)
+        return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
+                                     temperature=float(temperature))[0]
+    loss, lse, _, entropy = _ops.ops.forward(*args, float(temperature))
+    return per_token_outputs(reduce_loss(loss, t, ignore_index, reduction, lead), lse, entropy,
+                             lead, return_lse, return_entropy)
+
+
+def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy):
+    """``loss`` alone, or ``(loss, [lse], [entropy])`` shaped like the target."""
+    if not (return_lse or return_entropy):
+        return loss
+    out = (loss,)
     if return_lse:
-        return loss, lse.reshape(lead)
-    return loss
+        out += (lse.reshape(lead),)
+    if return_entropy:
+        out += (entropy.reshape(lead),)
+    return out
 
 
-def _single_pass(single_pass, reduction, return_lse, x):
-    """Whether the loss and its gradients come from the single pass (flce::sum_and_grad)."""
+def _single_pass(single_pass, reduction, per_token, x):
+    """Whether the loss and its gradients come from the single pass (flce::sum_and_grad);
+    per_token: lse or entropy outputs are asked for (the single pass returns the loss alone)."""
     if single_pass is None:
         # fp16 stays on the recompute path: its gradient tile needs a scale that depends on
         # every row's statistics, which the single pass has only row chunk by row chunk.
-        return (_ops.is_cuda_backend(x) and reduction != "none" and not return_lse
+        return (_ops.is_cuda_backend(x) and reduction != "none" and not per_token
                 and x.dtype != torch.float16)
     if single_pass not in (True, False):
         raise TypeError(f"flce: single_pass must be None, True or False, got {single_pass!r}")
-    if single_pass and (reduction == "none" or return_lse):
-        raise ValueError("flce: single_pass needs reduction 'mean' or 'sum' and no return_lse; "
-                         f"got reduction={reduction!r}, return_lse={return_lse}")
+    if single_pass and (reduction == "none" or per_token):
+        raise ValueError("flce: single_pass needs reduction 'mean' or 'sum' and neither "
+                         f"return_lse nor return_entropy; got reduction={reduction!r}, "
+                         f"per-token outputs: {per_token}")
     return single_pass
 
 
@@ -177,7 +205,8 @@ class LinearCrossEntropy(torch.nn.Module):
     """``nn.Module`` form of :func:`linear_cross_entropy`; call as ``module(input, weight, target)``."""
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
-                 softcap=None, return_lse=False, single_pass=None):
+                 softcap=None, temperature=1.0, return_lse=False, return_entropy=False,
+                 single_pass=None):
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"flce: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -186,17 +215,21 @@ class LinearCrossEntropy(torch.nn.Module):
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.softcap = softcap
+        self.temperature = temperature
         self.return_lse = return_lse
+        self.return_entropy = return_entropy
         self.single_pass = single_pass
 
     def forward(self, input, weight, target, bias=None):
         return linear_cross_entropy(input, weight, target, bias=bias,
                                     ignore_index=self.ignore_index, reduction=self.reduction,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                                    softcap=self.softcap, return_lse=self.return_lse,
+                                    softcap=self.softcap, temperature=self.temperature,
+                                    return_lse=self.return_lse,
+                                    return_entropy=self.return_entropy,
                                     single_pass=self.single_pass)
 
     def extra_repr(self):
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
-                f"softcap={self.softcap}")
+                f"softcap={self.softcap}, temperature={self.temperature}")

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from . import _ops
-from .api import _validate, reduce_loss
+from .api import _validate, per_token_outputs, reduce_loss
 
 __all__ = [
     "vocab_parallel_linear_cross_entropy",
@@ -109,7 +109,7 @@ _LAYOUT_CACHE_SIZE = 256
 # Fields of the metadata row; all but the first three must agree across ranks.
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
-                "sequence_parallel")
+                "sequence_parallel", "temperature")
 
 
 def clear_layout_cache():
@@ -186,7 +186,7 @@ def _describe(field, values):
     if name in ("input dtype", "weight dtype"):
         codes = {v: k for k, v in _DTYPE_CODES.items()}
         return str([str(codes.get(v, v)).replace("torch.", "") for v in values])
-    if name in ("label_smoothing", "z_loss", "softcap"):
+    if name in ("label_smoothing", "z_loss", "softcap", "temperature"):
         return str([struct.unpack("<d", struct.pack("<q", v))[0] for v in values])
     if name == "reduction":
         codes = {v: k for k, v in _REDUCTION_CODES.items()}
@@ -199,12 +199,13 @@ def _describe(field, values):
 # ---------------------------------------------------------------------------------------------
 class _VocabParallelLinearCE(torch.autograd.Function):
     """Inputs: x [N, D] (this rank's tokens under sequence parallelism), the local shard and
-    bias, full-vocabulary targets for all N (gathered) tokens. Outputs loss, lse [N] fp32."""
+    bias, full-vocabulary targets for all N (gathered) tokens. Outputs loss, lse, entropy [N]
+    fp32."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, group, rank, world, layout, options,
                 reduce_input_grad, sequence_parallel):
-        ignore_index, label_smoothing, z_loss, softcap = options
+        ignore_index, label_smoothing, z_loss, softcap, temperature = options
         if sequence_parallel:
             x = _all_gather(x, group, world)
         w, b = weight, bias
@@ -213,21 +214,21 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             w = weight.narrow(0, 0, layout.valid_rows)
             b = None if bias is None else bias.narrow(0, 0, layout.valid_rows)
         partials = _ops.ops.partial_stats(x, w, target, b, layout.vocab_start, ignore_index,
-                                          softcap)
-        gathered = _all_gather(partials, group, world).view(world, x.shape[0], 4)
-        loss, lse, stats = _ops.ops.combine(gathered, target, layout.vocab_size, ignore_index,
-                                            label_smoothing, z_loss)
+                                          softcap, temperature)
+        gathered = _all_gather(partials, group, world).view(world, x.shape[0], _ops.PARTIAL_COLS)
+        loss, lse, stats, entropy = _ops.ops.combine(gathered, target, layout.vocab_size,
+                                                     ignore_index, label_smoothing, z_loss)
         ctx.save_for_backward(x, w, b, target, stats)
         ctx.setup = (group, world, layout, options, reduce_input_grad, sequence_parallel,
                      weight.shape[0], bias is not None)
-        return loss, lse
+        return loss, lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
+    def backward(ctx, grad_loss, grad_lse, grad_entropy):
         x, w, b, target, stats = ctx.saved_tensors
         (group, world, layout, options, reduce_input_grad, sequence_parallel, rows,
          has_bias) = ctx.setup
-        ignore_index, label_smoothing, z_loss, softcap = options
+        ignore_index, label_smoothing, z_loss, softcap, temperature = options
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                 has_bias and ctx.needs_input_grad[2]]
         none = (None,) * 8
@@ -237,7 +238,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
         gi, gw, gb = _ops.ops.backward(grad_loss, grad_lse, x, w, target, b, stats,
                                        layout.vocab_start, layout.vocab_size, ignore_index,
-                                       label_smoothing, z_loss, softcap, mask)
+                                       label_smoothing, z_loss, softcap, mask, grad_entropy,
+                                       temperature)
         if mask[1] and gw.shape[0] < rows:
             gw = torch.cat([gw, gw.new_zeros((rows - gw.shape[0], gw.shape[1]))])
         if mask[2] and gb.shape[0] < rows:
@@ -260,7 +262,7 @@ class _VocabParallelSinglePass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, group, world, layout, options, reduction,
                 reduce_input_grad, sequence_parallel):
-        ignore_index, label_smoothing, z_loss, softcap = options
+        ignore_index, label_smoothing, z_loss, softcap, temperature = options
         if sequence_parallel:
             x = _all_gather(x, group, world)
         w, b = weight, bias
@@ -271,7 +273,8 @@ class _VocabParallelSinglePass(torch.autograd.Function):
                 bias is not None and ctx.needs_input_grad[2]]
         loss, divisor, gi, gw, gb = _ops.ops.sum_and_grad(
             x, w, target, b, ignore_index, label_smoothing, z_loss, softcap, mask,
-            reduction == "mean", layout.vocab_start, layout.vocab_size, group.group_name, world)
+            reduction == "mean", layout.vocab_start, layout.vocab_size, group.group_name, world,
+            temperature)
         ctx.save_for_backward(divisor, gi, gw, gb)
         ctx.setup = (group, world, reduce_input_grad, sequence_parallel, weight.shape[0],
                      (x.dtype, weight.dtype, None if bias is None else bias.dtype), mask)
@@ -312,7 +315,8 @@ def _use_single_pass(single_pass, reduction, return_lse, x):
 def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=None,
                                         bias_local=None, ignore_index=-100, reduction="mean",
                                         label_smoothing=0.0, z_loss=0.0, softcap=None,
-                                        return_lse=False, vocab_start=None, vocab_size=None,
+                                        temperature=1.0, return_lse=False, return_entropy=False,
+                                        vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
                                         check_ranks=False, single_pass=None):
     r"""Fused, collapse-safe linear cross-entropy with the vocabulary sharded over ``group``.
@@ -349,13 +353,14 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             rows all-gather their ``[rows, 4]`` statistics inside the op.
 
     Returns:
-        The loss in float32 (identical on all ranks), and the per-token lse when ``return_lse``.
+        The loss in float32 (identical on all ranks), then the per-token lse when ``return_lse``
+        and the per-token entropy when ``return_entropy``.
         Every rank must backpropagate the same upstream gradient into it.
     """
     if ignore_index is None:
         ignore_index = -100
     _validate(input, weight_local, target, bias_local, reduction, label_smoothing, z_loss,
-              softcap)
+              softcap, temperature)
     _check_vocab_start(vocab_start)
     if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
         raise ValueError(f"flce.parallel: vocab_size must be a positive int, got {vocab_size!r}")
@@ -371,12 +376,14 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
     x = input.reshape(-1, d)
     t = target.reshape(-1).to(torch.int64)
     softcap = float(softcap or 0.0)
-    options = (int(ignore_index), float(label_smoothing), float(z_loss), softcap)
+    options = (int(ignore_index), float(label_smoothing), float(z_loss), softcap,
+               float(temperature))
     meta = [weight_local.shape[0], -1 if vocab_start is None else vocab_start,
             -1 if vocab_size is None else vocab_size, x.shape[0], d, _DTYPE_CODES[input.dtype],
             _DTYPE_CODES[weight_local.dtype], int(bias_local is not None), options[0],
             _float_bits(options[1]), _float_bits(options[2]), _float_bits(softcap),
-            _REDUCTION_CODES[reduction], int(bool(sequence_parallel))]
+            _REDUCTION_CODES[reduction], int(bool(sequence_parallel)),
+            _float_bits(temperature)]
     layout = _layout(group, rank, world, input.device, meta, vocab_size is not None,
                      check_ranks)
     if sequence_parallel:
@@ -385,17 +392,15 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
     needs_grad = torch.is_grad_enabled() and (
         input.requires_grad or weight_local.requires_grad
         or (bias_local is not None and bias_local.requires_grad))
-    if needs_grad and _use_single_pass(single_pass, reduction, return_lse, x):
+    if needs_grad and _use_single_pass(single_pass, reduction, return_lse or return_entropy, x):
         return _VocabParallelSinglePass.apply(x, weight_local, bias_local, t, group, world, layout,
                                               options, reduction, bool(reduce_input_grad),
                                               bool(sequence_parallel))
-    loss, lse = _VocabParallelLinearCE.apply(x, weight_local, bias_local, t, group, rank, world,
-                                             layout, options, bool(reduce_input_grad),
-                                             bool(sequence_parallel))
-    loss = reduce_loss(loss, t, ignore_index, reduction, lead)
-    if return_lse:
-        return loss, lse.reshape(lead)
-    return loss
+    loss, lse, entropy = _VocabParallelLinearCE.apply(
+        x, weight_local, bias_local, t, group, rank, world, layout, options,
+        bool(reduce_input_grad), bool(sequence_parallel))
+    return per_token_outputs(reduce_loss(loss, t, ignore_index, reduction, lead), lse, entropy,
+                             lead, return_lse, return_entropy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +416,8 @@ def is_vocab_sharded(weight):
 
 def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_index=-100,
                                  reduction="mean", label_smoothing=0.0, z_loss=0.0,
-                                 softcap=None, return_lse=False):
+                                 softcap=None, temperature=1.0, return_lse=False,
+                                 return_entropy=False):
     """``flce.linear_cross_entropy`` for a ``DTensor`` weight ``Shard(0)`` on a 1-D mesh.
 
     ``input`` and ``target`` may be plain tensors (the same on every rank) or DTensors on the
@@ -446,7 +452,8 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
         local("input", input, None), weight.to_local(), local("target", target, None),
         group=mesh.get_group(), bias_local=local("bias", bias, (Shard(0),)),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-        z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+        z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
+        return_entropy=return_entropy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,9 +487,10 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
         m = z.amax(1, keepdim=True)
         # An all-target row (V_local = 1) has m = -inf: the empty state (-inf, 0).
         s = z.sub_(torch.where(m == float("-inf"), torch.zeros_like(m), m)).exp_().sum(1)
-        partials = torch.stack([m[:, 0], s, z_t[:, 0], sum_z], dim=1)
-        gathered = _all_gather(partials, group, world).view(world, n, 4)
-        loss, _, stats = _ops.ops.combine(gathered, target, vocab_size, -100, eps, 0.0)
+        # (u, the entropy's sum, is not needed: this function returns the loss alone)
+        partials = torch.stack([m[:, 0], s, z_t[:, 0], sum_z, torch.zeros_like(s)], dim=1)
+        gathered = _all_gather(partials, group, world).view(world, n, _ops.PARTIAL_COLS)
+        loss, _, stats, _ = _ops.ops.combine(gathered, target, vocab_size, -100, eps, 0.0)
         ctx.save_for_backward(logits, target, stats)
         ctx.setup = (eps, lo, vocab_size)
         return loss
@@ -492,7 +500,7 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
         logits, target, stats = ctx.saved_tensors
         eps, lo, vocab_size = ctx.setup
         v_local = logits.shape[1]
-        m_x, s_x, z_t = stats.unbind(1)
+        m_x, s_x, z_t, _ = stats.unbind(1)
         lse_x = m_x + torch.log(s_x)
         g = torch.where(target == -100, torch.zeros_like(grad_loss), grad_loss.float())
         # math.h's row_grad from (m_x, s_x): p_j = exp(z_j - M) / S with M the row's max logit,
@@ -563,7 +571,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     # The fields of _META_FIELDS that a logits-level call has (no D, bias or weight of its own).
     meta = [logits.shape[1], -1 if vocab_start is None else vocab_start, -1, logits.shape[0], 0,
             code, code, 0, -100, _float_bits(label_smoothing), _float_bits(0.0), _float_bits(0.0),
-            _REDUCTION_CODES["none"], 0]
+            _REDUCTION_CODES["none"], 0, _float_bits(1.0)]
     layout = _layout(group, rank, world, logits.device, meta, False, False)
     # Every rank holds the same sizes, so every rank raises here or none does.
     if 0 in layout.sizes:

@@ -12,15 +12,19 @@ __all__ = ["linear_cross_entropy", "logits_cross_entropy"]
 
 
 def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, z_loss=0.0, softcap=None, return_lse=False,
-                         vocab_size=None):
+                         label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
+                         return_lse=False, return_entropy=False, vocab_size=None):
     """Collapse-safe cross-entropy of ``logits`` ``[N, V]`` against ``target`` ``[N]``.
 
     Computes in the dtype of ``logits`` (pass float64 for a reference). ``vocab_size`` is the
-    label-smoothing denominator (default ``V``).
+    label-smoothing denominator (default ``V``). ``temperature`` divides the (capped) logits.
+    ``return_entropy`` also returns the per-token entropy of softmax(logits) (0 where ignored),
+    in the cancellation-free form of NUMERICS.md (accurate in float64 at any margin).
     """
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
     n, v = logits.shape
     vocab_size = v if vocab_size is None else vocab_size
     valid = target != ignore_index
@@ -40,12 +44,28 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
         loss = loss + z_loss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     loss = _reduce(loss, valid, reduction)
-    return (loss, lse) if return_lse else loss
+    out = (loss,)
+    if return_lse:
+        out += (lse,)
+    if return_entropy:
+        # H = p_t nll + q (softplus(z_t - lse_x) + H_x) with H_x the entropy of the non-target
+        # distribution: every term >= 0 (-sum p log p would lose the target's p_t log p_t,
+        # ~ -q, once lse rounds to z_t, a relative error of 1 / (1 + margin)).
+        rest = logits.masked_fill(is_t, float("-inf"))
+        logw = rest - lse_x[:, None]
+        w = logw.exp()
+        h_x = -(w * logw.masked_fill(is_t, 0.0)).sum(1)
+        zt_safe = torch.where(valid, z_t, torch.zeros_like(z_t))
+        d = lse_x - zt_safe
+        ent = torch.sigmoid(-d) * torch.nn.functional.softplus(d) + torch.sigmoid(d) * (
+            torch.nn.functional.softplus(-d) + h_x)
+        out += (torch.where(valid, ent, torch.zeros_like(ent)),)
+    return out if len(out) > 1 else loss
 
 
 def linear_cross_entropy(input, weight, target, *, bias=None, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                         return_lse=False):
+                         temperature=1.0, return_lse=False, return_entropy=False):
     """``logits_cross_entropy(input @ weight.T + bias, target, ...)`` in the input's dtype."""
     d = input.shape[-1]
     logits = input.reshape(-1, d) @ weight.T
@@ -53,13 +73,14 @@ def linear_cross_entropy(input, weight, target, *, bias=None, ignore_index=-100,
         logits = logits + bias
     out = logits_cross_entropy(logits, target.reshape(-1), ignore_index=ignore_index,
                                reduction=reduction, label_smoothing=label_smoothing,
-                               z_loss=z_loss, softcap=softcap, return_lse=return_lse)
-    if reduction == "none":
-        shape = target.shape
-        out = (out[0].reshape(shape), out[1].reshape(shape)) if return_lse else out.reshape(shape)
-    elif return_lse:
-        out = (out[0], out[1].reshape(target.shape))
-    return out
+                               z_loss=z_loss, softcap=softcap, temperature=temperature,
+                               return_lse=return_lse, return_entropy=return_entropy)
+    if not (return_lse or return_entropy):
+        return out.reshape(target.shape) if reduction == "none" else out
+    shape = target.shape
+    loss, *per_token = out
+    return (loss.reshape(shape) if reduction == "none" else loss,
+            *(t.reshape(shape) for t in per_token))
 
 
 def _reduce(loss, valid, reduction):

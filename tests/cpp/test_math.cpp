@@ -57,10 +57,15 @@ flce::OnlineLse tile_state(const float* z, size_t n) {
     mx = std::max(mx, z[j]);
     nan |= std::isnan(z[j]);
   }
-  float s = 0.f;
+  float s = 0.f, u = 0.f;
   if (mx != -kInf)
-    for (size_t j = 0; j < n; ++j) s += std::exp(z[j] - mx);
-  return flce::OnlineLse{mx, nan ? kNaN : s};
+    for (size_t j = 0; j < n; ++j) {
+      if (z[j] == -kInf) continue;
+      const float e = std::exp(z[j] - mx);
+      s += e;
+      u += e * (mx - z[j]);
+    }
+  return flce::OnlineLse{mx, nan ? kNaN : s, nan ? kNaN : u};
 }
 
 float lse_tiles(const std::vector<float>& z, size_t tile, bool reverse) {
@@ -69,7 +74,7 @@ float lse_tiles(const std::vector<float>& z, size_t tile, bool reverse) {
     parts.push_back(tile_state(z.data() + j0, std::min(tile, z.size() - j0)));
   if (reverse) std::reverse(parts.begin(), parts.end());
   flce::OnlineLse st = flce::lse_empty();
-  for (const auto& p : parts) flce::lse_add_tile(st, p.m, p.s);
+  for (const auto& p : parts) flce::lse_add_tile(st, p.m, p.s, p.u);
   return flce::lse_value(st);
 }
 
@@ -750,3 +755,136 @@ TEST(kahan_bf16c_propagates_nan_and_inf) {
 }
 
 int main(int argc, char** argv) { return check::run_all(argc, argv); }
+
+// ------------------------------------------------------------------------------------------------
+// Entropy (return_entropy) and temperature.
+// ------------------------------------------------------------------------------------------------
+namespace {
+
+// H = -sum_j p_j log p_j of softmax over (others, z_t) in long double, from q = sum_j
+// exp(z_j - z_t) without ever forming lse - z_t: log p_t = -log1p(q), log p_j = z_j - z_t -
+// log1p(q). (A form unlike math.h's, so the test is not the implementation again.)
+LD entropy_ld(const std::vector<float>& others, float z_t) {
+  LD q = 0;
+  for (float z : others) q += std::exp(static_cast<LD>(z) - z_t);
+  const LD l1q = std::log1p(q);
+  LD h = l1q / (1 + q);  // p_t * -log p_t
+  for (float z : others) {
+    const LD d = static_cast<LD>(z_t) - z;  // >= 0 at the margins below
+    h += std::exp(-d) / (1 + q) * (d + l1q);
+  }
+  return h;
+}
+
+flce::OnlineLse online_state(const std::vector<float>& z) {
+  flce::OnlineLse st = flce::lse_empty();
+  for (float v : z) flce::lse_add(st, v);
+  return st;
+}
+
+}  // namespace
+
+TEST(entropy_matches_long_double_at_all_margins) {
+  int naive_rejected = 0, naive_tried = 0;
+  const size_t v = 4099;
+  for (float margin : kMargins) {
+    const Row r = make_row(margin, v);
+    const LD want = entropy_ld(r.others, r.z_t);
+    // Below here H (~ (1 + m) exp(-m) (V - 1)) is no longer a normal fp32 number.
+    if (want < 1e3L * FLT_MIN) continue;
+    // Online, and by tiles merged in both orders and by a tree (the backends' three ways).
+    const flce::OnlineLse seq = online_state(r.others);
+    std::vector<flce::OnlineLse> tiles;
+    for (size_t j0 = 0; j0 < r.others.size(); j0 += 256)
+      tiles.push_back(tile_state(r.others.data() + j0, std::min<size_t>(256, v - 1 - j0)));
+    flce::OnlineLse fwd = flce::lse_empty(), bwd = flce::lse_empty();
+    for (size_t i = 0; i < tiles.size(); ++i) {
+      fwd = flce::lse_merge(fwd, tiles[i]);
+      bwd = flce::lse_merge(bwd, tiles[tiles.size() - 1 - i]);
+    }
+    // The sums s and u carry the recursion's rounding, at most n u relative (all terms >= 0),
+    // and every other step a few ulps: a bound, not an estimate.
+    const LD tol = (v + 32) * kU * want;
+    for (const flce::OnlineLse& x : {seq, fwd, bwd}) {
+      const float got = flce::row_entropy(x, r.z_t, false);
+      EXPECT(near_abs(got, want, tol), "margin %g: H %.9g, long double %.12Lg (rel %.3Lg)",
+             margin, got, want, std::fabs(got - want) / want);
+    }
+    // The textbook lse - sum_j p_j z_j cancels to nothing near collapse: the check rejects it.
+    if (margin >= 20.f && margin <= 88.f) {
+      ++naive_tried;
+      const float lse = flce::logaddexp(flce::lse_value(seq), r.z_t);
+      float pz = std::exp(r.z_t - lse) * r.z_t;
+      for (float z : r.others) pz += std::exp(z - lse) * z;
+      naive_rejected += !near_abs(lse - pz, want, tol);
+    }
+  }
+  EXPECT(naive_tried > 0 && naive_rejected == naive_tried,
+         "the entropy check must reject lse - sum p z at margins 20..88 (rejected %d of %d)",
+         naive_rejected, naive_tried);
+  // Ignored rows have no entropy; a lone target has none either.
+  EXPECT(flce::row_entropy(online_state({1.f, 2.f}), 3.f, true) == 0.f, "ignored row");
+  EXPECT(flce::row_entropy(flce::lse_empty(), 3.f, false) == 0.f, "lone target");
+  // NaN logits poison it.
+  EXPECT(std::isnan(flce::row_entropy(online_state({1.f, kNaN}), 3.f, false)), "NaN logit");
+}
+
+TEST(entropy_gradient_matches_long_double) {
+  const flce::LossOptions o{0.f, 0.f, 0.f, 4099};
+  for (float margin : {0.f, 2.f, 10.f, 30.f, 60.f}) {
+    const Row r = make_row(margin, 4099);
+    const flce::OnlineLse x = online_state(r.others);
+    const float g_ent = check::uniform(0.5f, 2.f);
+    // The loss's own gradient off (g = 0): the rows' dz is g_ent dH/dz alone.
+    const flce::RowGrad rg = flce::row_grad(x, r.z_t, false, 0.f, 0.f, o, g_ent);
+    LD q = 0;
+    for (float z : r.others) q += std::exp(static_cast<LD>(z) - r.z_t);
+    const LD l1q = std::log1p(q), h = entropy_ld(r.others, r.z_t);
+    // dH/dz_j = -p_j (log p_j + H)
+    const LD p_t = 1 / (1 + q);
+    const LD want_t = -g_ent * p_t * (-l1q + h);
+    const LD scale_t = g_ent * p_t * (l1q + h);
+    EXPECT(near_abs(rg.dz_t, want_t, 64 * 4099 * kU * scale_t + 4 * FLT_TRUE_MIN),
+           "margin %g: dz_t %.9g want %.12Lg", margin, rg.dz_t, want_t);
+    for (size_t j = 0; j < r.others.size(); j += 61) {
+      const float z = r.others[j];
+      const LD d = static_cast<LD>(r.z_t) - z;
+      const LD p = std::exp(-d) / (1 + q);
+      const LD logp = -d - l1q;
+      const LD want = -g_ent * p * (logp + h);
+      // p_j's fp32 exp and lse, times |log p_j| + H; the fp32 sums of H (n u).
+      const LD tol = g_ent * p * ((16 * kU + check::ulp_at(d)) * (std::fabs(logp) + h) +
+                                  4099 * kU * h + 8 * kU * std::fabs(logp)) +
+                     4 * FLT_TRUE_MIN;
+      const float have = flce::logit_grad(rg, z);
+      EXPECT(near_abs(have, want, tol), "margin %g: dH/dz_j(%g) = %.9g want %.12Lg", margin, z,
+             have, want);
+    }
+    // Without an entropy gradient the coefficients are the plain ones (h = 0) and a -inf
+    // (masked) logit keeps a zero gradient instead of h * (-inf - k) = NaN.
+    const flce::RowGrad plain = flce::row_grad(x, r.z_t, false, 1.f, 0.f, o);
+    EXPECT(plain.h == 0.f && flce::logit_grad(plain, -kInf) == 0.f, "plain coefficients");
+    EXPECT(flce::logit_grad(rg, -kInf) == -rg.u, "masked logit with an entropy gradient: %g",
+           flce::logit_grad(rg, -kInf));
+  }
+}
+
+TEST(temperature_divides_after_the_softcap) {
+  for (int i = 0; i < 2000; ++i) {
+    const float u = check::normal(20.f), cap = i % 2 ? 30.f : 0.f;
+    const float temp = check::uniform(0.2f, 3.f);
+    const LD c = cap > 0 ? cap * std::tanh(static_cast<LD>(u) / cap) : static_cast<LD>(u);
+    const LD z = c / temp;
+    const float got = flce::logit_transform(u, cap, temp);
+    EXPECT(near_abs(got, z, 4 * check::ulp_at(z) + 4 * kU * std::fabs(z)),
+           "u %g cap %g T %g: z %.9g want %.12Lg", u, cap, temp, got, z);
+    // dz/du = softcap'(u) / T, from z as the backends have it.
+    const LD dc = cap > 0 ? 1 - (c / cap) * (c / cap) : 1;
+    const LD dz = dc / temp;
+    const float gd = flce::logit_transform_grad(got, cap, temp);
+    EXPECT(near_abs(gd, dz, 16 * kU * (1 / temp) + 8 * kU * std::fabs(dz)),
+           "u %g cap %g T %g: dz/du %.9g want %.12Lg", u, cap, temp, gd, dz);
+  }
+  EXPECT(flce::logit_transform(3.f, 0.f, 1.f) == 3.f && flce::logit_transform_grad(3.f, 0.f, 1.f) == 1.f,
+         "T = 1 is the identity");
+}

@@ -57,28 +57,37 @@ FLCE_HD float vexp(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Online logsumexp over the non-target logits of a row.
+// Online logsumexp over the non-target logits of a row, with the entropy's running sum.
 //
-// State (m, s): m is the running max, s = sum exp(z - m). The empty state is (-inf, 0).
-// NaN logits poison s (never silently dropped: fmaxf would ignore them).
+// State (m, s, u): m is the running max, s = sum exp(z - m), u = sum exp(z - m) (m - z) >= 0
+// (NUMERICS.md "Entropy without cancellation": the non-target distribution's entropy is
+// log s + u / s, every term non-negative). The empty state is (-inf, 0, 0).
+// NaN logits poison s and u (never silently dropped: fmaxf would ignore them).
 // ---------------------------------------------------------------------------------------------
 struct OnlineLse {
   float m;
   float s;
+  float u = 0.f;
 };
 
-FLCE_HD OnlineLse lse_empty() { return OnlineLse{neg_inf(), 0.f}; }
+FLCE_HD OnlineLse lse_empty() { return OnlineLse{neg_inf(), 0.f, 0.f}; }
 
 // Add one logit z.
 FLCE_HD void lse_add(OnlineLse& st, float z) {
   if (z > st.m) {
-    // st.m may be -inf: exp(-inf) = 0 rescales an empty sum to 0.
-    st.s = st.s * expf(st.m - z) + 1.f;
+    // A new max m' = z: u <- exp(m - m') (u + s (m' - m)), s <- exp(m - m') s + 1 (the new
+    // term adds exp(0) to s and 0 to u). st.m may be -inf: exp(-inf) = 0 rescales an empty sum
+    // to 0 (and u stays 0 rather than 0 * inf).
+    const float r = expf(st.m - z);
+    st.u = st.s == 0.f ? 0.f : r * (st.u + st.s * (z - st.m));
+    st.s = st.s * r + 1.f;
     st.m = z;
   } else if (z != neg_inf()) {
     // z <= m, or z is NaN (then s becomes NaN). A -inf logit (a masked column) adds exp(-inf)
     // = 0; skipping it keeps -inf - -inf = NaN out of a state that is still empty.
-    st.s += expf(z - st.m);
+    const float e = expf(z - st.m);
+    st.s += e;
+    st.u += e * (st.m - z);
   }
 }
 
@@ -88,13 +97,15 @@ FLCE_HD OnlineLse lse_merge(OnlineLse a, OnlineLse b) {
   if (b.m == neg_inf() && b.s == 0.f) return a;  // b empty
   if (a.m == neg_inf() && a.s == 0.f) return b;  // a empty
   const float m = a.m > b.m ? a.m : b.m;         // a NaN -> m = b.m, but a.s*exp(NaN) -> NaN
-  return OnlineLse{m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+  const float ra = expf(a.m - m), rb = expf(b.m - m);
+  return OnlineLse{m, a.s * ra + b.s * rb,
+                   ra * (a.u + a.s * (m - a.m)) + rb * (b.u + b.s * (m - b.m))};
 }
 
-// Merge a tile whose max and shifted sum were computed in two passes (max first, then
-// sum exp(z - tile_max)).
-FLCE_HD void lse_add_tile(OnlineLse& st, float tile_max, float tile_sum) {
-  st = lse_merge(st, OnlineLse{tile_max, tile_sum});
+// Merge a tile whose max, shifted sum and entropy sum were computed in two passes (max first,
+// then sum exp(z - tile_max) and sum exp(z - tile_max) (tile_max - z)).
+FLCE_HD void lse_add_tile(OnlineLse& st, float tile_max, float tile_sum, float tile_u) {
+  st = lse_merge(st, OnlineLse{tile_max, tile_sum, tile_u});
 }
 
 // log(sum exp) of the state; -inf for the empty state.
@@ -140,6 +151,18 @@ FLCE_HD float softcap_grad(float z, float cap) {
   return 1.f - r * r;
 }
 
+// The logit of a raw dot product u (bias included): softcap, then the sampling temperature
+// (RL trainers divide the model's logits by T): z = softcap(u) / T; T = 1 is the identity.
+FLCE_HD float logit_transform(float u, float cap, float temp) {
+  const float c = softcap_apply(u, cap);
+  return temp == 1.f ? c : c / temp;
+}
+
+// dz/du given z = logit_transform(u, cap, temp).
+FLCE_HD float logit_transform_grad(float z, float cap, float temp) {
+  return temp == 1.f ? softcap_grad(z, cap) : softcap_grad(z * temp, cap) / temp;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-row loss and gradient coefficients.
 //
@@ -155,6 +178,7 @@ struct LossOptions {
   float z_loss;           // w
   float softcap;          // <= 0: none
   int64_t vocab_size;     // global V (the smoothing mean)
+  float temperature = 1.f;  // z = softcap(u) / temperature (logit_transform)
 };
 
 struct RowLoss {
@@ -180,6 +204,11 @@ FLCE_HD RowLoss row_loss(float lse_x, float z_t, float sum_z, bool ignored, cons
 //   dz_t = (A - B) p_t - B q_t - U    with q_t = 1 - p_t = sigmoid(lse_x - z_t), exact when fp32
 //                                     would round p_t to 1 (the collapse-safe target term)
 //   A = g (1 + 2 w lse) + g_lse,  B = g (1 - eps),  U = g eps / V,  p_j = exp(z_j - lse).
+//
+// With an upstream g_H = dL/dH_row of the row's entropy H (return_entropy), each column also gets
+// dH/dz_j = -p_j (log p_j + H) times g_H: for j != t, log p_j = z_j - lse, so
+//   dz_j = p_j (A - h (z_j - k)) - U     with h = g_H, k = lse - H,
+// and the target's log p_t = -nll goes into dz_t.
 struct RowGrad {
   // p_j = exp(z_j - ref) / div. From the row's (max, sum exp) statistics, ref is the max of its
   // logits and z_j - ref is exact for the columns that matter; from an fp32 lse (ref = lse,
@@ -189,6 +218,8 @@ struct RowGrad {
   float u;
   float dz_t;  // the whole target-column gradient (before softcap)
   float div = 1.f;
+  float h = 0.f;  // the entropy's upstream gradient (0: no entropy term)
+  float k = 0.f;  // lse - H
 };
 
 namespace detail {
@@ -216,24 +247,56 @@ FLCE_HD RowGrad row_grad(float lse_x, float z_t, bool ignored, float g, float g_
   return detail::row_grad_coef(lse, 1.f, lse, lse_x, z_t, ignored, g, g_lse, o);
 }
 
-// From the online state (m_x, s_x) of the non-target logits and z_t, where a pass still has
-// them (the fused CPU forward+backward): p_j = exp(z_j - M) / S with M = max(m_x, z_t).
+// The entropy H = -sum_j p_j log p_j of the row's softmax, from the non-target state (m_x, s_x,
+// u_x) and z_t, in NUMERICS.md's cancellation-free form: with lse_x = lse_value(x),
+//   H = p_t nll + q (softplus(z_t - lse_x) + H_x),   H_x = log s_x + u_x / s_x,
+// p_t = sigmoid(z_t - lse_x), q = 1 - p_t = sigmoid(lse_x - z_t), nll = softplus(lse_x - z_t):
+// every term >= 0, so H keeps its relative accuracy near collapse (H ~ (1 + m) e^-m (V - 1) at
+// margin m). 0 for an ignored row.
+FLCE_HD float row_entropy(OnlineLse x, float z_t, bool ignored) {
+  if (ignored) return 0.f;
+  const float lse_x = lse_value(x);
+  const float nll = softplus(lse_x - z_t);
+  const float p_t = sigmoid(z_t - lse_x);
+  if (x.s == 0.f) return p_t * nll;  // only the target (V = 1): H = 0
+  const float q = sigmoid(lse_x - z_t);
+  const float h_x = logf(x.s) + x.u / x.s;
+  return p_t * nll + q * (softplus(z_t - lse_x) + h_x);
+}
+
+// From the online state (m_x, s_x, u_x) of the non-target logits and z_t, where a pass still has
+// them (the fused CPU forward+backward): p_j = exp(z_j - M) / S with M = max(m_x, z_t). g_ent:
+// the upstream gradient of the row's entropy.
 FLCE_HD RowGrad row_grad(OnlineLse x, float z_t, bool ignored, float g, float g_lse,
-                         const LossOptions& o) {
+                         const LossOptions& o, float g_ent = 0.f) {
   const float lse_x = lse_value(x);
   const float lse = logaddexp(lse_x, z_t);
   const float m = x.m > z_t ? x.m : z_t;
+  RowGrad r;
   if (!(x.s > 0.f) || m == neg_inf() || !(m == m)) {
     // Only the target (or nothing, or NaN): the lse form is exact enough and keeps NaN.
-    return detail::row_grad_coef(lse, 1.f, lse, lse_x, z_t, ignored, g, g_lse, o);
+    r = detail::row_grad_coef(lse, 1.f, lse, lse_x, z_t, ignored, g, g_lse, o);
+  } else {
+    const float s = x.s * expf(x.m - m) + expf(z_t - m);
+    r = detail::row_grad_coef(m, s, lse, lse_x, z_t, ignored, g, g_lse, o);
   }
-  const float s = x.s * expf(x.m - m) + expf(z_t - m);
-  return detail::row_grad_coef(m, s, lse, lse_x, z_t, ignored, g, g_lse, o);
+  if (g_ent != 0.f && !ignored) {
+    const float ent = row_entropy(x, z_t, false);
+    r.h = g_ent;
+    r.k = lse - ent;
+    // dH/dz_t = -p_t (log p_t + H) with log p_t = -nll.
+    r.dz_t -= g_ent * sigmoid(z_t - lse_x) * (ent - softplus(lse_x - z_t));
+  }
+  return r;
 }
 
 // Gradient of a non-target logit z (capped), before the softcap chain rule.
 FLCE_HD float logit_grad(const RowGrad& r, float z) {
-  return r.a * (vexp(z - r.ref) / r.div) - r.u;
+  const float p = vexp(z - r.ref) / r.div;
+  // h = 0 keeps the plain form; p = 0 (z = -inf, a masked column, or an underflow) too, since
+  // 0 * h (z - k) would be NaN there.
+  if (r.h == 0.f || p == 0.f) return r.a * p - r.u;
+  return p * (r.a - r.h * (z - r.k)) - r.u;
 }
 
 // ---------------------------------------------------------------------------------------------
