@@ -67,6 +67,35 @@ def _gather_shards(local, sizes):
     return torch.cat([p[:s] for p, s in zip(parts, sizes)])
 
 
+def _check_rl_outputs(rank, sizes, start, backend):
+    """Temperature and entropy over the shards: per-token entropy (and its gradient through a
+    random upstream) and the tempered loss equal one process on the whole vocabulary."""
+    import flce
+    import flce.parallel as fp
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(V, D, generator=g) / D ** 0.5
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::5] = -100
+    up = torch.rand(N, generator=g) - 0.5
+    xs = x.clone().requires_grad_()
+    ws = w[start:start + sizes[rank]].clone().requires_grad_()
+    loss, ent = fp.vocab_parallel_linear_cross_entropy(xs, ws, t, reduction="none",
+                                                       temperature=0.7, softcap=9.0,
+                                                       return_entropy=True)
+    (loss.sum() + (ent * up).sum()).backward()
+    gw = _gather_shards(ws.grad, sizes)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss1, ent1 = flce.linear_cross_entropy(x1, w1, t, reduction="none", temperature=0.7,
+                                            softcap=9.0, return_entropy=True)
+    (loss1.sum() + (ent1 * up).sum()).backward()
+    assert _rel(loss, loss1) < 1e-6 and _rel(ent, ent1) < 1e-6, (_rel(loss, loss1), _rel(ent, ent1))
+    assert _rel(xs.grad, x1.grad) < 1e-5 and _rel(gw, w1.grad) < 1e-5, backend
+    assert (ent[t == -100] == 0).all()
+    print(f"rank {rank} {backend} temperature and entropy: ok")
+
+
 def _worker():
     import torch.distributed as dist
 
@@ -126,6 +155,8 @@ def _worker():
                 print(f"rank {rank} {dtype} {opts}: ok")
         flce._ops.ops = ops
         assert real_sum_and_grad is ops.sum_and_grad
+        _check_rl_outputs(rank, sizes, start, "cuda-host")
+    _check_rl_outputs(rank, sizes, start, "cpu")
     dist.barrier()
     print("ALL CHECKS PASSED", flush=True)
     dist.destroy_process_group()

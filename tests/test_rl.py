@@ -111,3 +111,17 @@ def test_entropy_refuses_the_single_pass():
     with pytest.raises(ValueError, match="single_pass"):
         flce.linear_cross_entropy(x.requires_grad_(), w, t, return_entropy=True,
                                   single_pass=True)
+
+
+def test_grpo_example_matches_materialized_logits(device):
+    """examples/grpo.py: a GRPO loss from flce's log-probabilities and entropy equals the
+    logits-materializing one, loss and every gradient (it returns 0 when they agree)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "grpo.py")
+    spec = importlib.util.spec_from_file_location("grpo_example", path)
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)
+    assert grpo.main(["--device", device, "--vocab", "1024", "--length", "16"]) == 0
