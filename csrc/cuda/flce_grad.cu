@@ -74,9 +74,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) grad_logits_kernel(const Gr
     const int64_t row = m0 + r;
     RowCoef rc{RowGrad{0.f, 0.f, 0.f, 0.f}, -1};
     if (row < a.n) {
-      const float4 c = *reinterpret_cast<const float4*>(p.coef + row * 8);
-      const float4 c2 = *reinterpret_cast<const float4*>(p.coef + row * 8 + 4);
-      rc.rg = RowGrad{c.x, c.y, c.z, c.w, c2.x, c2.y, c2.z};
+      rc.rg = load_row_grad(p.coef, row);
       rc.tcol = target_column(a.target[row * a.target_stride], a.ignore_index, a.col_offset, a.v);
     }
     rows[r] = rc;

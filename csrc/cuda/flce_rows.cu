@@ -58,6 +58,16 @@ __device__ __forceinline__ RowPartial warp_merge(RowPartial p) {
   return p;
 }
 
+// This thread's kPerThread columns of tile [c0, c0 + kTile) of a row (0 past v).
+__device__ __forceinline__ void load_tile(const float* z, int64_t c0, int64_t v,
+                                          float (&x)[kPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int64_t j = c0 + threadIdx.x + i * kThreads;
+    x[i] = j < v ? z[j] : 0.f;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) row_stats_kernel(const RowStatsParams p) {
   FLCE_DYNAMIC_SHARED(smem);
   RowPartial* warp_part = reinterpret_cast<RowPartial*>(smem);  // [kWarps]
@@ -70,11 +80,7 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const RowStatsParam
     float zt = neg_inf(), sum = 0.f, comp = 0.f;
     for (int64_t c0 = 0; c0 < p.v; c0 += kTile) {
       float x[kPerThread];
-#pragma unroll
-      for (int i = 0; i < kPerThread; ++i) {
-        const int64_t j = c0 + threadIdx.x + i * kThreads;
-        x[i] = j < p.v ? z[j] : 0.f;
-      }
+      load_tile(z, c0, p.v, x);
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
         const int64_t j = c0 + threadIdx.x + i * kThreads;
@@ -117,19 +123,13 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
       T* out = static_cast<T*>(p.grad) + row * p.grad_ld;
       T* lo = p.grad_lo != nullptr ? static_cast<T*>(p.grad_lo) + row * p.grad_lo_ld : nullptr;
       float* colsum = p.col_partials != nullptr ? p.col_partials + b * p.v : nullptr;
-      const float4 c = *reinterpret_cast<const float4*>(p.coef + row * 8);
-      const float4 c2 = *reinterpret_cast<const float4*>(p.coef + row * 8 + 4);
-      const RowGrad rg{c.x, c.y, c.z, c.w, c2.x, c2.y, c2.z};
+      const RowGrad rg = load_row_grad(p.coef, row);
       const int64_t tcol =
           target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
       if (p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0) p.target_resid[row] = 0.f;
       for (int64_t c0 = 0; c0 < p.v; c0 += kTile) {
         float x[kPerThread];
-#pragma unroll
-        for (int i = 0; i < kPerThread; ++i) {
-          const int64_t j = c0 + threadIdx.x + i * kThreads;
-          x[i] = j < p.v ? z[j] : 0.f;
-        }
+        load_tile(z, c0, p.v, x);
         // In place, the 16-bit gradient of tile [c0, c0 + kTile) lands on the bytes of logits
         // [c0 / 2, (c0 + kTile) / 2): all of them read already by every thread after this
         // barrier (earlier tiles, and this one), none of a later tile.

@@ -197,6 +197,17 @@ def _describe(field, values):
 # ---------------------------------------------------------------------------------------------
 # The fused vocab-parallel op.
 # ---------------------------------------------------------------------------------------------
+def _shard_operands(x, weight, bias, group, world, layout, sequence_parallel):
+    """The op's operands: all ranks' tokens under sequence parallelism, and the shard without
+    its vocabulary padding rows, which never enter the softmax (views, no copy)."""
+    if sequence_parallel:
+        x = _all_gather(x, group, world)
+    if layout.valid_rows < weight.shape[0]:
+        weight = weight.narrow(0, 0, layout.valid_rows)
+        bias = None if bias is None else bias.narrow(0, 0, layout.valid_rows)
+    return x, weight, bias
+
+
 class _VocabParallelLinearCE(torch.autograd.Function):
     """Inputs: x [N, D] (this rank's tokens under sequence parallelism), the local shard and
     bias, full-vocabulary targets for all N (gathered) tokens. Outputs loss, lse, entropy [N]
@@ -206,13 +217,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, group, rank, world, layout, options,
                 reduce_input_grad, sequence_parallel):
         ignore_index, label_smoothing, z_loss, softcap, temperature = options
-        if sequence_parallel:
-            x = _all_gather(x, group, world)
-        w, b = weight, bias
-        if layout.valid_rows < weight.shape[0]:
-            # Vocabulary padding rows never enter the softmax (views, no copy).
-            w = weight.narrow(0, 0, layout.valid_rows)
-            b = None if bias is None else bias.narrow(0, 0, layout.valid_rows)
+        x, w, b = _shard_operands(x, weight, bias, group, world, layout, sequence_parallel)
         partials = _ops.ops.partial_stats(x, w, target, b, layout.vocab_start, ignore_index,
                                           softcap, temperature)
         gathered = _all_gather(partials, group, world).view(world, x.shape[0], _ops.PARTIAL_COLS)
@@ -255,7 +260,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
 
 class _VocabParallelSinglePass(torch.autograd.Function):
     """The single pass (flce::sum_and_grad with the group: 3 GEMMs, the gradients computed in the
-    forward) over the vocabulary shards: per chunk of rows the [rows, 4] partial statistics are
+    forward) over the vocabulary shards: per chunk of rows the [rows, 5] partial statistics are
     all-gathered inside the op; the backward scales the deferred gradients and reduces the input
     gradient over the group. Returns the reduced loss (identical on all ranks)."""
 
@@ -263,12 +268,7 @@ class _VocabParallelSinglePass(torch.autograd.Function):
     def forward(ctx, x, weight, bias, target, group, world, layout, options, reduction,
                 reduce_input_grad, sequence_parallel):
         ignore_index, label_smoothing, z_loss, softcap, temperature = options
-        if sequence_parallel:
-            x = _all_gather(x, group, world)
-        w, b = weight, bias
-        if layout.valid_rows < weight.shape[0]:
-            w = weight.narrow(0, 0, layout.valid_rows)
-            b = None if bias is None else bias.narrow(0, 0, layout.valid_rows)
+        x, w, b = _shard_operands(x, weight, bias, group, world, layout, sequence_parallel)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                 bias is not None and ctx.needs_input_grad[2]]
         loss, divisor, gi, gw, gb = _ops.ops.sum_and_grad(
