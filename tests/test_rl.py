@@ -76,6 +76,15 @@ def test_temperature_training_path(device, dtype):
     assert abs(plain.item() - hot.item()) > 1e-3 * abs(plain.item())
 
 
+@pytest.mark.parametrize("temperature", [0.05, 0.3])
+def test_low_temperature_fp16(device, temperature):
+    # The fp16 gradient tile is stored times a power-of-two scale from a bound on |dz| that must
+    # include the chain rule's 1/T: missing it, the CUDA tile overflowed to inf at T = 0.05.
+    x, w, t, b = rand_inputs(96, 1031, 32, torch.float16, device, seed=59, bias=True, scale=0.5)
+    check_flce(x, w, t, b, reduction="none", temperature=temperature, return_entropy=True)
+    check_flce(x, w, t, b, reduction="mean", temperature=temperature)
+
+
 def test_entropy_of_ignored_rows_is_zero_and_gradient_free(device):
     x, w, t, b = rand_inputs(50, 300, 32, torch.float32, device, seed=47, bias=True)
     t[::2] = -100

@@ -392,8 +392,8 @@ void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
 void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float* grad_loss,
                  int64_t grad_loss_stride, const float* grad_lse, int64_t grad_lse_stride,
                  const float* grad_entropy, int64_t grad_entropy_stride, int64_t ignore_index,
-                 double label_smoothing, double z_loss, double softcap, int64_t vocab_size,
-                 float* coef, float* bound) {
+                 double label_smoothing, double z_loss, double softcap, double temperature,
+                 int64_t vocab_size, float* coef, float* bound) {
   cuda::RowCoefParams rp{};
   rp.n = target.size(0);
   rp.target = target.data_ptr<int64_t>();
@@ -411,6 +411,7 @@ void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float*
   rp.label_smoothing = static_cast<float>(label_smoothing);
   rp.z_loss = static_cast<float>(z_loss);
   rp.softcap = static_cast<float>(softcap);
+  rp.temperature = static_cast<float>(temperature);
   rp.vocab_size = vocab_size;
   rp.coef = coef;
   rp.bound = bound;
@@ -513,7 +514,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
               grad_lse ? grad_lse->stride(0) : 0,
               grad_entropy ? grad_entropy->data_ptr<float>() : nullptr,
               grad_entropy ? grad_entropy->stride(0) : 0, ignore_index, label_smoothing, z_loss,
-              softcap, vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
+              softcap, temperature, vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
   at::Tensor scale, inv_scale;
   if (p.compute == at::kHalf) {
     const at::Tensor mx = bound.amax();
@@ -898,7 +899,8 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
                       loss_rows.data_ptr<float>() + s0, lse.data_ptr<float>(), nullptr,
                       st.data_ptr<float>(), flag.data_ptr<int>());
       launch_coef(ts, st, grad_scale.data_ptr<float>(), 0, nullptr, 0, nullptr, 0, ignore_index,
-                  label_smoothing, z_loss, softcap, shard.vocab_size, coef.data_ptr<float>(),
+                  label_smoothing, z_loss, softcap, temperature, shard.vocab_size,
+                  coef.data_ptr<float>(),
                   bound.data_ptr<float>());
 
       cuda::RowGradParams rg{};

@@ -1,8 +1,8 @@
 // Backward kernels.
 //
 // row_coef_kernel: one thread per row turns (m_x, s_x, z_t, grad_loss, grad_lse) into math.h's
-//   RowGrad (ref, A, U, dz_t, div) and a bound on max_j |dz_j| (|A| + |U| + |dz_t|, since p_j <= 1
-//   and the softcap derivative is in [0, 1]) used to pick the power-of-two scale of the 16-bit
+//   RowGrad (ref, A, U, dz_t, div) and a bound on max_j |dz_j| ((|A| + |U| + |dz_t|) / T, since
+//   p_j <= 1 and the softcap derivative is in [0, 1]) used to pick the power-of-two scale of the 16-bit
 //   gradient tile.
 // grad_logits_kernel: 1-D grid over (row block, vocab tile) pairs, grouped (grouped_tile,
 //   kGroupRows row blocks at a time, so the resident CTAs share rows and weight tiles in L2),
@@ -40,10 +40,13 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
   *reinterpret_cast<float4*>(p.coef + row * 8) = make_float4(rg.ref, rg.a, rg.u, rg.dz_t);
   *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, rg.h, rg.k, 0.f);
   // For an ignored row dz_t is never used (it has no target column). The entropy's term
-  // p_j |log p_j + H| is at most 1/e + H, H = lse - k.
+  // p_j |log p_j + H| is at most 1/e + H, H = lse - k. The stored dz is times the chain rule
+  // softcap' / T, softcap' in [0, 1]: a temperature below 1 raises it (missing that 1/T, the
+  // fp16 tile's scale overflowed to inf at T = 0.05).
   const float ent_bound =
       rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(logaddexp(lse_value(x), z_t) - rg.k)) : 0.f;
-  p.bound[row] = fabsf(rg.a) + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t)) + ent_bound;
+  p.bound[row] =
+      (fabsf(rg.a) + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t)) + ent_bound) / p.temperature;
 }
 
 // Row blocks per rasterization group: 16 x ~16 resident column tiles touch 16 input row blocks

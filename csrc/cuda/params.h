@@ -71,9 +71,10 @@ struct RowCoefParams {
   int64_t grad_entropy_stride;
   int64_t ignore_index;
   float label_smoothing, z_loss, softcap;
+  float temperature = 1.f;  // the stored dz carries its 1/T (bound only; the coef do not)
   int64_t vocab_size;
   float* coef;   // [n, 8] = RowGrad (ref, a, u, dz_t), (div, h, k, 0)
-  float* bound;  // [n] >= max_j |dz_j| of the row
+  float* bound;  // [n] >= max_j |dz_j| of the row, chain rule (softcap', 1/T) included
 };
 cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream);
 

@@ -98,6 +98,16 @@ MUTATIONS = [
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
          original="none of a later tile.\n        __syncthreads();\n",
          replacement="none of a later tile.\n"),
+    # The entropy's sum u of the tiles lost (u = 0): H_x = log s alone.
+    dict(name="entropy_sum_dropped_in_fold_tile",
+         file=STATS, config="plain", test="bf16_tiles", expect=r"entropy: \d+ of \d+ elements out of bounds",
+         original="          ue += e * (mx - z[i]);\n",
+         replacement=""),
+    # The gradient tile's chain rule without the temperature's 1/T (softcap' at z instead of z T).
+    dict(name="temperature_dropped_from_gradient_chain_rule",
+         file=GRAD, config="plain", test="fp32_simt_tiles", expect=NUMERIC,
+         original="             logit_transform_grad(z, a.softcap, a.temperature);",
+         replacement="             softcap_grad(z, a.softcap);"),
 ]
 
 

@@ -6,14 +6,16 @@
 // GEMMs (done here in double, standing in for cuBLAS with fp32 output), kahan_accumulate,
 // target_fix, column_sum, scale_store) and compares every stored value with a float64
 // reference of the collapse-safe formulas (shared NUMERICS.md):
-//   partials (m, s, z_t, sum_z) of every split, merged rank partials, loss, lse, stats, the
-//   target flag, coef and bound, the stored gradient tiles (hi, lo), col_partials,
-//   target_resid, and the final dE, dC, dbias.
+//   partials (m, s, z_t, sum_z, u) of every split, merged rank partials, loss, lse, entropy,
+//   stats (m_x, s_x, z_t, u_x), the target flag, coef and bound, the stored gradient tiles (hi,
+//   lo), col_partials, target_resid, and the final dE, dC, dbias. The logits are
+//   z = softcap(x . w + b) / T (sampling temperature T); upstream gradients of the loss, the lse
+//   and the entropy.
 // Every output and workspace starts NaN (unwritten elements fail); padding elements of the
 // operands are NaN (read ones poison the result).
 //
 // Tolerances are bounds, per element, built from the rounding floor: a logit carries at most
-// delta = (steps + 2) u sum_k |e_k w_k| (+ bias, softcap) with u = 2^-24 and `steps` the fp32
+// delta = (steps + 2) u sum_k |e_k w_k| (+ bias, softcap, / T) with u = 2^-24 and `steps` the fp32
 // roundings of the tile's accumulation (one per mma step; one per FMA for the SIMT tile); row
 // statistics and gradients inherit it through their derivatives plus a few u per operation; a
 // stored 16-bit tile adds half an ulp of its dtype per entry, which the GEMMs carry into dE and
@@ -43,6 +45,11 @@ namespace {
 constexpr double kU = 0x1p-24;
 constexpr int64_t kIgnore = -100;
 const double kInf = INFINITY;
+constexpr int64_t kPartials = flce::cuda::kPartialCols;
+constexpr int64_t kStats = flce::cuda::kStatsCols;
+static_assert(kPartials == 5 && kStats == 4,
+              "the checks index partials (m, s, z_t, sum_z, u) and stats (m_x, s_x, z_t, u_x)");
+constexpr int64_t kEntStride = 3;  // grad_entropy's row stride (NaN in between)
 
 enum class Kind { kBf16, kF16, kTf32, kF32 };
 
@@ -165,18 +172,20 @@ struct Case {
   bool transposed_w = false;  // SIMT tile: weight with unit row stride
   bool collapsed_row = false; // row 0 with a target margin of ~40 (p_t rounds to 1 in fp32)
   bool single_pass = false;   // the row kernels on fp32 logits from a GEMM (flce_rows.cu)
+  float temp = 1.f;           // sampling temperature: z = softcap(x . w + b) / temp
+  bool grad_ent = false;      // an upstream gradient of the entropy (row_coef's grad_entropy)
 };
 
 std::string describe(const Case& c) {
   char buf[256];
   std::snprintf(buf, sizeof(buf),
                 "%s N=%lld V=%lld D=%lld bias=%d cap=%g eps=%g z=%g ign=%d bad=%d glse=%d "
-                "g0=%d ranks=%d tps=%d chunk=%d master=%d pad=%d wT=%d coll=%d%s",
+                "g0=%d ranks=%d tps=%d chunk=%d master=%d pad=%d wT=%d coll=%d T=%g gH=%d%s",
                 kind_name(c.kind), static_cast<long long>(c.n), static_cast<long long>(c.v),
                 static_cast<long long>(c.d), c.bias, c.softcap, c.eps, c.zloss, c.ignore_rows,
                 c.bad_targets, c.grad_lse, c.grad_loss_stride0, c.ranks, c.tiles_per_split,
-                c.chunk_tiles, c.master, c.padded, c.transposed_w, c.collapsed_row,
-                c.single_pass ? " single-pass" : "");
+                c.chunk_tiles, c.master, c.padded, c.transposed_w, c.collapsed_row, c.temp,
+                c.grad_ent, c.single_pass ? " single-pass" : "");
   return buf;
 }
 
@@ -201,8 +210,8 @@ struct Problem {
   std::vector<int64_t> target;    // [n * 2] (stride 2)
   std::vector<float> grad_loss;   // [n] or [1]
   std::vector<float> grad_lse;    // [n]
+  std::vector<float> grad_ent;    // [n] dL/dH of the rows' entropies
   std::vector<double> z, delta;   // [n, v] reference logits and their kernel error bounds
-  std::vector<double> zraw;       // before softcap
   std::vector<double> acc;        // [n, v] the dot products alone (no bias)
   std::vector<int64_t> shard_lo;  // [ranks + 1]
 
@@ -248,16 +257,19 @@ void build(Problem& p) {
     p.target[2 * 1] = c.v + 5;
     p.target[2 * 2] = -7;
   }
-  if (c.collapsed_row && c.n > 0 && c.bias) p.bias[p.t(0)] += 40.f;
+  if (c.collapsed_row && c.n > 0 && c.bias) p.bias[p.t(0)] += 40.f * c.temp;
   p.grad_loss.resize(c.grad_loss_stride0 ? 1 : c.n);
   for (float& g : p.grad_loss) g = check::uniform(-2.f, 2.f) / std::max<float>(1, c.n);
   if (c.grad_lse) {
     p.grad_lse.resize(c.n);
     for (float& g : p.grad_lse) g = check::uniform(-1.f, 1.f) / std::max<float>(1, c.n);
   }
+  if (c.grad_ent) {
+    p.grad_ent.resize(c.n);
+    for (float& g : p.grad_ent) g = check::uniform(-1.f, 1.f) / std::max<float>(1, c.n);
+  }
   // Reference logits from the operands the tiles multiply, and their error bounds.
   p.z.assign(c.n * c.v, 0);
-  p.zraw.assign(c.n * c.v, 0);
   p.acc.assign(c.n * c.v, 0);
   p.delta.assign(c.n * c.v, 0);
   for (int64_t i = 0; i < c.n; ++i) {
@@ -274,7 +286,10 @@ void build(Problem& p) {
         zz = c.softcap * std::tanh(u / c.softcap);
         dz += kU * std::fabs(u) + 4 * kU * std::fabs(zz);
       }
-      p.zraw[i * c.v + j] = u;
+      if (c.temp != 1.f) {  // one more rounding, of the quotient
+        zz /= c.temp;
+        dz = dz / c.temp + kU * std::fabs(zz);
+      }
       p.acc[i * c.v + j] = acc;
       p.z[i * c.v + j] = zz;
       p.delta[i * c.v + j] = dz;
@@ -319,6 +334,54 @@ bool lse_near(float m, float s, const RangeRef& r, int merges) {
   return std::fabs(got - r.lse_x) <= tol && std::fabs(m - r.max_x) <= r.dmax + kU * std::fabs(r.max_x);
 }
 
+// The float64 sums s = sum e_j and u = sum e_j (m - z_j), e_j = exp(z_j - m), over the non-target
+// columns of [j0, j1) at a given max m (the kernel's own for its partials: s and u are relative
+// to it), and bounds of the kernel's error in them. du: the logit errors, through
+// d/dz_j (e_j (m - z_j)) = e_j (m - z_j - 1). rs, ru: the fp32 rounding, relative, since all
+// terms are >= 0: per merge or lse_add a few roundings of s, of u's parts (m - z, the rescale
+// r (u + s (m' - m))) and of the exp; and the exp's argument z - m, with the shifts m' - m of
+// the merges above it (they add up to at most m - z), 2 kU (m - z_j) relative to term j:
+// weighted, 2 kU u / s for s and 2 kU w2 for u, w2 = sum e_j (m - z_j)^2 / u. s1: s without the
+// term of one column at m (s - 1 when m is the max, without s - 1's cancellation).
+struct StateRef {
+  double s = 0, s1 = 0, u = 0, du = 0, rs = 0, ru = 0;
+};
+
+StateRef state_ref(const Problem& p, int64_t i, int64_t j0, int64_t j1, double m, int merges) {
+  StateRef r;
+  const int64_t tt = p.valid_target(i) ? p.t(i) : -1;
+  double w2 = 0;
+  bool at_m = false;
+  for (int64_t j = j0; j < j1; ++j) {
+    if (j == tt) continue;
+    const double zz = p.z[i * p.c.v + j], e = std::exp(zz - m);
+    r.s += e;
+    if (zz == m && !at_m) {
+      at_m = true;
+    } else {
+      r.s1 += e;
+    }
+    r.u += e * (m - zz);
+    w2 += e * (m - zz) * (m - zz);
+    r.du += e * std::fabs(m - zz - 1) * p.delta[i * p.c.v + j];
+  }
+  r.rs = (24 + 4 * merges) * kU + 2 * kU * (r.s > 0 ? r.u / r.s : 0);
+  r.ru = (24 + 8 * merges) * kU + 2 * kU * (r.u > 0 ? w2 / r.u : 0);
+  return r;
+}
+
+struct Bounded {
+  double ref, tol;
+};
+
+// The kernel's u of the non-target columns of [j0, j1) at its m; the empty state has u = 0
+// exactly.
+Bounded u_ref(const Problem& p, int64_t i, int64_t j0, int64_t j1, float m, int merges) {
+  if (m == -INFINITY) return Bounded{0, 0};
+  const StateRef st = state_ref(p, i, j0, j1, m, merges);
+  return Bounded{st.u, st.du + st.ru * st.u};
+}
+
 double sigmoid(double x) { return x >= 0 ? 1 / (1 + std::exp(-x)) : std::exp(x) / (1 + std::exp(x)); }
 double softplus(double x) { return x > 0 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
 double logaddexp(double a, double b) {
@@ -331,7 +394,66 @@ struct RowRef {
   RangeRef all;
   double lse = 0, loss = 0, dlse_x = 0, dloss = 0;
   double A = 0, B = 0, U = 0;  // dz_j = (A p_j - U) sc'_j, dz_t = (A - B) p_t - B q_t - U
+  // The entropy H of the row's softmax (0 for an ignored row) and the bound of the kernel's
+  // error in it; has_h: the row has one (not a row with an out-of-range target, which the
+  // binding rejects). gH: its upstream gradient, k = lse - H: dz_j gains -gH p_j (z_j - k).
+  bool has_h = false;
+  double H = 0, dH = 0, gH = 0, k = 0;
+  double dA = 0, dk = 0;  // bounds of the kernel's A and k
 };
+
+// H = -sum_j p_j log p_j in long double, pivoted on the row's largest logit z_M (the target's at
+// a collapse): q = sum_{j != M} exp(z_j - z_M), -log p_M = log1p(q), -log p_j = (z_M - z_j) +
+// log1p(q), every term of every sum >= 0 (never lse - sum_j p_j z_j, which cancels near
+// collapse, nor a pivot below the max, whose z_M - z_j < 0 cancels log1p(q)). Its bound: the
+// logit errors through dH/dz_j = -p_j (log p_j + H), and row_entropy's fp32 evaluation from
+// (m_x, s_x, u_x, z_t): with x = lse_x - z_t and H_x = log s_x + u_x / s_x (the non-target
+// entropy), H = p_t nll + q_t (softplus(-x) + H_x) has dH/dx = p_t q_t (H_x - x) and
+// dH/dH_x = q_t, and its own terms add a few roundings each (all >= 0).
+void entropy_ref(const Problem& p, int64_t i, int merges, RowRef& r) {
+  using LD = long double;
+  const int64_t v = p.c.v, t = p.t(i);
+  const double* z = p.z.data() + i * v;
+  const double zt = z[t];
+  const int64_t top = std::max_element(z, z + v) - z;
+  LD q = 0;
+  for (int64_t j = 0; j < v; ++j) {
+    if (j != top) q += std::exp(static_cast<LD>(z[j]) - z[top]);
+  }
+  const LD l1q = std::log1p(q);
+  LD h = 0;
+  for (int64_t j = 0; j < v; ++j) {
+    const LD d = static_cast<LD>(z[top]) - z[j];  // >= 0
+    h += std::exp(-d) / (1 + q) * (d + l1q);
+  }
+  LD dh = 0;
+  for (int64_t j = 0; j < v; ++j) {
+    const LD d = static_cast<LD>(z[top]) - z[j];
+    dh += std::exp(-d) / (1 + q) * std::fabs(h - d - l1q) * p.delta[i * v + j];
+  }
+  // H_x = log s + u / s at the row's max: log s's error is rs relative to s, but never more
+  // than s - 1 (plus its own rounding): the max's term is exactly 1 and every add's rounding is
+  // at most its smaller operand, so the kernel's s lies in [1, 1 + (s - 1)(1 + 2 rs)]. (Where one
+  // non-target logit dominates, s - 1 < kU and fp32 s keeps none of it: H_x's relative accuracy
+  // is lost there, its absolute error stays below s - 1.)
+  const RangeRef& a = r.all;
+  if (a.max_x > -kInf) {
+    const StateRef st = state_ref(p, i, 0, v, a.max_x, merges);
+    const double logs = std::log1p(st.s1), hx = logs + st.u / st.s, x = a.lse_x - zt;
+    const double pt = sigmoid(-x), qt = sigmoid(x);
+    const double dlogs = std::min(st.rs, (1 + 2 * st.rs) * st.s1) + kU * logs;
+    const double dhx = dlogs + kU * hx + st.u / st.s * (st.rs + st.ru + kU);
+    const double dx = dlogs + 2 * kU * (std::fabs(a.lse_x) + std::fabs(x) + 1);
+    dh += pt * qt * std::fabs(hx - x) * dx + qt * dhx + 8 * kU * static_cast<double>(h);
+    // Below fp32's normal range (a nearly collapsed row: q_t and nll ~ e^x, H ~ 1e-43) the
+    // roundings are absolute, half of 2^-149 each: q_t's and nll's times their factors
+    // softplus(-x) + H_x and p_t, and those of the products and the sum.
+    dh += 0x1p-149 * (4 + std::fabs(x) + hx);
+  }
+  r.has_h = true;
+  r.H = static_cast<double>(h);
+  r.dH = static_cast<double>(dh);
+}
 
 RowRef row_ref(const Problem& p, int64_t i, int merges) {
   const Case& c = p.c;
@@ -358,44 +480,77 @@ RowRef row_ref(const Problem& p, int64_t i, int merges) {
   r.A = g * (1 + 2 * c.zloss * r.lse) + gl;
   r.B = g * (1 - c.eps);
   r.U = g * c.eps / c.v;
+  // a = g (1 + 2 w lse) + g_lse in fp32: four roundings of terms that may cancel, and the error
+  // of the row's lse (lse_x and z_t) through w.
+  r.dA = 2 * std::fabs(g) * c.zloss * (r.dlse_x + r.all.dzt) +
+         4 * kU * (std::fabs(g * (1 + 2 * c.zloss * r.lse)) + std::fabs(gl) + std::fabs(r.A));
+  r.has_h = p.ignored(i);  // H = 0 exactly
+  if (p.valid_target(i)) {
+    entropy_ref(p, i, merges, r);
+    if (c.grad_ent) r.gH = p.grad_ent[i];
+    r.k = r.lse - r.H;
+    // k = lse - H: the errors of lse (lse_x and z_t) and H, and two roundings.
+    r.dk = r.dlse_x + r.all.dzt + r.dH + 2 * kU * (std::fabs(r.lse) + std::fabs(r.k));
+  }
   return r;
 }
 
-// The true gradient of logit (i, j) (softcap chain rule included) and the bound of the fp32
-// kernel's error in it.
+// The true gradient of logit (i, j) (softcap and temperature chain rule included) and the bound
+// of the fp32 kernel's error in it.
 struct GradRef {
   double dz, tol;
 };
 
-GradRef grad_ref(const Problem& p, const RowRef& r, int64_t i, int64_t j) {
+// dloss/dz_j of the row, before the chain rule (what math.h logit_grad and RowGrad::dz_t give).
+GradRef logit_grad_ref(const Problem& p, const RowRef& r, int64_t i, int64_t j) {
   const Case& c = p.c;
   const double zz = p.z[i * c.v + j], dj = p.delta[i * c.v + j];
-  double sc = 1, dsc = 0;
-  if (c.softcap > 0) {
-    const double q = zz / c.softcap;
-    sc = 1 - q * q;
-    dsc = 2 * std::fabs(q) / c.softcap * dj + 4 * kU;
-  }
-  // a = g (1 + 2 w lse) + g_lse in fp32: four roundings of terms that may cancel, and the error
-  // of the row's lse (lse_x and z_t) through w.
-  const double g0 = p.ignored(i) ? 0.0 : p.grad_loss[c.grad_loss_stride0 ? 0 : i];
-  const double dA = 2 * std::fabs(g0) * c.zloss * (r.dlse_x + r.all.dzt) +
-                    4 * kU * (std::fabs(g0 * (1 + 2 * c.zloss * r.lse)) +
-                              std::fabs(c.grad_lse ? p.grad_lse[i] : 0.0) + std::fabs(r.A));
   double g, tol;
   if (p.valid_target(i) && j == p.t(i)) {
     const double x = zz - r.all.lse_x, pt = sigmoid(x), qt = sigmoid(-x);
     g = (r.A - r.B) * pt - r.B * qt - r.U;
-    tol = std::fabs(r.A) * pt * qt * (dj + r.dlse_x) + dA * pt +
+    tol = std::fabs(r.A) * pt * qt * (dj + r.dlse_x) + r.dA * pt +
           8 * kU * (std::fabs(r.A - r.B) * pt + std::fabs(r.B) * qt + std::fabs(r.U));
+    if (r.gH != 0) {
+      // dH/dz_t = -p_t (H - nll): p_t and nll = softplus(-x) through x, H through its bound.
+      const double nll = softplus(-x), dx = dj + r.dlse_x;
+      g -= r.gH * pt * (r.H - nll);
+      tol += std::fabs(r.gH) * (pt * qt * dx * std::fabs(r.H - nll) +
+                                pt * (r.dH + qt * dx + 2 * kU * nll) +
+                                4 * kU * pt * (r.H + nll) + kU * std::fabs(g));
+    }
   } else {
     const double pj = std::exp(zz - r.lse);
     g = r.A * pj - r.U;
     // p_j = exp(z_j - lse) inherits the errors of z_j and of the row's lse (lse_x and z_t).
-    tol = std::fabs(r.A) * pj * (dj + r.dlse_x + r.all.dzt + 8 * kU) + dA * pj +
-          4 * kU * std::fabs(r.U);
+    const double dp = dj + r.dlse_x + r.all.dzt + 8 * kU;
+    tol = std::fabs(r.A) * pj * dp + r.dA * pj + 4 * kU * std::fabs(r.U);
+    if (r.gH != 0) {
+      // p_j (A - gH (z_j - k)) - U: k = lse - H carries the errors of lse and H, z_j - k and the
+      // bracket (which may cancel) their roundings.
+      g -= r.gH * pj * (zz - r.k);
+      tol += std::fabs(r.gH) * pj *
+                 (std::fabs(zz - r.k) * (dp + 2 * kU) + dj + r.dk + 2 * kU * (std::fabs(zz) + std::fabs(r.k))) +
+             2 * kU * pj * std::fabs(r.A);
+    }
   }
-  return GradRef{g * sc, tol * sc + std::fabs(g) * dsc + kU * std::fabs(g * sc)};
+  return GradRef{g, tol};
+}
+
+GradRef grad_ref(const Problem& p, const RowRef& r, int64_t i, int64_t j) {
+  const Case& c = p.c;
+  const double zz = p.z[i * c.v + j], dj = p.delta[i * c.v + j];
+  // dz/du = softcap'(c) / T at the capped c = z T (math.h logit_transform_grad; at T = 1 no
+  // product or quotient).
+  const double T = c.temp, rT = T != 1 ? kU : 0;
+  double sc = 1 / T, dsc = rT * sc;
+  if (c.softcap > 0) {
+    const double cz = zz * T, q = cz / c.softcap;
+    sc = (1 - q * q) / T;
+    dsc = (2 * std::fabs(q) / c.softcap * (T * dj + rT * std::fabs(cz)) + 4 * kU) / T + rT * sc;
+  }
+  const GradRef g = logit_grad_ref(p, r, i, j);
+  return GradRef{g.dz * sc, g.tol * sc + std::fabs(g.dz) * dsc + kU * std::fabs(g.dz * sc)};
 }
 
 
@@ -476,7 +631,10 @@ std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& t
                                       DeviceBuffer<float>& stats) {
   const Case& c = p.c;
   const int64_t n = c.n;
-  DeviceBuffer<float> loss(n, harness::qnan()), lse(n, harness::qnan());
+  // The single pass asks for no entropy (the binding passes nullptr there).
+  const bool with_entropy = !c.single_pass;
+  DeviceBuffer<float> loss(n, harness::qnan()), lse(n, harness::qnan()),
+      entropy(with_entropy ? n : 0, harness::qnan());
   DeviceBuffer<int> flag(1, 0);
   flce::cuda::CombineParams cp{};
   cp.partials = partials;
@@ -490,13 +648,14 @@ std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& t
   cp.z_loss = c.zloss;
   cp.loss = loss.data();
   cp.lse = lse.data();
+  cp.entropy = with_entropy ? entropy.data() : nullptr;
   cp.stats = stats.data();
   cp.error_flag = flag.data();
   EXPECT(ok_or_report(flce::cuda::launch_combine(cp, true, nullptr), "combine") == cudaSuccess,
          "combine");
   std::vector<RowRef> rows(n);
   {
-    Tally t("loss, lse, stats", c);
+    Tally t("loss, lse, stats (m_x, s_x, z_t, u_x)", c);
     for (int64_t i = 0; i < n; ++i) {
       const RowRef& rr = rows[i] = row_ref(p, i, merges);
       const double x = rr.all.lse_x - rr.all.zt;
@@ -504,9 +663,20 @@ std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& t
       t.check(t.near(loss[i], p.ignored(i) ? 0.0 : rr.loss, rr.dloss), "row %lld loss %.9g vs %.9g (tol %.3g)",
               static_cast<long long>(i), loss[i], rr.loss, rr.dloss);
       t.check(t.near(lse[i], rr.lse, dlse), "row %lld lse %.9g vs %.9g", static_cast<long long>(i), lse[i], rr.lse);
-      t.check(lse_near(stats[3 * i], stats[3 * i + 1], rr.all, merges), "row %lld stats (m_x, s_x)",
-              static_cast<long long>(i));
-      t.check(t.near(stats[3 * i + 2], rr.all.zt, rr.all.dzt), "row %lld stats z_t", static_cast<long long>(i));
+      const float* st = stats.data() + i * kStats;
+      t.check(lse_near(st[0], st[1], rr.all, merges), "row %lld stats (m_x, s_x)", static_cast<long long>(i));
+      t.check(t.near(st[2], rr.all.zt, rr.all.dzt), "row %lld stats z_t", static_cast<long long>(i));
+      const Bounded u = u_ref(p, i, 0, c.v, st[0], merges);
+      t.check(t.near(st[3], u.ref, u.tol), "row %lld stats u_x %.9g vs %.9g", static_cast<long long>(i),
+              st[3], u.ref);
+    }
+  }
+  if (with_entropy) {
+    Tally t("entropy", c);
+    for (int64_t i = 0; i < n; ++i) {
+      if (!rows[i].has_h) continue;
+      t.check(t.near(entropy[i], rows[i].H, rows[i].dH), "row %lld entropy %.9g vs %.9g (tol %.3g)",
+              static_cast<long long>(i), entropy[i], rows[i].H, rows[i].dH);
     }
   }
   EXPECT(flag[0] == (c.bad_targets && n > 2 ? 1 : 0), "target flag %d [%s]", flag[0], describe(c).c_str());
@@ -514,53 +684,106 @@ std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& t
   return rows;
 }
 
-// row_coef from the kernel's stats -> coef, bound, checked.
-void row_coef_and_check(const Problem& p, DeviceBuffer<int64_t>& target,
-                        DeviceBuffer<float>& grad_loss, DeviceBuffer<float>& grad_lse,
-                        DeviceBuffer<float>& stats, DeviceBuffer<float>& coef,
-                        DeviceBuffer<float>& bound) {
+// The upstream gradients as the kernels read them: grad_loss [n] (or [1], read with stride 0),
+// grad_lse [n], grad_entropy [n] with row stride kEntStride (NaN in between).
+struct Upstream {
+  DeviceBuffer<float> loss, lse, ent;
+  explicit Upstream(const Problem& p)
+      : loss(p.grad_loss), lse(p.grad_lse), ent(p.grad_ent.size() * kEntStride, harness::qnan()) {
+    for (std::size_t i = 0; i < p.grad_ent.size(); ++i) ent[i * kEntStride] = p.grad_ent[i];
+  }
+};
+
+// row_coef from the kernel's stats -> coef, bound; coef checked here, the bound by gradients().
+void row_coef_and_check(const Problem& p, DeviceBuffer<int64_t>& target, Upstream& up,
+                        const std::vector<RowRef>& rows, DeviceBuffer<float>& stats,
+                        DeviceBuffer<float>& coef, DeviceBuffer<float>& bound) {
   const Case& c = p.c;
   const int64_t n = c.n;
   // Backward: row coefficients from the kernel's stats, read through strides (col stride 2).
-  DeviceBuffer<float> stats2(n * 6, harness::qnan());
-  for (int64_t i = 0; i < 3 * n; ++i) stats2[(i / 3) * 6 + (i % 3) * 2] = stats[i];
+  DeviceBuffer<float> stats2(n * 2 * kStats, harness::qnan());
+  for (int64_t i = 0; i < kStats * n; ++i) stats2[(i / kStats) * 2 * kStats + (i % kStats) * 2] = stats[i];
   flce::cuda::RowCoefParams rp{};
   rp.n = n;
   rp.target = target.data();
   rp.target_stride = 2;
   rp.stats = stats2.data();
-  rp.stats_row_stride = 6;
+  rp.stats_row_stride = 2 * kStats;
   rp.stats_col_stride = 2;
-  rp.grad_loss = grad_loss.data();
+  rp.grad_loss = up.loss.data();
   rp.grad_loss_stride = c.grad_loss_stride0 ? 0 : 1;
-  rp.grad_lse = c.grad_lse ? grad_lse.data() : nullptr;
+  rp.grad_lse = c.grad_lse ? up.lse.data() : nullptr;
   rp.grad_lse_stride = c.grad_lse ? 1 : 0;
+  rp.grad_entropy = c.grad_ent ? up.ent.data() : nullptr;
+  rp.grad_entropy_stride = c.grad_ent ? kEntStride : 0;
   rp.ignore_index = kIgnore;
   rp.label_smoothing = c.eps;
   rp.z_loss = c.zloss;
   rp.softcap = c.softcap;
+  rp.temperature = c.temp;
   rp.vocab_size = c.v;
   rp.coef = coef.data();
   rp.bound = bound.data();
   EXPECT(ok_or_report(flce::cuda::launch_row_coef(rp, nullptr), "row_coef") == cudaSuccess, "row_coef");
   {
-    // The kernel evaluates math.h's row_grad: the same function on the host gives the same bits.
-    Tally t("coef, bound", c);
+    // The kernel evaluates math.h's row_grad: the same function on the host, from the same
+    // stats and upstream gradients, gives the same bits.
+    Tally t("coef (math.h row_grad's bits)", c);
     const flce::LossOptions opt{c.eps, c.zloss, c.softcap, c.v};
     for (int64_t i = 0; i < n; ++i) {
       const float g = p.grad_loss[c.grad_loss_stride0 ? 0 : i];
       const float gl = c.grad_lse ? p.grad_lse[i] : 0.f;
-      const flce::RowGrad rg = flce::row_grad(flce::OnlineLse{stats[3 * i], stats[3 * i + 1]},
-                                              stats[3 * i + 2], p.ignored(i), g, gl, opt);
-      const float want[8] = {rg.ref, rg.a, rg.u, rg.dz_t, rg.div, 0.f, 0.f, 0.f};
+      const float gh = c.grad_ent ? p.grad_ent[i] : 0.f;
+      const float* st = stats.data() + i * kStats;
+      const flce::RowGrad rg =
+          flce::row_grad(flce::OnlineLse{st[0], st[1], st[3]}, st[2], p.ignored(i), g, gl, opt, gh);
+      const float want[8] = {rg.ref, rg.a, rg.u, rg.dz_t, rg.div, rg.h, rg.k, 0.f};
       for (int k = 0; k < 8; ++k) {
         t.check(std::memcmp(&coef[8 * i + k], &want[k], 4) == 0, "row %lld coef[%d] %g vs %g",
                 static_cast<long long>(i), k, coef[8 * i + k], want[k]);
       }
-      const float b = std::fabs(rg.a) + std::fabs(rg.u) + (p.ignored(i) ? 0.f : std::fabs(rg.dz_t));
-      t.check(std::memcmp(&bound[i], &b, 4) == 0, "row %lld bound", static_cast<long long>(i));
     }
   }
+  // Against float64: A, U, the target's dz_t (before the chain rule) and the entropy's h (the
+  // upstream gradient itself, 0 for an ignored row) and k = lse - H.
+  Tally t("coef (a, u, dz_t, h, k) vs float64", c);
+  for (int64_t i = 0; i < n; ++i) {
+    const RowRef& r = rows[i];
+    const float* cf = coef.data() + 8 * i;
+    t.check(t.near(cf[1], r.A, r.dA), "row %lld a %.9g vs %.9g", static_cast<long long>(i), cf[1], r.A);
+    t.check(t.near(cf[2], r.U, 2 * kU * std::fabs(r.U)), "row %lld u %.9g vs %.9g",
+            static_cast<long long>(i), cf[2], r.U);
+    if (!r.has_h) continue;  // an out-of-range target: the binding raises before any backward
+    if (p.valid_target(i)) {
+      const GradRef g = logit_grad_ref(p, r, i, p.t(i));
+      t.check(t.near(cf[3], g.dz, g.tol), "row %lld dz_t %.9g vs %.9g", static_cast<long long>(i), cf[3], g.dz);
+    }
+    const float h = static_cast<float>(r.gH);
+    t.check(std::memcmp(&cf[5], &h, 4) == 0, "row %lld h %g vs %g", static_cast<long long>(i), cf[5], h);
+    t.check(r.gH != 0 ? t.near(cf[6], r.k, r.dk) : cf[6] == 0.f, "row %lld k %.9g vs %.9g",
+            static_cast<long long>(i), cf[6], r.k);
+  }
+}
+
+// The true gradients [n, v] and their fp32-kernel bounds. row_coef's bound is checked against
+// them (params.h: >= max_j |dz_j| of the row, the stored dz, chain rule included), less their
+// bounds: the fp16 tile's power-of-two scale comes from it (max |scale * bound| <= 2^14), so a
+// bound below the gradient costs fp16 its headroom and, 4x below, overflows it.
+std::vector<GradRef> gradients(const Problem& p, const std::vector<RowRef>& rows,
+                               const DeviceBuffer<float>& bound) {
+  const int64_t n = p.c.n, v = p.c.v;
+  std::vector<GradRef> gr(n * v);
+  Tally t("bound >= max_j |dz_j|", p.c);
+  for (int64_t i = 0; i < n; ++i) {
+    double mx = 0;
+    for (int64_t j = 0; j < v; ++j) {
+      const GradRef& g = gr[i * v + j] = grad_ref(p, rows[i], i, j);
+      mx = std::max(mx, std::fabs(g.dz) - g.tol);
+    }
+    t.check(bound[i] >= mx, "row %lld bound %.9g < max_j |dz_j| %.9g", static_cast<long long>(i),
+            bound[i], mx);
+  }
+  return gr;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -573,8 +796,7 @@ void run_case(const Case& c) {
   const int64_t row_blocks = (n + p.block_n - 1) / p.block_n;
   DeviceBuffer<int64_t> target(p.target);
   DeviceBuffer<float> bias(p.bias);
-  DeviceBuffer<float> grad_loss(p.grad_loss), grad_lse(std::max<std::size_t>(p.grad_lse.size(), 1), 0.f);
-  for (std::size_t i = 0; i < p.grad_lse.size(); ++i) grad_lse[i] = p.grad_lse[i];
+  Upstream up(p);
 
   auto lin = [&](int64_t w0, int64_t vw) {
     flce::cuda::LinearArgs a{};
@@ -593,20 +815,21 @@ void run_case(const Case& c) {
     a.col_offset = w0;
     a.ignore_index = kIgnore;
     a.softcap = c.softcap;
+    a.temperature = c.temp;
     return a;
   };
 
   // Forward: partial statistics per shard and split, merged per shard, combined over shards.
   std::vector<std::unique_ptr<DeviceBuffer<float>>> merged;
   int total_merges = 0;
-  DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * 4, harness::qnan());
+  DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * kPartials, harness::qnan());
   DeviceBuffer<float>* final_partials = nullptr;
   int64_t final_ranks = 0;
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
     const int64_t vtiles = (vr + p.block_v - 1) / p.block_v;
     const int64_t splits = (vtiles + c.tiles_per_split - 1) / c.tiles_per_split;
-    auto partials = std::make_unique<DeviceBuffer<float>>(splits * n * 4, harness::qnan());
+    auto partials = std::make_unique<DeviceBuffer<float>>(splits * n * kPartials, harness::qnan());
     flce::cuda::StatsParams sp{};
     sp.lin = lin(lo, vr);
     sp.partials = partials->data();
@@ -616,13 +839,13 @@ void run_case(const Case& c) {
                         "partial_stats") == cudaSuccess,
            "partial_stats [%s]", describe(c).c_str());
     {
-      Tally t("partials (m, s, z_t, sum_z)", c);
+      Tally t("partials (m, s, z_t, sum_z, u)", c);
       for (int64_t s = 0; s < splits; ++s) {
         const int64_t j0 = lo + s * c.tiles_per_split * p.block_v;
         const int64_t j1 = std::min(lo + vr, j0 + c.tiles_per_split * p.block_v);
         const int tiles = static_cast<int>((j1 - j0 + p.block_v - 1) / p.block_v);
         for (int64_t i = 0; i < n; ++i) {
-          const float* q = partials->data() + (s * n + i) * 4;
+          const float* q = partials->data() + (s * n + i) * kPartials;
           const RangeRef rr = range_ref(p, i, j0, j1);
           t.check(lse_near(q[0], q[1], rr, tiles), "split %lld row %lld: (m, s) = (%g, %g), lse_x %g",
                   static_cast<long long>(s), static_cast<long long>(i), q[0], q[1], rr.lse_x);
@@ -630,6 +853,9 @@ void run_case(const Case& c) {
                   static_cast<long long>(s), static_cast<long long>(i), q[2], rr.zt);
           t.check(t.near(q[3], rr.sum, rr.dsum), "split %lld row %lld: sum %g vs %g",
                   static_cast<long long>(s), static_cast<long long>(i), q[3], rr.sum);
+          const Bounded u = u_ref(p, i, j0, j1, q[0], tiles);
+          t.check(t.near(q[4], u.ref, u.tol), "split %lld row %lld: u %.9g vs %.9g",
+                  static_cast<long long>(s), static_cast<long long>(i), q[4], u.ref);
         }
       }
     }
@@ -640,22 +866,26 @@ void run_case(const Case& c) {
       merged.push_back(std::move(partials));
       continue;
     }
-    // The partial_stats op: splits merged to [n, 4] (combine without finalize).
+    // The partial_stats op: splits merged to [n, kPartials] (combine without finalize).
     flce::cuda::CombineParams cp{};
     cp.partials = partials->data();
     cp.ranks = splits;
     cp.n = n;
-    cp.merged = stacked.data() + r * n * 4;
+    cp.merged = stacked.data() + r * n * kPartials;
     EXPECT(ok_or_report(flce::cuda::launch_combine(cp, false, nullptr), "merge") == cudaSuccess,
            "merge");
     Tally t("merged shard partials", c);
     for (int64_t i = 0; i < n; ++i) {
-      const float* q = stacked.data() + (r * n + i) * 4;
+      const float* q = stacked.data() + (r * n + i) * kPartials;
       const RangeRef rr = range_ref(p, i, lo, lo + vr);
-      t.check(lse_near(q[0], q[1], rr, static_cast<int>(vtiles + splits)), "rank %d row %lld (m, s)",
-              r, static_cast<long long>(i));
+      const int shard_merges = static_cast<int>(vtiles + splits);
+      t.check(lse_near(q[0], q[1], rr, shard_merges), "rank %d row %lld (m, s)", r,
+              static_cast<long long>(i));
       t.check(t.near(q[2], rr.zt, rr.dzt), "rank %d row %lld z_t", r, static_cast<long long>(i));
       t.check(t.near(q[3], rr.sum, rr.dsum), "rank %d row %lld sum", r, static_cast<long long>(i));
+      const Bounded u = u_ref(p, i, lo, lo + vr, q[0], shard_merges);
+      t.check(t.near(q[4], u.ref, u.tol), "rank %d row %lld u %.9g vs %.9g", r,
+              static_cast<long long>(i), q[4], u.ref);
     }
   }
   if (c.ranks > 1) {
@@ -663,11 +893,11 @@ void run_case(const Case& c) {
     final_ranks = c.ranks;
     total_merges += c.ranks;
   }
-  DeviceBuffer<float> stats(n * 3, harness::qnan()), coef(n * 8, harness::qnan()),
+  DeviceBuffer<float> stats(n * kStats, harness::qnan()), coef(n * 8, harness::qnan()),
       bound(n, harness::qnan());
   const std::vector<RowRef> rows =
       combine_and_check(p, target, final_partials->data(), final_ranks, total_merges, stats);
-  row_coef_and_check(p, target, grad_loss, grad_lse, stats, coef, bound);
+  row_coef_and_check(p, target, up, rows, stats, coef, bound);
   // fp16 tiles are stored as scale * dz, scale a power of two with max |scale dz| in
   // (2^13, 2^14], as the binding computes it.
   float scale = 1.f;
@@ -682,11 +912,7 @@ void run_case(const Case& c) {
   const bool has_scale = c.kind == Kind::kF16;
   const bool sixteen = elt_size(c.kind) == 2;
 
-  // True gradients and their fp32-kernel bounds.
-  std::vector<GradRef> gr(n * c.v);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < c.v; ++j) gr[i * c.v + j] = grad_ref(p, rows[i], i, j);
-  }
+  const std::vector<GradRef> gr = gradients(p, rows, bound);
   // What the stored tile (hi, or hi + lo, or hi + the target fix) may miss dz by, / scale.
   auto tile_err = [&](int64_t i, int64_t j, bool fixed, bool with_lo) {
     const GradRef& g = gr[i * c.v + j];
@@ -911,14 +1137,13 @@ void run_single_pass(const Case& c) {
   const int64_t ld = v + 3;  // padded rows, the gap NaN
   DeviceBuffer<int64_t> target(p.target);
   DeviceBuffer<float> bias(p.bias);
-  DeviceBuffer<float> grad_loss(p.grad_loss), grad_lse(std::max<std::size_t>(p.grad_lse.size(), 1), 0.f);
-  for (std::size_t i = 0; i < p.grad_lse.size(); ++i) grad_lse[i] = p.grad_lse[i];
+  Upstream up(p);
   DeviceBuffer<float> logits(n * ld, harness::qnan());
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t j = 0; j < v; ++j) logits[i * ld + j] = static_cast<float>(p.acc[i * v + j]);
   }
   // Forward: per-row statistics of each shard's columns, combined over the shards.
-  DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * 4, harness::qnan());
+  DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * kPartials, harness::qnan());
   int merges = 0;
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
@@ -929,19 +1154,20 @@ void run_single_pass(const Case& c) {
     sp.ld = ld;
     sp.bias = c.bias ? bias.data() + lo : nullptr;
     sp.softcap = c.softcap;
+    sp.temperature = c.temp;
     sp.target = target.data();
     sp.target_stride = 2;
     sp.col_offset = lo;
     sp.ignore_index = kIgnore;
-    sp.partials = stacked.data() + r * n * 4;
+    sp.partials = stacked.data() + r * n * kPartials;
     EXPECT(ok_or_report(flce::cuda::launch_row_stats(sp, nullptr), "row_stats") == cudaSuccess,
            "row_stats [%s]", describe(c).c_str());
     // lse_add per column (a rescale each time the max grows), then 5 butterfly and 8 warp merges.
     const int shard_merges = static_cast<int>(2 * ((vr + 255) / 256) + 13);
     merges = std::max(merges, shard_merges) + 1;
-    Tally t("row_stats partials (m, s, z_t, sum_z)", c);
+    Tally t("row_stats partials (m, s, z_t, sum_z, u)", c);
     for (int64_t i = 0; i < n; ++i) {
-      const float* q = stacked.data() + (r * n + i) * 4;
+      const float* q = stacked.data() + (r * n + i) * kPartials;
       const RangeRef rr = range_ref(p, i, lo, lo + vr);
       double mag = 0;
       for (int64_t j = lo; j < lo + vr; ++j) mag += std::fabs(p.z[i * v + j]);
@@ -951,18 +1177,18 @@ void run_single_pass(const Case& c) {
       // Compensated per thread, a plain 5-level butterfly across the warp, compensated over warps.
       t.check(t.near(q[3], rr.sum, rr.dsum + 8 * kU * mag), "rank %d row %lld sum %.9g vs %.9g", r,
               static_cast<long long>(i), q[3], rr.sum);
+      const Bounded u = u_ref(p, i, lo, lo + vr, q[0], shard_merges);
+      t.check(t.near(q[4], u.ref, u.tol), "rank %d row %lld u %.9g vs %.9g", r,
+              static_cast<long long>(i), q[4], u.ref);
     }
   }
-  DeviceBuffer<float> stats(n * 3, harness::qnan()), coef(n * 8, harness::qnan()),
+  DeviceBuffer<float> stats(n * kStats, harness::qnan()), coef(n * 8, harness::qnan()),
       bound(n, harness::qnan());
   const std::vector<RowRef> rows = combine_and_check(p, target, stacked.data(), c.ranks, merges, stats);
-  row_coef_and_check(p, target, grad_loss, grad_lse, stats, coef, bound);
+  row_coef_and_check(p, target, up, rows, stats, coef, bound);
 
   // Backward: the gradient tile over the logits, in place (the binding's layout).
-  std::vector<GradRef> gr(n * v);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < v; ++j) gr[i * v + j] = grad_ref(p, rows[i], i, j);
-  }
+  const std::vector<GradRef> gr = gradients(p, rows, bound);
   const bool sixteen = elt_size(c.kind) == 2;
   const int64_t grad_ld = ld * 4 / elt_size(c.kind);
   const int rows_per_cta = c.bias ? 16 : 1;
@@ -978,6 +1204,7 @@ void run_single_pass(const Case& c) {
     gp.ld = ld;
     gp.bias = c.bias ? bias.data() + lo : nullptr;
     gp.softcap = c.softcap;
+    gp.temperature = c.temp;
     gp.target = target.data();
     gp.target_stride = 2;
     gp.col_offset = lo;
@@ -1107,13 +1334,16 @@ std::vector<Case> tensor_core_cases(Kind k) {
     c.chunk_tiles = 1;
     c.master = k != Kind::kTf32;
     c.collapsed_row = true;
+    c.grad_ent = true;
     cs.push_back(c);
   }
   {
     Case c = make(k, 257, 517, 72);
     c.softcap = 15.f;
+    c.temp = 1.7f;
     c.zloss = 1e-3f;
     c.grad_lse = true;
+    c.grad_ent = true;
     c.ranks = 2;
     c.chunk_tiles = 2;
     c.padded = true;
@@ -1125,17 +1355,21 @@ std::vector<Case> tensor_core_cases(Kind k) {
     c.grad_loss_stride0 = true;
     c.bias = true;
     c.tiles_per_split = 3;
+    c.temp = 2.5f;
     cs.push_back(c);
   }
   {
     Case c = make(k, 1, 100, 8);
     c.ranks = 2;
     c.eps = 0.2f;
+    c.temp = 1.3f;
+    c.grad_ent = true;
     cs.push_back(c);
   }
   {
     Case c = make(k, 37, 1, 8);  // one vocabulary column: the target is often the only one
     c.bias = true;
+    c.grad_ent = true;
     cs.push_back(c);
   }
   return cs;
@@ -1151,11 +1385,14 @@ std::vector<Case> single_pass_cases(Kind k) {
     c.eps = 0.1f;
     c.master = k != Kind::kF32;
     c.collapsed_row = true;
+    c.temp = 1.25f;
+    c.grad_ent = true;  // the binding has none here, but row_grad reads the whole RowGrad
     cs.push_back(c);
   }
   {
     Case c = make(k, 20, 517, 8);
     c.softcap = 15.f;
+    c.temp = 1.6f;
     c.zloss = 1e-3f;
     c.grad_lse = true;
     c.ranks = 2;
@@ -1165,6 +1402,7 @@ std::vector<Case> single_pass_cases(Kind k) {
   }
   {
     Case c = make(k, 3, 1, 8);
+    c.temp = 2.f;
     cs.push_back(c);
   }
   for (Case& c : cs) c.single_pass = true;
@@ -1227,6 +1465,8 @@ TEST(fp32_simt_tiles) {
     Case c = make(Kind::kF32, 257, 517, 72);  // 5 row blocks, 9 vocab tiles of 64
     c.bias = true;
     c.softcap = 15.f;
+    c.temp = 1.5f;
+    c.grad_ent = true;
     c.ranks = 2;
     c.padded = true;
     c.tiles_per_split = 2;
@@ -1239,6 +1479,7 @@ TEST(fp32_simt_tiles) {
     c.eps = 0.1f;
     c.ignore_rows = true;
     c.grad_lse = true;
+    c.grad_ent = true;
     c.collapsed_row = true;
     c.bias = true;
     cs.push_back(c);
@@ -1249,6 +1490,7 @@ TEST(fp32_simt_tiles) {
     c.bad_targets = true;
     c.grad_loss_stride0 = true;
     c.tiles_per_split = 3;
+    c.temp = 3.f;
     cs.push_back(c);
   }
   {
@@ -1259,6 +1501,46 @@ TEST(fp32_simt_tiles) {
   {
     Case c = make(Kind::kF32, 37, 1, 0);  // D = 0: the logits are the bias
     c.bias = true;
+    c.grad_ent = true;
+    cs.push_back(c);
+  }
+  run_all(cs);
+}
+
+// Temperatures below 1 (RL samplers use 0.6 - 1, near-greedy decoding less): the logits grow by
+// 1/T and so does the chain rule's dz/du = softcap' / T, with and without softcap, in the tile
+// kernels and the single pass. Fails while row_coef's bound leaves out the 1/T (RowCoefParams
+// has no temperature): below max |dz| for T < 1, and at T = 0.05 the fp16 tile, scaled by it,
+// overflows to inf.
+TEST(low_temperature) {
+  std::vector<Case> cs;
+  {
+    Case c = make(Kind::kBf16, 130, 300, 72);
+    c.bias = true;
+    c.softcap = 15.f;
+    c.temp = 0.6f;
+    c.grad_lse = true;
+    c.grad_ent = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(Kind::kF16, 64, 300, 24);  // the fp16 tile, scaled from the bound
+    c.temp = 0.05f;
+    c.grad_ent = true;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(Kind::kF32, 37, 129, 24);
+    c.temp = 0.5f;
+    c.eps = 0.1f;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(Kind::kBf16, 20, 517, 8);
+    c.softcap = 15.f;
+    c.temp = 0.5f;
+    c.grad_ent = true;
+    c.single_pass = true;
     cs.push_back(c);
   }
   run_all(cs);
