@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_launch import flce_path, launch  # noqa: E402
+from dist_launch import flce_path, run_checked  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 F32_ULP = 2.0 ** -24
@@ -31,11 +31,7 @@ F32_ULP = 2.0 ** -24
 # The pytest side: one launch per world size.
 # ---------------------------------------------------------------------------------------------
 def _run(world_size, timeout=150.0):
-    results = launch(HERE, world_size, args=("--worker",), timeout=timeout)
-    report = "\n".join(f"--- rank {r} (exit {rc}) ---\n{out[-6000:]}"
-                       for r, (rc, out) in enumerate(results))
-    assert all(rc == 0 for rc, _ in results), report
-    assert all("ALL CHECKS PASSED" in out for _, out in results), report
+    run_checked(HERE, world_size, timeout=timeout)
 
 
 def test_world_size_2():

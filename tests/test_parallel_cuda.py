@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_launch import launch  # noqa: E402
+from dist_launch import run_checked  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -28,11 +28,7 @@ def _run(world_size, timeout=240.0):
         if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
             raise
         pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
-    results = launch(HERE, world_size, args=("--worker",), timeout=timeout)
-    report = "\n".join(f"--- rank {r} (exit {rc}) ---\n{out[-6000:]}"
-                       for r, (rc, out) in enumerate(results))
-    assert all(rc == 0 for rc, _ in results), report
-    assert all("ALL CHECKS PASSED" in out for _, out in results), report
+    run_checked(HERE, world_size, timeout=timeout)
 
 
 def test_single_pass_world_size_2():
