@@ -103,6 +103,13 @@ MUTATIONS = [
          file=STATS, config="plain", test="bf16_tiles", expect=r"entropy: \d+ of \d+ elements out of bounds",
          original="          ue += e * (mx - z[i]);\n",
          replacement=""),
+    # row_coef's bound of |dz| without the chain rule's 1/T (the fp16 tile's scale overflowed at
+    # T = 0.05 before the fix).
+    dict(name="temperature_dropped_from_gradient_bound",
+         file=GRAD, config="plain", test="low_temperature",
+         expect=r"bound >= max_j \|dz_j\|: \d+ of \d+ elements out of bounds",
+         original="ent_bound) / p.temperature;\n",
+         replacement="ent_bound);\n"),
     # The gradient tile's chain rule without the temperature's 1/T (softcap' at z instead of z T).
     dict(name="temperature_dropped_from_gradient_chain_rule",
          file=GRAD, config="plain", test="fp32_simt_tiles", expect=NUMERIC,
