@@ -1,7 +1,8 @@
 """Small shapes through every flce CUDA kernel, for compute-sanitizer (memcheck, racecheck).
 
 Covers bf16/fp16/fp32 (exact and TF32), tails in N, V and D (D % 8 != 0: the padded-copy path), bias, softcap,
-ignored rows, master weights, vocab-parallel partials + combine and the backward masks."""
+ignored rows, master weights, vocab-parallel partials + combine, the backward masks, and the
+single pass (training's path)."""
 import os
 import sys
 
@@ -21,6 +22,10 @@ def case(n, v, d, dtype, wdtype=None, softcap=None):
     loss, lse = flce.linear_cross_entropy(x, w, t, bias=b, softcap=softcap, label_smoothing=0.1,
                                           return_lse=True)
     (loss + lse.sum() * 1e-3).backward()
+    # The single pass (training's path: mean, no lse): its row kernels and dW pieces.
+    for a in (x, w, b):
+        a.grad = None
+    flce.linear_cross_entropy(x, w, t, bias=b, softcap=softcap, label_smoothing=0.1).backward()
     p = torch.ops.flce.partial_stats(x.detach(), w.detach()[: v // 2], t, b.detach()[: v // 2],
                                      0, -100, 0.0)
     q = torch.ops.flce.partial_stats(x.detach(), w.detach()[v // 2:], t, b.detach()[v // 2:],

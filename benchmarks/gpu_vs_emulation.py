@@ -53,7 +53,12 @@ def run(ops, device, x, w, t, b, opts):
            "bwd db": gb}
     if x.dtype != torch.float16:
         s = ops.sum_and_grad(x, w, t, b, -100, ls, zl, cap, [True, True, True], True)
-        out.update({"single loss": s[0], "single dE": s[2], "single dW": s[3], "single db": s[4]})
+        # The gradients are deferred as [k, *shape] over a divisor (what the backward scales
+        # by): CUDA k = 1, the value over 1 (the mean's 1 / count applied on the device); CPU
+        # k = 2, an fp32 sum and its compensation, over the count. Compare what they stand for.
+        out.update({"single loss": s[0]}, **{
+            f"single {k}": p.double().sum(0) / s[1].double() for k, p in
+            (("dE", s[2]), ("dW", s[3]), ("db", s[4]))})
     return {k: v.detach().cpu().double() for k, v in out.items()}
 
 

@@ -165,6 +165,15 @@ def run(args):
     ms = [tm.elapsed_ms() for tm in times]
     if prof is not None:
         prof.export_chrome_trace(args.torch_profiler)
+        # Where the step's time goes, kernel by kernel (device time first where there is one).
+        avg = prof.key_averages()
+        for key in (("self_device_time_total", "self_cuda_time_total") if cuda
+                    else ("self_cpu_time_total",)):
+            try:
+                print(avg.table(sort_by=key, row_limit=30, max_name_column_width=70))
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
 
     med = statistics.median(ms)
     gemm = 2.0 * args.n * args.v * args.d

@@ -30,6 +30,8 @@ Error metrics
   ``poison_allocator(...)``   best effort: fill and free blocks of the output sizes so that a
                               kernel that leaves elements unwritten returns NaN there (reliable
                               with the CUDA caching allocator, likely with glibc on CPU).
+  ``raises_within_two_calls(fn, match)``  a bad target's IndexError, from the call or (CUDA,
+                              checked without a host sync) from the next one.
 """
 import math
 import os as _os
@@ -373,3 +375,19 @@ def check_flce(x, w, t, b=None, *, return_lse=False, return_entropy=False, grads
                 assert_grad_close(gr, refs[name], what=f"grad {name}", factor=grad_factor)
             result[name] = gr
     return loss, lse, result
+
+
+def raises_within_two_calls(fn, match, exc=IndexError):
+    """A bad target raises ``exc`` (message containing ``match``) from the call itself (the CPU
+    backend) or, on the CUDA backend, whose target check runs without a host sync, from the first
+    flce call after the device has run the bad one (the host emulation reports its checks the
+    same way: landed from the next call on)."""
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), e
+        return
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    with pytest.raises(exc, match=match.replace("[", r"\[").replace("]", r"\]")):
+        fn()

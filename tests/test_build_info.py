@@ -2,6 +2,7 @@
 that names a GPU this build has no code for (mocked: no GPU needed)."""
 import shutil
 import stat
+import subprocess
 
 import pytest
 import torch
@@ -208,3 +209,23 @@ def test_local_version_label(monkeypatch):
     monkeypatch.setenv("FLCE_LOCAL_VERSION", "cu130+sm90")
     with pytest.raises(_build.ArchError, match="PEP 440"):
         _build.local_version(archs, "13.0")
+
+
+def test_extension_uses_the_process_libstdcxx():
+    """flce._C must not carry its own copy of libstdc++'s iostreams: on the first GPU run
+    (2026-12-04) the H200 image's default C++ compiler (/opt/gcc, CXX) put them into the
+    extension, and the first C++ error message holding a number (a bad target's IndexError)
+    crashed the process inside that copy's std::ostream::_M_insert<long>. Checked where the
+    extension keeps its symbol table."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm on this machine")
+    path = flce._ops._C.__file__
+    out = subprocess.run([nm, "-C", "--defined-only", path], capture_output=True, text=True,
+                         check=True).stdout
+    # (Inline header functions, such as clones of operator<<(ostream&, const char*), are
+    # normal; the library's own members are not.)
+    own = [line for line in out.splitlines()
+           if "::_M_insert<" in line or "std::locale::" in line or "std::num_put<" in line
+           or "std::codecvt<" in line]
+    assert not own, f"{path} defines libstdc++'s stream code: {own[:4]}"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flce
-from helpers import check_flce, rand_inputs
+from helpers import check_flce, rand_inputs, raises_within_two_calls
 
 N, V, D = 12, 50, 8
 
@@ -97,6 +97,9 @@ def test_bad_input(device, case, exc, name):
         kw["z_loss"] = {"negative": -1e-4, "nan": math.nan, "inf": math.inf}[case.split("_")[2]]
     elif case == "weight_and_linear_weight":
         kw["linear_weight"] = w
+    if exc is IndexError:  # a bad target: found by the device on CUDA, without a host sync
+        raises_within_two_calls(lambda: _call(x, w, t, b, **kw), name)
+        return
     with pytest.raises(exc, match=name):
         _call(x, w, t, b, **kw)
 
@@ -106,8 +109,17 @@ def test_target_out_of_range_with_custom_ignore_index(device):
     x, w, t, b = _inputs(device)
     t = t.clone()
     t[0] = -100
-    with pytest.raises(IndexError, match="target"):
-        _call(x, w, t, b, ignore_index=7)
+    raises_within_two_calls(lambda: _call(x, w, t, b, ignore_index=7), "target[0] = -100")
+
+
+def test_cpp_error_message_with_numbers(device):
+    """A check of the C++ backend whose message formats numbers raises a clean Python error (on
+    the first GPU run such a message crashed the process: tests/test_build_info.py)."""
+    from flce import _ops
+
+    deferred = torch.zeros(3, 4, device=device)
+    with pytest.raises(ValueError, match=r"got \[3, 4\]"):
+        _ops.ops.scale_grad(deferred, torch.ones((), device=device), torch.float32)
 
 
 def test_module_bad_reduction():

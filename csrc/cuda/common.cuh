@@ -82,5 +82,18 @@ __device__ __forceinline__ OnlineLse partial_lse(const float* q) {
   return OnlineLse{q[0], q[1], q[4]};
 }
 
+// kVec4 values of T moved with one access (16 bytes for fp32, 8 for 16-bit types).
+constexpr int kVec4 = 4;
+template <typename T>
+struct alignas(sizeof(T) * kVec4) Pack {
+  T v[kVec4];
+};
+
+// True when ptr allows Pack<T> accesses (element offsets that are multiples of kVec4).
+template <typename T>
+__device__ __forceinline__ bool pack_aligned(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % sizeof(Pack<T>) == 0;
+}
+
 }  // namespace cuda
 }  // namespace flce

@@ -47,6 +47,15 @@ bool env_flag(const char* name, bool fallback) {
   return std::strcmp(s, "0") != 0;
 }
 
+// A positive integer from the environment (read at every call), else the fallback.
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return fallback;
+  const long long v = std::atoll(s);
+  TORCH_CHECK_VALUE(v > 0, "flce: ", name, " must be a positive integer, got '", s, "'");
+  return v;
+}
+
 // FLCE_NVTX=0 disables the ranges (read once).
 bool nvtx_enabled() {
   static const bool on = env_flag("FLCE_NVTX", true);
@@ -209,8 +218,11 @@ struct PendingCheck {
 };
 
 // Checks still in flight, oldest first (shared by every device and thread of the process).
+// Never destroyed: at exit a pending check's pinned buffer would be freed after the CUDA runtime
+// has shut down (an abort, "driver shutting down"), or after the host emulation's allocation
+// registry is gone.
 std::mutex g_checks_mutex;
-std::deque<PendingCheck> g_checks;
+std::deque<PendingCheck>& g_checks = *new std::deque<PendingCheck>();
 
 // Raises for the oldest landed failing check; wait_all: wait for every pending copy first.
 void poll_target_checks(bool wait_all = false) {
@@ -703,7 +715,8 @@ SinglePassPlan plan_single_pass(int64_t n, int64_t v, at::ScalarType compute, bo
     // (benchmarks/accumulation.py), and fp32 GEMMs are slow enough that the [V, D] compensated
     // add per group costs little beside them.
     plan.in_place = true;
-    plan.group_rows = std::min<int64_t>(round_rows(budget / (4 * ld)), 1024);
+    plan.group_rows = std::min<int64_t>(round_rows(budget / (4 * ld)),
+                                        env_int("FLCE_CUDA_FP32_GROUP_ROWS", 1024));
     plan.sub_rows = plan.group_rows;
   } else {
     // The sub-chunk gets a twelfth of the budget (at most 128 MiB): 256 rows of a 128k
@@ -824,6 +837,14 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   at::Tensor group = dev::empty({G * gld}, input.options());
   at::Tensor group_lo = split ? dev::empty({G * v}, input.options()) : at::Tensor();
   at::Tensor scratch = plan.in_place ? at::Tensor() : dev::empty({S * ld}, f32);
+  // Column splits of the row kernels: about 8 CTAs per SM in flight (a sub-chunk's rows alone
+  // are a few hundred CTAs), at most one per tile of the row.
+  const int64_t row_tiles = std::max<int64_t>(ceil_div(v, cuda::kRowTileCols), 1);
+  auto col_splits = [&](int64_t ctas) {
+    return static_cast<int>(std::clamp<int64_t>(
+        ceil_div(dev::sm_count() * 8, std::max<int64_t>(ctas, 1)), 1, row_tiles));
+  };
+  at::Tensor split_partials = dev::empty({col_splits(1) * S * cuda::kPartialCols}, f32);
   at::Tensor partials = dev::empty({S, cuda::kPartialCols}, f32), lse = dev::empty({S}, f32),
              stats = dev::empty({S, cuda::kStatsCols}, f32), coef = dev::empty({S, 8}, f32),
              bound = dev::empty({S}, f32);
@@ -848,7 +869,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   // fp32 inputs: dE sums over V in pieces of kPieceCols columns, Neumaier-added (one fp32 GEMM
   // over a whole 128k vocabulary would carry its k-loop's rounding; 16-bit inputs round dE to
   // 16 bits anyway).
-  constexpr int64_t kPieceCols = 8192;
+  const int64_t kPieceCols = env_int("FLCE_CUDA_FP32_PIECE_COLS", 8192);
   const int64_t pieces = compute == at::kFloat ? ceil_div(v, kPieceCols) : 1;
   at::Tensor tmp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
   at::Tensor comp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
@@ -890,8 +911,19 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rs.target_stride = ts.stride(0);
       rs.col_offset = shard.vocab_start;
       rs.ignore_index = ignore_index;
-      rs.partials = partials.data_ptr<float>();
+      rs.need_sum = label_smoothing != 0.0;
+      rs.need_u = false;  // the single pass returns no entropy
+      rs.splits = col_splits(sn);
+      rs.partials = rs.splits > 1 ? split_partials.data_ptr<float>() : partials.data_ptr<float>();
       check_launch(cuda::launch_row_stats(rs, stream), "row_stats");
+      if (rs.splits > 1) {  // the splits merged in order into [sn, 5]
+        cuda::CombineParams mp{};
+        mp.partials = split_partials.data_ptr<float>();
+        mp.ranks = rs.splits;
+        mp.n = sn;
+        mp.merged = partials.data_ptr<float>();
+        check_launch(cuda::launch_combine(mp, false, stream), "merge");
+      }
       const at::Tensor part =
           gather_partials(partials.narrow(0, 0, sn), shard.group, shard.group_size);
       const at::Tensor st = stats.narrow(0, 0, sn);
@@ -923,6 +955,8 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rg.target_resid = fix_target ? resid.data_ptr<float>() + (s0 - g0) : nullptr;
       rg.col_partials = need_b && v > 0 ? col_partials.data_ptr<float>() : nullptr;
       rg.rows_per_cta = rg.col_partials != nullptr ? kBiasRows : 1;
+      // (a 16-bit tile never aliases the logits here: in place is fp32 only)
+      rg.col_splits = col_splits(ceil_div(sn, rg.rows_per_cta));
       check_launch(cuda::launch_row_grad(rg, dtype, stream), "row_grad");
       if (need_b) {
         check_launch(cuda::launch_column_sum(col_partials.data_ptr<float>(),

@@ -83,8 +83,18 @@ template <typename T>
 __global__ void scale_store_kernel(T* __restrict__ out, const float* __restrict__ x,
                                    int64_t count, const float* __restrict__ inv_scale) {
   const float k = inv_scale != nullptr ? *inv_scale : 1.f;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  // Packs of kVec4 elements where both pointers allow them, then the tail one by one.
+  const int64_t packs = pack_aligned<T>(out) && pack_aligned<float>(x) ? count / kVec4 : 0;
+  for (int64_t i = start; i < packs; i += stride) {
+    const Pack<float> q = reinterpret_cast<const Pack<float>*>(x)[i];
+    Pack<T> o;
+#pragma unroll
+    for (int e = 0; e < kVec4; ++e) o.v[e] = from_float<T>(q.v[e] * k);
+    reinterpret_cast<Pack<T>*>(out)[i] = o;
+  }
+  for (int64_t i = packs * kVec4 + start; i < count; i += stride) {
     out[i] = from_float<T>(x[i] * k);
   }
 }

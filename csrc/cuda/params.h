@@ -156,6 +156,9 @@ cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t c
 // One CTA per row block; a row's columns are split over the CTA's threads in a fixed order,
 // reduced in a fixed tree: deterministic, no atomics.
 
+// Columns of one tile of the row kernels (flce_rows.cu): the unit of their column splits.
+constexpr int64_t kRowTileCols = 4096;
+
 struct RowStatsParams {
   const float* logits;  // [n, v] raw x . w (bias and softcap not applied), row stride ld floats
   int64_t n, v, ld;
@@ -167,6 +170,13 @@ struct RowStatsParams {
   int64_t col_offset;   // vocabulary id of column 0
   int64_t ignore_index;
   float* partials;      // [n, kPartialCols], contiguous
+  bool need_sum = true;  // the logit sum (label smoothing); false: 0 stored
+  bool need_u = true;    // the entropy's sum u (return_entropy); false: 0 stored
+  // Column splits: split k takes a contiguous range of the row's kRowTileCols-column tiles and
+  // writes its partial to partials + k * n * kPartialCols (launch_combine merges them in order).
+  // More CTAs in flight than one per row: a sub-chunk of a few hundred rows alone leaves the
+  // memory system mostly idle.
+  int splits = 1;
 };
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
 
@@ -190,6 +200,10 @@ struct RowGradParams {
   float* target_resid;  // [n]: dz_t - hi for rows whose target is a column here, else 0; or null
   float* col_partials;  // [ceil(n / rows_per_cta), v] fp32 column sums of dz, or nullptr
   int rows_per_cta;     // rows of one CTA (and of one col_partials row): 1 without col_partials
+  // Column splits, as RowStatsParams::splits. Only where the gradient does not alias the logits
+  // with a narrower type (a 16-bit tile written over fp32 logits lands on columns another split
+  // may not have read yet): launch_row_grad refuses that.
+  int col_splits = 1;
 };
 cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t stream);
 
