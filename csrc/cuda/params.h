@@ -222,7 +222,12 @@ struct TargetRowsParams {
   int64_t col_offset, rows, ignore_index;
   const float* resid;            // [n] by row: scale * dz_t - hi of the row's target entry
   const float* inv_scale;        // device scalar or nullptr
-  float* out;                    // [rows, d] fp32, contiguous
+  float* out;                    // [rows, d] fp32, contiguous (accumulated into), or nullptr:
+  // store instead: row c of `store` ([rows, d] in the compute dtype, contiguous) =
+  // dtype(base[k] + the residual sum) for the first sorted position k of each target run, base
+  // [n, d] fp32 holding each sorted position's full dW row (rounded once, here).
+  const float* base;
+  void* store;
 };
 cudaError_t launch_target_rows(const TargetRowsParams& p, DType dtype, cudaStream_t stream);
 
