@@ -113,7 +113,7 @@ __device__ __forceinline__ void load_tile(const float* z, int64_t c0, int64_t v,
 // kSum: the row's sum of logits (label smoothing only); kU: the entropy's running sum u (only
 // where the entropy is returned). Without them 0 is stored in their place.
 template <bool kSum, bool kU>
-__global__ void __launch_bounds__(kThreads) row_stats_kernel(const RowStatsParams p) {
+__global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsParams p) {
   FLCE_DYNAMIC_SHARED(smem);
   RowPartial* warp_part = reinterpret_cast<RowPartial*>(smem);  // [kWarps]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
