@@ -340,6 +340,16 @@ Tensor4 combine_impl(const at::Tensor& partials, const at::Tensor& target, int64
   return {loss, lse, stats, entropy};
 }
 
+// [parts, n, kPartialCols] partials (vocab splits of one rank) merged in order into [n, 5].
+void merge_partials(const float* parts, int64_t count, int64_t n, float* merged) {
+  cuda::CombineParams cp{};
+  cp.partials = parts;
+  cp.ranks = count;
+  cp.n = n;
+  cp.merged = merged;
+  check_launch(cuda::launch_combine(cp, false, dev::stream()), "merge");
+}
+
 at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& target, const std::optional<at::Tensor>& bias,
                               int64_t vocab_start, int64_t ignore_index, double softcap,
@@ -353,12 +363,8 @@ at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
                                      softcap, temperature);
   if (partials.size(0) == 1) return partials.select(0, 0);
   at::Tensor merged = dev::empty({input.size(0), cuda::kPartialCols}, partials.options());
-  cuda::CombineParams cp{};
-  cp.partials = partials.data_ptr<float>();
-  cp.ranks = partials.size(0);
-  cp.n = input.size(0);
-  cp.merged = merged.data_ptr<float>();
-  check_launch(cuda::launch_combine(cp, false, dev::stream()), "merge");
+  merge_partials(partials.data_ptr<float>(), partials.size(0), input.size(0),
+                 merged.data_ptr<float>());
   return merged;
 }
 
@@ -925,13 +931,8 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rs.splits = col_splits(sn);
       rs.partials = rs.splits > 1 ? split_partials.data_ptr<float>() : partials.data_ptr<float>();
       check_launch(cuda::launch_row_stats(rs, stream), "row_stats");
-      if (rs.splits > 1) {  // the splits merged in order into [sn, 5]
-        cuda::CombineParams mp{};
-        mp.partials = split_partials.data_ptr<float>();
-        mp.ranks = rs.splits;
-        mp.n = sn;
-        mp.merged = partials.data_ptr<float>();
-        check_launch(cuda::launch_combine(mp, false, stream), "merge");
+      if (rs.splits > 1) {
+        merge_partials(split_partials.data_ptr<float>(), rs.splits, sn, partials.data_ptr<float>());
       }
       const at::Tensor part =
           gather_partials(partials.narrow(0, 0, sn), shard.group, shard.group_size);

@@ -153,8 +153,9 @@ cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t c
 //   launch_row_coef   (above) the row coefficients from the combined statistics;
 //   launch_row_grad   dz = dloss/dz (x softcap') in the compute dtype, written over the logits in
 //                     place, with the target entry's rounding residual and the bias' column sums.
-// One CTA per row block; a row's columns are split over the CTA's threads in a fixed order,
-// reduced in a fixed tree: deterministic, no atomics.
+// One CTA per (row block, column split); a split's columns are divided over the CTA's threads
+// in a fixed order and reduced in a fixed tree, the splits merged in order: deterministic, no
+// atomics.
 
 // Columns of one tile of the row kernels (flce_rows.cu): the unit of their column splits.
 constexpr int64_t kRowTileCols = 4096;
@@ -169,7 +170,7 @@ struct RowStatsParams {
   int64_t target_stride;
   int64_t col_offset;   // vocabulary id of column 0
   int64_t ignore_index;
-  float* partials;      // [n, kPartialCols], contiguous
+  float* partials;      // [splits, n, kPartialCols], contiguous
   bool need_sum = true;  // the logit sum (label smoothing); false: 0 stored
   bool need_u = true;    // the entropy's sum u (return_entropy); false: 0 stored
   // Column splits: split k takes a contiguous range of the row's kRowTileCols-column tiles and
