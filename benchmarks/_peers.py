@@ -30,9 +30,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Beyond this many multiply-adds (N * V * D) a CPU run is refused rather than left to hang.
 LIGER_CPU_MAX_MACS = 2 ** 26
 
-IMPLS = ("flce", "eager", "compile", "chunked", "liger", "cce")
+IMPLS = ("flce", "eager", "compile", "chunked", "liger", "cce", "flce-single", "flce-recompute")
+# flce's two training paths forced (single_pass=True / False), beside its default choice.
+FLCE_PATHS = {"flce": None, "flce-single": True, "flce-recompute": False}
 DESCRIPTIONS = {
     "flce": "flce.linear_cross_entropy",
+    "flce-single": "flce.linear_cross_entropy(single_pass=True)",
+    "flce-recompute": "flce.linear_cross_entropy(single_pass=False)",
     "eager": "F.linear + .float() + F.cross_entropy (eager)",
     "compile": "torch.compile of the eager code",
     "chunked": "torch F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
@@ -43,7 +47,7 @@ DESCRIPTIONS = {
 
 def available(name):
     """None when ``name`` can run here, else the reason it cannot."""
-    if name in ("flce", "eager", "compile"):
+    if name in ("eager", "compile") or name in FLCE_PATHS:
         return None
     if name == "chunked":
         if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn,
@@ -128,11 +132,12 @@ class BusyLoad:
 
 def make_impl(name, device):
     """``f(x, w, t, bias=None) -> mean loss`` for implementation ``name``."""
-    if name == "flce":
+    if name in FLCE_PATHS:
         import flce
+        single_pass = FLCE_PATHS[name]
 
         def f(x, w, t, bias=None):
-            return flce.linear_cross_entropy(x, w, t, bias=bias)
+            return flce.linear_cross_entropy(x, w, t, bias=bias, single_pass=single_pass)
         return f
     if name in ("eager", "compile"):
         # The usual LM recipe (e.g. Hugging Face): logits in the input dtype, upcast, then CE.
@@ -312,7 +317,7 @@ def measure(spec):
     out = {"time_median_s": statistics.median(times), "time_min_s": min(times),
            "time_max_s": max(times), "time_first_s": first, "loss": float(loss.detach()),
            "threads": torch.get_num_threads(), "isa": isa_level(device)}
-    if name == "flce" and device == "cpu":
+    if name in FLCE_PATHS and device == "cpu":
         import flce
         out["cpu_gemm"] = flce.build_info()["cpu_gemm"]
     x.grad = None

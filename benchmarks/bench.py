@@ -168,7 +168,8 @@ def _fmt(value, spec):
 
 
 def format_table(rows, args):
-    head = (f"{'impl':8s} {'time (s)':>9s} {'x flce':>7s} {'first (s)':>9s} {'/time':>6s} "
+    wid = max([8] + [len(r["impl"]) for r in rows])  # the impl column
+    head = (f"{'impl':{wid}s} {'time (s)':>9s} {'x flce':>7s} {'first (s)':>9s} {'/time':>6s} "
             f"{'peak MB':>8s} {'x flce':>7s} {'loss':>9s} "
             f"{'rel.err @ m=' + format(args.margin, 'g'):>14s}")
     ok = [r for r in rows if r["status"] == "ok"]
@@ -187,9 +188,9 @@ def format_table(rows, args):
              head, "-" * len(head)]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"{r['impl']:8s} {r['status']}")
+            lines.append(f"{r['impl']:{wid}s} {r['status']}")
             continue
-        lines.append(f"{r['impl']:8s} {r['time_median_s']:9.3f} "
+        lines.append(f"{r['impl']:{wid}s} {r['time_median_s']:9.3f} "
                      f"{_fmt(r.get('time_vs_flce'), '7.2f')} {r['time_first_s']:9.3f} "
                      f"{r['first_vs_median']:6.2f} {r['peak_mem_mb']:8.0f} "
                      f"{_fmt(r.get('mem_vs_flce'), '7.2f')} {r['loss']:9.5f} "

@@ -27,20 +27,26 @@ grep -m1 'model name' /proc/cpuinfo; nproc
 run() {  # run NAME ARGS...: one bench.py comparison, its CSV under $OUT
   local name=$1; shift
   echo; echo "== $name: bench.py $*"; uptime
-  "$PY" benchmarks/bench.py --peers eager,chunked --timeout 1200 --csv "$OUT/$name.csv" "$@" ||
+  "$PY" benchmarks/bench.py --timeout 1200 --csv "$OUT/$name.csv" "$@" ||
     echo "bench.py failed: $name"
 }
 
+# flce's default path, and its other training path as a peer: fp32 defaults to the recompute
+# path (chunked torch's memory), bf16 to the single pass. Eager bf16 on an AVX2 CPU takes ~3 min
+# a step (186.8 s on the Zen 4, docs/benchmarks.md): those runs leave it out.
 for isa in native avx2; do
   for dtype in fp32 bf16; do
-    reps=5; [ "$dtype" = bf16 ] && reps=3
-    run "${isa}-${dtype}-quiet" --isa "$isa" --dtype "$dtype" --repeats "$reps"
-    run "${isa}-${dtype}-load${LOAD}" --isa "$isa" --dtype "$dtype" --repeats "$reps" --load "$LOAD"
+    reps=5 peers=eager,chunked,flce-single
+    [ "$dtype" = bf16 ] && reps=3 peers=eager,chunked,flce-recompute
+    [ "$dtype-$isa" = bf16-avx2 ] && peers=chunked,flce-recompute
+    run "${isa}-${dtype}-quiet" --peers "$peers" --isa "$isa" --dtype "$dtype" --repeats "$reps"
+    run "${isa}-${dtype}-load${LOAD}" --peers "$peers" --isa "$isa" --dtype "$dtype" \
+      --repeats "$reps" --load "$LOAD"
   done
 done
 
 for isa in native avx2; do
-  small=(-N 1024 -V 8192 -D 256 --repeats 9 --isa "$isa")
+  small=(-N 1024 -V 8192 -D 256 --repeats 9 --isa "$isa" --peers eager,chunked)
   run "${isa}-small-quiet" "${small[@]}"
   run "${isa}-small-load${LOAD}" "${small[@]}" --load "$LOAD"
   run "${isa}-small-load${LOAD}-1thread" "${small[@]}" --load "$LOAD" --threads 1

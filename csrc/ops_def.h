@@ -47,15 +47,12 @@ inline void define_ops(torch::Library& m) {
       "(Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // The single pass (3 GEMMs, no recompute): the reduced loss (fp32 scalar: the sum, or with
   // mean=True the mean over non-ignored rows) and, per output_mask, the gradients, computed in
-  // the same pass. Gradients are deferred: tensors [k, *shape] (empty [0] when not requested)
-  // whose k slices, added in double, times the scale of scale_grad, give the gradient; the
-  // scale is the upstream gradient over `divisor` (float64 scalar). What k, the dtype and the
-  // divisor are is the backend's choice (python/flce/_ops.py's fake kernel mirrors it):
-  //   CPU:  k = 2, fp32 (sum, compensation) pairs of the gradients of the sum; divisor = 1 or
-  //         the token count.
-  //   CUDA: k = 1: grad_input fp32, grad_weight in the weight's dtype, grad_bias fp32, of the
-  //         reduced loss (the mean's 1 / count is applied on the device, no host sync);
-  //         divisor = 1.
+  // the same pass. Gradients are deferred: tensors [1, *shape] (empty [0] when not requested)
+  // of the reduced loss (the mean's 1 / count is in every row's gradient): grad_input and
+  // grad_bias fp32, grad_weight fp32 on the CPU backend and in the weight's dtype on CUDA (whose
+  // 16-bit dW GEMM writes it directly); scale_grad multiplies them by the upstream gradient over
+  // `divisor` (float64 scalar, 1) and rounds to the gradient's dtype. python/flce/_ops.py's fake
+  // kernel mirrors this. scale_grad also takes k = 2 slices (added in double).
   // For reduction "sum"/"mean" when gradients are needed.
   // Vocab-parallel (CUDA backend): weight is this rank's shard of global rows [vocab_start,
   // vocab_start + V_local) of a vocabulary of vocab_size (-1: V_local), and each chunk of rows'

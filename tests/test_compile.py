@@ -80,7 +80,7 @@ def test_opcheck_sum_and_grad(device, mask, mean):
     torch.library.opcheck(torch.ops.flce.sum_and_grad.default, args)
     args = tuple(a.clone().requires_grad_() if i in (0, 1, 3) else a for i, a in enumerate(args))
     torch.library.opcheck(torch.ops.flce.sum_and_grad.default, args)
-    gw_pair = flce.ops.sum_and_grad(x, w, t, b, -100, 0.1, 1e-3, 5.0, mask, mean)[3]
+    gw_deferred = flce.ops.sum_and_grad(x, w, t, b, -100, 0.1, 1e-3, 5.0, mask, mean)[3]
     torch.library.opcheck(torch.ops.flce.scale_grad.default,
-                          (gw_pair, torch.tensor(0.25, dtype=torch.float64, device=device),
+                          (gw_deferred, torch.tensor(0.25, dtype=torch.float64, device=device),
                            torch.bfloat16))

@@ -18,19 +18,31 @@ import _peers  # noqa: E402
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("dtype,size", [("fp32", 4), ("bf16", 2)])
-def test_peak_memory_is_gradients_plus_budget(dtype, size):
-    n, v, d = 2048, 65537, 32
-    spec = {"impl": "flce", "device": "cpu", "dtype": dtype, "N": n, "V": v, "D": d,
+@pytest.mark.parametrize("impl", ["flce-recompute", "flce-single"])
+def test_peak_memory_is_gradients_plus_budget(impl, dtype, size):
+    single = impl == "flce-single"
+    n, v, d = (8192 if single else 2048), 65537, 32
+    spec = {"impl": impl, "device": "cpu", "dtype": dtype, "N": n, "V": v, "D": d,
             "repeats": 1, "warmup": 1, "threads": 0, "accuracy": False,
             "seed": random.randrange(2 ** 31)}
     result = _peers.run_child(spec, timeout=600)
     assert "error" not in result, result
     growth = result["peak_mem_bytes"]
     grads = (n + v) * d * size
-    # Scratch (docs/cpu-backend.md): the global accumulator's bf16 compensation (and its fp32 sum
-    # when the gradient is not fp32), tiles, packed operands: about 1 MB here. The allowance is
-    # for the allocator and the interpreter, not for anything that grows with N * V.
-    budget = min(n, v) * d * (2 + (4 if size != 4 else 0)) + (16 << 20)
-    logits = n * v * 4  # one fp32 [N, V] buffer: 512 MiB
+    if single:
+        # The single pass (docs/cpu-backend.md): the gradients in fp32 from the forward to the
+        # backward, dW's bf16 compensation, a block of rows' logits (at most 64 MiB, whatever
+        # N), 16-bit weight tiles packed twice.
+        ld = (v + 15) // 16 * 16 + 16
+        rows = min(256, (64 << 20) // (4 * ld)) // 16 * 16
+        budget = (n + v) * d * 4 + v * d * 2 + rows * ld * 4 + (4 * v * d if size == 2 else 0)
+    else:
+        # The global accumulator's bf16 compensation (and its fp32 sum when the gradient is not
+        # fp32), tiles, packed operands: about 1 MB here.
+        budget = min(n, v) * d * (2 + (4 if size != 4 else 0))
+    # The allowance is for the allocator and the interpreter, not for anything that grows with
+    # N * V.
+    budget += 16 << 20
+    logits = n * v * 4  # one fp32 [N, V] buffer: 512 MiB (recompute) / 2 GiB (single pass)
     assert growth <= grads + budget, (growth / 2 ** 20, grads / 2 ** 20, budget / 2 ** 20)
     assert growth < logits / 16

@@ -45,3 +45,38 @@ def test_module_passes_single_pass():
     ref = x.clone().requires_grad_()
     flce.linear_cross_entropy(ref, w, t).backward()
     assert rel_err(xg.grad, ref.grad.double()) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype,single", [(torch.bfloat16, True), (torch.float32, False),
+                                          (torch.float16, False)])
+def test_cpu_default_path(dtype, single):
+    """On the CPU, training takes the single pass by default for bf16 only: fp32's would hold
+    ~2.7x chunked torch's memory (docs/cpu-backend.md), fp16 needs every row's statistics."""
+    x, w, t, _ = rand_inputs(40, 300, 16, dtype, "cpu", seed=4)
+    xg = x.clone().requires_grad_()
+    loss = flce.linear_cross_entropy(xg, w, t)
+    assert ("sum_and_grad" in type(loss.grad_fn).__name__) == single, type(loss.grad_fn)
+    # reduction "none", per-token outputs or no gradient: never the single pass
+    for kwargs in ({"reduction": "none"}, {"return_lse": True}):
+        out = flce.linear_cross_entropy(xg, w, t, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        assert "sum_and_grad" not in type(out.grad_fn).__name__
+
+
+def test_cpu_deferred_gradients_are_fp32_of_the_reduced_loss():
+    """sum_and_grad's CPU gradients: [1, *shape] fp32 of the mean (1 / count inside), which
+    scale_grad multiplies by the upstream gradient and rounds once."""
+    x, w, t, b = rand_inputs(64, 700, 24, torch.bfloat16, "cpu", seed=5, bias=True)
+    t[::3] = -100
+    loss, divisor, gi, gw, gb = flce.ops.sum_and_grad(x, w, t, b, -100, 0.0, 0.0, 0.0,
+                                                     [True, True, True], True)
+    assert (gi.shape, gw.shape, gb.shape) == ((1, *x.shape), (1, *w.shape), (1, *b.shape))
+    assert gi.dtype == gw.dtype == gb.dtype == torch.float32
+    assert float(divisor) == 1.0
+    xr, wr, br = (a.double().requires_grad_() for a in (x, w, b))
+    ref = flce.reference.linear_cross_entropy(xr, wr, t, bias=br)
+    ref.backward()
+    assert rel_err(loss, ref.detach()) <= 1e-6
+    for g, r in ((gi, xr.grad), (gw, wr.grad), (gb, br.grad)):
+        # fp32 of bf16-input products: far below bf16's own rounding
+        assert rel_err(g[0], r) <= 1e-5, rel_err(g[0], r)

@@ -112,11 +112,6 @@ FLCE_CLONES void row_kahan_add_pair(float* s, uint16_t* c, const float* xs, cons
   }
 }
 
-FLCE_CLONES void row_widen_bf16(const uint16_t* c, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = bf16_value(c[j]);
-}
-
 void row_store(const float* x, void* out, Dtype dtype, int64_t n) {
   if (dtype == Dtype::f32) {
     std::memcpy(out, x, n * sizeof(float));

@@ -38,8 +38,6 @@ void row_add_bf16(float* s, const uint16_t* c, int64_t n);
 // (s, c) += (xs, xc) elementwise: another accumulator's sum and bf16 compensation, each added
 // with kahan_add_bf16c.
 void row_kahan_add_pair(float* s, uint16_t* c, const float* xs, const uint16_t* xc, int64_t n);
-// out[j] = c[j] widened from bf16.
-void row_widen_bf16(const uint16_t* c, float* out, int64_t n);
 // out[j] = x[j] rounded (to nearest even) to dtype.
 void row_store(const float* x, void* out, Dtype dtype, int64_t n);
 

@@ -103,24 +103,16 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
   return o;
 }
 
-// A worker's scratch for logit tiles: the weight tile W[v0:v0+bv]^T as the GEMM reads it
-// (packed once per vocab tile on the onednn path) and copies of the input rows where it needs
-// them.
-struct LogitScratch {
-  Rhs wt;
-  LhsScratch lhs;
-};
-
 // logits[r, j] = x[n0 + r] . w[v0 + j] + bias[v0 + j], then softcap and temperature; tile is
-// [bn, bv] with row stride ld.
+// [bn, bv] with row stride ld. wt: the weight tile W[v0:v0+bv]^T as the GEMM reads it (packed
+// on the onednn path, when wt does not hold it yet); lhs: the worker's GEMM scratch.
 void logit_tile(const Operands& o, int64_t n0, int64_t bn, int64_t v0, int64_t bv, float cap,
-                float temp, float* tile, int64_t ld, LogitScratch& scratch) {
+                float temp, float* tile, int64_t ld, Rhs& wt, LhsScratch& lhs) {
   const int64_t es = o.x.element_size();
   const char* xp = static_cast<const char*>(o.x.data_ptr()) + n0 * o.d * es;
   const char* wp = static_cast<const char*>(o.w.data_ptr()) + v0 * o.d * es;
-  scratch.wt.prepare(o.dtype, GemmOperand{wp, o.d, true}, o.d, bv);
-  gemm_f32out(o.dtype, bn, bv, o.d, GemmOperand{xp, o.d, false}, scratch.wt, false, tile, ld,
-              scratch.lhs);
+  wt.prepare(o.dtype, GemmOperand{wp, o.d, true}, o.d, bv);
+  gemm_f32out(o.dtype, bn, bv, o.d, GemmOperand{xp, o.d, false}, wt, false, tile, ld, lhs);
   const float* b = o.bias.defined() ? o.bias.data_ptr<float>() + v0 : nullptr;
   if (b == nullptr && !(cap > 0.f) && temp == 1.f) return;
   for (int64_t r = 0; r < bn; ++r) cpu::row_bias_softcap(tile + r * ld, b, bv, cap, temp);
@@ -197,11 +189,12 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
     const Tiles row_tiles(rows, BLOCK_N, ALIGN);
     std::vector<float> tile(row_tiles.step * o.ld_tile());
     std::vector<RowState> state(rows.size());
-    LogitScratch scratch;
+    Rhs wt;
+    LhsScratch lhs;
     // Vocab tiles outer: each weight tile is prepared for the GEMM once per worker.
     o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
       row_tiles.each([&](int64_t n0, int64_t bn) {
-        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), scratch);
+        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), wt, lhs);
         for (int64_t r = 0; r < bn; ++r) {
           const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
           fold_row(tile.data() + r * o.ld_tile(), bv, tl < 0 ? -1 : tl - v0,
@@ -288,18 +281,16 @@ enum class Axis { rows, vocab };
 // Along the split axis (`global`) each worker accumulates its own rows over the whole pass and
 // finishes them. Along the other axis, walked block by block by every worker, each worker w
 // accumulates a partial of the current block; combine() adds the partials in worker order and
-// writes the block out. The result is rounded once to the gradient's dtype or, deferred, kept as
-// the fp32 (sum, compensation) pair [2, total, width] for a later scale_grad. Where the result is
-// fp32 (or deferred), the sum of the global accumulator and of worker 0's partial is the result
-// itself.
+// writes the block out. The result is rounded once to the gradient's dtype. Where the result is
+// fp32, the sum of the global accumulator and of worker 0's partial is the result itself.
 class Grad {
  public:
   Grad(at::ScalarType dtype, const at::TensorOptions& opts, int64_t total, int64_t width,
-       bool global, int64_t block, int64_t workers, bool deferred)
-      : dtype_(row_dtype(dtype)), width_(width), global_(global), deferred_(deferred),
-        block_(block), workers_(workers), sum_in_out_(deferred || dtype == at::kFloat) {
+       bool global, int64_t block, int64_t workers)
+      : dtype_(row_dtype(dtype)), width_(width), global_(global), block_(block),
+        workers_(workers), sum_in_out_(dtype == at::kFloat) {
     const auto f32 = opts.dtype(at::kFloat);
-    out_ = deferred ? at::empty({2, total, width}, f32) : at::empty({total, width}, opts.dtype(dtype));
+    out_ = at::empty({total, width}, opts.dtype(dtype));
     out_sum_ = sum_in_out_ ? static_cast<float*>(out_.data_ptr()) : nullptr;
     // at::empty: no pages are touched here; each worker zeroes (first-touches) its own rows.
     const int64_t sum_rows = global ? (sum_in_out_ ? 0 : total) : (workers - sum_in_out_) * block;
@@ -347,7 +338,7 @@ class Grad {
     write(acc, r0, rows.size());
   }
 
-  // The result: [total, width] (or the pair [2, total, width]).
+  // The result: [total, width].
   const at::Tensor& out() const { return out_; }
 
  private:
@@ -358,12 +349,6 @@ class Grad {
   // Rows [r0, r0 + rows) of the result from the complete accumulator a (its row 0 is r0).
   void write(const KahanAcc& a, int64_t r0, int64_t rows) const {
     const int64_t n = rows * width_;
-    if (deferred_) {
-      float* s = out_sum_ + r0 * width_;
-      if (a.sum != s) std::memcpy(s, a.sum, n * sizeof(float));
-      cpu::row_widen_bf16(a.comp, out_sum_ + (out_.size(1) + r0) * width_, n);
-      return;
-    }
     cpu::row_add_bf16(a.sum, a.comp, n);
     if (!sum_in_out_) {
       cpu::row_store(a.sum, static_cast<char*>(out_.data_ptr()) + r0 * width_ * out_.element_size(),
@@ -373,7 +358,7 @@ class Grad {
 
   cpu::Dtype dtype_;
   int64_t width_;
-  bool global_, deferred_;
+  bool global_;
   int64_t block_, workers_;
   bool sum_in_out_;
   at::Tensor out_, sum_, comp_;
@@ -384,8 +369,8 @@ class Grad {
 struct TileWork {
   std::vector<float> tile;          // [rows, ld_tile]: logits, then the gradient
   std::vector<uint16_t> hi, lo;     // bf16 inputs: the gradient tile split, same layout
-  LogitScratch logits;
-  Rhs w_rhs, x_rhs;  // the tile GEMMs' right operands: W tile (dE), input rows (dC)
+  Rhs wt, w_rhs, x_rhs;  // the tile GEMMs' right operands: W tile^T (logits), W tile (dE),
+                         // input rows (dC)
   LhsScratch lhs;
   std::vector<RowGrad> rg;          // per tile row: gradient coefficients
   std::vector<int64_t> ts;          // per tile row: target column in the shard, -1 ignored
@@ -424,7 +409,8 @@ struct TileWork {
 class GradPass {
  public:
   // split: the axis the workers split (its gradients are global); block: the other axis's
-  // block size.
+  // block size. deferred: the single pass' gradients, which scale_grad multiplies by the
+  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h).
   GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
            Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred)
       : o_(o), cap_(cap), temp_(temp),
@@ -434,11 +420,11 @@ class GradPass {
     const auto opts = o.x.options();
     auto make = [&](std::optional<Grad>& g, at::ScalarType dt, int64_t total, int64_t width,
                     Axis axis) {
-      g.emplace(dt, opts, total, width, axis == split, std::min(block, total), workers, deferred);
+      g.emplace(dt, opts, total, width, axis == split, std::min(block, total), workers);
     };
-    if (need_e_) make(ge_, o.dtype, o.n, o.d, Axis::rows);
-    if (need_c_) make(gc_, o.w_dtype, o.v, o.d, Axis::vocab);
-    if (need_b_) make(gb_, bias->scalar_type(), o.v, 1, Axis::vocab);
+    if (need_e_) make(ge_, deferred ? at::kFloat : o.dtype, o.n, o.d, Axis::rows);
+    if (need_c_) make(gc_, deferred ? at::kFloat : o.w_dtype, o.v, o.d, Axis::vocab);
+    if (need_b_) make(gb_, deferred ? at::kFloat : bias->scalar_type(), o.v, 1, Axis::vocab);
   }
 
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
@@ -461,8 +447,9 @@ class GradPass {
   // columns [v0, v0 + bv); tw.rg[r] are the rows' gradient coefficients and tw.ts[r] each row's
   // target column in the shard (-1: ignored). x0: the first row of the current block of the
   // axis that is not split. Turns the tile into the gradient and accumulates it.
+  // w_rhs: the dE GEMM's weight tile as prepared for it (tw.w_rhs, or one kept per tile).
   void tile(TileWork& tw, int64_t w, int64_t x0, int64_t n0, int64_t bn, int64_t v0, int64_t bv,
-            float* tile, int64_t ld) const {
+            float* tile, int64_t ld, cpu::Rhs& w_rhs) const {
     const int64_t d = o_.d;
     for (int64_t r = 0; r < bn; ++r) {
       float* row = tile + r * ld;
@@ -525,14 +512,13 @@ class GradPass {
       const KahanAcc eacc = ge_->at(w, x0, n0);
       const cpu::KahanOut eout{eacc.sum, eacc.comp, d};
       if (split_) {
-        tw.w_rhs.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
-        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, tw.w_rhs, alpha, eout,
-                             tw.lhs);
+        w_rhs.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
+        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, w_rhs, alpha, eout, tw.lhs);
       } else {
         const void* wt = widen_ ? static_cast<const void*>(widened(tw.w32, tw.w32_of, wp, bv)) : wp;
         const GemmOperand g{tile, ld, false};
-        tw.w_rhs.prepare(at::kFloat, GemmOperand{wt, d, false}, bv, d);
-        cpu::gemm_accumulate(at::kFloat, bn, d, bv, &g, 1, tw.w_rhs, 1.f, eout, tw.lhs);
+        w_rhs.prepare(at::kFloat, GemmOperand{wt, d, false}, bv, d);
+        cpu::gemm_accumulate(at::kFloat, bn, d, bv, &g, 1, w_rhs, 1.f, eout, tw.lhs);
       }
       // dE[n] += dz_t W[t]: one scaled row per row that has its target in this tile.
       for (int64_t r = 0; r < bn; ++r) {
@@ -570,10 +556,7 @@ class GradPass {
     at::Tensor e = o_.x.new_empty({0}), c = o_.x.new_empty({0}), b = o_.x.new_empty({0});
     if (need_e_) e = ge_->out();
     if (need_c_) c = gc_->out();
-    if (need_b_) {
-      const at::Tensor& out = gb_->out();
-      b = out.dim() == 3 ? out.reshape({2, o_.v}) : out.reshape({o_.v});
-    }
+    if (need_b_) b = gb_->out().reshape({o_.v});
     return {e, c, b};
   }
 
@@ -663,8 +646,8 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
           tw.ts[r] = shard_col(t[i], vocab_start, ignore_index);
         }
         logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, tw.tile.data(), o.ld_tile(),
-                   tw.logits);
-        pass.tile(tw, w, x0, n0, bn, v0, bv, tw.tile.data(), o.ld_tile());
+                   tw.wt, tw.lhs);
+        pass.tile(tw, w, x0, n0, bn, v0, bv, tw.tile.data(), o.ld_tile(), tw.w_rhs);
       });
       barrier.wait();  // every partial of the block is complete
       pass.combine_block(w, x0, xb);
@@ -716,13 +699,18 @@ int64_t fused_block_rows(int64_t v) {
   return rows >= 16 ? rows / 16 * 16 : 0;
 }
 
-// Loss sum and the gradients of that sum, in one pass: each row block's logits are computed
-// once, folded into the row statistics, then turned into the gradient tile (3 GEMMs instead of
-// the 4 of forward + recompute backward). Gradients come back deferred, as fp32
-// (sum, compensation) pairs [2, ...] for scale_grad to scale by the upstream gradient and
-// round once. Workers split the vocabulary; per row block they fold their columns' statistics,
-// merge them (barrier), turn their columns into gradients, and add up the block's dE partials
-// (barrier).
+// The reduced loss (sum or mean) and its gradients, in one pass: each row block's logits are
+// computed once, folded into the row statistics, then turned into the gradient tile (3 GEMMs
+// instead of the 4 of forward + recompute backward). Gradients come back deferred (ops_def.h):
+// [1, ...] fp32, each the result of its Kahan accumulator, of the reduced loss (the mean's
+// 1 / count is in every row's gradient coefficient); scale_grad multiplies them by the upstream
+// gradient and rounds once to the gradient's dtype (a 16-bit dW held in fp32 costs no more
+// than rounding it in the pass would: its fp32 sum lives until the end of the pass anyway).
+// Workers split the vocabulary; per row block they fold their columns' statistics, merge them
+// (barrier), turn their columns into gradients, and add up the block's dE partials (barrier).
+// Rows are the outer loop, so each worker keeps its 16-bit weight tiles packed for the GEMMs
+// over the whole pass: 2 V * D 16-bit values (W^T and W) more scratch on the onednn path, none
+// on the blas path.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
     const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
     const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
@@ -742,27 +730,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
   at::Tensor loss_sum = at::empty({}, input.options().dtype(at::kFloat));
   int64_t count = 0;
   for (int64_t i = 0; i < o.n; ++i) count += !row_ignored(t[i], ignore_index);
-  // mean: divided in double, rounded once (0/0 = NaN, as torch).
+  // mean: divided in double, rounded once (0/0 = NaN, as torch); every row's upstream gradient
+  // is 1 / count (0 when every row is ignored: zero gradients, not 0 * inf).
   const double divisor = mean ? static_cast<double>(count) : 1.0;
-  auto reduced = [&](double sum) {
+  const float g_row = mean ? (count > 0 ? static_cast<float>(1.0 / divisor) : 0.f) : 1.f;
+  auto result = [&](double sum, Tensor3 grads) {
     loss_sum.fill_(static_cast<float>(sum / divisor));
-    return loss_sum;
+    // [1, ...]; an unrequested gradient stays the empty [0]
+    auto deferred = [](const at::Tensor& g) {
+      return g.numel() || g.dim() > 1 ? g.unsqueeze(0) : g;
+    };
+    return std::make_tuple(loss_sum, at::ones({}, input.options().dtype(at::kDouble)),
+                           deferred(std::get<0>(grads)), deferred(std::get<1>(grads)),
+                           deferred(std::get<2>(grads)));
   };
-  at::Tensor div = at::full({}, divisor, input.options().dtype(at::kDouble));
   const int64_t bn_f = fused_block_rows(o.v);
   if (bn_f == 0) {
     // The vocabulary is too large to keep a row block's logits: forward, then the recompute
-    // backward of the sum (upstream gradient 1 per row).
+    // backward.
     const at::Tensor partial =
         partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap, temperature);
     auto [loss, lse, stats, ent] = combine_cpu(partial.unsqueeze(0), target, o.v, ignore_index,
                                                label_smoothing, z_loss);
     const double total = loss.to(at::kDouble).sum().item<double>();
-    const at::Tensor ones = at::ones({o.n}, loss.options());
-    auto [e, c, b] = run_backward(o, bias, t, ones.data_ptr<float>(), nullptr, nullptr,
-                                  stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
-                                  output_mask, /*deferred=*/true);
-    return {reduced(total), div, e, c, b};
+    const at::Tensor g = at::full({o.n}, g_row, loss.options());
+    return result(total, run_backward(o, bias, t, g.data_ptr<float>(), nullptr, nullptr,
+                                      stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
+                                      output_mask, /*deferred=*/true));
   }
   const int64_t workers = cpu::num_workers(ceil_div(o.v, ALIGN));
   const GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap,
@@ -777,14 +771,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     const Span own = cpu::split(o.v, workers, w, ALIGN);
     const Tiles tiles = o.vocab_tiles(own);
     TileWork tw = pass.tile_work(bn_f);
-    LogitScratch scratch;
+    // The worker's weight tiles as the dE GEMM and (16-bit inputs) the logit GEMM read them,
+    // prepared once. fp32's logit GEMM repacks its tile per row block instead: the dE GEMM reads
+    // an fp32 weight in place, and a kept W^T would cost V * D * 4 bytes for 2% of the time
+    // (bf16: 5%; at N=4096, V=32768, D=512 on the Zen 4 of docs/benchmarks.md).
+    std::vector<Rhs> w_rhs(tiles.count()), wt(o.dtype == at::kFloat ? 1 : tiles.count());
     RowState* mine = parts.data() + w * bn_f;
     pass.begin_split(w, own);
     Tiles({0, o.n}, bn_f, ALIGN).each([&](int64_t n0, int64_t bn) {
       std::fill(mine, mine + bn_f, RowState{});
       for (int64_t r = 0; r < bn; ++r) tw.ts[r] = shard_col(t[n0 + r], 0, ignore_index);
       tiles.each([&](int64_t v0, int64_t bv) {
-        logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, z.data() + v0, ld_z, scratch);
+        logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, z.data() + v0, ld_z,
+                   wt[wt.size() > 1 ? tiles.index(v0) : 0], tw.lhs);
         for (int64_t r = 0; r < bn; ++r) {
           fold_row(z.data() + r * ld_z + v0, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r]);
         }
@@ -797,7 +796,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
         if (w == 0) {  // as combine_cpu with one shard
           kahan_add(ls, lc, row_loss(lse_value(row.lse), row.z_t, row.sum(), ign, opt).loss);
         }
-        tw.rg[r] = row_grad(row.lse, row.z_t, ign, 1.f, 0.f, opt);
+        tw.rg[r] = row_grad(row.lse, row.z_t, ign, g_row, 0.f, opt);
       }
       if (!pass.needs_any()) {
         barrier.wait();  // statistics read: they may be overwritten
@@ -805,7 +804,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
       }
       pass.begin_block(w, n0, bn);
       tiles.each([&](int64_t v0, int64_t bv) {
-        pass.tile(tw, w, n0, n0, bn, v0, bv, z.data() + v0, ld_z);
+        pass.tile(tw, w, n0, n0, bn, v0, bv, z.data() + v0, ld_z, w_rhs[tiles.index(v0)]);
       });
       // Every partial of the block is complete, and every worker has read the statistics. The
       // next block's statistics are written before its first barrier, its partials after it:
@@ -815,26 +814,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     });
     pass.end_split(own);
   }, &barrier);
-  auto [e, c, b] = pass.outputs();
-  return {reduced(static_cast<double>(ls) + static_cast<double>(lc)), div, e, c, b};
+  return result(static_cast<double>(ls) + static_cast<double>(lc), pass.outputs());
 }
 
-// grad = dtype((sum + comp) * scale) from a deferred pair [2, ...], in double, rounded once.
-at::Tensor scale_grad_cpu(const at::Tensor& pair, const at::Tensor& scale, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(pair.dim() >= 1 && pair.size(0) == 2 && pair.scalar_type() == at::kFloat,
-                    "flce: scale_grad needs a float32 [2, ...] pair, got ", pair.sizes());
-  const at::Tensor p = pair.contiguous();
+// grad = dtype((sum of the k slices of deferred [k, ...]) * scale), in double, rounded once.
+at::Tensor scale_grad_cpu(const at::Tensor& deferred, const at::Tensor& scale,
+                          at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(deferred.dim() >= 1 && (deferred.size(0) == 1 || deferred.size(0) == 2),
+                    "flce: scale_grad needs a deferred gradient [k, ...] with k = 1 or 2, got ",
+                    deferred.sizes());
+  const at::Tensor p = deferred.contiguous();
   const double k = scale.to(at::kDouble).item<double>();
   at::Tensor out = at::empty(p[0].sizes(), p.options().dtype(dtype));
-  const int64_t n = p[0].numel();
-  const float* s = p.data_ptr<float>();
-  const float* c = s + n;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "flce_scale_grad", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        o[i] = static_cast<scalar_t>((static_cast<double>(s[i]) + static_cast<double>(c[i])) * k);
-      }
+  const int64_t n = p[0].numel(), slices = p.size(0);
+  const at::ScalarType in_dtype = p.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in_dtype, "flce_scale_grad", [&] {
+    using in_t = scalar_t;
+    const in_t* x = p.data_ptr<in_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "flce_scale_grad", [&] {
+      scalar_t* o = out.data_ptr<scalar_t>();
+      at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          double sum = 0.0;
+          for (int64_t s = 0; s < slices; ++s) sum += static_cast<double>(x[s * n + i]);
+          o[i] = static_cast<scalar_t>(sum * k);
+        }
+      });
     });
   });
   return out;

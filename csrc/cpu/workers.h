@@ -55,6 +55,9 @@ struct Tiles {
   void each(F f) const {
     for (int64_t b = span.begin; b < span.end; b += step) f(b, std::min(step, span.end - b));
   }
+  int64_t count() const { return (span.size() + step - 1) / step; }
+  // The index of the tile that starts at b.
+  int64_t index(int64_t b) const { return (b - span.begin) / step; }
 };
 
 // Workers for `units` independent pieces of work: at most one per torch thread, and one where

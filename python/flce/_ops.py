@@ -43,8 +43,8 @@ def _grad_like(t, wanted):
 
 def register(namespace, cuda_format):
     """Fake kernels and autograd for the ops of ``torch.ops.<namespace>``. ``cuda_format(input)``
-    says whether the backend serving ``input`` returns the CUDA backend's deferred gradients
-    from sum_and_grad (see ops_def.h)."""
+    says whether the backend serving ``input`` returns sum_and_grad's grad_weight in the
+    weight's dtype (the CUDA backend) rather than in fp32 (see ops_def.h)."""
     nsops = getattr(torch.ops, namespace)
 
     def name(op):
@@ -105,18 +105,15 @@ def register(namespace, cuda_format):
     def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
                            softcap, output_mask, mean, vocab_start=0, vocab_size=-1,
                            group_name=None, group_size=1, temperature=1.0):
-        if cuda_format(input):  # [1, *shape]: dE fp32, dW in the weight's dtype, dbias fp32
-            def deferred(t, wanted, dtype):
-                return t.new_empty((1, *t.shape), dtype=dtype) if wanted else t.new_empty((0,))
-        else:  # fp32 (sum, compensation) pairs [2, *shape]
-            def deferred(t, wanted, dtype):
-                return (t.new_empty((2, *t.shape), dtype=torch.float32) if wanted
-                        else t.new_empty((0,)))
+        # [1, *shape] (ops_def.h): dE and dbias fp32, dW fp32 or (CUDA) in the weight's dtype
+        def deferred(t, wanted, dtype):
+            return t.new_empty((1, *t.shape), dtype=dtype) if wanted else t.new_empty((0,))
         grad_bias = (deferred(bias, output_mask[2], torch.float32) if bias is not None
                      else weight.new_empty((0,)))
         return (input.new_empty((), dtype=torch.float32), input.new_empty((), dtype=torch.float64),
                 deferred(input, output_mask[0], torch.float32),
-                deferred(weight, output_mask[1], weight.dtype), grad_bias)
+                deferred(weight, output_mask[1],
+                         weight.dtype if cuda_format(input) else torch.float32), grad_bias)
 
     @torch.library.register_fake(name("scale_grad"))
     def _scale_grad_fake(deferred, scale, dtype):
