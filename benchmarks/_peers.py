@@ -319,7 +319,9 @@ def measure(spec):
            "threads": torch.get_num_threads(), "isa": isa_level(device)}
     if name in FLCE_PATHS and device == "cpu":
         import flce
-        out["cpu_gemm"] = flce.build_info()["cpu_gemm"]
+        info = flce.build_info()
+        out["cpu_gemm"] = info["cpu_gemm"]
+        out["cpu_amx"] = info["cpu_amx"]
     x.grad = None
     w.grad = None
     del loss

@@ -176,7 +176,8 @@ def format_table(rows, args):
     env = ""
     if ok:
         r0 = ok[0]
-        gemm = next((r["cpu_gemm"] for r in ok if r.get("cpu_gemm")), None)
+        gemm = next((r["cpu_gemm"] + (" (bf16 on AMX)" if r.get("cpu_amx") else "")
+                     for r in ok if r.get("cpu_gemm")), None)
         env = (f"\n{r0.get('cpu') or args.device}, isa={r0.get('isa')}"
                f"{' (emulated: --isa avx2)' if args.isa == 'avx2' else ''}"
                f"{', cpu_gemm=' + gemm if gemm else ''}, load: {args.load} busy processes, "

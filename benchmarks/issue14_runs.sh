@@ -31,14 +31,15 @@ run() {  # run NAME ARGS...: one bench.py comparison, its CSV under $OUT
     echo "bench.py failed: $name"
 }
 
-# flce's default path, and its other training path as a peer: fp32 defaults to the recompute
-# path (chunked torch's memory), bf16 to the single pass. Eager bf16 on an AVX2 CPU takes ~3 min
-# a step (186.8 s on the Zen 4, docs/benchmarks.md): those runs leave it out.
+# flce's default path, and its training paths forced as peers: fp32 defaults to the recompute
+# path (chunked torch's memory), bf16 to the single pass, or to the recompute path where its
+# GEMMs run on AMX (flce.build_info()["cpu_amx"]). Eager bf16 on an AVX2 CPU takes ~3 min a step
+# (186.8 s on the Zen 4, docs/benchmarks.md): those runs leave it out.
 for isa in native avx2; do
   for dtype in fp32 bf16; do
     reps=5 peers=eager,chunked,flce-single
-    [ "$dtype" = bf16 ] && reps=3 peers=eager,chunked,flce-recompute
-    [ "$dtype-$isa" = bf16-avx2 ] && peers=chunked,flce-recompute
+    [ "$dtype" = bf16 ] && reps=3 peers=eager,chunked,flce-single,flce-recompute
+    [ "$dtype-$isa" = bf16-avx2 ] && peers=chunked,flce-single,flce-recompute
     run "${isa}-${dtype}-quiet" --peers "$peers" --isa "$isa" --dtype "$dtype" --repeats "$reps"
     run "${isa}-${dtype}-load${LOAD}" --peers "$peers" --isa "$isa" --dtype "$dtype" \
       --repeats "$reps" --load "$LOAD"

@@ -38,6 +38,9 @@ TORCH_LIBRARY(flce, m) {
   m.def("cpu_gemm_path() -> str", [] {
     return std::string(cpu::gemm_path(at::kFloat) == cpu::GemmPath::onednn ? "onednn" : "blas");
   });
+  // Whether the CPU backend's bf16 tile GEMMs run on AMX (cpu::bf16_gemm_amx);
+  // flce.build_info()["cpu_amx"], and the CPU's bf16 training path (flce/api.py).
+  m.def("cpu_bf16_amx() -> bool", [] { return cpu::bf16_gemm_amx(); });
 }
 
 TORCH_LIBRARY_IMPL(flce, CompositeExplicitAutograd, m) { m.impl("forward", &forward_composite); }

@@ -47,11 +47,12 @@ def test_module_passes_single_pass():
     assert rel_err(xg.grad, ref.grad.double()) <= 1e-6
 
 
-@pytest.mark.parametrize("dtype,single", [(torch.bfloat16, True), (torch.float32, False),
-                                          (torch.float16, False)])
+@pytest.mark.parametrize("dtype,single", [(torch.bfloat16, not flce._ops.CPU_BF16_AMX),
+                                          (torch.float32, False), (torch.float16, False)])
 def test_cpu_default_path(dtype, single):
-    """On the CPU, training takes the single pass by default for bf16 only: fp32's would hold
-    ~2.7x chunked torch's memory (docs/cpu-backend.md), fp16 needs every row's statistics."""
+    """On the CPU, training takes the single pass by default for bf16 only, and not where bf16
+    GEMMs run on AMX: fp32's would hold ~3x chunked torch's memory (docs/cpu-backend.md), fp16
+    needs every row's statistics."""
     x, w, t, _ = rand_inputs(40, 300, 16, dtype, "cpu", seed=4)
     xg = x.clone().requires_grad_()
     loss = flce.linear_cross_entropy(xg, w, t)

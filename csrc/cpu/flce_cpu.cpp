@@ -51,9 +51,12 @@ constexpr int64_t BLOCK_N = 256;   // rows per tile
 // columns peaked at 83.1 MB (onednn) / 80.8 MB (blas), 384 at 80.3 / 80.3, 256 at 79.1-79.6 /
 // 78.3, against chunked torch's 80.2; the time moved by 0-5% (docs/cpu-backend.md). bf16 gains
 // from wide tiles (its split gradient tile runs 4 GEMMs per tile, each adding into the Kahan
-// accumulators) and has memory to spare (a fifth of chunked torch's).
+// accumulators) and has memory to spare (a fifth of chunked torch's). The single pass takes wide
+// tiles for every dtype: its logits are held per row block anyway, and each tile adds its dE
+// product into the Kahan accumulators once (fp32: 1.96 -> 1.90 s on the Xeon of
+// docs/benchmarks.md).
 constexpr int64_t BLOCK_V_F32 = 256;
-constexpr int64_t BLOCK_V_16BIT = 2048;
+constexpr int64_t BLOCK_V_WIDE = 2048;
 // Worker ranges and tiles start at multiples of ALIGN rows / columns.
 constexpr int64_t ALIGN = 16;
 
@@ -87,8 +90,9 @@ cpu::Dtype row_dtype(at::ScalarType t) {
   return t == at::kFloat ? cpu::Dtype::f32 : t == at::kBFloat16 ? cpu::Dtype::bf16 : cpu::Dtype::f16;
 }
 
+// wide: BLOCK_V_WIDE columns per tile whatever the dtype (the single pass).
 Operands prepare(const at::Tensor& input, const at::Tensor& weight,
-                 const std::optional<at::Tensor>& bias) {
+                 const std::optional<at::Tensor>& bias, bool wide = false) {
   Operands o;
   o.dtype = input.scalar_type();
   o.row_dtype = row_dtype(o.dtype);
@@ -99,7 +103,7 @@ Operands prepare(const at::Tensor& input, const at::Tensor& weight,
   o.n = input.size(0);
   o.v = weight.size(0);
   o.d = input.size(1);
-  o.block_v = o.dtype == at::kFloat ? BLOCK_V_F32 : BLOCK_V_16BIT;
+  o.block_v = o.dtype == at::kFloat && !wide ? BLOCK_V_F32 : BLOCK_V_WIDE;
   return o;
 }
 
@@ -384,8 +388,9 @@ struct TileWork {
   const void* w32_of = nullptr;
   const void* x32_of = nullptr;
 
-  TileWork(int64_t rows, int64_t ld, bool split, bool widen, int64_t d, int64_t bv) {
-    tile.resize(rows * ld);
+  TileWork(int64_t rows, int64_t ld, bool own_tile, bool split, bool widen, int64_t d,
+           int64_t bv) {
+    if (own_tile) tile.resize(rows * ld);
     if (split) {
       hi.resize(rows * ld);
       lo.resize(rows * ld);
@@ -428,8 +433,9 @@ class GradPass {
   }
 
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
-  TileWork tile_work(int64_t rows) const {
-    return TileWork(rows, o_.ld_tile(), split_, widen_, o_.d, o_.block_v);
+  // own_tile: a tile buffer of its own (the single pass' tiles are in its row block's logits)
+  TileWork tile_work(int64_t rows, bool own_tile = true) const {
+    return TileWork(rows, o_.ld_tile(), own_tile, split_, widen_, o_.d, o_.block_v);
   }
 
   // Worker w's rows [s0, s0 + sn) of the split axis: zeroed before, written out after the pass.
@@ -687,15 +693,19 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
 }
 
 // Rows per block of the fused forward+backward: a row block keeps its logits for the whole
-// vocabulary, [rows, V] fp32 with rows fused_row_stride(V) apart, within kFusedWorkspaceBytes;
-// 0 when not even 16 rows fit.
-constexpr int64_t kFusedWorkspaceBytes = int64_t(64) << 20;
+// vocabulary, tile by tile ([tiles, rows, ld_tile()] fp32 per worker, at most
+// ceil(V / block_v) + workers tiles in all), within kFusedWorkspaceBytes; 0 when not even 16
+// rows fit. Up to FUSED_BLOCK_N rows: every row block streams dW's accumulators (V * D fp32 sums
+// and bf16 compensations) through memory once, which a taller block does less often. On a
+// 2-core Xeon with AMX (N=4096, V=32768, D=512, docs/benchmarks.md) 128 / 256 / 512 / 1024 rows
+// took 2.23 / 1.83 / 1.64 / 1.55 s in fp32 and 1.64 / 1.29 / 1.15 / 1.08 s in bf16; on a
+// 2-core Zen 4, 256 and 512 rows took the same time. 1024 rows would cost another 128 MiB there.
+constexpr int64_t FUSED_BLOCK_N = 512;
+constexpr int64_t kFusedWorkspaceBytes = int64_t(72) << 20;  // 512 rows of V = 32768
 
-// A multiple of 16 floats plus 16: not a power of two, as ld_tile().
-int64_t fused_row_stride(int64_t v) { return (v + 15) / 16 * 16 + 16; }
-
-int64_t fused_block_rows(int64_t v) {
-  const int64_t rows = std::min<int64_t>(BLOCK_N, kFusedWorkspaceBytes / (4 * fused_row_stride(v)));
+int64_t fused_block_rows(const Operands& o, int64_t workers) {
+  const int64_t row_floats = (ceil_div(o.v, o.block_v) + workers) * o.ld_tile();
+  const int64_t rows = std::min<int64_t>(FUSED_BLOCK_N, kFusedWorkspaceBytes / (4 * row_floats));
   return rows >= 16 ? rows / 16 * 16 : 0;
 }
 
@@ -722,7 +732,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
                                                         weight.size(0)),
                     "flce: the CPU backend's single pass is single-device; vocab-parallel CPU "
                     "training takes the recompute path (single_pass=False)");
-  const Operands o = prepare(input, weight, bias);
+  const Operands o = prepare(input, weight, bias, /*wide=*/true);
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();
   check_targets(t, o.n, o.v, ignore_index);
@@ -744,7 +754,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
                            deferred(std::get<0>(grads)), deferred(std::get<1>(grads)),
                            deferred(std::get<2>(grads)));
   };
-  const int64_t bn_f = fused_block_rows(o.v);
+  const int64_t workers = cpu::num_workers(ceil_div(o.v, ALIGN));
+  const int64_t bn_f = fused_block_rows(o, workers);
   if (bn_f == 0) {
     // The vocabulary is too large to keep a row block's logits: forward, then the recompute
     // backward.
@@ -758,19 +769,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
                                       stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
                                       output_mask, /*deferred=*/true));
   }
-  const int64_t workers = cpu::num_workers(ceil_div(o.v, ALIGN));
   const GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap,
                       opt.temperature, /*deferred=*/true);
-  // [bn_f, V]: the row block's logits, each worker filling its own columns
-  const int64_t ld_z = fused_row_stride(o.v);
-  std::vector<float> z(bn_f * ld_z);
+  const int64_t ld = o.ld_tile();
   std::vector<RowState> parts(workers * bn_f);  // per worker: its columns' row statistics
   float ls = 0.f, lc = 0.f;  // worker 0's Kahan sum of the row losses, in row order
   cpu::Barrier barrier(workers);
   cpu::run_workers(workers, [&](int64_t w) {
     const Span own = cpu::split(o.v, workers, w, ALIGN);
     const Tiles tiles = o.vocab_tiles(own);
-    TileWork tw = pass.tile_work(bn_f);
+    TileWork tw = pass.tile_work(bn_f, /*own_tile=*/false);
+    // [tiles, bn_f, ld]: the row block's logits in the worker's columns, each tile's rows
+    // contiguous with the row stride of the recompute path's tiles, and first touched by the
+    // worker that uses them.
+    std::vector<float> z(tiles.count() * bn_f * ld);
+    auto tile_z = [&](int64_t v0) { return z.data() + tiles.index(v0) * bn_f * ld; };
     // The worker's weight tiles as the dE GEMM and (16-bit inputs) the logit GEMM read them,
     // prepared once. fp32's logit GEMM repacks its tile per row block instead: the dE GEMM reads
     // an fp32 weight in place, and a kept W^T would cost V * D * 4 bytes for 2% of the time
@@ -782,10 +795,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
       std::fill(mine, mine + bn_f, RowState{});
       for (int64_t r = 0; r < bn; ++r) tw.ts[r] = shard_col(t[n0 + r], 0, ignore_index);
       tiles.each([&](int64_t v0, int64_t bv) {
-        logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, z.data() + v0, ld_z,
+        float* zt = tile_z(v0);
+        logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, zt, ld,
                    wt[wt.size() > 1 ? tiles.index(v0) : 0], tw.lhs);
         for (int64_t r = 0; r < bn; ++r) {
-          fold_row(z.data() + r * ld_z + v0, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r]);
+          fold_row(zt + r * ld, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r]);
         }
       });
       barrier.wait();  // every worker's statistics of the block are complete
@@ -804,7 +818,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
       }
       pass.begin_block(w, n0, bn);
       tiles.each([&](int64_t v0, int64_t bv) {
-        pass.tile(tw, w, n0, n0, bn, v0, bv, z.data() + v0, ld_z, w_rhs[tiles.index(v0)]);
+        pass.tile(tw, w, n0, n0, bn, v0, bv, tile_z(v0), ld, w_rhs[tiles.index(v0)]);
       });
       // Every partial of the block is complete, and every worker has read the statistics. The
       // next block's statistics are written before its first barrier, its partials after it:

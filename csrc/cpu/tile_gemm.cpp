@@ -508,6 +508,26 @@ void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
 
 }  // namespace
 
+bool bf16_gemm_amx() {
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1u)) return false;
+  // A cap that names no AMX level: MKL's AMX levels are AVX512_E4 and later, oneDNN's carry
+  // "AMX" in their names.
+  for (const char* var : {"MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"}) {
+    const auto isa = c10::utils::get_env(var);
+    if (isa && !isa->empty() && isa->find("AMX") == std::string::npos &&
+        isa->find("AVX512_E4") == std::string::npos &&
+        isa->find("AVX512_E5") == std::string::npos && *isa != "ALL" && *isa != "DEFAULT") {
+      return false;
+    }
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool bf16_gemm_native() {
   static const bool mkl = mkl_bf16_native();
   return gemm_path(at::kBFloat16) == GemmPath::onednn || mkl;

@@ -45,6 +45,13 @@ GemmPath gemm_path(at::ScalarType dtype);
 // (Intel CPUs with AVX512-BF16 / AMX). Elsewhere a bf16 GEMM costs an fp32 one.
 bool bf16_gemm_native();
 
+// Whether the tile GEMMs multiply bf16 on AMX here: a CPU with AMX-BF16, and neither MKL nor
+// oneDNN held below it (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA: benchmarks/bench.py --isa
+// avx2 sets both). There a bf16 tile GEMM costs about a sixth of an fp32 one (~1 TFLOP/s per
+// core on a Xeon), so the recompute path's extra logit GEMM is cheap. Reads cpuid and the
+// environment only: `import flce` asks (flce.build_info()["cpu_amx"]).
+bool bf16_gemm_amx();
+
 // The right operand op(B) [k, n] of a tile GEMM, ready for the path: on the onednn path a packed
 // copy (except an untransposed fp32 operand, read in place), on the blas path the operand
 // itself. prepare() repacks only when the operand or the shape changed since its last call, so

@@ -216,12 +216,15 @@ def build_info():
     embedded), ``cuda_sources`` (CUDA files compiled), ``cuda_backend`` (whether flce's CUDA
     kernels are registered in this process), ``torch_runtime`` (the torch imported now),
     ``build_system``, ``cpu_gemm`` (the CPU backend's tile GEMMs in this process: "onednn",
-    oneDNN's micro-kernels, or "blas", the BLAS torch links; see docs/cpu-backend.md).
+    oneDNN's micro-kernels, or "blas", the BLAS torch links; see docs/cpu-backend.md),
+    ``cpu_amx`` (whether those GEMMs multiply bf16 on AMX, which makes bf16 training take the
+    recompute path by default).
     """
     import torch
     info = dict(_info())
     info["cuda_backend"] = _has_cuda_kernels()
     info["cpu_gemm"] = torch.ops.flce.cpu_gemm_path()
+    info["cpu_amx"] = torch.ops.flce.cpu_bf16_amx()
     info["torch_runtime"] = torch.__version__
     return info
 

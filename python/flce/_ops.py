@@ -14,6 +14,10 @@ from . import _C  # noqa: F401  (registers torch.ops.flce.*)
 
 ops = torch.ops.flce
 
+# Whether the CPU backend's bf16 tile GEMMs run on AMX (cpuid and the environment, read once):
+# flce/api.py's default training path for bf16 on the CPU depends on it.
+CPU_BF16_AMX = bool(torch.ops.flce.cpu_bf16_amx())
+
 # Row layouts of the ops (csrc/flce_ops.h): partials (m, s, z_t, sum_z, u), stats (m_x, s_x,
 # z_t, u_x).
 PARTIAL_COLS = 5

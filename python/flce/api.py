@@ -168,11 +168,16 @@ def _single_pass(single_pass, reduction, per_token, x):
         # fp16 stays on the recompute path: its gradient tile needs a scale that depends on
         # every row's statistics, which the single pass has only row chunk by row chunk. On the
         # CPU, fp32 does too: the single pass holds dW's Kahan compensation for the whole
-        # vocabulary and a row block's logits, ~2.7x chunked torch's memory where the recompute
-        # path stays at it (docs/cpu-backend.md); bf16's memory stays below chunked's either way.
+        # vocabulary and a row block's logits, ~3x chunked torch's memory where the recompute
+        # path stays at it (docs/cpu-backend.md). bf16's memory stays below chunked's either
+        # way, and the single pass saves a logit GEMM, except where bf16 GEMMs run on AMX: there
+        # that GEMM is cheap, and the single pass's streaming of dW's accumulators costs more
+        # (1.17 s against 1.07 s on a 2-core Xeon, docs/benchmarks.md).
         if reduction == "none" or per_token or x.dtype == torch.float16:
             return False
-        return _ops.is_cuda_backend(x) or x.dtype == torch.bfloat16
+        if _ops.is_cuda_backend(x):
+            return True
+        return x.dtype == torch.bfloat16 and not _ops.CPU_BF16_AMX
     if single_pass not in (True, False):
         raise TypeError(f"flce: single_pass must be None, True or False, got {single_pass!r}")
     if single_pass and (reduction == "none" or per_token):
