@@ -1,6 +1,7 @@
 // The fused CPU backend: the same tiled algorithm as the CUDA kernels.
 //
-// Logits exist only as [BLOCK_N, block_v] fp32 tiles, one per worker at a time (tile GEMMs
+// Logits exist only as [rows, block_v] fp32 tiles (BLOCK_N rows; BLOCK_N_WIDE in a 16-bit
+// backward), one per worker at a time, or a row block's in the single pass (tile GEMMs
 // through oneDNN's micro-kernels or the BLAS torch links, csrc/cpu/tile_gemm.h); the epilogue
 // applies bias and softcap and folds the tile into per-row statistics (forward) or turns it into
 // the gradient tile (backward) with the shared math of csrc/include/flce/math.h. The backward
@@ -44,6 +45,12 @@ namespace flce {
 namespace {
 
 constexpr int64_t BLOCK_N = 256;   // rows per tile
+// Rows per tile of the recompute backward for 16-bit inputs: each tile adds its dC product
+// into the Kahan accumulators of its vocabulary block, half as often with 512 rows. bf16 at
+// N=4096, V=32768, D=512 on the 2-core Xeon of docs/benchmarks.md: 1.09-1.10 s -> 0.98-1.00 s
+// (AMX), 3.11 -> 2.98 s (AVX2 emulated); 1024 rows gained nothing more. 8 MiB more scratch,
+// where bf16 is at a quarter of chunked torch's memory; fp32, at chunked torch's, keeps 256.
+constexpr int64_t BLOCK_N_WIDE = 512;
 // Vocabulary columns per tile: 256 for fp32 inputs, 2048 for 16-bit ones (Operands::block_v).
 // fp32's backward is the one whose peak memory competes with chunked torch's, and each worker
 // holds a tile, a packed weight tile (onednn) or product tile (blas) and a partial of the dC
@@ -608,6 +615,7 @@ struct BackwardPlan {
   int64_t workers;
   int64_t block;       // block of the other axis
   int64_t split_tile;  // tiles of a worker's range
+  int64_t tile_rows;   // rows per tile
 };
 
 BackwardPlan backward_plan(const Operands& o) {
@@ -615,8 +623,9 @@ BackwardPlan backward_plan(const Operands& o) {
   p.split = o.v <= o.n ? Axis::vocab : Axis::rows;
   const int64_t extent = p.split == Axis::rows ? o.n : o.v;
   p.workers = cpu::num_workers(ceil_div(extent, ALIGN));
-  p.block = p.split == Axis::rows ? o.block_v : BLOCK_N;
-  p.split_tile = p.split == Axis::rows ? BLOCK_N : o.block_v;
+  p.tile_rows = o.dtype == at::kFloat ? BLOCK_N : BLOCK_N_WIDE;
+  p.block = p.split == Axis::rows ? o.block_v : p.tile_rows;
+  p.split_tile = p.split == Axis::rows ? p.tile_rows : o.block_v;
   return p;
 }
 
@@ -636,7 +645,7 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
   cpu::run_workers(plan.workers, [&](int64_t w) {
     const Span own = cpu::split(split_extent, plan.workers, w, ALIGN);
     const Tiles tiles(own, plan.split_tile, ALIGN);
-    TileWork tw = pass.tile_work(BLOCK_N);
+    TileWork tw = pass.tile_work(plan.tile_rows);
     pass.begin_split(w, own);
     blocks.each([&](int64_t x0, int64_t xb) {
       pass.begin_block(w, x0, xb);
