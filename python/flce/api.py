@@ -172,7 +172,7 @@ def _single_pass(single_pass, reduction, per_token, x):
         # path stays at it (docs/cpu-backend.md). bf16's memory stays below chunked's either
         # way, and the single pass saves a logit GEMM, except where bf16 GEMMs run on AMX: there
         # that GEMM is cheap, and the single pass's streaming of dW's accumulators costs more
-        # (1.17 s against 1.07 s on a 2-core Xeon, docs/benchmarks.md).
+        # (1.15 s against 0.88 s on a 2-core Xeon, docs/benchmarks.md).
         if reduction == "none" or per_token or x.dtype == torch.float16:
             return False
         if _ops.is_cuda_backend(x):
