@@ -79,3 +79,22 @@ def test_other_path_passes_option_and_accuracy_tests(path):
                       "-k", "not cuda"])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads /proc/cpuinfo")
+def test_cpu_amx_follows_the_cpu_and_the_isa_caps():
+    """build_info()["cpu_amx"] (which picks bf16's CPU training path, flce/api.py) is the
+    kernel's amx_bf16 flag, and False in a process whose MKL and oneDNN stop at AVX2 (as
+    benchmarks/bench.py --isa avx2 runs them)."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    caps = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+    if not any(os.environ.get(v) for v in caps):
+        assert flce.build_info()["cpu_amx"] == ("amx_bf16" in flags)
+    for var in caps:
+        env = dict(os.environ, **{var: "AVX2"})
+        r = subprocess.run([sys.executable, "-c",
+                            "import flce; print(flce.build_info()['cpu_amx'])"],
+                           env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[-1] == "False", (var, r.stdout)

@@ -708,7 +708,7 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
 // and bf16 compensations) through memory once, which a taller block does less often. On a
 // 2-core Xeon with AMX (N=4096, V=32768, D=512, docs/benchmarks.md) 128 / 256 / 512 / 1024 rows
 // took 2.23 / 1.83 / 1.64 / 1.55 s in fp32 and 1.64 / 1.29 / 1.15 / 1.08 s in bf16; on a
-// 2-core Zen 4, 256 and 512 rows took the same time. 1024 rows would cost another 128 MiB there.
+// 2-core Zen 4, 256 and 512 rows took the same time. 1024 rows would cost another 68 MB there.
 constexpr int64_t FUSED_BLOCK_N = 512;
 constexpr int64_t kFusedWorkspaceBytes = int64_t(72) << 20;  // 512 rows of V = 32768
 

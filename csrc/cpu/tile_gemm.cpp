@@ -278,6 +278,13 @@ bool cpu_is_intel() {
 #endif
 }
 
+#if defined(__x86_64__)
+bool cpu_has_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u);
+}
+#endif
+
 // Whether MKL multiplies bf16 natively here (AVX512-BF16 or AMX-BF16 on an Intel CPU, which is
 // where MKL uses them, unless MKL_ENABLE_INSTRUCTIONS holds it below AVX-512). Elsewhere it
 // widens bf16 to fp32 and runs its fp32 kernels: a bf16 GEMM costs what an fp32 one does
@@ -290,9 +297,8 @@ bool mkl_bf16_native() {
     return false;
   }
   unsigned a = 0, b = 0, c = 0, d = 0;
-  const bool amx = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u);
   const bool avx512_bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u);
-  return amx || avx512_bf16;
+  return cpu_has_amx_bf16() || avx512_bf16;
 #else
   return false;
 #endif
@@ -510,8 +516,7 @@ void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
 
 bool bf16_gemm_amx() {
 #if defined(__x86_64__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1u)) return false;
+  if (!cpu_has_amx_bf16()) return false;
   // A cap that names no AMX level: MKL's AMX levels are AVX512_E4 and later, oneDNN's carry
   // "AMX" in their names.
   for (const char* var : {"MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"}) {
