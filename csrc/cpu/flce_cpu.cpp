@@ -58,9 +58,9 @@ constexpr int64_t BLOCK_N_WIDE = 512;
 // columns peaked at 83.1 MB (onednn) / 80.8 MB (blas), 384 at 80.3 / 80.3, 256 at 79.1-79.6 /
 // 78.3, against chunked torch's 80.2; the time moved by 0-5% (docs/cpu-backend.md). bf16 gains
 // from wide tiles (its split gradient tile runs 4 GEMMs per tile, each adding into the Kahan
-// accumulators) and has memory to spare (a fifth of chunked torch's). The single pass takes wide
-// tiles for every dtype: its logits are held per row block anyway, and each tile adds its dE
-// product into the Kahan accumulators once (fp32: 1.96 -> 1.90 s on the Xeon of
+// accumulators) and has memory to spare (about a quarter of chunked torch's). The single pass
+// takes wide tiles for every dtype: its logits are held per row block anyway, and each tile adds
+// its dE product into the Kahan accumulators once (fp32: 1.96 -> 1.90 s on the Xeon of
 // docs/benchmarks.md).
 constexpr int64_t BLOCK_V_F32 = 256;
 constexpr int64_t BLOCK_V_WIDE = 2048;
