@@ -224,7 +224,8 @@ def build_info():
     info = dict(_info())
     info["cuda_backend"] = _has_cuda_kernels()
     info["cpu_gemm"] = torch.ops.flce.cpu_gemm_path()
-    info["cpu_amx"] = torch.ops.flce.cpu_bf16_amx()
+    from . import _ops  # the value read at import, which picks bf16's CPU training path
+    info["cpu_amx"] = _ops.CPU_BF16_AMX
     info["torch_runtime"] = torch.__version__
     return info
 
