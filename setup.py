@@ -72,6 +72,7 @@ except ModuleNotFoundError:
              "flce compiles against the torch it will run with: install torch first, then build "
              "without isolation: pip install --no-build-isolation [-e] .  or  "
              "python -m build --no-isolation")
+from torch.utils import cpp_extension  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
@@ -134,15 +135,21 @@ sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
 include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
 # No -ffast-math anywhere: the Kahan compensation and NaN propagation need IEEE arithmetic.
 # -fno-trapping-math (as torch itself builds) only lets the vectorizer if-convert the epilogue.
-# Py_LIMITED_API: the module is tagged abi3 (py_limited_api below), so it must only use the
-# stable ABI.
 # -fopenmp: ATen's at::parallel_for is a header template that runs serially unless the caller
 # is compiled with OpenMP (torch's CPU build parallelizes with OpenMP); the module then needs
 # libgomp.so.1, which is the one libtorch_cpu has already loaded.
-cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
-             "-DPy_LIMITED_API=0x03090000"]
+cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 define_macros = []
 ext_kwargs = {"extra_link_args": ["-fopenmp"]}
+
+# abi3: the module uses the stable ABI only (its ops are registered with the dispatcher, not
+# bound to Python). BuildExtension defines Py_LIMITED_API for a py_limited_api extension at the
+# oldest CPython that torch supports (cpp_extension.min_supported_cpython, 3.10 for torch 2.14),
+# after any flag of ours; the wheel's tag names that version.
+_limited_api = int(getattr(cpp_extension, "min_supported_cpython", "0x03090000"), 16)
+if not hasattr(cpp_extension, "min_supported_cpython"):  # an older torch defines none
+    cxx_flags.append(f"-DPy_LIMITED_API={_limited_api:#010x}")
+abi_tag = f"cp{_limited_api >> 24}{(_limited_api >> 16) & 0xff}"
 
 archs, cuda_version, cu_sources = [], None, []
 if use_cuda:
@@ -210,7 +217,7 @@ setup(
     packages=find_packages("python"),
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={"bdist_wheel": {"py_limited_api": abi_tag}},
     # The extension links torch's C++ ABI, which changes between minor releases.
     install_requires=[f"torch=={_torch_mm}.*"],
 )
