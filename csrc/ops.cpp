@@ -41,6 +41,9 @@ TORCH_LIBRARY(flce, m) {
   // Whether the CPU backend's bf16 tile GEMMs run on AMX (cpu::bf16_gemm_amx);
   // flce.build_info()["cpu_amx"], and the CPU's bf16 training path (flce/api.py).
   m.def("cpu_bf16_amx() -> bool", [] { return cpu::bf16_gemm_amx(); });
+  // Whether they multiply bf16 natively (cpu::bf16_gemm_native: AMX, AVX512-BF16 or oneDNN)
+  // rather than widened to fp32; flce.build_info()["cpu_bf16_native"].
+  m.def("cpu_bf16_native() -> bool", [] { return cpu::bf16_gemm_native(); });
 }
 
 TORCH_LIBRARY_IMPL(flce, CompositeExplicitAutograd, m) { m.impl("forward", &forward_composite); }

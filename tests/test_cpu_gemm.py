@@ -82,19 +82,59 @@ def test_other_path_passes_option_and_accuracy_tests(path):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads /proc/cpuinfo")
-def test_cpu_amx_follows_the_cpu_and_the_isa_caps():
-    """build_info()["cpu_amx"] (which picks bf16's CPU training path, flce/api.py) is the
-    kernel's amx_bf16 flag, and False in a process whose MKL and oneDNN stop at AVX2 (as
-    benchmarks/bench.py --isa avx2 runs them)."""
+def _cpuinfo():
+    """(vendor, flags) of the first CPU in /proc/cpuinfo."""
+    vendor, flags = "", []
     with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id" and not vendor:
+                vendor = value.strip()
+            if key.strip() == "flags":
+                flags = value.split()
+                break
+    return vendor, flags
+
+
+def _bf16_facts(env):
+    r = subprocess.run([sys.executable, "-c",
+                        "import flce; i = flce.build_info(); "
+                        "print(i['cpu_amx'], i['cpu_bf16_native'])"],
+                       env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    amx, native = r.stdout.split()[-2:]
+    return amx == "True", native == "True"
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and os.uname().machine == "x86_64"),
+                    reason="reads x86 flags from /proc/cpuinfo")
+def test_cpu_bf16_facts_follow_the_cpu_and_the_isa_caps():
+    """build_info()["cpu_amx"] (which picks bf16's CPU training path, flce/api.py) is the
+    kernel's amx_bf16 flag, and False in a process whose MKL or oneDNN stops below AMX (as
+    benchmarks/bench.py --isa avx2 runs them). On the blas path, build_info()["cpu_bf16_native"]
+    (which makes the backward split bf16 gradient tiles into two bf16 tiles, csrc/cpu/flce_cpu.cpp)
+    holds only where MKL multiplies bf16 natively: an Intel CPU with AVX512-BF16 or AMX-BF16,
+    and MKL not held below AVX512_E3, its first level with bf16 (AVX512 and AVX512_E1/E2 have
+    none)."""
+    vendor, flags = _cpuinfo()
+    amx_cpu = "amx_bf16" in flags
+    mkl_bf16_cpu = vendor == "GenuineIntel" and (amx_cpu or "avx512_bf16" in flags)
     caps = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
-    if not any(os.environ.get(v) for v in caps):
-        assert flce.build_info()["cpu_amx"] == ("amx_bf16" in flags)
-    for var in caps:
-        env = dict(os.environ, **{var: "AVX2"})
-        r = subprocess.run([sys.executable, "-c",
-                            "import flce; print(flce.build_info()['cpu_amx'])"],
-                           env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.split()[-1] == "False", (var, r.stdout)
+    base = {k: v for k, v in os.environ.items() if k not in caps}
+    # (MKL's cap, oneDNN's cap) -> (cpu_amx, cpu_bf16_native on the blas path)
+    cases = {
+        (None, None): (amx_cpu, mkl_bf16_cpu),
+        ("AVX2", None): (False, False),
+        (None, "AVX2"): (False, mkl_bf16_cpu),
+        ("AVX512", None): (False, False),
+        ("AVX512_E2", None): (False, False),
+        ("AVX512_E3", None): (False, mkl_bf16_cpu),
+        ("AVX512_E4", None): (amx_cpu, mkl_bf16_cpu),
+    }
+    for (mkl, onednn), expected in cases.items():
+        env = dict(base, FLCE_CPU_GEMM="blas")
+        if mkl:
+            env["MKL_ENABLE_INSTRUCTIONS"] = mkl
+        if onednn:
+            env["ONEDNN_MAX_CPU_ISA"] = onednn
+        assert _bf16_facts(env) == expected, (mkl, onednn)

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <string>
 
 namespace flce::cpu {
@@ -283,17 +284,36 @@ bool cpu_has_amx_bf16() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u);
 }
+
+// MKL's instruction-set levels (MKL_ENABLE_INSTRUCTIONS, mkl_enable_instructions), in order.
+// bf16 arithmetic starts at AVX512_E3 (AVX512-BF16), AMX at AVX512_E4.
+enum class MklIsa {
+  sse4_2, avx, avx2, avx2_e1, avx512, avx512_e1, avx512_e2, avx512_e3, avx512_e4, avx512_e5,
+  uncapped
+};
+
+// The level MKL_ENABLE_INSTRUCTIONS holds MKL at; uncapped where it is unset or names no level
+// (MKL then dispatches as it would without it).
+MklIsa mkl_isa_cap() {
+  const auto isa = c10::utils::get_env("MKL_ENABLE_INSTRUCTIONS");
+  if (!isa) return MklIsa::uncapped;
+  static constexpr const char* kLevels[] = {"SSE4_2",    "AVX",       "AVX2",      "AVX2_E1",
+                                            "AVX512",    "AVX512_E1", "AVX512_E2", "AVX512_E3",
+                                            "AVX512_E4", "AVX512_E5"};
+  for (size_t i = 0; i < std::size(kLevels); ++i) {
+    if (*isa == kLevels[i]) return static_cast<MklIsa>(i);
+  }
+  return MklIsa::uncapped;
+}
 #endif
 
 // Whether MKL multiplies bf16 natively here (AVX512-BF16 or AMX-BF16 on an Intel CPU, which is
-// where MKL uses them, unless MKL_ENABLE_INSTRUCTIONS holds it below AVX-512). Elsewhere it
+// where MKL uses them, unless MKL_ENABLE_INSTRUCTIONS holds it below AVX512_E3). Elsewhere it
 // widens bf16 to fp32 and runs its fp32 kernels: a bf16 GEMM costs what an fp32 one does
 // (measured on the Zen 4 CI machine, natively and with AVX2 emulated).
 bool mkl_bf16_native() {
 #if defined(__x86_64__)
-  if (!cpu_is_intel() || blas().bf16 == nullptr) return false;
-  const auto isa = c10::utils::get_env("MKL_ENABLE_INSTRUCTIONS");
-  if (isa && isa->find("AVX512") == std::string::npos && isa->find("AMX") == std::string::npos) {
+  if (!cpu_is_intel() || blas().bf16 == nullptr || mkl_isa_cap() < MklIsa::avx512_e3) {
     return false;
   }
   unsigned a = 0, b = 0, c = 0, d = 0;
@@ -516,18 +536,11 @@ void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
 
 bool bf16_gemm_amx() {
 #if defined(__x86_64__)
-  if (!cpu_has_amx_bf16()) return false;
-  // A cap that names no AMX level: MKL's AMX levels are AVX512_E4 and later, oneDNN's carry
-  // "AMX" in their names.
-  for (const char* var : {"MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"}) {
-    const auto isa = c10::utils::get_env(var);
-    if (isa && !isa->empty() && isa->find("AMX") == std::string::npos &&
-        isa->find("AVX512_E4") == std::string::npos &&
-        isa->find("AVX512_E5") == std::string::npos && *isa != "ALL" && *isa != "DEFAULT") {
-      return false;
-    }
-  }
-  return true;
+  if (!cpu_has_amx_bf16() || mkl_isa_cap() < MklIsa::avx512_e4) return false;
+  // oneDNN's AMX levels carry "AMX" in their names.
+  const auto isa = c10::utils::get_env("ONEDNN_MAX_CPU_ISA");
+  return !isa || isa->empty() || isa->find("AMX") != std::string::npos || *isa == "ALL" ||
+         *isa == "DEFAULT";
 #else
   return false;
 #endif

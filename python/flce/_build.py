@@ -218,7 +218,8 @@ def build_info():
     ``build_system``, ``cpu_gemm`` (the CPU backend's tile GEMMs in this process: "onednn",
     oneDNN's micro-kernels, or "blas", the BLAS torch links; see docs/cpu-backend.md),
     ``cpu_amx`` (whether those GEMMs multiply bf16 on AMX, which makes bf16 training take the
-    recompute path by default).
+    recompute path by default), ``cpu_bf16_native`` (whether they multiply bf16 natively, on
+    AMX, AVX512-BF16 or through oneDNN, rather than widened to fp32).
     """
     import torch
     info = dict(_info())
@@ -226,6 +227,7 @@ def build_info():
     info["cpu_gemm"] = torch.ops.flce.cpu_gemm_path()
     from . import _ops  # the value read at import, which picks bf16's CPU training path
     info["cpu_amx"] = _ops.CPU_BF16_AMX
+    info["cpu_bf16_native"] = torch.ops.flce.cpu_bf16_native()
     info["torch_runtime"] = torch.__version__
     return info
 
