@@ -55,12 +55,51 @@ void check_combine_args(const at::Tensor& partials, const at::Tensor& target) {
                     "flce: partials and target must be on one device");
 }
 
+namespace {
+// The per-row upstream gradients and statistics of a backward over n rows.
+void check_row_grads(int64_t n, const at::Tensor& grad_loss,
+                     const std::optional<at::Tensor>& grad_lse,
+                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats);
+}  // namespace
+
+void check_logits_args(const at::Tensor& logits, const at::Tensor& target) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "flce: logits must be [N, V], got ", logits.sizes());
+  TORCH_CHECK_TYPE(is_float_kind(logits.scalar_type()),
+                   "flce: logits must be float32, bfloat16 or float16, got ",
+                   logits.scalar_type());
+  TORCH_CHECK_VALUE(logits.stride(1) == 1 || logits.size(1) <= 1,
+                    "flce: logits must have a unit column stride, got strides ",
+                    logits.strides());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == logits.size(0),
+                    "flce: target must be [N] with N=", logits.size(0), ", got ", target.sizes());
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "flce: target must be int64, got ",
+                   target.scalar_type());
+  TORCH_CHECK_VALUE(logits.device() == target.device(),
+                    "flce: logits and target must be on one device, got ", logits.device(),
+                    ", ", target.device());
+}
+
+void check_logits_backward_args(const at::Tensor& grad_loss,
+                                const std::optional<at::Tensor>& grad_lse,
+                                const std::optional<at::Tensor>& grad_entropy,
+                                const at::Tensor& logits, const at::Tensor& target,
+                                const at::Tensor& stats) {
+  check_logits_args(logits, target);
+  check_row_grads(logits.size(0), grad_loss, grad_lse, grad_entropy, stats);
+}
+
 void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                          const at::Tensor& input, const at::Tensor& weight,
                          const at::Tensor& target, const std::optional<at::Tensor>& bias,
                          const at::Tensor& stats, const std::optional<at::Tensor>& grad_entropy) {
   check_linear_args(input, weight, target, bias);
-  const int64_t n = input.size(0);
+  check_row_grads(input.size(0), grad_loss, grad_lse, grad_entropy, stats);
+}
+
+namespace {
+void check_row_grads(int64_t n, const at::Tensor& grad_loss,
+                     const std::optional<at::Tensor>& grad_lse,
+                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats) {
   TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n &&
                         grad_loss.scalar_type() == at::kFloat,
                     "flce: grad_loss must be float32 [N], got ", grad_loss.sizes(), " ",
@@ -79,5 +118,6 @@ void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Te
                         stats.scalar_type() == at::kFloat,
                     "flce: stats must be float32 [N, ", kStatsCols, "], got ", stats.sizes());
 }
+}  // namespace
 
 }  // namespace flce

@@ -32,6 +32,16 @@ using BackwardFn = Tensor3(const at::Tensor& grad_loss, const std::optional<at::
                            double softcap, std::array<bool, 3> output_mask,
                            const std::optional<at::Tensor>& grad_entropy, double temperature);
 
+// The cross-entropy-on-logits ops (ops_def.h), as every backend implements them.
+using LogitsBackwardFn = at::Tensor(const at::Tensor& grad_loss,
+                                    const std::optional<at::Tensor>& grad_lse,
+                                    const std::optional<at::Tensor>& grad_entropy,
+                                    const at::Tensor& logits, const at::Tensor& target,
+                                    const at::Tensor& stats, int64_t vocab_start,
+                                    int64_t vocab_size, int64_t ignore_index,
+                                    double label_smoothing, double z_loss, double softcap,
+                                    double temperature);
+
 // Checks shared by all backends. Python validates first with argument names; these keep a
 // direct torch.ops.flce call from reaching a kernel with inconsistent arguments.
 void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
@@ -42,5 +52,13 @@ void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Te
                          const at::Tensor& target, const std::optional<at::Tensor>& bias,
                          const at::Tensor& stats,
                          const std::optional<at::Tensor>& grad_entropy = std::nullopt);
+// logits [N, V] float32/bfloat16/float16 with unit column stride, target [N] int64, one device;
+// stats [N, kStatsCols] fp32 and the upstream gradients [N] fp32 when given.
+void check_logits_args(const at::Tensor& logits, const at::Tensor& target);
+void check_logits_backward_args(const at::Tensor& grad_loss,
+                                const std::optional<at::Tensor>& grad_lse,
+                                const std::optional<at::Tensor>& grad_entropy,
+                                const at::Tensor& logits, const at::Tensor& target,
+                                const at::Tensor& stats);
 
 }  // namespace flce

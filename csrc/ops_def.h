@@ -68,6 +68,40 @@ inline void define_ops(torch::Library& m) {
       "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
   m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");
+
+  // Cross-entropy on given logits (flce.cross_entropy, the logits-level vocab-parallel path).
+  // logits [N, V_local]: float32, bfloat16 or float16, unit column stride (any row stride), the
+  // raw logits u of this rank's columns [vocab_start, vocab_start + V_local); the loss is taken
+  // of z = softcap(u) / temperature, as for the linear ops (no bias). Nothing here copies or
+  // widens the logits beyond a tile at a time.
+  //
+  // partial_stats' [N, 5] row statistics (m, s, z_t, sum_z, u) of this rank's columns, for
+  // combine. with_sum: the logit sum (label smoothing; else 0 may be stored); with_entropy: the
+  // entropy's sum u (else 0 may be stored).
+  m.def(
+      "logits_stats(Tensor logits, Tensor target, int vocab_start, int ignore_index, "
+      "float softcap, float temperature, bool with_sum, bool with_entropy) -> Tensor");
+  // One device: combine(logits_stats(...)) -> loss, lse, stats, entropy as forward's.
+  // inplace_backward is for autograd only (python/flce/_ops.py): the backward then writes the
+  // gradient over the logits (logits_backward_).
+  m.def(
+      "logits_forward(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
+      "float z_loss, float softcap, float temperature, bool with_entropy, "
+      "bool inplace_backward=False) -> (Tensor loss, Tensor lse, Tensor stats, Tensor entropy)");
+  // d objective / d logits [N, V_local] in the logits' dtype from the row statistics (combine's
+  // stats) and the upstream gradients, as backward's gradient tile: grad_loss [N] fp32 (may be
+  // an expanded scalar), grad_lse and grad_entropy [N] fp32 or None.
+  m.def(
+      "logits_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, Tensor logits, "
+      "Tensor target, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap, float temperature) -> Tensor");
+  // The same gradient written over the logits, which must not be needed afterwards (each
+  // element is read before its gradient replaces it).
+  m.def(
+      "logits_backward_(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, "
+      "Tensor(a!) logits, Tensor target, Tensor stats, int vocab_start, int vocab_size, "
+      "int ignore_index, float label_smoothing, float z_loss, float softcap, "
+      "float temperature) -> ()");
 }
 
 }  // namespace flce

@@ -1,6 +1,6 @@
 """The CUDA backend on the CPU: builds and loads the test-only module ``flce_cuda_host``.
 
-It is the torch binding of the CUDA backend (csrc/cuda/flce_cuda.cpp, compiled with
+It is the torch binding of the CUDA backend (csrc/cuda/*.cpp, compiled with
 FLCE_CUDA_HOST) together with the unchanged kernels of csrc/cuda/*.cu compiled as host C++ and
 run by the host SIMT runtime (csrc/cuda/host/: each CUDA thread a fiber, the PTX emulated from
 the ISA tables), serving CPU tensors under the op namespace ``flce_cuda_host``, whose schemas are
@@ -35,10 +35,14 @@ def _build_info():
 
 
 def _binding_sources():
+    """The binding's launch sequences (csrc/cuda/*.cpp but the GPU's device_cuda.cpp), the
+    host's device facilities and module, and the argument checks every backend shares."""
     src = os.path.join(ROOT, "csrc")
-    return [os.path.join(src, "checks.cpp"), os.path.join(src, "cuda", "flce_cuda.cpp"),
-            os.path.join(src, "cuda", "emulated", "device_host.cpp"),
-            os.path.join(src, "cuda", "emulated", "module.cpp")]
+    cuda = sorted(p for p in glob.glob(os.path.join(src, "cuda", "*.cpp"))
+                  if os.path.basename(p) != "device_cuda.cpp")
+    return [os.path.join(src, "checks.cpp")] + cuda + [
+        os.path.join(src, "cuda", "emulated", "device_host.cpp"),
+        os.path.join(src, "cuda", "emulated", "module.cpp")]
 
 
 def _digest(paths):

@@ -393,3 +393,21 @@ def test_large_indices():
         xr = x[tail].detach().double().requires_grad_()
         reference.linear_cross_entropy(xr, w.double(), t[tail], reduction="sum").backward()
         assert _rel_err(xf.grad[tail], xr.grad) < 1.5e-2
+
+
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_autocast_leaves_the_gemms_in_fp32(device, single_pass):
+    """Under torch.autocast("cpu", bfloat16), fp32 inputs keep fp32 logits on every backend: the
+    CUDA binding calls cuBLAS directly, and the host emulation's stand-in for it must not be
+    lowered to bf16 by autocast (it was: loss error 3.2e-4 against 1.3e-8)."""
+    x, w, t, _ = _make(64, 300, 48, torch.float32, device=device, seed=5)
+    xr, wr, _, rloss, _ = _ref(x, w, t, None)
+    xg = x.clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        loss = flce.linear_cross_entropy(xg, w, t, reduction="sum", single_pass=single_pass)
+    assert loss.dtype == torch.float32
+    rl = rloss.sum()
+    assert abs(loss.item() - rl.item()) <= 2e-6 * abs(rl.item())
+    loss.backward()
+    rl.backward()
+    assert _rel_err(xg.grad, xr.grad) < 1e-5

@@ -25,7 +25,7 @@ def _call(x, w, t, b=None, **kw):
     ("d_mismatch", ValueError, "D"),
     ("target_shape", ValueError, "target"),
     ("bias_shape", ValueError, "bias"),
-    ("input_f64", TypeError, "input"),
+    ("input_int", TypeError, "input"),
     ("weight_int", TypeError, "weight"),
     ("weight_bf16_input_fp32", TypeError, "weight"),
     ("target_float", TypeError, "target"),
@@ -64,8 +64,8 @@ def test_bad_input(device, case, exc, name):
         t = t[:-1]
     elif case == "bias_shape":
         b = b[:-1]
-    elif case == "input_f64":
-        x = x.double()
+    elif case == "input_int":
+        x = x.to(torch.int32)
     elif case == "weight_int":
         w = w.to(torch.int32)
     elif case == "weight_bf16_input_fp32":
@@ -176,3 +176,68 @@ def test_nan_weight_gives_nan(device):
     w[9, 0] = math.nan
     loss = _call(x, w, t, b, reduction="none")
     assert torch.isnan(loss).all()  # every row sees column 9
+
+
+def test_float_ignore_index_is_refused(device):
+    """A float ignore_index used to be truncated by the kernel (1.5 -> 1) but not by the mean's
+    count: a wrong mean. torch raises a TypeError; so does flce."""
+    x, w, _, b = _inputs(device)
+    t = torch.tensor([1, 3, 1, 2, 3, 0] * 2, device=x.device)
+    for bad in (1.5, 1.0, True, "1"):
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            _call(x, w, t, b, ignore_index=bad)
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        _call(x, w, t, b, ignore_index=2 ** 70)
+    # an int-valued 0-d integer tensor is an int
+    a = _call(x, w, t, b, ignore_index=torch.tensor(1))
+    assert torch.equal(a, _call(x, w, t, b, ignore_index=1))
+
+
+@pytest.mark.parametrize("name", ["temperature", "label_smoothing", "z_loss", "softcap"])
+def test_scalar_options_take_numbers_and_0d_tensors_alike(device, name):
+    x, w, t, b = _inputs(device)
+    value = {"temperature": 0.7, "label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 5.0}[name]
+    want = _call(x, w, t, b, **{name: value})
+    assert torch.equal(_call(x, w, t, b, **{name: torch.tensor(value)}), want)
+    for bad in (str(value), [value], True):
+        with pytest.raises(TypeError, match=f"{name} must be a number"):
+            _call(x, w, t, b, **{name: bad})
+    with pytest.raises(TypeError, match=f"{name} must be a number or a 0-d"):
+        _call(x, w, t, b, **{name: torch.tensor([value])})
+    with pytest.raises(TypeError, match="does not differentiate"):
+        _call(x, w, t, b, **{name: torch.tensor(value, requires_grad=True)})
+
+
+def test_per_class_weights_and_probability_targets_are_refused():
+    x, w, t, b = _inputs("cpu")
+    class_weight = torch.rand(V)
+    with pytest.raises(TypeError, match="per-class weights"):
+        flce.linear_cross_entropy(x, w, t, weight=class_weight)
+    with pytest.raises(TypeError, match="per-class weights"):
+        flce.linear_cross_entropy(x, linear_weight=w, target=t, weight=class_weight)
+    with pytest.raises(TypeError, match="probability .*not supported"):
+        flce.linear_cross_entropy(x, w, torch.softmax(torch.randn(N, V), 1))
+    with pytest.raises(TypeError, match="probability .*not supported"):
+        flce.linear_cross_entropy(x, w, t.float())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_d_zero_is_the_composition(device, bias):
+    """D = 0: the logits are the bias (or 0), as torch's composition has them; the loss is
+    log V without a bias."""
+    x, w, t, b = _inputs(device)
+    x0 = x[:, :0].clone().requires_grad_()
+    w0 = w[:, :0].clone().requires_grad_()
+    b0 = b.clone().requires_grad_() if bias else None
+    loss = _call(x0, w0, t, b0, label_smoothing=0.1)
+    logits = torch.zeros(N, V, dtype=torch.float64) + (b.double().cpu() if bias else 0.0)
+    ref = torch.nn.functional.cross_entropy(logits, t.cpu(), label_smoothing=0.1)
+    assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
+    if not bias:
+        assert abs(loss.item() - math.log(V)) <= 1e-6 * math.log(V)
+    loss.backward()
+    assert x0.grad.shape == (N, 0) and w0.grad.shape == (V, 0)
+    if bias:
+        lr = logits.clone().requires_grad_()
+        torch.nn.functional.cross_entropy(lr, t.cpu(), label_smoothing=0.1).backward()
+        assert torch.allclose(b0.grad.double().cpu(), lr.grad.sum(0), atol=1e-6)

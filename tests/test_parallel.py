@@ -320,6 +320,59 @@ def check_dtensor(rank, world, group):
         raise AssertionError("Replicate weight accepted")
 
 
+def check_torchtitan_dropin(rank, world, group):
+    """flce.cross_entropy of a DTensor [N, V] sharded over the vocabulary (TorchTitan's loss
+    function under loss_parallel: pred.flatten(0, 1), Shard(-1) logits), bf16, against the
+    single-device call and float64; the logits' gradient is a DTensor with their placement;
+    flce.parallel.cross_entropy with inplace_backward writes it over the local logits."""
+    if world != 2:
+        return  # once: the first DTensor op costs seconds of CPU per rank
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    import flce
+    import flce.parallel as fp
+    from flce import reference
+
+    mesh = init_device_mesh("cpu", (world,))
+    b, s_len, v = 3, 8, 61 * world + 3  # uneven torch.chunk shards
+    g = torch.Generator().manual_seed(70)
+    pred64 = torch.randn(b, s_len, v, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, v, (b, s_len), generator=g)
+    labels[0, :3] = -100
+    pred = pred64.to(torch.bfloat16)
+    opts = dict(label_smoothing=0.1, z_loss=1e-4)
+
+    def loss_fn(p, y):  # the TorchTitan loss function, with flce
+        return flce.cross_entropy(p.flatten(0, 1), y.flatten(0, 1), **opts)
+
+    one_in = pred.clone().requires_grad_()
+    one = loss_fn(one_in, labels)
+    one.backward()
+    dp = distribute_tensor(pred, mesh, [Shard(-1)]).requires_grad_()
+    loss = loss_fn(dp, labels)
+    assert not isinstance(loss, type(dp)) and loss.dtype == torch.float32
+    loss.backward()
+    ref_in = pred.double().flatten(0, 1).requires_grad_()
+    ref = reference.logits_cross_entropy(ref_in, labels.flatten(), **opts)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 8 * F32_ULP * abs(ref.item()), (loss, ref)
+    assert abs(loss.item() - one.item()) <= 8 * F32_ULP * abs(one.item()), (loss, one)
+    assert tuple(dp.grad.placements) == (Shard(2),), dp.grad.placements
+    got = dp.grad.full_tensor()
+    assert got.dtype == torch.bfloat16
+    # The gradient is the float64 one rounded once to bf16 (up to the fp32 math beneath).
+    err = (got.double().flatten(0, 1) - ref_in.grad).abs()
+    assert (err <= 2 ** -8 * ref_in.grad.abs() + 1e-12).all(), err.max()
+    assert torch.equal(got, one_in.grad)
+    # flce.parallel.cross_entropy: torch's semantics on local columns, in place.
+    sizes = [c.shape[-1] for c in torch.chunk(pred, world, dim=-1)]
+    lo = sum(sizes[:rank])
+    local = pred.flatten(0, 1)[:, lo:lo + sizes[rank]].clone().requires_grad_()
+    tmp = local * 1
+    fp.cross_entropy(tmp, labels.flatten(), group=group, inplace_backward=True, **opts).backward()
+    assert torch.equal(local.grad, one_in.grad.flatten(0, 1)[:, lo:lo + sizes[rank]])
+    assert torch.equal(tmp.detach(), local.grad), "the gradient is not in the logits' storage"
+
+
 def _expect(exc, match, fn):
     try:
         fn()
@@ -350,10 +403,33 @@ def check_rank_disagreement(rank, world, group):
     _expect(IndexError, "out of range", lambda: call(target=torch.full((20,), 16 * world - 2),
                                                      vocab_size=16 * world - 3))
     _expect(ValueError, "tile [0, V)", lambda: call(vocab_start=0))
-    # (A shape no rank has used yet: a rank whose call matches an agreed, cached layout skips
-    # the exchange, see docs/parallel.md.)
     _expect(ValueError, "on every rank or on none",
             lambda: call(n=21, vocab_start=0 if rank == 0 else None))
+    # One rank's own arguments are bad: every rank raises that rank's error (it used to raise on
+    # that rank alone while the others waited in the exchange until the group's timeout).
+    last = world - 1
+    mine = rank == last
+    bad = f"rank {last}'s arguments are invalid"
+    _expect(ValueError, f"{bad}: flce: target must have shape (20,)",
+            lambda: call(target=torch.zeros(19 if mine else 20, dtype=torch.int64)))
+    _expect(ValueError, f"{bad}: flce: label_smoothing must be in [0, 1]",
+            lambda: call(label_smoothing=1.5 if mine else 0.0))
+    _expect(TypeError, f"{bad}: flce: ignore_index must be an int",
+            lambda: call(ignore_index=1.5 if mine else -100))
+    # A target out of range on one rank only, found before the statistics' all-gather.
+    _expect(IndexError, f"rank {last} has a target of {16 * world}",
+            lambda: call(target=torch.full((20,), 16 * world if mine else 3)))
+    # One rank changes N after an agreed call: every rank raises (it used to be an abort on one
+    # rank and a NaN loss on the other).
+    call()
+    _expect(ValueError, "disagree on N", lambda: call(n=21 if mine else 20))
+    # The logits-level paths exchange the same way.
+    logits = torch.randn(20, 16)
+    _expect(ValueError, f"{bad}: flce: target must have shape (20,)",
+            lambda: fp.vocab_parallel_cross_entropy(
+                logits, torch.zeros(19 if mine else 20, dtype=torch.int64), tp_group=group))
+    _expect(IndexError, f"rank {last} has a target of -5",
+            lambda: fp.cross_entropy(logits, torch.full((20,), -5 if mine else 1), group=group))
     # Explicit offsets in reverse rank order are a valid layout.
     call(vocab_start=16 * (world - 1 - rank))
     call()  # the group still works
@@ -561,7 +637,7 @@ def run_checks(rank, world):
                   {k: round(v, 2) for k, v in ratios.items()}, flush=True)
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
                   check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
-                  check_dtensor):
+                  check_dtensor, check_torchtitan_dropin):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)

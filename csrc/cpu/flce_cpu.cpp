@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "cpu/epilogue.h"
+#include "cpu/rows.h"
 #include "cpu/tile_gemm.h"
 #include "cpu/workers.h"
 #include "flce/math.h"
@@ -67,10 +68,16 @@ constexpr int64_t BLOCK_V_WIDE = 2048;
 // Worker ranges and tiles start at multiples of ALIGN rows / columns.
 constexpr int64_t ALIGN = 16;
 
+using cpu::check_targets;
+using cpu::combine_cpu;
+using cpu::fold_row;
 using cpu::GemmOperand;
 using cpu::gemm_f32out;
 using cpu::LhsScratch;
 using cpu::Rhs;
+using cpu::row_ignored;
+using cpu::RowState;
+using cpu::shard_col;
 using cpu::Span;
 using cpu::Tiles;
 
@@ -134,54 +141,6 @@ const void* operand_row(const at::Tensor& m, int64_t i) {
   return static_cast<const char*>(m.data_ptr()) + i * m.size(1) * m.element_size();
 }
 
-bool row_ignored(int64_t t, int64_t ignore_index) { return t == ignore_index; }
-
-// A row's running statistics over the tiles of a shard.
-struct RowState {
-  OnlineLse lse = lse_empty();  // over non-target logits
-  float z_t = neg_inf();        // target logit, where this shard holds it
-  float sum_z = 0.f, sum_c = 0.f;  // Kahan sum of all logits (label smoothing)
-  float sum() const { return kahan_result(sum_z, sum_c); }
-  // Append the statistics of a later vocabulary range: only the range that holds the target
-  // has its logit (NaN passes through).
-  void merge(const RowState& b) {
-    lse = lse_merge(lse, b.lse);
-    if (b.z_t != neg_inf()) z_t = b.z_t;
-    kahan_add(sum_z, sum_c, b.sum());
-  }
-};
-
-// Fold one tile row (bv logits; the target at column tl, or tl outside [0, bv)) into st.
-void fold_row(float* row, int64_t bv, int64_t tl, RowState& st) {
-  const bool has_t = tl >= 0 && tl < bv;
-  float z_target = 0.f;
-  if (has_t) {  // masked out of (max, sum exp) in place, then restored
-    z_target = row[tl];
-    row[tl] = neg_inf();
-    st.z_t = z_target;
-  }
-  const float mx = cpu::row_max(row, bv);
-  // An all -inf tile (only the target, or -inf logits) adds nothing: exp(-inf - -inf) is NaN.
-  float u = 0.f;
-  const float s = mx == neg_inf() ? 0.f : cpu::row_sum_exp(row, bv, mx, &u);
-  lse_add_tile(st.lse, mx, s, u);
-  if (has_t) row[tl] = z_target;
-  kahan_add(st.sum_z, st.sum_c, cpu::row_sum(row, bv));
-}
-
-// The target's column in the shard, or -1 for an ignored row.
-int64_t shard_col(int64_t t, int64_t vocab_start, int64_t ignore_index) {
-  return row_ignored(t, ignore_index) ? -1 : t - vocab_start;
-}
-
-void check_targets(const int64_t* t, int64_t n, int64_t vocab_size, int64_t ignore_index) {
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_INDEX(t[i] == ignore_index || (t[i] >= 0 && t[i] < vocab_size),
-                      "flce: target[", i, "] = ", t[i], " is out of range for a vocabulary of ",
-                      vocab_size, " (and is not ignore_index = ", ignore_index, ")");
-  }
-}
-
 at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
                              int64_t vocab_start, int64_t ignore_index, double softcap,
@@ -214,58 +173,10 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
       });
     });
     for (int64_t i = rows.begin; i < rows.end; ++i) {
-      const RowState& r = state[i - rows.begin];
-      float* p = st + i * kPartialCols;  // (m, s, z_t, sum_z, u)
-      p[0] = r.lse.m;
-      p[1] = r.lse.s;
-      p[2] = r.z_t;
-      p[3] = r.sum();
-      p[4] = r.lse.u;
+      state[i - rows.begin].store(st + i * kPartialCols);
     }
   });
   return out;
-}
-
-Tensor4 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
-                    int64_t ignore_index, double label_smoothing, double z_loss) {
-  check_combine_args(partials, target);
-  const at::Tensor p = partials.contiguous();
-  const at::Tensor tgt = target.contiguous();
-  const int64_t ranks = p.size(0), n = p.size(1);
-  const int64_t* t = tgt.data_ptr<int64_t>();
-  check_targets(t, n, vocab_size, ignore_index);
-  auto f32 = p.options();
-  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), ent = at::empty({n}, f32),
-             stats = at::empty({n, kStatsCols}, f32);
-  const LossOptions opt{static_cast<float>(label_smoothing), static_cast<float>(z_loss), 0.f,
-                        vocab_size};
-  const float* pp = p.data_ptr<float>();
-  float* lo = loss.data_ptr<float>();
-  float* ls = lse.data_ptr<float>();
-  float* sp = stats.data_ptr<float>();
-  float* ep = ent.data_ptr<float>();
-  at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      RowState st;
-      for (int64_t r = 0; r < ranks; ++r) {  // fixed rank order: deterministic
-        const float* q = pp + (r * n + i) * kPartialCols;
-        st.merge(RowState{OnlineLse{q[0], q[1], q[4]}, q[2], q[3], 0.f});
-      }
-      const bool ign = row_ignored(t[i], ignore_index);
-      const float lse_x = lse_value(st.lse);
-      const RowLoss rl = row_loss(lse_x, st.z_t, st.sum(), ign, opt);
-      lo[i] = rl.loss;
-      ls[i] = rl.lse;
-      ep[i] = row_entropy(st.lse, st.z_t, ign);
-      // (m_x, s_x, z_t, u_x): the backward's p_j = exp(z_j - M) / S, and the entropy's state
-      float* out = sp + kStatsCols * i;
-      out[0] = st.lse.m;
-      out[1] = st.lse.s;
-      out[2] = st.z_t;
-      out[3] = st.lse.u;
-    }
-  });
-  return {loss, lse, stats, ent};
 }
 
 // Gradient accumulator rows of `width` floats: fp32 sums and their compensations, stored as
@@ -870,9 +781,55 @@ at::Tensor scale_grad_cpu(const at::Tensor& deferred, const at::Tensor& scale,
 
 }  // namespace
 
+namespace cpu {
+
+Tensor4 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
+                    int64_t ignore_index, double label_smoothing, double z_loss) {
+  check_combine_args(partials, target);
+  const at::Tensor p = partials.contiguous();
+  const at::Tensor tgt = target.contiguous();
+  const int64_t ranks = p.size(0), n = p.size(1);
+  const int64_t* t = tgt.data_ptr<int64_t>();
+  check_targets(t, n, vocab_size, ignore_index);
+  auto f32 = p.options();
+  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), ent = at::empty({n}, f32),
+             stats = at::empty({n, kStatsCols}, f32);
+  const LossOptions opt{static_cast<float>(label_smoothing), static_cast<float>(z_loss), 0.f,
+                        vocab_size};
+  const float* pp = p.data_ptr<float>();
+  float* lo = loss.data_ptr<float>();
+  float* ls = lse.data_ptr<float>();
+  float* sp = stats.data_ptr<float>();
+  float* ep = ent.data_ptr<float>();
+  at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      RowState st;
+      for (int64_t r = 0; r < ranks; ++r) {  // fixed rank order: deterministic
+        const float* q = pp + (r * n + i) * kPartialCols;
+        st.merge(RowState{OnlineLse{q[0], q[1], q[4]}, q[2], q[3], 0.f});
+      }
+      const bool ign = row_ignored(t[i], ignore_index);
+      const float lse_x = lse_value(st.lse);
+      const RowLoss rl = row_loss(lse_x, st.z_t, st.sum(), ign, opt);
+      lo[i] = rl.loss;
+      ls[i] = rl.lse;
+      ep[i] = row_entropy(st.lse, st.z_t, ign);
+      // (m_x, s_x, z_t, u_x): the backward's p_j = exp(z_j - M) / S, and the entropy's state
+      float* out = sp + kStatsCols * i;
+      out[0] = st.lse.m;
+      out[1] = st.lse.s;
+      out[2] = st.z_t;
+      out[3] = st.lse.u;
+    }
+  });
+  return {loss, lse, stats, ent};
+}
+
+}  // namespace cpu
+
 TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("partial_stats", &partial_stats_cpu);
-  m.impl("combine", &combine_cpu);
+  m.impl("combine", &cpu::combine_cpu);
   m.impl("backward", &backward_cpu);
   m.impl("sum_and_grad", &sum_and_grad_cpu);
   m.impl("scale_grad", &scale_grad_cpu);

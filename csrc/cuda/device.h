@@ -1,4 +1,4 @@
-// The device facilities the torch binding (flce_cuda.cpp) uses, behind one small interface with
+// The device facilities the torch binding (flce_cuda.cpp, single_pass.cpp, logits.cpp) uses, behind one small interface with
 // two implementations:
 //   device_cuda.cpp            a CUDA device: torch's current stream, CUDAGuard, cuBLAS;
 //   emulated/device_host.cpp   the host emulation (FLCE_CUDA_HOST): CPU tensors, the kernels run

@@ -1,6 +1,8 @@
 // Row kernels of the single pass (flce::sum_and_grad on CUDA, 3 GEMMs): the logits of a chunk of
 // rows come from cuBLAS in fp32 ([n, v], never rounded to 16 bits), and these kernels turn them
-// into the collapse-safe statistics and the gradient tile, with the math of flce/math.h.
+// into the collapse-safe statistics and the gradient tile, with the math of flce/math.h. The
+// same kernels serve cross-entropy on a caller's logits (flce::logits_stats / logits_backward),
+// which may be bf16 or fp16: TIn is the logits' type, widened to fp32 as they are loaded.
 //
 // row_stats_kernel  one CTA per (row, column split): (m, s) online logsumexp over the non-target
 //                   columns, z_t, sum_z, u (partial_stats' [splits, n, 5] format, merged by
@@ -90,37 +92,37 @@ __device__ __forceinline__ bool vec_aligned(const void* ptr, int64_t ld) {
   return ld % kVec == 0 && pack_aligned<T>(ptr);
 }
 
-// This thread's kPerThread columns of tile [c0, c0 + kTile) of a row (0 past v); nothing past v
-// is read.
-__device__ __forceinline__ void load_tile(const float* z, int64_t c0, int64_t v, bool aligned,
+// This thread's kPerThread columns of tile [c0, c0 + kTile) of a row (0 past v), in fp32; nothing
+// past v is read. One Pack<TIn> access per kVec columns (16 bytes for fp32, 8 for 16-bit logits).
+template <typename TIn>
+__device__ __forceinline__ void load_tile(const TIn* z, int64_t c0, int64_t v, bool aligned,
                                           float (&x)[kPerThread]) {
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int64_t j = tile_col(c0, i * kVec);
     if (aligned && j + kVec <= v) {
-      const float4 q = *reinterpret_cast<const float4*>(z + j);
-      x[i * kVec + 0] = q.x;
-      x[i * kVec + 1] = q.y;
-      x[i * kVec + 2] = q.z;
-      x[i * kVec + 3] = q.w;
+      const Pack<TIn> q = *reinterpret_cast<const Pack<TIn>*>(z + j);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x[i * kVec + k] = to_float<TIn>(q.v[k]);
     } else {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) x[i * kVec + k] = j + k < v ? z[j + k] : 0.f;
+      for (int k = 0; k < kVec; ++k) x[i * kVec + k] = j + k < v ? to_float<TIn>(z[j + k]) : 0.f;
     }
   }
 }
 
 // kSum: the row's sum of logits (label smoothing only); kU: the entropy's running sum u (only
 // where the entropy is returned). Without them 0 is stored in their place.
-template <bool kSum, bool kU>
+template <typename TIn, bool kSum, bool kU>
 __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsParams p) {
   FLCE_DYNAMIC_SHARED(smem);
   RowPartial* warp_part = reinterpret_cast<RowPartial*>(smem);  // [kWarps]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool aligned = vec_aligned<float>(p.logits, p.ld);
+  const TIn* logits = static_cast<const TIn*>(p.logits);
+  const bool aligned = vec_aligned<TIn>(logits, p.ld);
   const ColRange cols = split_cols(p.v, p.splits);
   for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
-    const float* z = p.logits + row * p.ld;
+    const TIn* z = logits + row * p.ld;
     const int64_t tcol =
         target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
     OnlineLse st = lse_empty();
@@ -176,18 +178,19 @@ __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsPa
   }
 }
 
-template <typename T>
+template <typename TIn, typename T>
 __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradParams p) {
   const int64_t rows = p.rows_per_cta;
   const int64_t blocks = (p.n + rows - 1) / rows;
-  const bool in_aligned = vec_aligned<float>(p.logits, p.ld);
+  const TIn* logits = static_cast<const TIn*>(p.logits);
+  const bool in_aligned = vec_aligned<TIn>(logits, p.ld);
   const bool out_aligned = vec_aligned<T>(p.grad, p.grad_ld);
   const ColRange cols = split_cols(p.v, p.col_splits);
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = b * rows + r;
       if (row >= p.n) break;  // CTA-uniform
-      const float* z = p.logits + row * p.ld;
+      const TIn* z = logits + row * p.ld;
       T* out = static_cast<T*>(p.grad) + row * p.grad_ld;
       T* lo = p.grad_lo != nullptr ? static_cast<T*>(p.grad_lo) + row * p.grad_lo_ld : nullptr;
       float* colsum = p.col_partials != nullptr ? p.col_partials + b * p.v : nullptr;
@@ -200,10 +203,11 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
       for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kTile) {
         float x[kPerThread];
         load_tile(z, c0, p.v, in_aligned, x);
-        // In place, the 16-bit gradient of tile [c0, c0 + kTile) lands on the bytes of logits
-        // [c0 / 2, (c0 + kTile) / 2): all of them read already by every thread after this
-        // barrier (earlier tiles, and this one), none of a later tile.
-        __syncthreads();
+        // In place, the 16-bit gradient of tile [c0, c0 + kTile) of fp32 logits lands on the
+        // bytes of logits [c0 / 2, (c0 + kTile) / 2): all of them read already by every thread
+        // after this barrier (earlier tiles, and this one), none of a later tile. (Same-width
+        // logits are rewritten by the thread that read them: no barrier needed.)
+        if constexpr (sizeof(T) < sizeof(TIn)) __syncthreads();
 #pragma unroll
         for (int i = 0; i < kVecs; ++i) {
           Pack<T> hi;
@@ -324,36 +328,67 @@ cudaError_t scale_grad_to(T* out, const void* x, DType x_dtype, int slices, int6
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > 65535) return cudaErrorInvalidValue;
-  BOOL_SWITCH(p.need_sum, kSum, [&] {
-    BOOL_SWITCH(p.need_u, kU, [&] {
-      launch_kernel<row_stats_kernel<kSum, kU>>(dim3(grid_rows(p.n), p.splits), dim3(kThreads),
-                                                kWarps * sizeof(RowPartial), stream, p);
+  auto launch = [&](auto tin) {
+    using TIn = decltype(tin);
+    BOOL_SWITCH(p.need_sum, kSum, [&] {
+      BOOL_SWITCH(p.need_u, kU, [&] {
+        launch_kernel<row_stats_kernel<TIn, kSum, kU>>(dim3(grid_rows(p.n), p.splits),
+                                                       dim3(kThreads), kWarps * sizeof(RowPartial),
+                                                       stream, p);
+      });
     });
-  });
+  };
+  switch (p.logits_dtype) {
+    case DType::kFloat32:
+    case DType::kFloat32Tf32:
+      launch(float{});
+      break;
+    case DType::kBFloat16:
+      launch(__nv_bfloat16{});
+      break;
+    case DType::kFloat16:
+      launch(__half{});
+      break;
+  }
   return cudaGetLastError();
 }
+
+namespace {
+int elt_bytes(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16 ? 2 : 4; }
+}  // namespace
 
 cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   if (p.rows_per_cta < 1 || (p.col_partials == nullptr && p.rows_per_cta != 1)) {
     return cudaErrorInvalidValue;
   }
-  const bool narrower = dtype == DType::kBFloat16 || dtype == DType::kFloat16;
+  const bool narrower = elt_bytes(dtype) < elt_bytes(p.logits_dtype);
   if (p.col_splits < 1 || p.col_splits > 65535 ||
-      (p.col_splits > 1 && narrower && static_cast<void*>(p.grad) == p.logits)) {
+      (p.col_splits > 1 && narrower && p.grad == p.logits)) {
     return cudaErrorInvalidValue;
   }
   const dim3 grid(grid_rows((p.n + p.rows_per_cta - 1) / p.rows_per_cta), p.col_splits);
+  const bool f32_in = p.logits_dtype == DType::kFloat32 || p.logits_dtype == DType::kFloat32Tf32;
+  if (!f32_in && dtype != p.logits_dtype) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
     case DType::kFloat32Tf32:
-      launch_kernel<row_grad_kernel<float>>(grid, dim3(kThreads), 0, stream, p);
+      launch_kernel<row_grad_kernel<float, float>>(grid, dim3(kThreads), 0, stream, p);
       break;
     case DType::kBFloat16:
-      launch_kernel<row_grad_kernel<__nv_bfloat16>>(grid, dim3(kThreads), 0, stream, p);
+      if (f32_in) {
+        launch_kernel<row_grad_kernel<float, __nv_bfloat16>>(grid, dim3(kThreads), 0, stream, p);
+      } else {
+        launch_kernel<row_grad_kernel<__nv_bfloat16, __nv_bfloat16>>(grid, dim3(kThreads), 0,
+                                                                      stream, p);
+      }
       break;
     case DType::kFloat16:
-      launch_kernel<row_grad_kernel<__half>>(grid, dim3(kThreads), 0, stream, p);
+      if (f32_in) {
+        launch_kernel<row_grad_kernel<float, __half>>(grid, dim3(kThreads), 0, stream, p);
+      } else {
+        launch_kernel<row_grad_kernel<__half, __half>>(grid, dim3(kThreads), 0, stream, p);
+      }
       break;
   }
   return cudaGetLastError();

@@ -1,5 +1,6 @@
 // flce CUDA backend: the plain parameter structs and launchers shared by the torch binding
-// (flce_cuda.cpp) and the torch-free kernels (*.cu). Nothing here includes torch or ATen.
+// (binding.h and its .cpp files) and the torch-free kernels (*.cu). Nothing here includes torch
+// or ATen.
 //
 // Conventions: every size, stride and offset is int64_t (N*V, N*D and V*D may pass 2^31);
 // strides are in elements. Column index j of a kernel's weight block is the vocabulary id
@@ -161,7 +162,11 @@ cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t c
 constexpr int64_t kRowTileCols = 4096;
 
 struct RowStatsParams {
-  const float* logits;  // [n, v] raw x . w (bias and softcap not applied), row stride ld floats
+  // [n, v] raw logits (x . w from the single pass' GEMM, or a caller's: flce::logits_stats),
+  // bias, softcap and temperature not applied, row stride ld elements of logits_dtype (fp32,
+  // bf16 or fp16), unit column stride.
+  const void* logits;
+  DType logits_dtype = DType::kFloat32;
   int64_t n, v, ld;
   const float* bias;    // [v] fp32 or nullptr
   float softcap;        // <= 0: none
@@ -182,7 +187,10 @@ struct RowStatsParams {
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
 
 struct RowGradParams {
-  float* logits;        // [n, v] raw x . w, row stride ld floats; overwritten when grad aliases it
+  // [n, v] raw logits as for RowStatsParams (row stride ld elements of logits_dtype);
+  // overwritten where grad aliases them.
+  const void* logits;
+  DType logits_dtype = DType::kFloat32;
   int64_t n, v, ld;
   const float* bias;
   float softcap;
@@ -191,9 +199,10 @@ struct RowGradParams {
   int64_t target_stride;
   int64_t col_offset, ignore_index;
   const float* coef;    // [n, 8] from launch_row_coef
-  // dz in the compute dtype, row r at grad + r * grad_ld (elements of the compute dtype). It may
-  // alias the logits (grad = logits, grad_ld = ld * 4 / sizeof(T)): each row is rewritten tile
-  // by tile, every thread's reads of a tile before any write over it.
+  // dz in the compute dtype (launch_row_grad's dtype; with 16-bit logits, theirs), row r at
+  // grad + r * grad_ld (elements of that dtype). It may alias the logits (grad = logits,
+  // grad_ld = ld * sizeof(logit) / sizeof(T)): each row is rewritten tile by tile, every
+  // thread's reads of a tile before any write over it.
   void* grad;
   int64_t grad_ld;
   void* grad_lo;        // the rounding residual (T)(dz - hi), same layout, or nullptr
@@ -203,9 +212,12 @@ struct RowGradParams {
   int rows_per_cta;     // rows of one CTA (and of one col_partials row): 1 without col_partials
   // Column splits, as RowStatsParams::splits. Only where the gradient does not alias the logits
   // with a narrower type (a 16-bit tile written over fp32 logits lands on columns another split
-  // may not have read yet): launch_row_grad refuses that.
+  // may not have read yet): launch_row_grad refuses that. A same-width alias (a caller's 16-bit
+  // logits, flce::logits_backward in place) rewrites each thread's own columns only.
   int col_splits = 1;
 };
+// dtype: the gradient's; fp32 logits give an fp32, bf16 or fp16 gradient, 16-bit logits one in
+// their own dtype (anything else: cudaErrorInvalidValue).
 cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t stream);
 
 // out[t - col_offset] += (sum over the rows with target t, in row order) of resid[row] *

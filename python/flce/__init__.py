@@ -1,11 +1,12 @@
-"""flce: fused, collapse-safe linear cross-entropy for large-vocabulary language models."""
+"""flce: fused, collapse-safe linear cross-entropy for large-vocabulary language models, and
+collapse-safe cross-entropy on given logits."""
 from . import reference
 from ._build import build_info
 from ._ops import ops
-from .api import LinearCrossEntropy, linear_cross_entropy
+from .api import LinearCrossEntropy, cross_entropy, linear_cross_entropy
 # transformers is imported only when a model is patched.
 from .integrations import patch, patched, unpatch
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "reference", "ops", "patch", "unpatch",
-           "patched", "build_info"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "cross_entropy", "reference", "ops",
+           "patch", "unpatch", "patched", "build_info"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.flce.*)
+from . import _composite
 
 ops = torch.ops.flce
 
@@ -39,6 +40,16 @@ def routed_to(namespace):
         yield ops
     finally:
         ops = previous
+
+
+def refuse_double_backward(what, remedy):
+    """A backward that computes its gradients in the forward (or with collectives) cannot make
+    them differentiable: under create_graph=True it says so instead of returning gradients
+    that autograd would treat as constants (a silently wrong double backward)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"flce: double backward (a backward with create_graph=True, "
+                           f"torch.autograd.functional.hessian, ...) is not supported through "
+                           f"{what}; {remedy} computes differentiable gradients")
 
 
 def _grad_like(t, wanted):
@@ -95,6 +106,17 @@ def register(namespace, cuda_format):
                 bias is not None and ctx.needs_input_grad[3]]
         if not any(mask):
             return (None,) * 9
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients must be differentiable themselves, which the
+            # backward kernel's are not. The same formulas again, in torch ops.
+            opts = _composite.OpOptions(ignore_index, label_smoothing, z_loss, softcap,
+                                        temperature)
+            with torch.enable_grad():
+                outs = _composite.per_token(input, weight, target, bias, opts)
+                gi, gw, gb = _composite.grads_with_graph(
+                    outs, (grad_loss, grad_lse, grad_entropy),
+                    [t if m else None for t, m in zip((input, weight, bias), mask)])
+            return (gi, gw, None, gb) + (None,) * 5
         if grad_loss is None:
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
         gi, gw, gb = nsops.backward(grad_loss, grad_lse, input, weight, target, bias, stats, 0,
@@ -131,6 +153,7 @@ def register(namespace, cuda_format):
         ctx.mark_non_differentiable(divisor, gi, gw, gb)
 
     def sum_backward(ctx, grad_loss, *_):
+        refuse_double_backward("the single pass (flce::sum_and_grad)", "single_pass=False")
         divisor, *deferred = ctx.saved_tensors
         # The upstream gradient over the divisor, in double: a mean's 1/count is not rounded to
         # fp32. Every token ignored: the mean is NaN (as torch) but the gradients are zero, not
@@ -145,6 +168,63 @@ def register(namespace, cuda_format):
 
     torch.library.register_autograd(name("sum_and_grad"), sum_backward,
                                     setup_context=sum_setup_context)
+
+    # Cross-entropy on given logits.
+    @torch.library.register_fake(name("logits_stats"))
+    def _logits_stats_fake(logits, target, vocab_start, ignore_index, softcap, temperature,
+                           with_sum, with_entropy):
+        return logits.new_empty((logits.shape[0], PARTIAL_COLS), dtype=torch.float32)
+
+    @torch.library.register_fake(name("logits_forward"))
+    def _logits_forward_fake(logits, target, ignore_index, label_smoothing, z_loss, softcap,
+                             temperature, with_entropy, inplace_backward=False):
+        n = logits.shape[0]
+        f32 = dict(dtype=torch.float32)
+        return (logits.new_empty((n,), **f32), logits.new_empty((n,), **f32),
+                logits.new_empty((n, STATS_COLS), **f32), logits.new_empty((n,), **f32))
+
+    @torch.library.register_fake(name("logits_backward"))
+    def _logits_backward_fake(grad_loss, grad_lse, grad_entropy, logits, *_):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(name("logits_backward_"))
+    def _logits_backward_inplace_fake(*_):
+        return None
+
+    def logits_setup_context(ctx, inputs, output):
+        logits, target, ignore_index, label_smoothing, z_loss, softcap, temperature = inputs[:7]
+        ctx.inplace = bool(inputs[8]) if len(inputs) > 8 else False
+        ctx.save_for_backward(logits, target, output[2])
+        ctx.options = _composite.OpOptions(ignore_index, label_smoothing, z_loss, softcap,
+                                           temperature)
+        ctx.mark_non_differentiable(output[2])
+
+    def logits_backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy):
+        logits, target, stats = ctx.saved_tensors
+        none = (None,) * 8
+        if not ctx.needs_input_grad[0]:
+            return (None,) + none
+        o = ctx.options
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, as above
+            with torch.enable_grad():
+                outs = _composite.logits_per_token(
+                    logits.to(_composite.compute_dtype(logits.dtype)), target, o)
+                grad, = _composite.grads_with_graph(outs, (grad_loss, grad_lse, grad_entropy),
+                                                    [logits])
+            return (grad,) + none
+        if grad_loss is None:
+            grad_loss = stats.new_zeros(()).expand(stats.shape[0])
+        args = (grad_loss, grad_lse, grad_entropy, logits, target, stats, 0, logits.shape[1],
+                o.ignore_index, o.label_smoothing, o.z_loss, o.softcap, o.temperature)
+        if ctx.inplace:
+            # The caller gave up the logits (inplace_backward=True): their storage becomes the
+            # gradient's, and no [N, V] buffer is allocated.
+            nsops.logits_backward_(*args)
+            return (logits,) + none
+        return (nsops.logits_backward(*args),) + none
+
+    torch.library.register_autograd(name("logits_forward"), logits_backward,
+                                    setup_context=logits_setup_context)
 
 
 register("flce", lambda t: t.device.type == "cuda")

@@ -1,72 +1,19 @@
-"""The public API: ``flce.linear_cross_entropy`` and ``flce.LinearCrossEntropy``."""
-import math
+"""The public API: ``flce.linear_cross_entropy``, ``flce.LinearCrossEntropy`` and
+``flce.cross_entropy``."""
+import functools
+import inspect
 
 import torch
 
-from . import _build, _ops
+from . import _build, _common, _composite, _ops
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_REDUCTIONS = ("mean", "sum", "none")
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "cross_entropy"]
 
 
-def _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap,
-              temperature=1.0):
-    for name, t in (("input", input), ("weight", weight), ("target", target)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flce: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"flce: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if input.dim() < 1:
-        raise ValueError("flce: input must have shape (..., D), got a 0-d tensor")
-    if weight.dim() != 2:
-        raise ValueError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}")
-    if input.shape[-1] != weight.shape[1]:
-        raise ValueError(f"flce: input's last dimension ({input.shape[-1]}) must equal weight's "
-                         f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
-                         f"{tuple(weight.shape)}")
-    if target.shape != input.shape[:-1]:
-        raise ValueError(f"flce: target must have shape {tuple(input.shape[:-1])} (input's "
-                         f"leading dimensions), got {tuple(target.shape)}")
-    if target.dtype.is_floating_point or target.dtype.is_complex:
-        raise TypeError(f"flce: target must hold class indices (an integer tensor), got "
-                        f"{target.dtype}; probability targets are not supported")
-    if input.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"flce: input must be float32, bfloat16 or float16, got {input.dtype} "
-                        "(use flce.reference for float64)")
-    if weight.dtype not in (input.dtype, torch.float32):
-        raise TypeError(f"flce: weight must have input's dtype ({input.dtype}) or be float32 "
-                        f"master weights, got {weight.dtype}")
-    devices = {("input", input.device), ("weight", weight.device), ("target", target.device)}
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"flce: bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"flce: bias must have shape ({weight.shape[0]},), got "
-                             f"{tuple(bias.shape)}")
-        if bias.dtype != weight.dtype:
-            raise TypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
-                            f"{bias.dtype}")
-        devices.add(("bias", bias.device))
-    if len({d for _, d in devices}) > 1:
-        listing = ", ".join(f"{n} on {d}" for n, d in sorted(devices, key=lambda x: x[0]))
-        raise ValueError(f"flce: all tensors must be on one device, got {listing}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"flce: label_smoothing must be in [0, 1], got {label_smoothing}")
-    # Written so that NaN fails too; inf would silently turn every loss into NaN or inf.
-    if not 0 <= z_loss < math.inf:
-        raise ValueError(f"flce: z_loss must be a finite number >= 0, got {z_loss}")
-    if softcap is not None and not 0 < softcap < math.inf:
-        raise ValueError(f"flce: softcap must be a positive finite number or None, got {softcap}")
-    if isinstance(temperature, torch.Tensor) or not 0 < temperature < math.inf:
-        raise ValueError(f"flce: temperature must be a positive finite number, got {temperature!r}")
-
-
-def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,
-                         reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                         temperature=1.0, return_lse=False, return_entropy=False,
-                         single_pass=None, linear_weight=None, linear_bias=None, options=None):
+def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,
+                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
+                          temperature=1.0, return_lse=False, return_entropy=False,
+                          single_pass=None, linear_weight=None, linear_bias=None, options=None):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
@@ -74,8 +21,16 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
     keyword names; torch's ``options`` chunking hints are ignored, flce picks its own tiles).
     The ``[N, V]`` logits are never materialized.
 
+    Autograd: first derivatives come from flce's own backward; float64 inputs, functorch
+    transforms (``torch.func.grad``, ``vmap``, ``jvp``, ...), forward-mode AD and a backward
+    with ``create_graph=True`` (double backward) take a differentiable composite of the same
+    formulas in float32 (float64 for float64 inputs) that materializes the logits
+    (``flce._composite``). The single pass has no double backward: it raises, and
+    ``single_pass=False`` gives one.
+
     Args:
-        input: ``(..., D)`` hidden states, float32, bfloat16 or float16.
+        input: ``(..., D)`` hidden states, float32, bfloat16 or float16 (float64: the composite
+            path, for ``gradcheck`` and double-precision models).
         weight: ``(V, D)`` classifier (``lm_head.weight``), input's dtype or float32 master
             weights (then the computation runs in input's dtype and ``weight.grad`` comes out in
             float32 straight from flce's float32 accumulators).
@@ -109,82 +64,168 @@ def linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_i
         The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
         the entropy when ``return_entropy``.
     """
+    if linear_weight is not None and weight is not None and getattr(weight, "dim", None) and \
+            weight.dim() == 1:
+        _refuse_class_weights()
     weight = _alias("weight", weight, "linear_weight", linear_weight)
     bias = _alias("bias", bias, "linear_bias", linear_bias)
     if weight is None or target is None:
         raise TypeError("flce: linear_cross_entropy needs input, weight and target")
     del options
-    if ignore_index is None:
-        ignore_index = -100
-    _validate(input, weight, target, bias, reduction, label_smoothing, z_loss, softcap,
-              temperature)
+    opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                           temperature)
+    _common.validate_linear(input, weight, target, bias)
     if input.is_cuda:
         _build.check_cuda_device(input.device)
 
     # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
-    if _is_dtensor(weight):
+    if _common.is_dtensor(weight):
         from . import parallel
 
         if parallel.is_vocab_sharded(weight):
             return parallel.linear_cross_entropy_dtensor(
-                input, weight, target, bias=bias, ignore_index=ignore_index,
-                reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
-                softcap=softcap, temperature=temperature, return_lse=return_lse,
+                input, weight, target, bias=bias, ignore_index=opts.ignore_index,
+                reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
+                softcap=softcap, temperature=opts.temperature, return_lse=return_lse,
                 return_entropy=return_entropy)
 
     lead = target.shape
-    x = input.reshape(-1, input.shape[-1])
+    # (reshape(-1, D) cannot infer N when D = 0)
+    x = input.reshape(target.numel(), input.shape[-1])
     t = target.reshape(-1).to(torch.int64)
-    args = (x, weight, t, bias, int(ignore_index), float(label_smoothing), float(z_loss),
-            float(softcap or 0.0))
+    if x.shape[1] == 0 or _common.needs_composite(x, weight, bias):
+        # float64, functorch transforms, forward-mode AD, and D = 0 (the logits are the bias, or
+        # 0, as torch's composition has them): flce's formulas in differentiable torch ops.
+        loss, lse, entropy = _composite.per_token(x, weight, t, bias, opts)
+        return _common.per_token_outputs(
+            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy,
+            lead, return_lse, return_entropy)
+    args = (x, weight, t, bias) + opts.op_args()
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
     per_token = return_lse or return_entropy
-    if _single_pass(single_pass, reduction, per_token, x) and any(mask) and \
+    if _common.single_pass(single_pass, reduction, per_token, x) and any(mask) and \
             torch.is_grad_enabled():
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
-                                     temperature=float(temperature))[0]
-    loss, lse, _, entropy = _ops.ops.forward(*args, float(temperature))
-    return per_token_outputs(reduce_loss(loss, t, ignore_index, reduction, lead), lse, entropy,
-                             lead, return_lse, return_entropy)
+                                     temperature=opts.temperature)[0]
+    loss, lse, _, entropy = _ops.ops.forward(*args, opts.temperature)
+    return _common.per_token_outputs(
+        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
+        return_lse, return_entropy)
 
 
-def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy):
-    """``loss`` alone, or ``(loss, [lse], [entropy])`` shaped like the target."""
-    if not (return_lse or return_entropy):
-        return loss
-    out = (loss,)
-    if return_lse:
-        out += (lse.reshape(lead),)
-    if return_entropy:
-        out += (entropy.reshape(lead),)
-    return out
+def _refuse_class_weights():
+    raise TypeError("flce.linear_cross_entropy: per-class weights (torch's keyword weight=) are "
+                    "not supported; flce's second argument, weight, is the classifier (torch's "
+                    "linear_weight). Weight the per-token losses of reduction='none' instead")
 
 
-def _single_pass(single_pass, reduction, per_token, x):
-    """Whether the loss and its gradients come from the single pass (flce::sum_and_grad);
-    per_token: lse or entropy outputs are asked for (the single pass returns the loss alone)."""
-    if single_pass is None:
-        # fp16 stays on the recompute path: its gradient tile needs a scale that depends on
-        # every row's statistics, which the single pass has only row chunk by row chunk. On the
-        # CPU, fp32 does too: the single pass holds dW's Kahan compensation for the whole
-        # vocabulary and a row block's logits, ~3x chunked torch's memory where the recompute
-        # path stays at it (docs/cpu-backend.md). bf16's memory stays below chunked's either
-        # way, and the single pass saves a logit GEMM, except where bf16 GEMMs run on AMX: there
-        # that GEMM is cheap, and the single pass's streaming of dW's accumulators costs more
-        # (1.15 s against 0.88 s on a 2-core Xeon, docs/benchmarks.md).
-        if reduction == "none" or per_token or x.dtype == torch.float16:
-            return False
-        if _ops.is_cuda_backend(x):
-            return True
-        return x.dtype == torch.bfloat16 and not _ops.CPU_BF16_AMX
-    if single_pass not in (True, False):
-        raise TypeError(f"flce: single_pass must be None, True or False, got {single_pass!r}")
-    if single_pass and (reduction == "none" or per_token):
-        raise ValueError("flce: single_pass needs reduction 'mean' or 'sum' and neither "
-                         f"return_lse nor return_entropy; got reduction={reduction!r}, "
-                         f"per-token outputs: {per_token}")
-    return single_pass
+@functools.wraps(_linear_cross_entropy)
+def linear_cross_entropy(input, *args, **kwargs):
+    # torch's F.linear_cross_entropy(input, linear_weight, target, weight=class_weights): with
+    # flce's positional classifier, Python itself would say "got multiple values for argument
+    # 'weight'".
+    if len(args) >= 1 and "weight" in kwargs:
+        _refuse_class_weights()
+    return _linear_cross_entropy(input, *args, **kwargs)
+
+
+linear_cross_entropy.__signature__ = inspect.signature(_linear_cross_entropy)
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
+                  label_smoothing=0.0, *, z_loss=0.0, softcap=None, temperature=1.0,
+                  return_lse=False, return_entropy=False, inplace_backward=False):
+    r"""Collapse-safe ``torch.nn.functional.cross_entropy`` on given logits.
+
+    A drop-in for ``F.cross_entropy(input, target, weight, ignore_index=..., reduction=...,
+    label_smoothing=...)`` with class-index targets, on torch's layouts: ``input`` ``(C)``,
+    ``(N, C)`` or ``(N, C, d1, ...)`` (the class dimension is 1, as torch has it), ``target``
+    ``()``, ``(N)`` or ``(N, d1, ...)``. The loss is ``softplus(lse_x - z_t)`` and the target's
+    gradient ``-sigmoid(lse_x - z_t)``, relatively accurate at every margin where
+    ``F.cross_entropy`` rounds both to 0 (docs/numerics.md).
+
+    One read of the logits forward, one read and one write backward, in their own dtype
+    (float32, bfloat16, float16): no float32 copy, no ``[N, C]`` buffer beyond the gradient
+    (``(N, C, d1, ...)`` inputs are first laid out class-last, one copy). The loss (and lse,
+    entropy) is float32; the gradient has the logits' dtype. float64, ``torch.func``
+    transforms, forward-mode AD and double backward take the differentiable composite path
+    (as :func:`linear_cross_entropy`).
+
+    Args:
+        input: the logits.
+        target: class indices in ``[0, C)`` or ``ignore_index``; probability targets raise.
+        weight: optional per-class weights ``(C,)``, as torch defines them: each token's loss
+            times its target's weight, ``"mean"`` divided by the sum of those weights, and with
+            label smoothing the smoothing term ``sum_c w_c (-log p_c) / C`` (that combination
+            takes the composite path, which materializes float32 logits).
+        ignore_index, reduction, label_smoothing: as ``F.cross_entropy``.
+        z_loss, softcap, temperature, return_lse, return_entropy: as
+            :func:`linear_cross_entropy` (the softcap and temperature apply to ``input``; with
+            ``weight``, a token's z-loss is weighted like its loss).
+        inplace_backward: the backward writes the gradient over ``input``'s storage (as
+            Megatron's and TorchTitan's eager losses do) instead of allocating one: pass it only
+            when nothing else needs the logits afterwards (autograd raises if something saved
+            them). ``input`` is otherwise never written.
+
+    Returns:
+        The loss, then the per-token lse when ``return_lse`` and the per-token entropy when
+        ``return_entropy`` (shaped like ``target``).
+    """
+    opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                           temperature)
+    _common.check_tensor("input", input)
+    if _common.is_dtensor(input):
+        from . import parallel
+
+        return parallel.cross_entropy_dtensor(
+            input, target, weight=weight, ignore_index=opts.ignore_index, reduction=reduction,
+            label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=softcap,
+            temperature=opts.temperature, return_lse=return_lse, return_entropy=return_entropy,
+            inplace_backward=inplace_backward)
+    if input.dim() == 0:
+        raise ValueError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a 0-d "
+                         "tensor")
+    if input.dtype not in _common.FLOAT_DTYPES:
+        raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
+                        f"{input.dtype}")
+    if inplace_backward not in (True, False):
+        raise TypeError(f"flce: inplace_backward must be True or False, got {inplace_backward!r}")
+    c = input.shape[0] if input.dim() == 1 else input.shape[1]
+    lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
+    _common.check_target(target, lead, "input's shape without the class dimension 1")
+    if weight is not None:
+        _common.check_tensor("weight", weight)
+        if weight.shape != (c,) or not weight.dtype.is_floating_point:
+            raise ValueError(f"flce: weight must be a floating-point tensor of shape ({c},) (one "
+                             f"weight per class), got {weight.dtype} {tuple(weight.shape)}")
+    _common.check_one_device((("input", input), ("target", target), ("weight", weight)))
+    if input.is_cuda:
+        _build.check_cuda_device(input.device)
+    # [rows, C], class-last: a view for (C) and (N, C), one copy for (N, C, d1, ...).
+    logits = input.reshape(1, c) if input.dim() == 1 else \
+        input.movedim(1, -1).reshape(-1, c)
+    if logits.stride(1) != 1 and c > 1:
+        logits = logits.contiguous()
+    t = target.reshape(-1).to(torch.int64)
+    valid = t != opts.ignore_index
+    row_weight = None
+    if weight is not None:
+        w = weight.to(torch.float64 if input.dtype == torch.float64 else torch.float32)
+        row_weight = torch.where(valid, w[torch.where(valid, t, 0).clamp(0, max(c - 1, 0))], 0.0)
+    if _common.needs_composite(logits, weight) or (weight is not None and opts.label_smoothing):
+        cdt = _composite.compute_dtype(input.dtype)
+        loss, lse, entropy = _composite.logits_per_token(
+            logits.to(cdt), t, opts, weight=None if weight is None else weight.to(cdt))
+    else:
+        loss, lse, _, entropy = _ops.ops.logits_forward(
+            logits, t, opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
+            opts.temperature, return_entropy, inplace_backward)
+        if row_weight is not None:
+            loss = loss * row_weight
+    return _common.per_token_outputs(
+        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
+        entropy, lead, return_lse, return_entropy)
 
 
 def _alias(name, value, torch_name, torch_value):
@@ -195,21 +236,6 @@ def _alias(name, value, torch_name, torch_value):
     return torch_value
 
 
-def reduce_loss(loss, target, ignore_index, reduction, shape):
-    """Reduce per-token losses as torch does (mean over non-ignored tokens), without host syncs."""
-    if reduction == "none":
-        return loss.reshape(shape)
-    total = loss.sum()
-    if reduction == "sum":
-        return total
-    return total / (target != ignore_index).sum()
-
-
-def _is_dtensor(t):
-    # By name: importing torch.distributed.tensor here would slow down `import flce`.
-    return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
-
-
 class LinearCrossEntropy(torch.nn.Module):
     """``nn.Module`` form of :func:`linear_cross_entropy`; call as ``module(input, weight, target)``."""
 
@@ -217,8 +243,7 @@ class LinearCrossEntropy(torch.nn.Module):
                  softcap=None, temperature=1.0, return_lse=False, return_entropy=False,
                  single_pass=None):
         super().__init__()
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"flce: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing

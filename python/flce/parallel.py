@@ -2,8 +2,8 @@
 
 Rank ``r`` of a process group holds the rows ``[vocab_start_r, vocab_start_r + V_r)`` of the
 classifier. Forward: each rank computes the per-row statistics of its shard with the fused op
-``flce::partial_stats`` (``[N, 4]`` fp32: non-target max and sum-exp, the target logit if the
-rank owns it, the logit sum), ONE all-gather gives every rank all of them, and ``flce::combine``
+``flce::partial_stats`` (``[N, 5]`` fp32: non-target max and sum-exp, the target logit if the
+rank owns it, the logit sum, the entropy's sum), ONE all-gather gives every rank all of them, and ``flce::combine``
 turns them into the collapse-safe loss, the same math as on one device. Backward: each rank forms
 its shard's gradient tiles from the global row statistics with ``flce::backward``; ``dC`` stays
 local and ``dE`` is summed over the group. See docs/parallel.md.
@@ -14,8 +14,12 @@ Entry points:
   models, plain ``torch.distributed`` scripts).
 * ``flce.linear_cross_entropy`` with a ``DTensor`` weight sharded on dim 0 over a 1-D mesh
   (TorchTitan-style models) dispatches to :func:`linear_cross_entropy_dtensor`.
-* :func:`vocab_parallel_cross_entropy`: a collapse-safe drop-in for Megatron-Core's
-  ``tensor_parallel.vocab_parallel_cross_entropy`` for models that keep their own ``lm_head``.
+* :func:`cross_entropy`: cross-entropy on this rank's logit columns (the op pair
+  ``flce::logits_stats`` / ``flce::logits_backward``, one all-gather of ``[N, 5]`` statistics);
+  :func:`vocab_parallel_cross_entropy`, a collapse-safe drop-in for Megatron-Core's
+  ``tensor_parallel.vocab_parallel_cross_entropy`` on it; ``flce.cross_entropy`` of a
+  ``DTensor`` sharded over the classes (TorchTitan's ``loss_parallel``) dispatches to
+  :func:`cross_entropy_dtensor`.
 
 Importing this module is cheap: ``torch.distributed`` is used only inside the functions.
 """
@@ -24,12 +28,13 @@ import sys
 
 import torch
 
-from . import _ops
-from .api import _validate, per_token_outputs, reduce_loss
+from . import _common, _ops
 
 __all__ = [
     "vocab_parallel_linear_cross_entropy",
+    "cross_entropy",
     "vocab_parallel_cross_entropy",
+    "cross_entropy_dtensor",
     "linear_cross_entropy_dtensor",
     "is_vocab_sharded",
     "clear_layout_cache",
@@ -106,10 +111,15 @@ class _Layout:
 
 _LAYOUTS = {}
 _LAYOUT_CACHE_SIZE = 256
-# Fields of the metadata row; all but the first three must agree across ranks.
+# Fields of the metadata row; those from N to temperature must agree across ranks. "error": this
+# rank's own arguments failed a check (its message follows in a second exchange); "target min"
+# and "target max": the range of its non-ignored targets (ignored ones count as 0).
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
-                "sequence_parallel", "temperature")
+                "sequence_parallel", "temperature", "single pass", "error", "target min",
+                "target max")
+_AGREED = range(3, _META_FIELDS.index("error"))
+_ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
 
 
 def clear_layout_cache():
@@ -121,22 +131,53 @@ def _float_bits(x):
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _layout(group, rank, world, device, meta, explicit_size, check_ranks):
-    """Shard offsets and the global vocabulary for this call, from a cached one-time exchange.
+def _exchange_device(group):
+    """Where the metadata row is all-gathered: the current CUDA device for NCCL, else the CPU."""
+    backend = str(_dist().get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
-    The exchange all-gathers one int64 row per rank (``_META_FIELDS``): every rank sees the same
-    rows and raises the same error, so a disagreement is an exception on all ranks, not a hang.
-    The cache key is everything the row holds, so a rank whose key changes re-checks; ranks must
-    make the same calls in the same order, as for every collective.
+
+def _target_range(target, ignore_index, device):
+    """[min, max] of the non-ignored targets (ignored ones as 0), on the exchange device."""
+    if target is None or target.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    t = target.reshape(-1).to(torch.int64)
+    t = torch.where(t == ignore_index, torch.zeros_like(t), t)
+    return torch.stack([t.min(), t.max()]).to(device)
+
+
+def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, target=None,
+            ignore_index=-100):
+    """Shard offsets and the global vocabulary for this call, from an exchange of every rank's
+    metadata row (``_META_FIELDS``), after which every rank raises the same error or none does.
+
+    ``meta``: this rank's row up to "temperature" (ignored when ``error`` is set: the exception
+    this rank's own argument checks raised). The exchange all-gathers one int64 row per rank,
+    with this rank's target range, and every rank checks every row: a rank with bad arguments,
+    ranks that disagree on a shape or option, shards that do not tile the vocabulary, or a target
+    out of range on any rank raise the same exception on all ranks, before any collective that
+    could hang. It costs one small all-gather and reads it on the host (a device sync under
+    NCCL) per call; ``check_ranks=False`` makes it once per group and row instead, skipped by a
+    rank whose row matches an agreed one, which is only safe while all ranks make identical
+    calls (a rank whose arguments change alone then meets a different collective: docs/
+    parallel.md).
     """
-    key = (id(group), rank, world, str(device)) + tuple(meta)
+    if error is not None:
+        meta = [0] * _ERROR
+    key = (id(group), rank, world) + tuple(meta)
     hit = _LAYOUTS.get(key)
-    if hit is not None and hit[0] is group and not check_ranks:
+    if hit is not None and hit[0] is group and not check_ranks and error is None:
         return hit[1]
-    rows = _all_gather(torch.tensor([meta], dtype=torch.int64, device=device), group,
-                       world).tolist()
+    device = _exchange_device(group)
+    row = torch.cat([torch.tensor(meta + [int(error is not None)], dtype=torch.int64,
+                                  device=device),
+                     _target_range(target if error is None else None, ignore_index, device)])
+    rows = _all_gather(row[None], group, world).tolist()
+    _raise_rank_errors(rows, error, group, world)
     mine = rows[rank]
-    for f in range(3, len(_META_FIELDS)):
+    for f in _AGREED:
         values = [r[f] for r in rows]
         if any(v != mine[f] for v in values):
             raise ValueError(f"flce.parallel: ranks disagree on {_META_FIELDS[f]}: "
@@ -166,6 +207,12 @@ def _layout(group, rank, world, device, meta, explicit_size, check_ranks):
                          f"shards), got {vocab_size}")
     if vocab_size <= 0:
         raise ValueError("flce.parallel: every vocabulary shard is empty")
+    for r, rr in enumerate(rows):
+        bad = rr[_TMIN] if rr[_TMIN] < 0 else (rr[_TMAX] if rr[_TMAX] >= vocab_size else None)
+        if bad is not None:
+            raise IndexError(f"flce.parallel: rank {r} has a target of {bad}, out of range for "
+                             f"a vocabulary of {vocab_size} (and not ignore_index = "
+                             f"{rr[_META_FIELDS.index('ignore_index')]})")
     start = starts[rank]
     valid = max(0, min(sizes[rank], vocab_size - start))
     layout = _Layout(start, vocab_size, valid, tuple(starts), tuple(sizes))
@@ -173,6 +220,21 @@ def _layout(group, rank, world, device, meta, explicit_size, check_ranks):
         _LAYOUTS.pop(next(iter(_LAYOUTS)))
     _LAYOUTS[key] = (group, layout)
     return layout
+
+
+def _raise_rank_errors(rows, error, group, world):
+    """Where any rank's own arguments failed a check: every rank raises that rank's exception
+    (the first such rank's, by rank), with its message, which a second exchange brings."""
+    if not any(r[_ERROR] for r in rows):
+        return
+    messages = [None] * world
+    mine = None if error is None else (type(error).__name__, str(error))
+    _dist().all_gather_object(messages, mine, group=group)
+    failed = [r for r in range(world) if rows[r][_ERROR]]
+    name, text = messages[failed[0]]
+    cls = {"TypeError": TypeError, "IndexError": IndexError}.get(name, ValueError)
+    others = f" (ranks {failed} have bad arguments)" if len(failed) > 1 else ""
+    raise cls(f"flce.parallel: rank {failed[0]}'s arguments are invalid: {text}{others}")
 
 
 def _check_vocab_start(vocab_start):
@@ -234,6 +296,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         (group, world, layout, options, reduce_input_grad, sequence_parallel, rows,
          has_bias) = ctx.setup
         ignore_index, label_smoothing, z_loss, softcap, temperature = options
+        _ops.refuse_double_backward("the vocab-parallel path", "a single-device "
+                                    "flce.linear_cross_entropy")
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                 has_bias and ctx.needs_input_grad[2]]
         none = (None,) * 8
@@ -282,6 +346,8 @@ class _VocabParallelSinglePass(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        _ops.refuse_double_backward("the vocab-parallel single pass", "a single-device "
+                                    "flce.linear_cross_entropy with single_pass=False")
         divisor, *deferred = ctx.saved_tensors
         group, world, reduce_input_grad, sequence_parallel, rows, dtypes, mask = ctx.setup
         scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
@@ -301,9 +367,7 @@ class _VocabParallelSinglePass(torch.autograd.Function):
 
 def _use_single_pass(single_pass, reduction, return_lse, x):
     """The single pass for training on the CUDA backend, as flce.linear_cross_entropy decides."""
-    from .api import _single_pass
-
-    use = _single_pass(single_pass, reduction, return_lse, x)
+    use = _common.single_pass(single_pass, reduction, return_lse, x)
     if use and not _ops.is_cuda_backend(x):
         if single_pass:
             raise ValueError("flce.parallel: single_pass=True needs the CUDA backend (the CPU "
@@ -318,7 +382,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                                         temperature=1.0, return_lse=False, return_entropy=False,
                                         vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
-                                        check_ranks=False, single_pass=None):
+                                        check_ranks=True, single_pass=None):
     r"""Fused, collapse-safe linear cross-entropy with the vocabulary sharded over ``group``.
 
     Every rank passes the same tokens (``input``, ``target``) and its own rows of the
@@ -346,8 +410,12 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             shards); they are all-gathered before and ``input``'s gradient is reduce-scattered
             after. The loss covers all ranks' tokens: for ``reduction="none"`` its shape is
             ``(world * input.shape[0], *input.shape[1:-1])``, in rank order.
-        check_ranks: repeat the cross-rank consistency check (one small all-gather) on every
-            call instead of once per shape.
+        check_ranks: exchange every rank's shapes, options, local argument errors and target
+            range on every call (default: one small all-gather, read on the host: a device
+            sync per call under NCCL), so that every rank raises the same error instead of one
+            rank raising and the others hanging in a collective. False: once per group and
+            shape (no sync), only safe while every rank makes identical calls
+            (docs/parallel.md).
         single_pass: as for ``flce.linear_cross_entropy``: by default the CUDA backend trains
             (mean/sum, no return_lse, gradients needed) with the single pass, whose chunks of
             rows all-gather their ``[rows, 4]`` statistics inside the op.
@@ -357,50 +425,70 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         and the per-token entropy when ``return_entropy``.
         Every rank must backpropagate the same upstream gradient into it.
     """
-    if ignore_index is None:
-        ignore_index = -100
-    _validate(input, weight_local, target, bias_local, reduction, label_smoothing, z_loss,
-              softcap, temperature)
-    _check_vocab_start(vocab_start)
-    if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
-        raise ValueError(f"flce.parallel: vocab_size must be a positive int, got {vocab_size!r}")
-    if sequence_parallel and not reduce_input_grad:
-        raise ValueError("flce.parallel: sequence_parallel=True reduce-scatters input's gradient "
-                         "itself; reduce_input_grad=False is not supported with it")
-    if sequence_parallel and input.dim() < 2:
-        raise ValueError("flce.parallel: sequence_parallel needs input of shape (tokens, ..., D)")
     group, rank, world = _resolve_group(group)
-
-    d = input.shape[-1]
-    lead = tuple(target.shape)
-    x = input.reshape(-1, d)
-    t = target.reshape(-1).to(torch.int64)
-    softcap = float(softcap or 0.0)
-    options = (int(ignore_index), float(label_smoothing), float(z_loss), softcap,
-               float(temperature))
-    meta = [weight_local.shape[0], -1 if vocab_start is None else vocab_start,
-            -1 if vocab_size is None else vocab_size, x.shape[0], d, _DTYPE_CODES[input.dtype],
-            _DTYPE_CODES[weight_local.dtype], int(bias_local is not None), options[0],
-            _float_bits(options[1]), _float_bits(options[2]), _float_bits(softcap),
-            _REDUCTION_CODES[reduction], int(bool(sequence_parallel)),
-            _float_bits(temperature)]
-    layout = _layout(group, rank, world, input.device, meta, vocab_size is not None,
-                     check_ranks)
+    # This rank's own checks; their failure goes into the exchange, so that every rank raises it.
+    try:
+        opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                               temperature)
+        _common.validate_linear(input, weight_local, target, bias_local)
+        _check_local(input, weight_local, bias_local)
+        _check_vocab_start(vocab_start)
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
+            raise ValueError(f"flce.parallel: vocab_size must be a positive int, got "
+                             f"{vocab_size!r}")
+        if sequence_parallel and not reduce_input_grad:
+            raise ValueError("flce.parallel: sequence_parallel=True reduce-scatters input's "
+                             "gradient itself; reduce_input_grad=False is not supported with it")
+        if sequence_parallel and input.dim() < 2:
+            raise ValueError("flce.parallel: sequence_parallel needs input of shape (tokens, ..., "
+                             "D)")
+        needs_grad = torch.is_grad_enabled() and (
+            input.requires_grad or weight_local.requires_grad
+            or (bias_local is not None and bias_local.requires_grad))
+        use_single = needs_grad and _use_single_pass(single_pass, reduction,
+                                                     return_lse or return_entropy, input)
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    if error is None:
+        d = input.shape[-1]
+        lead = tuple(target.shape)
+        x = input.reshape(target.numel(), d)
+        t = target.reshape(-1).to(torch.int64)
+        options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
+                   opts.temperature)
+        meta = [weight_local.shape[0], -1 if vocab_start is None else vocab_start,
+                -1 if vocab_size is None else vocab_size, x.shape[0], d,
+                _DTYPE_CODES[input.dtype], _DTYPE_CODES[weight_local.dtype],
+                int(bias_local is not None), opts.ignore_index, _float_bits(opts.label_smoothing),
+                _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
+                int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single)]
+    else:
+        t, meta = None, None
+    layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
+                     target=t, ignore_index=None if error else opts.ignore_index)
     if sequence_parallel:
         t = _all_gather(t, group, world)
         lead = (world * lead[0],) + lead[1:]
-    needs_grad = torch.is_grad_enabled() and (
-        input.requires_grad or weight_local.requires_grad
-        or (bias_local is not None and bias_local.requires_grad))
-    if needs_grad and _use_single_pass(single_pass, reduction, return_lse or return_entropy, x):
+    if use_single:
         return _VocabParallelSinglePass.apply(x, weight_local, bias_local, t, group, world, layout,
                                               options, reduction, bool(reduce_input_grad),
                                               bool(sequence_parallel))
     loss, lse, entropy = _VocabParallelLinearCE.apply(
         x, weight_local, bias_local, t, group, rank, world, layout, options,
         bool(reduce_input_grad), bool(sequence_parallel))
-    return per_token_outputs(reduce_loss(loss, t, ignore_index, reduction, lead), lse, entropy,
-                             lead, return_lse, return_entropy)
+    return _common.per_token_outputs(
+        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
+        return_lse, return_entropy)
+
+
+def _check_local(*tensors):
+    """What the vocab-parallel path does not serve: float64 (flce.linear_cross_entropy's
+    composite path is single-device), functorch transforms and forward-mode AD."""
+    if _common.needs_composite(*tensors):
+        raise TypeError("flce.parallel: float64 inputs, functorch transforms (torch.func) and "
+                        "forward-mode AD are not supported by the vocab-parallel path; use "
+                        "float32/bfloat16/float16 and reverse-mode autograd")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,78 +545,135 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
 
 
 # ---------------------------------------------------------------------------------------------
-# Megatron-Core drop-in at the logits level.
+# Cross-entropy on vocab-parallel logits: flce.parallel.cross_entropy, the Megatron-Core drop-in,
+# and flce.cross_entropy on a DTensor sharded over the classes (TorchTitan's loss_parallel).
 # ---------------------------------------------------------------------------------------------
 class _VocabParallelLogitsCE(torch.autograd.Function):
-    """The row statistics of csrc/include/flce/math.h in torch ops, for [N, V_local] logits.
+    """[N, V_local] logits of this rank's columns -> per-token loss, lse, entropy [N] fp32.
 
-    Forward = flce::partial_stats on given logits (here: masked max, sum-exp and logit sum in
-    fp32), then the all-gather and flce::combine as in the fused path. Backward = math.h's
-    row_grad/logit_grad with z_loss = 0 and no lse gradient:
-        dz_j = g p_j - u                      (j != t)
-        dz_t = g eps' p_t - g (1 - eps') q_t - u,   p_t = sigmoid(z_t - lse_x),
-                                                    q_t = sigmoid(lse_x - z_t),  u = g eps' / V
-    (row_grad's (A - B) p_t - B q_t - U with A = g, B = g (1 - eps'), U = g eps' / V).
-    """
+    Forward: flce::logits_stats of the local columns (one read of the logits, in their dtype),
+    ONE all-gather of the [N, 5] partials, flce::combine (the collapse-safe loss, the same math
+    as one device). Backward: flce::logits_backward from the global row statistics, local to the
+    rank (no collective), into a new tensor or over the logits (inplace_backward)."""
 
     @staticmethod
-    def forward(ctx, logits, target, eps, group, world, layout):
-        n, v_local = logits.shape
-        lo, vocab_size = layout.vocab_start, layout.vocab_size
-        owned = (target >= lo) & (target < lo + v_local)
-        tl = torch.where(owned, target - lo, torch.zeros_like(target))[:, None]
-        neg_inf = torch.full_like(tl, float("-inf"), dtype=torch.float32)
-        # One fp32 working copy, modified in place; the caller's logits are never written.
-        z = logits.to(torch.float32, copy=True)
-        sum_z = z.sum(1)
-        z_t = torch.where(owned[:, None], z.gather(1, tl), neg_inf)
-        # The owner drops the target from its sum (collapse-safe lse_x).
-        z.scatter_(1, tl, torch.where(owned[:, None], neg_inf, z.gather(1, tl)))
-        m = z.amax(1, keepdim=True)
-        # An all-target row (V_local = 1) has m = -inf: the empty state (-inf, 0).
-        s = z.sub_(torch.where(m == float("-inf"), torch.zeros_like(m), m)).exp_().sum(1)
-        # (u, the entropy's sum, is not needed: this function returns the loss alone)
-        partials = torch.stack([m[:, 0], s, z_t[:, 0], sum_z, torch.zeros_like(s)], dim=1)
+    def forward(ctx, logits, target, group, world, layout, options, with_entropy, inplace):
+        ignore_index, label_smoothing, z_loss, softcap, temperature = options
+        n = logits.shape[0]
+        partials = _ops.ops.logits_stats(logits, target, layout.vocab_start, ignore_index,
+                                         softcap, temperature, label_smoothing != 0.0,
+                                         with_entropy)
         gathered = _all_gather(partials, group, world).view(world, n, _ops.PARTIAL_COLS)
-        loss, _, stats, _ = _ops.ops.combine(gathered, target, vocab_size, -100, eps, 0.0)
+        loss, lse, stats, entropy = _ops.ops.combine(gathered, target, layout.vocab_size,
+                                                     ignore_index, label_smoothing, z_loss)
         ctx.save_for_backward(logits, target, stats)
-        ctx.setup = (eps, lo, vocab_size)
-        return loss
+        ctx.setup = (layout, options, inplace)
+        ctx.mark_non_differentiable(stats)
+        return loss, lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_lse, grad_entropy):
+        _ops.refuse_double_backward("the vocab-parallel path", "a single-device flce.cross_entropy")
         logits, target, stats = ctx.saved_tensors
-        eps, lo, vocab_size = ctx.setup
-        v_local = logits.shape[1]
-        m_x, s_x, z_t, _ = stats.unbind(1)
-        lse_x = m_x + torch.log(s_x)
-        g = torch.where(target == -100, torch.zeros_like(grad_loss), grad_loss.float())
-        # math.h's row_grad from (m_x, s_x): p_j = exp(z_j - M) / S with M the row's max logit,
-        # so that p_j carries no rounding of lse.
-        top = torch.maximum(m_x, z_t)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        denom = s_x * torch.exp(m_x - top) + torch.exp(z_t - top)
-        u = g * (eps / vocab_size)
-        dz_t = g * eps * torch.sigmoid(z_t - lse_x) - g * (1.0 - eps) * torch.sigmoid(lse_x - z_t)
-        dz_t = dz_t - u
-        owned = (target >= lo) & (target < lo + v_local)
-        tl = torch.where(owned, target - lo, torch.zeros_like(target))[:, None]
-        # The upcast is recomputed here rather than saved from the forward.
-        grad = logits.to(torch.float32, copy=True).sub_(top[:, None]).exp_().div_(denom[:, None])
-        grad.mul_(g[:, None]).sub_(u[:, None])
-        grad.scatter_(1, tl, torch.where(owned[:, None], dz_t[:, None], grad.gather(1, tl)))
-        return grad.to(logits.dtype), None, None, None, None, None
+        layout, options, inplace = ctx.setup
+        none = (None,) * 7
+        if not ctx.needs_input_grad[0]:
+            return (None,) + none
+        if grad_loss is None:
+            grad_loss = stats.new_zeros(()).expand(stats.shape[0])
+        args = (grad_loss, grad_lse, grad_entropy, logits, target, stats, layout.vocab_start,
+                layout.vocab_size) + tuple(options)
+        if inplace:
+            _ops.ops.logits_backward_(*args)
+            return (logits,) + none
+        return (_ops.ops.logits_backward(*args),) + none
+
+
+def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="mean",
+                  label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
+                  return_lse=False, return_entropy=False, vocab_start=None,
+                  inplace_backward=False, check_ranks=True):
+    """Collapse-safe cross-entropy of logits sharded over the classes of ``group``.
+
+    Every rank passes the same tokens' targets and its own logit columns; the result equals
+    ``flce.cross_entropy`` of the full logits (classes last) on every rank, up to fp32
+    rounding, with torch's semantics and the options of :func:`flce.cross_entropy`.
+
+    Args:
+        logits: ``(..., V_local)`` this rank's columns (float32, bfloat16 or float16; read in
+            their dtype, never copied); shards in rank order unless ``vocab_start`` says
+            otherwise (sizes may differ).
+        target: ``(...)`` global class ids or ``ignore_index``.
+        group: the process group or a 1-D DeviceMesh (default: WORLD).
+        vocab_start: this rank's first global column (on every rank, or on none).
+        inplace_backward: write the gradient over this rank's logits (as Megatron does).
+        check_ranks: as :func:`vocab_parallel_linear_cross_entropy` (one small exchange per
+            call, so that every rank raises the same error).
+
+    One all-gather of ``[N, 5]`` fp32 statistics forward, no collective backward: each rank's
+    gradient is its logits'. Returns the loss (identical on all ranks), then the lse and the
+    entropy when asked, as :func:`flce.cross_entropy`.
+    """
+    group, rank, world = _resolve_group(group)
+    try:
+        opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                               temperature)
+        _check_logits(logits, target, "logits")
+        if inplace_backward not in (True, False):
+            raise TypeError(f"flce: inplace_backward must be True or False, got "
+                            f"{inplace_backward!r}")
+        _check_vocab_start(vocab_start)
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    meta, t = None, None
+    if error is None:
+        lead = tuple(target.shape)
+        x = _local_rows(logits, target)
+        t = target.reshape(-1).to(torch.int64)
+        code = _DTYPE_CODES[x.dtype]
+        meta = [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
+                code, 0, opts.ignore_index, _float_bits(opts.label_smoothing),
+                _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
+                0, _float_bits(opts.temperature), 0]
+    layout = _layout(group, rank, world, meta, False, check_ranks, error=error, target=t,
+                     ignore_index=None if error else opts.ignore_index)
+    options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
+               opts.temperature)
+    loss, lse, entropy = _VocabParallelLogitsCE.apply(x, t, group, world, layout, options,
+                                                      bool(return_entropy),
+                                                      bool(inplace_backward))
+    return _common.per_token_outputs(
+        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
+        return_lse, return_entropy)
+
+
+def _check_logits(logits, target, name):
+    _common.check_tensor(name, logits)
+    if logits.dtype not in _DTYPE_CODES:
+        raise TypeError(f"flce: {name} must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.dim() < 1:
+        raise ValueError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
+    _common.check_target(target, logits.shape[:-1], f"{name}'s leading dimensions")
+    _check_local(logits)
+
+
+def _local_rows(logits, target):
+    """[N, V_local] rows of the logits (a view where the layout allows one).
+    (Not reshape(-1, V_local): an empty shard must reach the exchange's checks on every rank.)"""
+    x = logits.reshape(target.numel(), logits.shape[-1])
+    return x if x.stride(-1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0,
-                                 tp_group=None, *, vocab_start=None):
+                                 tp_group=None, *, vocab_start=None, inplace_backward=False):
     """Collapse-safe drop-in for Megatron-Core's ``vocab_parallel_cross_entropy``.
 
     Args:
         vocab_parallel_logits: ``[seq, batch, V / tp]`` (any leading shape) this rank's logit
             columns; equal shards in rank order (rank ``r`` holds ``[r V/tp, (r+1) V/tp)``), as
-            in Megatron, unless ``vocab_start`` says otherwise. Never modified; bf16/fp16 logits
-            are upcast to fp32 inside.
+            in Megatron, unless ``vocab_start`` says otherwise. Read in their dtype (bf16 logits
+            are not upcast to an fp32 copy); never modified unless ``inplace_backward``.
         target: ``[seq, batch]`` global vocabulary ids; -100 marks ignored tokens (loss and
             gradient exactly 0, unlike Megatron, which returns a finite nonzero loss for them
             and relies on the loss mask).
@@ -541,38 +686,37 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
             rank order (pass it on every rank; the shards must tile ``[0, V)``). Without it,
             shards whose sizes differ across ranks raise ``ValueError`` on every rank: the
             offsets ``r V/tp`` would be wrong.
+        inplace_backward: the backward writes the gradient over the logits' storage, as
+            Megatron's own backward does (its logits are then gone).
 
-    The shard sizes are checked across ranks with one small all-gather the first time a group
-    sees a shape (cached per group and shape, as in :func:`vocab_parallel_linear_cross_entropy`),
-    so ranks must make the same calls in the same order.
+    The ranks exchange their shapes and arguments in one small all-gather per call (as
+    :func:`vocab_parallel_linear_cross_entropy`), so that every rank raises the same error.
 
     Returns:
         Per-token loss, float32, shape ``target.shape``.
     """
-    if not isinstance(vocab_parallel_logits, torch.Tensor) or not isinstance(target,
-                                                                             torch.Tensor):
-        raise TypeError("flce: vocab_parallel_logits and target must be tensors")
-    if vocab_parallel_logits.dtype not in _DTYPE_CODES:
-        raise TypeError(f"flce: vocab_parallel_logits must be float32, bfloat16 or float16, "
-                        f"got {vocab_parallel_logits.dtype}")
-    if vocab_parallel_logits.dim() < 1 or target.shape != vocab_parallel_logits.shape[:-1]:
-        raise ValueError(f"flce: target must have shape {tuple(vocab_parallel_logits.shape[:-1])}"
-                         f" (the logits' leading dimensions), got {tuple(target.shape)}")
-    if target.dtype.is_floating_point or target.dtype.is_complex:
-        raise TypeError(f"flce: target must hold class indices, got {target.dtype}")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")
-    _check_vocab_start(vocab_start)
     group, rank, world = _resolve_group(tp_group)
-    lead = target.shape
-    # (Not reshape(-1, V_local): an empty shard must reach the check below on every rank.)
-    logits = vocab_parallel_logits.reshape(target.numel(), vocab_parallel_logits.shape[-1])
-    code = _DTYPE_CODES[logits.dtype]
-    # The fields of _META_FIELDS that a logits-level call has (no D, bias or weight of its own).
-    meta = [logits.shape[1], -1 if vocab_start is None else vocab_start, -1, logits.shape[0], 0,
-            code, code, 0, -100, _float_bits(label_smoothing), _float_bits(0.0), _float_bits(0.0),
-            _REDUCTION_CODES["none"], 0, _float_bits(1.0)]
-    layout = _layout(group, rank, world, logits.device, meta, False, False)
+    # This rank's own checks; their failure goes into the exchange, so that every rank raises it.
+    try:
+        _check_logits(vocab_parallel_logits, target, "vocab_parallel_logits")
+        smoothing = _common.number("label_smoothing", label_smoothing)
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")
+        _check_vocab_start(vocab_start)
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    meta, t = None, None
+    if error is None:
+        lead = target.shape
+        logits = _local_rows(vocab_parallel_logits, target)
+        t = target.reshape(-1).to(torch.int64)
+        code = _DTYPE_CODES[logits.dtype]
+        # The fields of _META_FIELDS that a logits-level call has (no D, bias or weight).
+        meta = [logits.shape[1], -1 if vocab_start is None else vocab_start, -1, logits.shape[0],
+                0, code, code, 0, -100, _float_bits(smoothing), _float_bits(0.0),
+                _float_bits(0.0), _REDUCTION_CODES["none"], 0, _float_bits(1.0), 0]
+    layout = _layout(group, rank, world, meta, False, True, error=error, target=t)
     # Every rank holds the same sizes, so every rank raises here or none does.
     if 0 in layout.sizes:
         raise ValueError(f"flce.parallel: vocab_parallel_logits has an empty vocabulary shard: "
@@ -584,7 +728,39 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
                          f"equal shards); pass vocab_start= (this rank's first global column) "
                          f"on every rank")
     v = layout.vocab_size
-    eps = float(label_smoothing) * v / (v - 1) if label_smoothing > 0 and v > 1 else 0.0
-    loss = _VocabParallelLogitsCE.apply(logits, target.reshape(-1).to(torch.int64), eps, group,
-                                        world, layout)
+    eps = smoothing * v / (v - 1) if smoothing > 0 and v > 1 else 0.0
+    loss, _, _ = _VocabParallelLogitsCE.apply(logits, t, group, world, layout,
+                                              (-100, eps, 0.0, 0.0, 1.0), False,
+                                              bool(inplace_backward))
     return loss.reshape(lead)
+
+
+def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, reduction="mean",
+                          label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
+                          return_lse=False, return_entropy=False, inplace_backward=False):
+    """``flce.cross_entropy`` of a ``DTensor`` of logits sharded over the classes: ``(N, C)``
+    with placements ``(Shard(1),)`` (or ``Shard(-1)``) on a 1-D mesh, as TorchTitan's
+    ``loss_parallel`` hands the loss its ``pred.flatten(0, 1)``. ``target`` may be a plain
+    tensor (the same on every rank) or a DTensor on the same mesh (redistributed to
+    ``Replicate``). The loss comes back as a plain tensor, identical on all ranks; the logits'
+    gradient is a DTensor with their placement."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = input.device_mesh
+    if input.dim() != 2 or mesh.ndim != 1 or tuple(input.placements) not in ((Shard(1),),
+                                                                               (Shard(-1),)):
+        raise ValueError(f"flce: a DTensor input of cross_entropy must be (N, C) logits sharded "
+                         f"over the classes, placements (Shard(1),) on a 1-D mesh; got shape "
+                         f"{tuple(input.shape)}, {tuple(input.placements)} on a {mesh.ndim}-D "
+                         f"mesh")
+    if weight is not None:
+        raise ValueError("flce: per-class weights are not supported with vocab-parallel logits")
+    if isinstance(target, DTensor):
+        if target.device_mesh != mesh:
+            raise ValueError("flce: target is a DTensor on a different mesh than input")
+        target = target.redistribute(mesh, [Replicate()]).to_local()
+    return cross_entropy(input.to_local(), target, group=mesh.get_group(),
+                         ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                         temperature=temperature, return_lse=return_lse,
+                         return_entropy=return_entropy, inplace_backward=inplace_backward)

@@ -96,8 +96,16 @@ MUTATIONS = [
          replacement="    if (row > a.n) break;\n    const RowState st = rows[r];"),
     dict(name="no_barrier_before_in_place_gradient",
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
-         original="none of a later tile.\n        __syncthreads();\n",
-         replacement="none of a later tile.\n"),
+         original="        if constexpr (sizeof(T) < sizeof(TIn)) __syncthreads();\n",
+         replacement="\n"),
+    # 16-bit logits (a caller's, flce::logits_stats / logits_backward) read with the two halves
+    # of each pair swapped, as a misread packed bf16x2 / half2 would: both row kernels' loads.
+    dict(name="logits16_pack_order_swapped",
+         file=ROWS, config="plain", test="logits16_rows", expect=NUMERIC,
+         original="      for (int k = 0; k < kVec; ++k) x[i * kVec + k] = to_float<TIn>(q.v[k]);\n",
+         replacement="      for (int k = 0; k < kVec; ++k) {\n"
+                     "        x[i * kVec + k] = to_float<TIn>(q.v[sizeof(TIn) == 2 ? k ^ 1 : k]);\n"
+                     "      }\n"),
     # The entropy's sum u of the tiles lost (u = 0): H_x = log s alone.
     dict(name="entropy_sum_dropped_in_fold_tile",
          file=STATS, config="plain", test="bf16_tiles", expect=r"entropy: \d+ of \d+ elements out of bounds",

@@ -174,6 +174,9 @@ struct Case {
   bool single_pass = false;   // the row kernels on fp32 logits from a GEMM (flce_rows.cu)
   float temp = 1.f;           // sampling temperature: z = softcap(x . w + b) / temp
   bool grad_ent = false;      // an upstream gradient of the entropy (row_coef's grad_entropy)
+  bool logits16 = false;      // single pass: the row kernels read 16-bit logits of the kind's
+                              // dtype and write the gradient over them in that dtype (a
+                              // caller's logits: flce::logits_stats / logits_backward)
 };
 
 std::string describe(const Case& c) {
@@ -185,7 +188,7 @@ std::string describe(const Case& c) {
                 static_cast<long long>(c.d), c.bias, c.softcap, c.eps, c.zloss, c.ignore_rows,
                 c.bad_targets, c.grad_lse, c.grad_loss_stride0, c.ranks, c.tiles_per_split,
                 c.chunk_tiles, c.master, c.padded, c.transposed_w, c.collapsed_row, c.temp,
-                c.grad_ent, c.single_pass ? " single-pass" : "");
+                c.grad_ent, c.single_pass ? (c.logits16 ? " 16-bit-logits" : " single-pass") : "");
   return buf;
 }
 
@@ -279,6 +282,10 @@ void build(Problem& p) {
         const double prod = tile_operand(p.E->at(i, k), c.kind) * tile_operand(p.W->at(j, k), c.kind);
         acc += prod;
         mag += std::fabs(prod);
+      }
+      if (c.logits16) {  // the logit the kernels read is the stored 16-bit one: exact
+        acc = quantize(static_cast<float>(acc), c.kind);
+        mag = std::fabs(acc);
       }
       const double u = acc + p.bias[j];
       double zz = u, dz = (p.steps + 2) * kU * (mag + std::fabs(p.bias[j]));
@@ -1125,8 +1132,19 @@ void run_case(const Case& c) {
 // ---------------------------------------------------------------------------------------------
 
 template <typename T>
-double grad_at(const float* logits_row0, int64_t grad_ld, int64_t i, int64_t j) {
-  return load<T>(reinterpret_cast<const T*>(logits_row0) + i * grad_ld, j);
+double grad_at(const void* logits_row0, int64_t grad_ld, int64_t i, int64_t j) {
+  return load<T>(static_cast<const T*>(logits_row0) + i * grad_ld, j);
+}
+
+// A stored element of the kind's dtype (bit-exact: the value is representable).
+void store_kind(void* base, int64_t i, double x, Kind k) {
+  if (k == Kind::kBf16) {
+    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(static_cast<float>(x));
+  } else if (k == Kind::kF16) {
+    static_cast<__half*>(base)[i] = __float2half_rn(static_cast<float>(x));
+  } else {
+    static_cast<float*>(base)[i] = static_cast<float>(x);
+  }
 }
 
 void run_single_pass(const Case& c) {
@@ -1140,17 +1158,28 @@ void run_single_pass(const Case& c) {
   DeviceBuffer<int64_t> target(p.target);
   DeviceBuffer<float> bias(p.bias);
   Upstream up(p);
+  // fp32 logits, or (logits16) the kind's 16-bit ones with the same row stride in elements,
+  // in the first half of the buffer; the gaps NaN.
   DeviceBuffer<float> logits(n * ld, harness::qnan());
+  const Kind in_kind = c.logits16 ? c.kind : Kind::kF32;
+  const int in_size = elt_size(in_kind);
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < v; ++j) logits[i * ld + j] = static_cast<float>(p.acc[i * v + j]);
+    for (int64_t j = 0; j < ld; ++j) {
+      store_kind(logits.data(), i * ld + j, j < v ? p.acc[i * v + j] : harness::qnan(), in_kind);
+    }
   }
+  auto logits_at = [&](int64_t col) {
+    return static_cast<void*>(reinterpret_cast<char*>(logits.data()) + col * in_size);
+  };
   // Forward: per-row statistics of each shard's columns, combined over the shards.
   DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * kPartials, harness::qnan());
   int merges = 0;
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
     flce::cuda::RowStatsParams sp{};
-    sp.logits = logits.data() + lo;
+    sp.logits = logits_at(lo);
+    sp.logits_dtype = dtype_of(in_kind);
+    sp.splits = c.logits16 && vr > flce::cuda::kRowTileCols ? 2 : 1;
     sp.n = n;
     sp.v = vr;
     sp.ld = ld;
@@ -1162,8 +1191,25 @@ void run_single_pass(const Case& c) {
     sp.col_offset = lo;
     sp.ignore_index = kIgnore;
     sp.partials = stacked.data() + r * n * kPartials;
-    EXPECT(ok_or_report(flce::cuda::launch_row_stats(sp, nullptr), "row_stats") == cudaSuccess,
-           "row_stats [%s]", describe(c).c_str());
+    if (sp.splits > 1) {
+      // Column splits: their partials [splits, n, 5], merged in order (launch_combine) into
+      // this shard's, which the checks below read.
+      DeviceBuffer<float> parts(static_cast<std::size_t>(sp.splits) * n * kPartials,
+                                harness::qnan());
+      float* shard = sp.partials;
+      sp.partials = parts.data();
+      EXPECT(ok_or_report(flce::cuda::launch_row_stats(sp, nullptr), "row_stats") == cudaSuccess,
+             "row_stats [%s]", describe(c).c_str());
+      flce::cuda::CombineParams mp{};
+      mp.partials = parts.data();
+      mp.ranks = sp.splits;
+      mp.n = n;
+      mp.merged = shard;
+      EXPECT(flce::cuda::launch_combine(mp, false, nullptr) == cudaSuccess, "merge of splits");
+    } else {
+      EXPECT(ok_or_report(flce::cuda::launch_row_stats(sp, nullptr), "row_stats") == cudaSuccess,
+             "row_stats [%s]", describe(c).c_str());
+    }
     // lse_add per column (a rescale each time the max grows), then 5 butterfly and 8 warp merges.
     const int shard_merges = static_cast<int>(2 * ((vr + 255) / 256) + 13);
     merges = std::max(merges, shard_merges) + 1;
@@ -1192,7 +1238,7 @@ void run_single_pass(const Case& c) {
   // Backward: the gradient tile over the logits, in place (the binding's layout).
   const std::vector<GradRef> gr = gradients(p, rows, bound);
   const bool sixteen = elt_size(c.kind) == 2;
-  const int64_t grad_ld = ld * 4 / elt_size(c.kind);
+  const int64_t grad_ld = ld * in_size / elt_size(c.kind);
   const int rows_per_cta = c.bias ? 16 : 1;
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
@@ -1200,7 +1246,8 @@ void run_single_pass(const Case& c) {
     DeviceBuffer<unsigned char> glo(c.master ? n * vr * elt_size(c.kind) : 0, 0xff);
     DeviceBuffer<float> resid(n, harness::qnan()), colp(c.bias ? blocks * vr : 0, harness::qnan());
     flce::cuda::RowGradParams gp{};
-    gp.logits = logits.data() + lo;
+    gp.logits = logits_at(lo);
+    gp.logits_dtype = dtype_of(in_kind);
     gp.n = n;
     gp.v = vr;
     gp.ld = ld;
@@ -1212,19 +1259,21 @@ void run_single_pass(const Case& c) {
     gp.col_offset = lo;
     gp.ignore_index = kIgnore;
     gp.coef = coef.data();
-    gp.grad = logits.data() + lo;
+    gp.grad = logits_at(lo);
     gp.grad_ld = grad_ld;
     gp.grad_lo = c.master ? glo.data() : nullptr;
     gp.grad_lo_ld = vr;
     gp.target_resid = sixteen ? resid.data() : nullptr;
     gp.col_partials = c.bias ? colp.data() : nullptr;
     gp.rows_per_cta = rows_per_cta;
+    // Same-width logits may be split over columns in place (each thread rewrites what it read).
+    gp.col_splits = c.logits16 && vr > flce::cuda::kRowTileCols ? 2 : 1;
     EXPECT(ok_or_report(flce::cuda::launch_row_grad(gp, dtype_of(c.kind), nullptr), "row_grad") ==
                cudaSuccess,
            "row_grad [%s]", describe(c).c_str());
     // Each shard's tile lies over its own columns' logits (16-bit rows take half the bytes).
     Tally t("row_grad tile (hi, lo, target_resid, col_partials)", c);
-    const float* row0 = logits.data() + lo;
+    const void* row0 = logits_at(lo);
     auto hi_at = [&](int64_t i, int64_t j) {
       if (c.kind == Kind::kBf16) return grad_at<__nv_bfloat16>(row0, grad_ld, i, j);
       if (c.kind == Kind::kF16) return grad_at<__half>(row0, grad_ld, i, j);
@@ -1419,6 +1468,19 @@ std::vector<Case> single_pass_cases(Kind k) {
 
 TEST(single_pass_rows) {
   for (Kind k : {Kind::kBf16, Kind::kF16, Kind::kF32}) run_all(single_pass_cases(k));
+}
+
+// The same row kernels on a caller's 16-bit logits (flce::logits_stats / logits_backward): read
+// in bf16 / fp16, the gradient written over them in that dtype, column splits in place.
+TEST(logits16_rows) {
+  for (Kind k : {Kind::kBf16, Kind::kF16}) {
+    std::vector<Case> cs = single_pass_cases(k);
+    for (Case& c : cs) {
+      c.logits16 = true;
+      c.master = false;
+    }
+    run_all(cs);
+  }
 }
 
 // launch_scale_grad: out = dtype((sum of the slices) * scale) for every (out, x) dtype pair,

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <limits>
 
@@ -45,7 +46,9 @@ void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float a
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "flce: gemm operand dtypes differ");
   if (c.numel() == 0) return;
   // fp32 products and accumulation, rounded once to c's dtype, as cuBLAS with an fp32 compute
-  // type; beta = 0 never reads c (it may hold NaN poison).
+  // type; beta = 0 never reads c (it may hold NaN poison). Outside autocast: under
+  // torch.autocast("cpu") at::mm would run in bf16, where the binding's cuBLAS calls do not.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   at::Tensor r = at::mm(a.to(at::kFloat), b.to(at::kFloat));
   if (alpha != 1.f) r.mul_(alpha);
   if (beta != 0.f) r.add_(c.to(at::kFloat), beta);

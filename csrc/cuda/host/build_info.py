@@ -81,7 +81,7 @@ def build_info(config="plain"):
     return {
         "config": config,
         "runtime_sources": [os.path.join(host, s) for s in RUNTIME_SOURCES],
-        # Every kernel file of csrc/cuda (the binding, flce_cuda.cpp, is not one).
+        # Every kernel file of csrc/cuda (the binding's .cpp files are not).
         "kernel_sources": sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))),
         "include_dirs": [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"),
                          os.path.join(ROOT, "csrc", "cuda"), inc],

@@ -26,7 +26,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..api import _is_dtensor, linear_cross_entropy
+from .._common import is_dtensor as _is_dtensor
+from ..api import linear_cross_entropy
 
 __all__ = ["patch", "unpatch", "patched", "causal_lm_loss"]
 

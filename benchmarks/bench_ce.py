@@ -1,0 +1,253 @@
+"""Benchmark cross-entropy on given logits (flce.cross_entropy) against its peers: forward +
+backward time, peak memory beyond the inputs, the bytes' floor, and the loss at a large margin.
+
+    python benchmarks/bench_ce.py                          # CPU: [4096, 32768] fp32 and bf16
+    python benchmarks/bench_ce.py --device cuda --shapes 16384x64128,16384x128256 --dtypes bf16 \\
+        --record benchmarks/results/gpu.jsonl
+
+Implementations (each in a fresh process, every repeat on the same logits):
+  flce          flce.cross_entropy(logits, target)
+  flce_inplace  the same with inplace_backward=True (the gradient overwrites the logits; they
+                are restored outside the timed region)
+  eager         F.cross_entropy(logits.float(), target): TorchTitan's loss function
+  compiled      torch.compile of eager
+  native        F.cross_entropy(logits, target) in the logits' dtype (no fp32 copy)
+  composite     flce's formulas in torch ops (flce._composite: an fp32 copy of the logits, as
+                flce's logits-level drop-in was before it had kernels)
+  liger         Liger's cross-entropy (liger_kernel.transformers.LigerCrossEntropyLoss), CUDA
+                and when installed
+
+The floor ("bytes") is the logits read forward, read again and the gradient written backward,
+at the copy rate measured in the same run (a clone of a tensor of the logits' size: read +
+write). Medians of --repeats timed steps after --warmup. Memory: the peak above what was
+allocated before the step (the logits, targets and nothing else), which includes the gradient.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peers import PeakMemory  # noqa: E402
+
+IMPLS = ("flce", "flce_inplace", "eager", "compiled", "native", "composite", "liger")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_impl(name):
+    import torch.nn.functional as F
+
+    if name in ("flce", "flce_inplace"):
+        import flce
+
+        inplace = name == "flce_inplace"
+        return lambda z, t: flce.cross_entropy(z, t, inplace_backward=inplace)
+    if name == "eager":
+        return lambda z, t: F.cross_entropy(z.float(), t)
+    if name == "compiled":
+        return torch.compile(lambda z, t: F.cross_entropy(z.float(), t))
+    if name == "native":
+        return lambda z, t: F.cross_entropy(z, t)
+    if name == "composite":
+        from flce import _common, _composite
+
+        opts = _common.Options()
+
+        def composite(z, t):
+            loss = _composite.logits_per_token(z.float(), t, opts)[0]
+            return loss.sum() / (t != -100).sum()
+        return composite
+    if name == "liger":
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        return LigerCrossEntropyLoss()
+    raise ValueError(name)
+
+
+def available(name, device):
+    if name == "liger":
+        if device != "cuda":
+            return "Triton kernels: CUDA only"
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            return "not installed"
+    return None
+
+
+def inputs(n, v, dtype, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    z = (torch.randn(n, v, generator=g) * 2).to(dtype).to(device)
+    t = torch.randint(0, v, (n,), generator=g).to(device)
+    t[torch.rand(n, generator=g) < 0.05] = -100
+    return z, t
+
+
+def measure(spec):
+    """One implementation at one shape, in this (child) process."""
+    name, device = spec["impl"], spec["device"]
+    dtype = DTYPES[spec["dtype"]]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    f = make_impl(name)
+    z0, t = inputs(spec["n"], spec["v"], dtype, device)
+    x = z0.clone().requires_grad_()
+    inplace = name == "flce_inplace"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step():
+        x.grad = None
+        if inplace:
+            with torch.no_grad():
+                x.copy_(z0)  # the last step's gradient overwrote the logits
+            sync()
+        start = time.perf_counter()
+        loss = f(x, t)
+        loss.backward()
+        sync()
+        return time.perf_counter() - start, loss
+
+    for _ in range(spec["warmup"]):
+        step()
+    times = [step()[0] for _ in range(spec["repeats"])]
+    x.grad = None
+    if inplace:
+        with torch.no_grad():
+            x.copy_(z0)
+    with PeakMemory(device) as mem:
+        _, loss = step()
+    out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
+           "peak_gib": mem.peak / 2 ** 30, "loss": float(loss.detach())}
+    # the loss at a large margin (40) against float64 on the same logits: 1.0 for a peer that
+    # collapses to 0
+    out["margin40_rel_err"] = margin_error(f, dtype, device)
+    return out
+
+
+def margin_error(f, dtype, device, v=4096, margin=40.0, n=8):
+    import flce
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    z = torch.randn(n, v, generator=g, dtype=torch.float64)
+    t = torch.randint(0, v, (n,), generator=g)
+    others = z.scatter(1, t[:, None], -math.inf).amax(1)
+    z.scatter_(1, t[:, None], (others + margin)[:, None])
+    z = z.to(dtype)
+    ref = flce.reference.logits_cross_entropy(z.double(), t).item()
+    got = f(z.to(device).requires_grad_(), t.to(device)).item()
+    return abs(got - ref) / ref
+
+
+def copy_rate(n, v, dtype, device, repeats=5):
+    """Bytes per second of a clone of a [n, v] tensor (read + write)."""
+    z = torch.empty(n, v, dtype=dtype, device=device).normal_()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = []
+    for _ in range(repeats + 1):
+        sync()
+        start = time.perf_counter()
+        y = z.clone()
+        sync()
+        times.append(time.perf_counter() - start)
+        del y
+    return 2 * z.numel() * z.element_size() / statistics.median(times[1:])
+
+
+def run_child(spec, timeout):
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=("cpu", "cuda"))
+    p.add_argument("--shapes", default="4096x32768", help="NxV,NxV,...")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--record", help="append one JSON record per (shape, dtype) to this file")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
+        return 0
+    shapes = [tuple(int(a) for a in s.lower().split("x")) for s in args.shapes.split(",")]
+    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    rows = []
+    for n, v in shapes:
+        for dt in args.dtypes.split(","):
+            dtype = DTYPES[dt]
+            rate = copy_rate(n, v, dtype, args.device)
+            floor_ms = 1e3 * 3 * n * v * torch.finfo(dtype).bits / 8 / rate
+            res = {}
+            for name in impls:
+                why = available(name, args.device)
+                if why:
+                    res[name] = {"skipped": why}
+                    continue
+                spec = dict(impl=name, device=args.device, dtype=dt, n=n, v=v,
+                            repeats=args.repeats, warmup=args.warmup, threads=args.threads)
+                res[name] = run_child(spec, args.timeout)
+            rows.append((n, v, dt, rate, floor_ms, res))
+            print_table(rows[-1:], args.device)
+            if args.record:
+                record(args.record, n, v, dt, rate, floor_ms, res)
+    return 0
+
+
+def print_table(rows, device):
+    for n, v, dt, rate, floor_ms, res in rows:
+        print(f"\n{device} [{n}, {v}] {dt}: copy rate {rate / 1e9:.1f} GB/s, bytes' floor "
+              f"{floor_ms:.2f} ms (3 x {n * v * torch.finfo(DTYPES[dt]).bits // 8 / 1e6:.0f} MB)")
+        print(f"{'impl':14s} {'ms':>9s} {'x floor':>8s} {'x flce':>7s} {'peak GiB':>9s} "
+              f"{'margin-40 err':>14s}")
+        base = res.get("flce", {}).get("ms")
+        for name, r in res.items():
+            if "ms" not in r:
+                print(f"{name:14s} {r.get('skipped') or r.get('error')}")
+                continue
+            rel = f"{r['ms'] / base:7.2f}" if base else "      -"
+            print(f"{name:14s} {r['ms']:9.2f} {r['ms'] / floor_ms:8.2f} {rel} "
+                  f"{r['peak_gib']:9.3f} {r['margin40_rel_err']:14.2e}")
+
+
+def record(path, n, v, dt, rate, floor_ms, res):
+    rec = {"date": datetime.date.today().isoformat(),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "commit": _commit(), "op": "cross_entropy", "n": n,
+           "v": v, "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt],
+           "ms": {k: round(r["ms"], 4) for k, r in res.items() if "ms" in r},
+           "peak_gib": {k: round(r["peak_gib"], 4) for k, r in res.items() if "ms" in r},
+           "copy_gb_s": round(rate / 1e9, 1)}
+    rec["ms"]["bytes"] = round(floor_ms, 4)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+                              ).stdout.strip() or None
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+// What the CUDA binding's launch sequences share (torch side; the kernels never include it):
+//   flce_cuda.cpp    these helpers, and the ops partial_stats, combine, forward, backward
+//                    (recompute) and scale_grad;
+//   single_pass.cpp  sum_and_grad, the single pass of training (3 GEMMs);
+//   logits.cpp       logits_stats and logits_backward, cross-entropy on a caller's logits.
+// Each file reads top to bottom as one launch sequence and registers its own ops. The same
+// sources build for a GPU and, with FLCE_CUDA_HOST, against the host emulation (device.h).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "cuda/device.h"
+#include "cuda/params.h"
+#include "flce_ops.h"
+
+// The CUDA dispatch key of `flce`, or (host emulation) the CPU key of the test-only namespace
+// that csrc/cuda/emulated/ defines with the same schemas.
+#if defined(FLCE_CUDA_HOST)
+#define FLCE_CUDA_IMPL(m) TORCH_LIBRARY_IMPL(flce_cuda_host, CPU, m)
+#else
+#define FLCE_CUDA_IMPL(m) TORCH_LIBRARY_IMPL(flce, CUDA, m)
+#endif
+
+namespace flce {
+namespace binding {
+
+using cuda::DType;
+using Tensor5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Environment: a flag (unset or empty: fallback; "0": false) and a positive integer (read at
+// every call).
+bool env_flag(const char* name, bool fallback);
+int64_t env_int(const char* name, int64_t fallback);
+
+// An NVTX range for the scope; FLCE_NVTX=0 disables them (read once).
+class NvtxRange {
+ public:
+  explicit NvtxRange(const char* name);
+  ~NvtxRange();
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
+
+ private:
+  bool on_;
+};
+
+void check_launch(cudaError_t err, const char* what);
+DType to_dtype(at::ScalarType t);
+// t is on the device (the emulation: the CPU) and on ref's device.
+void check_device_tensor(const at::Tensor& t, const at::Tensor& ref, const char* name);
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+bool aligned16(const at::Tensor& t);
+inline at::TensorOptions f32_of(const at::Tensor& t) { return t.options().dtype(at::kFloat); }
+// A float tensor that the kernels may read as float4/float2: contiguous and 16-byte aligned.
+at::Tensor aligned_contiguous(const at::Tensor& t);
+
+// Target checks without a host sync (flce_cuda.cpp): poll raises for the oldest landed failure;
+// check_targets queues the check of a combine's error flag.
+void poll_target_checks(bool wait_all = false);
+void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t vocab_size,
+                   int64_t ignore_index);
+
+// combine (finalize) of [ranks, n, 5] partials into loss, lse, entropy (or nullptr) and stats,
+// raising *flag for out-of-range targets; combine_impl allocates the outputs and queues the
+// target check; merge_partials merges [count, n, 5] partials in order into [n, 5].
+void launch_finalize(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
+                     int64_t ignore_index, double label_smoothing, double z_loss, float* loss,
+                     float* lse, float* entropy, float* stats, int* flag);
+Tensor4 combine_impl(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
+                     int64_t ignore_index, double label_smoothing, double z_loss);
+void merge_partials(const float* parts, int64_t count, int64_t n, float* merged);
+
+// The per-row gradient coefficients (math.h row_grad) from the row statistics.
+void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float* grad_loss,
+                 int64_t grad_loss_stride, const float* grad_lse, int64_t grad_lse_stride,
+                 const float* grad_entropy, int64_t grad_entropy_stride, int64_t ignore_index,
+                 double label_smoothing, double z_loss, double softcap, double temperature,
+                 int64_t vocab_size, float* coef, float* bound);
+
+// Column splits of the row kernels (flce_rows.cu) for `ctas` CTAs of a row count: about 8 CTAs
+// per SM in flight, at most one split per kRowTileCols-column tile of a row of v columns.
+int row_col_splits(int64_t ctas, int64_t v);
+
+// Bytes of the workspace budget (FLCE_CUDA_WORKSPACE_MB, default 1536 MiB, read at every call).
+int64_t workspace_bytes();
+// out [m, k] fp32 (or the compute dtype) = a [m, j] @ b [j, k] with fp32 accumulation.
+void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float beta = 0.f);
+
+// dE rows (sum, comp) += the 16-bit tile's target residuals times weight[target] (target_fix).
+void launch_fix(const at::Tensor& w, int64_t n, int64_t vc, int64_t d, const at::Tensor& target,
+                int64_t col_offset, int64_t ignore_index, const at::Tensor& resid,
+                const float* inv_scale, float* sum, float* comp, DType dtype);
+// The rows of a block sorted by target (stable), and dW's target rows from them (target_rows).
+struct TargetOrder {
+  at::Tensor sorted, order;
+};
+TargetOrder sort_targets(const at::Tensor& target);
+void add_target_rows(const at::Tensor& out, int64_t col_offset, const at::Tensor& x,
+                     const TargetOrder& ord, const at::Tensor& resid, const float* inv_scale,
+                     int64_t ignore_index, DType dtype, const at::Tensor& base = at::Tensor());
+
+// The ops of flce_cuda.cpp that other launch sequences fall back on.
+at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
+                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                              int64_t vocab_start, int64_t ignore_index, double softcap,
+                              double temperature);
+Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+                      const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+                      const std::optional<at::Tensor>& bias, const at::Tensor& stats,
+                      int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
+                      double label_smoothing, double z_loss, double softcap,
+                      std::array<bool, 3> output_mask,
+                      const std::optional<at::Tensor>& grad_entropy, double temperature);
+
+}  // namespace binding
+}  // namespace flce

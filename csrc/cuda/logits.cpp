@@ -1,0 +1,170 @@
+// Cross-entropy on a caller's logits, CUDA backend (flce::logits_stats, logits_forward,
+// logits_backward, logits_backward_; schemas in ops_def.h): the single pass's row kernels
+// (flce_rows.cu) reading the logits in their own dtype, fp32, bf16 or fp16.
+//
+//   logits_stats     row_stats over (row, column split) CTAs -> [splits, N, 5] -> merged in
+//                    order into partial_stats' [N, 5]              (one read of the logits)
+//   logits_forward   logits_stats -> combine (finalize, target check without a host sync)
+//   logits_backward  row_coef from the statistics and the upstream gradients -> row_grad:
+//                    dz in the logits' dtype, into a new tensor or over the logits
+//                    (one read and one write)
+// Memory beyond the gradient: [splits, N, 5] partials and [N, 8] coefficients. Deterministic:
+// fixed splits, merged in order, no atomics.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+#include "cuda/binding.h"
+#include "cuda/device.h"
+#include "cuda/params.h"
+#include "flce_ops.h"
+
+namespace flce {
+namespace binding {
+namespace {
+
+void check_logits_device(const at::Tensor& logits, const at::Tensor& target) {
+  check_device_tensor(logits, logits, "logits");
+  check_device_tensor(target, logits, "target");
+}
+
+// Row stride of the logits in elements (any, for one row).
+int64_t row_stride(const at::Tensor& z) { return z.size(0) > 1 ? z.stride(0) : z.size(1); }
+
+at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
+                             int64_t vocab_start, int64_t ignore_index, double softcap,
+                             double temperature, bool with_sum, bool with_entropy) {
+  check_logits_args(logits, target);
+  check_logits_device(logits, target);
+  const dev::Guard guard(logits);
+  const NvtxRange range("flce::logits_stats");
+  poll_target_checks();
+  const int64_t n = logits.size(0), v = logits.size(1);
+  const auto f32 = f32_of(logits);
+  if (n == 0) return dev::empty({0, cuda::kPartialCols}, f32);
+  if (v == 0) {
+    // An empty shard: the empty state (m, s, z_t, sum_z, u) for every row.
+    const float inf = std::numeric_limits<float>::infinity();
+    return at::tensor({-inf, 0.f, -inf, 0.f, 0.f}, f32).expand({n, cuda::kPartialCols}).contiguous();
+  }
+  cuda::RowStatsParams rs{};
+  rs.logits = logits.data_ptr();
+  rs.logits_dtype = to_dtype(logits.scalar_type());
+  rs.n = n;
+  rs.v = v;
+  rs.ld = row_stride(logits);
+  rs.softcap = static_cast<float>(softcap);
+  rs.temperature = static_cast<float>(temperature);
+  rs.target = target.data_ptr<int64_t>();
+  rs.target_stride = target.stride(0);
+  rs.col_offset = vocab_start;
+  rs.ignore_index = ignore_index;
+  rs.need_sum = with_sum;
+  rs.need_u = with_entropy;
+  rs.splits = row_col_splits(n, v);
+  at::Tensor merged = dev::empty({n, cuda::kPartialCols}, f32);
+  at::Tensor parts =
+      rs.splits > 1 ? dev::empty({rs.splits, n, cuda::kPartialCols}, f32) : merged;
+  rs.partials = parts.data_ptr<float>();
+  check_launch(cuda::launch_row_stats(rs, dev::stream()), "row_stats");
+  if (rs.splits > 1) merge_partials(parts.data_ptr<float>(), rs.splits, n, merged.data_ptr<float>());
+  return merged;
+}
+
+Tensor4 logits_forward_cuda(const at::Tensor& logits, const at::Tensor& target,
+                            int64_t ignore_index, double label_smoothing, double z_loss,
+                            double softcap, double temperature, bool with_entropy,
+                            bool /*inplace_backward: autograd's*/) {
+  const dev::Guard guard(logits);
+  const NvtxRange range("flce::logits_forward");
+  const at::Tensor partials = logits_stats_cuda(logits, target, 0, ignore_index, softcap,
+                                                temperature, label_smoothing != 0.0, with_entropy);
+  return combine_impl(partials.unsqueeze(0), target, logits.size(1), ignore_index,
+                      label_smoothing, z_loss);
+}
+
+// The gradient into out (the logits' dtype; out may be the logits themselves).
+void logits_grad(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+                 const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+                 const at::Tensor& target, const at::Tensor& stats, int64_t vocab_start,
+                 int64_t vocab_size, int64_t ignore_index, double label_smoothing, double z_loss,
+                 double softcap, double temperature, const at::Tensor& out) {
+  check_logits_backward_args(grad_loss, grad_lse, grad_entropy, logits, target, stats);
+  check_logits_device(logits, target);
+  check_device_tensor(grad_loss, logits, "grad_loss");
+  check_device_tensor(stats, logits, "stats");
+  if (grad_lse) check_device_tensor(*grad_lse, logits, "grad_lse");
+  if (grad_entropy) check_device_tensor(*grad_entropy, logits, "grad_entropy");
+  const dev::Guard guard(logits);
+  const NvtxRange range("flce::logits_backward");
+  poll_target_checks();
+  const int64_t n = logits.size(0), v = logits.size(1);
+  if (n == 0 || v == 0) return;
+  const auto f32 = f32_of(logits);
+  at::Tensor coef = dev::empty({n, 8}, f32), bound = dev::empty({n}, f32);
+  launch_coef(target, stats, grad_loss.data_ptr<float>(), grad_loss.stride(0),
+              grad_lse ? grad_lse->data_ptr<float>() : nullptr, grad_lse ? grad_lse->stride(0) : 0,
+              grad_entropy ? grad_entropy->data_ptr<float>() : nullptr,
+              grad_entropy ? grad_entropy->stride(0) : 0, ignore_index, label_smoothing, z_loss,
+              softcap, temperature, vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
+  const DType dtype = to_dtype(logits.scalar_type());
+  cuda::RowGradParams rg{};
+  rg.logits = logits.data_ptr();
+  rg.logits_dtype = dtype;
+  rg.n = n;
+  rg.v = v;
+  rg.ld = row_stride(logits);
+  rg.softcap = static_cast<float>(softcap);
+  rg.temperature = static_cast<float>(temperature);
+  rg.target = target.data_ptr<int64_t>();
+  rg.target_stride = target.stride(0);
+  rg.col_offset = vocab_start;
+  rg.ignore_index = ignore_index;
+  rg.coef = coef.data_ptr<float>();
+  rg.grad = out.data_ptr();
+  rg.grad_ld = row_stride(out);
+  rg.rows_per_cta = 1;
+  // In place, the gradient has the logits' width: each thread rewrites the columns it read.
+  rg.col_splits = row_col_splits(n, v);
+  check_launch(cuda::launch_row_grad(rg, dtype, dev::stream()), "row_grad");
+}
+
+at::Tensor logits_backward_cuda(const at::Tensor& grad_loss,
+                                const std::optional<at::Tensor>& grad_lse,
+                                const std::optional<at::Tensor>& grad_entropy,
+                                const at::Tensor& logits, const at::Tensor& target,
+                                const at::Tensor& stats, int64_t vocab_start, int64_t vocab_size,
+                                int64_t ignore_index, double label_smoothing, double z_loss,
+                                double softcap, double temperature) {
+  at::Tensor out = dev::empty(logits.sizes(), logits.options());
+  logits_grad(grad_loss, grad_lse, grad_entropy, logits, target, stats, vocab_start, vocab_size,
+              ignore_index, label_smoothing, z_loss, softcap, temperature, out);
+  return out;
+}
+
+void logits_backward_inplace_cuda(const at::Tensor& grad_loss,
+                                  const std::optional<at::Tensor>& grad_lse,
+                                  const std::optional<at::Tensor>& grad_entropy,
+                                  const at::Tensor& logits, const at::Tensor& target,
+                                  const at::Tensor& stats, int64_t vocab_start,
+                                  int64_t vocab_size, int64_t ignore_index,
+                                  double label_smoothing, double z_loss, double softcap,
+                                  double temperature) {
+  logits_grad(grad_loss, grad_lse, grad_entropy, logits, target, stats, vocab_start, vocab_size,
+              ignore_index, label_smoothing, z_loss, softcap, temperature, logits);
+}
+
+}  // namespace
+}  // namespace binding
+
+FLCE_CUDA_IMPL(m) {
+  m.impl("logits_stats", &binding::logits_stats_cuda);
+  m.impl("logits_forward", &binding::logits_forward_cuda);
+  m.impl("logits_backward", &binding::logits_backward_cuda);
+  m.impl("logits_backward_", &binding::logits_backward_inplace_cuda);
+}
+
+}  // namespace flce

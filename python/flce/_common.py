@@ -1,0 +1,219 @@
+"""What the public entry points share: argument validation, option normalization, the choice of
+path, and the reduction of per-token outputs.
+
+``flce.api`` (one device), ``flce.parallel`` (vocab-parallel) and ``flce.logits`` (cross-entropy
+on given logits) import from here; nothing here imports them.
+"""
+import math
+import numbers
+
+import torch
+import torch.autograd.forward_ad as _fwad
+
+from . import _ops
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+REDUCTIONS = ("mean", "sum", "none")
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+class Options:
+    """The loss options, validated and normalized to Python numbers (``softcap`` 0.0: none)."""
+
+    __slots__ = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap",
+                 "temperature")
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                 softcap=None, temperature=1.0):
+        self.ignore_index = index("ignore_index", ignore_index)
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+            raise ValueError(f"flce: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.reduction = reduction
+        self.label_smoothing = number("label_smoothing", label_smoothing)
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"flce: label_smoothing must be in [0, 1], got {label_smoothing}")
+        # Written so that NaN fails too; inf would silently turn every loss into NaN or inf.
+        self.z_loss = number("z_loss", z_loss)
+        if not 0 <= self.z_loss < math.inf:
+            raise ValueError(f"flce: z_loss must be a finite number >= 0, got {z_loss}")
+        self.softcap = 0.0 if softcap is None else number("softcap", softcap)
+        if softcap is not None and not 0 < self.softcap < math.inf:
+            raise ValueError(f"flce: softcap must be a positive finite number or None, got "
+                             f"{softcap}")
+        self.temperature = number("temperature", temperature)
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"flce: temperature must be a positive finite number, got "
+                             f"{temperature!r}")
+
+    def op_args(self):
+        """(ignore_index, label_smoothing, z_loss, softcap) as the flce:: ops take them."""
+        return self.ignore_index, self.label_smoothing, self.z_loss, self.softcap
+
+
+def number(name, value):
+    """A real scalar option as a Python float: an int or float (numpy scalars too), or a 0-d real
+    tensor that does not require grad (read once, a host sync for a CUDA tensor). Booleans,
+    strings and tensors that require grad are refused: flce does not differentiate with respect
+    to its options."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not (value.is_floating_point() or value.dtype in (
+                torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+            raise TypeError(f"flce: {name} must be a number or a 0-d real tensor, got a tensor "
+                            f"of shape {tuple(value.shape)} and dtype {value.dtype}")
+        if value.requires_grad:
+            raise TypeError(f"flce: {name} is a tensor that requires grad, but flce does not "
+                            f"differentiate with respect to {name}; pass a number, e.g. "
+                            f"float({name}.detach())")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"flce: {name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def index(name, value):
+    """A class index option (``ignore_index``) as a Python int; None means -100, as in torch.
+    Floats are refused (torch raises too): a truncated 1.5 would silently disagree with the
+    mean's count of ignored rows."""
+    if value is None:
+        return -100
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"flce: {name} must be an int or None, got {type(value).__name__} "
+                        f"{value!r}")
+    value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"flce: {name} must fit in int64 (the targets' dtype), got {value}")
+    return value
+
+
+def check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flce: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_target(target, lead, lead_name):
+    """Class-index targets shaped like ``lead``; probability targets are refused by name."""
+    check_tensor("target", target)
+    if target.dtype.is_floating_point or target.dtype.is_complex:
+        raise TypeError(f"flce: target must hold class indices (an integer tensor), got "
+                        f"{target.dtype}; probability (soft) targets are not supported")
+    if target.dtype == torch.bool:
+        raise TypeError("flce: target must hold class indices (an integer tensor), got "
+                        "torch.bool")
+    if tuple(target.shape) != tuple(lead):
+        raise ValueError(f"flce: target must have shape {tuple(lead)} ({lead_name}), got "
+                         f"{tuple(target.shape)}")
+
+
+def check_one_device(named):
+    devices = {(n, t.device) for n, t in named if t is not None}
+    if len({d for _, d in devices}) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in sorted(devices, key=lambda x: x[0]))
+        raise ValueError(f"flce: all tensors must be on one device, got {listing}")
+
+
+def validate_linear(input, weight, target, bias):
+    """The tensors of a linear cross-entropy call (options: :class:`Options`)."""
+    check_tensor("input", input)
+    check_tensor("weight", weight)
+    if input.dim() < 1:
+        raise ValueError("flce: input must have shape (..., D), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}")
+    if input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"flce: input's last dimension ({input.shape[-1]}) must equal weight's "
+                         f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    check_target(target, input.shape[:-1], "input's leading dimensions")
+    if input.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
+                        f"{input.dtype}")
+    if weight.dtype not in (input.dtype, torch.float32):
+        raise TypeError(f"flce: weight must have input's dtype ({input.dtype}) or be float32 "
+                        f"master weights, got {weight.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"flce: bias must have shape ({weight.shape[0]},), got "
+                             f"{tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
+                            f"{bias.dtype}")
+    check_one_device((("input", input), ("weight", weight), ("target", target), ("bias", bias)))
+
+
+def needs_composite(*tensors):
+    """Whether the call must take the differentiable composite path (flce._composite) instead
+    of the fused ops: float64 inputs (no float64 kernels), or a caller that sees through the
+    op with a functorch transform (torch.func.grad, vmap, jvp, ...) or forward-mode AD, which
+    the fused ops' autograd formulas do not serve."""
+    present = [t for t in tensors if t is not None]
+    if any(t.dtype == torch.float64 for t in present):
+        return True
+    if torch.compiler.is_compiling():
+        # (dynamo cannot trace the probes below; a compiled region sees plain tensors)
+        return False
+    for t in present:
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return True
+        if _fwad._current_level >= 0 and _fwad.unpack_dual(t).tangent is not None:
+            return True
+    return False
+
+
+def single_pass(requested, reduction, per_token, x):
+    """Whether the loss and its gradients come from the single pass (flce::sum_and_grad);
+    per_token: lse or entropy outputs are asked for (the single pass returns the loss alone)."""
+    if requested is None:
+        # fp16 stays on the recompute path: its gradient tile needs a scale that depends on
+        # every row's statistics, which the single pass has only row chunk by row chunk. On the
+        # CPU, fp32 does too: the single pass holds dW's Kahan compensation for the whole
+        # vocabulary and a row block's logits, ~3x chunked torch's memory where the recompute
+        # path stays at it (docs/cpu-backend.md). bf16's memory stays below chunked's either
+        # way, and the single pass saves a logit GEMM, except where bf16 GEMMs run on AMX: there
+        # that GEMM is cheap, and the single pass's streaming of dW's accumulators costs more
+        # (1.15 s against 0.88 s on a 2-core Xeon, docs/benchmarks.md).
+        if reduction == "none" or per_token or x.dtype == torch.float16:
+            return False
+        if _ops.is_cuda_backend(x):
+            return True
+        return x.dtype == torch.bfloat16 and not _ops.CPU_BF16_AMX
+    if requested not in (True, False):
+        raise TypeError(f"flce: single_pass must be None, True or False, got {requested!r}")
+    if requested and (reduction == "none" or per_token):
+        raise ValueError("flce: single_pass needs reduction 'mean' or 'sum' and neither "
+                         f"return_lse nor return_entropy; got reduction={reduction!r}, "
+                         f"per-token outputs: {per_token}")
+    return requested
+
+
+def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy):
+    """``loss`` alone, or ``(loss, [lse], [entropy])`` shaped like the target."""
+    if not (return_lse or return_entropy):
+        return loss
+    out = (loss,)
+    if return_lse:
+        out += (lse.reshape(lead),)
+    if return_entropy:
+        out += (entropy.reshape(lead),)
+    return out
+
+
+def reduce_loss(loss, target, ignore_index, reduction, shape, row_weight=None):
+    """Reduce per-token losses as torch does, without host syncs: ``"mean"`` over non-ignored
+    tokens, or with per-row weights (torch's per-class ``weight``) their weighted mean."""
+    if reduction == "none":
+        return loss.reshape(shape)
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    if row_weight is not None:
+        return total / row_weight.sum()
+    return total / (target != ignore_index).sum()
+
+
+def is_dtensor(t):
+    # By name: importing torch.distributed.tensor here would slow down `import flce`.
+    return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")

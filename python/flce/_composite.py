@@ -1,0 +1,67 @@
+"""The differentiable composite path: flce's collapse-safe formulas in plain torch ops
+(``flce.reference``), in float32 for float32 / bfloat16 / float16 inputs and in float64 for
+float64 ones.
+
+The fused ops serve training: first derivatives by their own backward kernels. What they do
+not serve goes through here, where autograd sees every operation:
+* float64 inputs (``torch.autograd.gradcheck``, double-precision models): no float64 kernels;
+* functorch transforms (``torch.func.grad``, ``vmap``, ``jvp``, ``jacrev``, ...) and
+  forward-mode AD (``torch.autograd.forward_ad``);
+* a backward with ``create_graph=True`` (double backward, Hessian-vector products): the fused
+  recompute path's backward recomputes its gradients here, differentiably.
+It materializes the ``[N, V]`` logits (in the computation dtype), as torch's own composition
+would: meant for these uses, not for large-vocabulary training steps.
+"""
+import collections
+
+import torch
+
+from . import reference
+
+# The options as the flce:: ops hold them (softcap 0.0: none); flce._common.Options has the same
+# fields, validated.
+OpOptions = collections.namedtuple(
+    "OpOptions", ("ignore_index", "label_smoothing", "z_loss", "softcap", "temperature"))
+
+
+def compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def per_token(input, weight, target, bias, opts, vocab_size=None):
+    """Per-token (loss, lse, entropy) of ``input [N, D]`` against ``weight [V, D]``, float32
+    (float64 for float64 inputs), differentiable in input, weight and bias. The weight and bias
+    are taken in the input's dtype first, as the fused path computes with them (fp32 master
+    weights), then widened exactly."""
+    cdt = compute_dtype(input.dtype)
+    w = weight.to(input.dtype) if weight.dtype != input.dtype else weight
+    logits = input.to(cdt) @ w.to(cdt).T
+    if bias is not None:
+        logits = logits + bias.to(cdt)
+    return logits_per_token(logits, target, opts, vocab_size)
+
+
+def logits_per_token(logits, target, opts, vocab_size=None, weight=None):
+    """Per-token (loss, lse, entropy) of given logits ``[N, V]`` (in their dtype); with
+    per-class ``weight``, the loss weighted as torch weights it (flce.reference)."""
+    loss, lse, entropy = reference.logits_cross_entropy(
+        logits, target, ignore_index=opts.ignore_index, reduction="none",
+        label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
+        softcap=opts.softcap or None, temperature=opts.temperature, return_lse=True,
+        return_entropy=True, vocab_size=vocab_size, weight=weight)
+    return loss, lse, entropy
+
+
+def grads_with_graph(outputs, grad_outputs, inputs):
+    """``torch.autograd.grad`` of the outputs that received a gradient, with create_graph: the
+    gradients of ``inputs`` (None where an input is None or not needed), themselves
+    differentiable."""
+    pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grad_outputs) if g is not None]
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    if not pairs or not wanted:
+        return [None] * len(inputs)
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                   create_graph=True, allow_unused=True))
+    out = [next(got) if t is not None and t.requires_grad else None for t in inputs]
+    return [g if g is not None or t is None else torch.zeros_like(t)
+            for g, t in zip(out, inputs)]
