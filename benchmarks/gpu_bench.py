@@ -166,6 +166,32 @@ def ceilings(log):
     return out
 
 
+# gpu.jsonl's names (docs: ../shared/GPU.md) for this script's methods.
+RECORD_NAMES = {"flce": "flce", "flce_recompute": "flce_recompute", "sol_3gemm": "gemm3",
+                "sol_4gemm": "gemm4", "eager": "eager", "compile": "compiled",
+                "torch_lce": "torch_native", "quack": "quack", "liger": "liger", "cce": "cce"}
+
+
+def records(results, ceil):
+    """One record per shape in benchmarks/results/gpu.jsonl's format."""
+    import datetime
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or None
+    for row in results:
+        n, v, d = row["shape"]
+        ok = {RECORD_NAMES[k]: r for k, r in row.items() if k in RECORD_NAMES and "ms" in r}
+        yield {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "commit": commit, "op": "linear_cross_entropy",
+               "n": n, "v": v, "d": d, "dtype": "bfloat16",
+               "ms": {k: round(r["ms"], 3) for k, r in ok.items()},
+               "peak_gib": {k: round(r["peak_gib"], 3) for k, r in ok.items()
+                            if r["peak_gib"] == r["peak_gib"]},
+               "copy_gb_s": round(ceil["d2d_copy_GBps"]),
+               "mm_tflops": round(ceil["mm8192_bf16_TFLOPs"])}
+
+
 def table(results, ceil):
     lines = [f"ceilings: copy {ceil['d2d_copy_GBps']:.0f} GB/s, mm8192 bf16 "
              f"{ceil['mm8192_bf16_TFLOPs']:.0f} TFLOP/s",
@@ -191,6 +217,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of eager")
+    ap.add_argument("--record", default=None,
+                    help="append one benchmarks/results/gpu.jsonl record per shape to this file")
     ap.add_argument("--shapes", default=None,
                     help="N,V,D;N,V,D... (default: N in 4096, 16384; V in 128256, 256000; D 4096)")
     args = ap.parse_args()
@@ -212,6 +240,10 @@ def main():
         bench_shape(n, v, d, results, log, args.compile)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"ceilings": ceil, "results": results}, f, indent=1)
+    if args.record:
+        with open(args.record, "a") as f:
+            for rec in records(results, ceil):
+                f.write(json.dumps(rec) + "\n")
     text = table(results, ceil)
     with open(os.path.join(args.out, "table.txt"), "w") as f:
         f.write(text + "\n")

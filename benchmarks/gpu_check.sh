@@ -7,8 +7,10 @@
 #   2. the CUDA tests (tests/test_cuda.py: both paths) and a training step under
 #      torch.cuda.set_sync_debug_mode("error") (no host sync)
 #   3. forward+backward benchmark of the single pass and the recompute path vs 3 and 4 cuBLAS
-#      GEMMs, eager, Liger / CCE / quack / torch's linear_cross_entropy where installed, plus copy
-#      and matmul ceilings (benchmarks/gpu_bench.py)
+#      GEMMs, eager, compiled, Liger / CCE / quack / torch's linear_cross_entropy where installed,
+#      plus copy and matmul ceilings (benchmarks/gpu_bench.py); cross-entropy on given logits
+#      (benchmarks/bench_ce.py); both append gpu.jsonl records to $OUT/gpu_records.jsonl, which
+#      the session copies into benchmarks/results/gpu.jsonl
 #   4. the device-parametrized suite on "cuda" (accuracy at margins 0-200 and N = 65536, options,
 #      RL outputs, single pass)
 #   5. the GPU against the host emulation on the same inputs (benchmarks/gpu_vs_emulation.py)
@@ -91,7 +93,8 @@ if step build 180 "$PY" setup.py build_ext --inplace; then
   step target_modes 60 bash -c "for m in 0 sync 1; do FLCE_CHECK_TARGETS=\$m $PY \
     benchmarks/gpu_target_check.py none; echo rc=\$?; done; FLCE_CHECK_TARGETS=1 $PY \
     benchmarks/gpu_target_check.py mean; echo rc=\$?"
-  step test_cuda 120 "$PY" -m pytest -q -rfEs -k "not cuda-host" tests/test_cuda.py \
+  step test_cuda 120 "$PY" -m pytest -q -rfEs -k "not cuda-host" --junitxml="$LOGS/junit_cuda.xml" \
+    tests/test_cuda.py \
     tests/test_check_ptxas.py tests/test_build_info.py::test_extension_uses_the_process_libstdcxx
   step no_sync 30 "$PY" -c "
 import torch, flce
@@ -106,11 +109,34 @@ for _ in range(3):
 torch.cuda.set_sync_debug_mode(0)
 torch.cuda.synchronize()
 print('training steps without a host sync: ok')"
-  step bench 170 "$PY" benchmarks/gpu_bench.py --out "$LOGS" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"}
+  step bench 170 "$PY" benchmarks/gpu_bench.py --out "$LOGS" --compile \
+    --record "$OUT/gpu_records.jsonl" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"}
   [[ -f "$LOGS/table.txt" ]] && cp "$LOGS/table.txt" "$OUT/table.txt"
+  # Cross-entropy on given logits (flce.cross_entropy) against eager / compiled / Liger and the
+  # bytes' floor: the seed's TorchTitan shapes (one rank of TP = 2, and TP = 1).
+  step bench_ce 90 "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128,16384x128256 \
+    --dtypes bf16 --impls flce,flce_inplace,eager,compiled,native,liger --repeats 10 \
+    --record "$OUT/gpu_records.jsonl"
   # Where the single pass's time goes at the anchor shape (kernel table; trace in the logs).
   step profile 45 "$PY" benchmarks/profile_step.py --n 4096 --v 128256 --d 4096 --warmup 2 \
-    --steps 3 --peak-tflops 790 --torch-profiler "$LOGS/trace_4096x128256x4096.json"
+    --steps 3 --peak-tflops 790 --torch-profiler "$LOGS/trace_4096x128256x4096.json" \
+    --memory-snapshot "$LOGS/memory_4096x128256x4096.pickle"
+  # Every flce kernel inside a flce:: NVTX range, none with FLCE_NVTX=0 (ncu: nsys is absent).
+  NCU=${NCU:-ncu}
+  command -v "$NCU" >/dev/null 2>&1 || NCU=/usr/local/cuda/bin/ncu
+  NCU_T="$NCU --clock-control none --csv --metrics gpu__time_duration.sum"
+  step nvtx 90 bash -c "$NCU_T $PY benchmarks/nvtx_check.py > $LOGS/ncu_all.csv &&
+    $NCU_T --nvtx --nvtx-include 'regex:flce::.*/' $PY benchmarks/nvtx_check.py \
+      > $LOGS/ncu_in_ranges.csv &&
+    FLCE_NVTX=0 $NCU_T --nvtx --nvtx-include 'regex:flce::.*/' $PY benchmarks/nvtx_check.py \
+      > $LOGS/ncu_off.csv &&
+    $PY benchmarks/nvtx_check.py --compare $LOGS/ncu_all.csv $LOGS/ncu_in_ranges.csv \
+      $LOGS/ncu_off.csv"
+  # The row kernels' counters at the anchor shape (DRAM throughput, issue slots, stalls).
+  step ncu_rows 60 "$NCU" --clock-control none --kernel-name regex:row_ --launch-skip 8 \
+    --launch-count 4 --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis "$PY" benchmarks/profile_step.py --n 4096 --v 128256 \
+    --d 4096 --warmup 1 --steps 1
   step vs_emulation 90 "$PY" benchmarks/gpu_vs_emulation.py
   step memcheck 60 "$SANITIZER" --tool memcheck --error-exitcode 1 --leak-check no \
     "$PY" benchmarks/gpu_sanitize.py
@@ -120,7 +146,10 @@ print('training steps without a host sync: ok')"
   # The device-parametrized suites on the GPU (the cpu and cuda-host cases run in CI).
   step test_suite 120 "$PY" -m pytest -q -rfE --durations=10 tests -m "not cuda_host" -k cuda \
     --ignore=tests/test_cuda.py --ignore=tests/test_check_ptxas.py \
-    --ignore=tests/test_parallel_cuda.py
+    --ignore=tests/test_parallel_cuda.py --junitxml="$LOGS/junit_suite.xml"
+  # The tests' record (benchmarks/results/gpu.jsonl's "gpu_tests"), from both pytest steps.
+  step record_tests 30 "$PY" benchmarks/gpu_tests_record.py "$OUT/gpu_records.jsonl" \
+    "$LOGS/junit_cuda.xml" "$LOGS/junit_suite.xml"
 else
   echo "build failed: see build.log in $OUT/gpu_logs.tgz"
 fi

@@ -54,6 +54,9 @@ def parse_args(argv=None):
                     help="fraction of targets set to ignore_index")
     ap.add_argument("--torch-profiler", metavar="TRACE.json",
                     help="also record the profiled steps with torch.profiler, Chrome trace out")
+    ap.add_argument("--memory-snapshot", metavar="SNAPSHOT.pickle",
+                    help="CUDA: record the allocator's history over one more step and dump it "
+                         "(torch.cuda.memory._dump_snapshot; open at pytorch.org/memory_viz)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's dense peak for --dtype (H100/H200 bf16: 989) for the "
                          "speed-of-light lines")
@@ -199,6 +202,16 @@ def run(args):
               f"(logits in fp32 would be {args.n * args.v * 4 / 2**20:.1f} MiB)")
     if args.torch_profiler:
         print(f"  torch.profiler Chrome trace: {args.torch_profiler}")
+    if args.memory_snapshot and cuda:
+        # One more step with the allocator's history on: every buffer of the step, where it was
+        # allocated (Python and C++ frames) and how long it lived.
+        x.grad = w.grad = None
+        torch.cuda.memory._record_memory_history(max_entries=200000)
+        step(fn, x, w, t, args.forward_only, cuda)
+        torch.cuda.synchronize()
+        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print(f"  memory snapshot of one step: {args.memory_snapshot}")
     return med
 
 

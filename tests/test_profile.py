@@ -54,3 +54,25 @@ def test_bad_arguments_are_rejected(bad):
     prof = _load_profile()
     with pytest.raises(SystemExit):
         prof.parse_args(["--device", "cpu", *bad])
+
+
+def test_nvtx_check_compare(tmp_path):
+    """benchmarks/nvtx_check.py's reading of ncu --csv reports (the GPU script's NVTX check)."""
+    spec = importlib.util.spec_from_file_location(
+        "nvtx_check", os.path.join(ROOT, "benchmarks", "nvtx_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+
+    def report(name, kernels):
+        path = tmp_path / name
+        path.write_text("==PROF== Connected to process\n" + head + "".join(
+            f'"{i}","{k}","gpu__time_duration.sum","ns","100"\n' for i, k in enumerate(kernels)))
+        return str(path)
+
+    ours = ["void flce::cuda::row_stats_kernel<float>(...)", "void flce::cuda::combine_kernel<1>()"]
+    every = report("all.csv", ours + ["nvjet_tst_gemm", "elementwise_kernel"])
+    inside = report("in.csv", ours + ["nvjet_tst_gemm"])
+    assert mod.compare(every, inside, report("off.csv", [])) == 0
+    assert mod.compare(every, report("in2.csv", ours[:1]), report("off2.csv", [])) == 1
+    assert mod.compare(every, inside, report("off3.csv", ours[:1])) == 1
