@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers  # noqa: E402
 
-DEFAULT_PEERS = ("eager", "chunked", "cce")
+DEFAULT_PEERS = ("eager", "chunked", "cce", "gemm3")
 CSV_COLUMNS = ("impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
                "time_median_s", "time_min_s", "time_max_s", "peak_mem_mb", "peak_total_mb",
                "time_vs_flce", "mem_vs_flce", "loss", "acc_margin", "loss_rel_err",
@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (compiles, caches)")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                    help=f"comma-separated peers of flce from {_peers.IMPLS[1:]}; 'cce' and "
-                        "'liger' are skipped when not installed (default: %(default)s)")
+                        "'liger' are skipped when not installed; 'gemm3' is the floor, the "
+                        "step's 3 GEMMs alone (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="also time torch.compile of the eager code")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
@@ -169,7 +170,10 @@ def _fmt(value, spec):
 
 def format_table(rows, args):
     wid = max([8] + [len(r["impl"]) for r in rows])  # the impl column
-    head = (f"{'impl':{wid}s} {'time (s)':>9s} {'x flce':>7s} {'first (s)':>9s} {'/time':>6s} "
+    floor = next((r["time_median_s"] for r in rows if r["impl"] == "gemm3"
+                  and r["status"] == "ok"), None)
+    head = (f"{'impl':{wid}s} {'time (s)':>9s} {'x flce':>7s} {'x gemm3':>7s} {'first (s)':>9s} "
+            f"{'/time':>6s} "
             f"{'peak MB':>8s} {'x flce':>7s} {'loss':>9s} "
             f"{'rel.err @ m=' + format(args.margin, 'g'):>14s}")
     ok = [r for r in rows if r["status"] == "ok"]
@@ -192,10 +196,14 @@ def format_table(rows, args):
             lines.append(f"{r['impl']:{wid}s} {r['status']}")
             continue
         lines.append(f"{r['impl']:{wid}s} {r['time_median_s']:9.3f} "
-                     f"{_fmt(r.get('time_vs_flce'), '7.2f')} {r['time_first_s']:9.3f} "
+                     f"{_fmt(r.get('time_vs_flce'), '7.2f')} "
+                     f"{_fmt(floor and r['time_median_s'] / floor, '7.2f')} "
+                     f"{r['time_first_s']:9.3f} "
                      f"{r['first_vs_median']:6.2f} {r['peak_mem_mb']:8.0f} "
                      f"{_fmt(r.get('mem_vs_flce'), '7.2f')} {r['loss']:9.5f} "
                      f"{_fmt(r.get('loss_rel_err'), '14.2e')}")
+    lines.append("x gemm3: time over the step's 3 GEMMs alone (torch.mm of the same shapes and "
+                 "dtype: the floor).")
     lines.append("x flce: ratio to flce (> 1: flce is faster / smaller). first: the process's "
                  "first fwd+bwd, /time: its ratio to the median. peak MB: growth of peak memory "
                  "during one fwd+bwd above the inputs, gradients included.")

@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "benchmarks"))
 import _peers  # noqa: E402
 
+from flce._common import cpu_single_pass_bytes  # noqa: E402
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("dtype,size", [("fp32", 4), ("bf16", 2)])
@@ -33,8 +35,8 @@ def test_peak_memory_is_gradients_plus_budget(impl, dtype, size):
     if single:
         # The single pass (docs/cpu-backend.md): the gradients in fp32 from the forward to the
         # backward, dW's bf16 compensation, a block of rows' logits (at most 72 MiB, whatever
-        # N), 16-bit weight tiles packed twice.
-        budget = (n + v) * d * 4 + v * d * 2 + (72 << 20) + (4 * v * d if size == 2 else 0)
+        # N), 16-bit weight tiles packed twice: the model the default path's memory rule uses.
+        budget = cpu_single_pass_bytes(n, v, d, _peers.DTYPES[dtype])
     else:
         # The global accumulator's bf16 compensation (and its fp32 sum when the gradient is not
         # fp32); per worker a tile of [rows, block_v + 16] fp32 and, for bf16, its split into

@@ -47,17 +47,38 @@ def test_module_passes_single_pass():
     assert rel_err(xg.grad, ref.grad.double()) <= 1e-6
 
 
-@pytest.mark.parametrize("dtype,single", [(torch.bfloat16, not flce._ops.CPU_BF16_AMX),
-                                          (torch.float32, False), (torch.float16, False)])
-def test_cpu_default_path(dtype, single):
-    """On the CPU, training takes the single pass by default for bf16 only, and not where bf16
-    GEMMs run on AMX: fp32's would hold ~3x chunked torch's memory (docs/cpu-backend.md), fp16
-    needs every row's statistics."""
+def _takes_single_pass(dtype, n, v, d):
+    x, w, t, _ = rand_inputs(n, v, d, dtype, "cpu", seed=4)
+    loss = flce.linear_cross_entropy(x.clone().requires_grad_(), w, t)
+    return "sum_and_grad" in type(loss.grad_fn).__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_default_path(dtype, monkeypatch):
+    """On the CPU, training takes the single pass by default while its O(V D) memory stays
+    within the budget (FLCE_CPU_MEMORY_MB, by default half an fp32 [N, V] buffer), except for
+    bf16 where its GEMMs run on AMX (the recompute path is faster there) and fp16 (its tile
+    scale needs every row's statistics) (docs/cpu-backend.md)."""
+    eligible = dtype == torch.float32 or (dtype == torch.bfloat16 and not flce._ops.CPU_BF16_AMX)
+    monkeypatch.delenv("FLCE_CPU_MEMORY_MB", raising=False)
+    # Few rows: the single pass's dW compensation and fp32 gradients are over half the logits.
+    assert not _takes_single_pass(dtype, 40, 300, 16)
+    # Many rows of a small vocabulary: within the default budget.
+    n, v, d = 4096, 4096, 16
+    assert flce._common.cpu_single_pass_bytes(n, v, d, dtype) <= 2 * n * v
+    assert _takes_single_pass(dtype, n, v, d) == eligible
+    # An explicit budget either way.
+    monkeypatch.setenv("FLCE_CPU_MEMORY_MB", "1000")
+    assert _takes_single_pass(dtype, 40, 300, 16) == eligible
+    monkeypatch.setenv("FLCE_CPU_MEMORY_MB", "0")
+    assert not _takes_single_pass(dtype, n, v, d)
+    monkeypatch.setenv("FLCE_CPU_MEMORY_MB", "lots")
+    with pytest.raises(ValueError, match="FLCE_CPU_MEMORY_MB"):
+        _takes_single_pass(torch.float32, 40, 300, 16)
+    # reduction "none", per-token outputs or no gradient: never the single pass
+    monkeypatch.setenv("FLCE_CPU_MEMORY_MB", "1000")
     x, w, t, _ = rand_inputs(40, 300, 16, dtype, "cpu", seed=4)
     xg = x.clone().requires_grad_()
-    loss = flce.linear_cross_entropy(xg, w, t)
-    assert ("sum_and_grad" in type(loss.grad_fn).__name__) == single, type(loss.grad_fn)
-    # reduction "none", per-token outputs or no gradient: never the single pass
     for kwargs in ({"reduction": "none"}, {"return_lse": True}):
         out = flce.linear_cross_entropy(xg, w, t, **kwargs)
         out = out[0] if isinstance(out, tuple) else out

@@ -85,10 +85,6 @@ void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float*
                  double label_smoothing, double z_loss, double softcap, double temperature,
                  int64_t vocab_size, float* coef, float* bound);
 
-// Column splits of the row kernels (flce_rows.cu) for `ctas` CTAs of a row count: about 8 CTAs
-// per SM in flight, at most one split per kRowTileCols-column tile of a row of v columns.
-int row_col_splits(int64_t ctas, int64_t v);
-
 // Bytes of the workspace budget (FLCE_CUDA_WORKSPACE_MB, default 1536 MiB, read at every call).
 int64_t workspace_bytes();
 // out [m, k] fp32 (or the compute dtype) = a [m, j] @ b [j, k] with fp32 accumulation.

@@ -63,11 +63,11 @@ __device__ __forceinline__ float logit_of(float acc, const float* bias, int64_t 
   return logit_transform(acc, cap, temp);
 }
 
-// Row `row` of launch_row_coef's coefficients [n, 8] = (ref, a, u, dz_t), (div, h, k, 0).
+// Row `row` of launch_row_coef's coefficients [n, 8] = (ref, a, u, dz_t), (div, h, k, rdiv).
 __device__ __forceinline__ RowGrad load_row_grad(const float* coef, int64_t row) {
   const float4 c = *reinterpret_cast<const float4*>(coef + row * 8);
   const float4 c2 = *reinterpret_cast<const float4*>(coef + row * 8 + 4);
-  return RowGrad{c.x, c.y, c.z, c.w, c2.x, c2.y, c2.z};
+  return RowGrad{c.x, c.y, c.z, c.w, c2.x, c2.y, c2.z, c2.w};
 }
 
 // One row of partial statistics [kPartialCols] = (m, s, z_t, sum_z, u), and back.

@@ -338,12 +338,6 @@ void merge_partials(const float* parts, int64_t count, int64_t n, float* merged)
   check_launch(cuda::launch_combine(cp, false, dev::stream()), "merge");
 }
 
-int row_col_splits(int64_t ctas, int64_t v) {
-  const int64_t row_tiles = std::max<int64_t>(ceil_div(v, cuda::kRowTileCols), 1);
-  return static_cast<int>(
-      std::clamp<int64_t>(ceil_div(dev::sm_count() * 8, std::max<int64_t>(ctas, 1)), 1, row_tiles));
-}
-
 at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& target, const std::optional<at::Tensor>& bias,
                               int64_t vocab_start, int64_t ignore_index, double softcap,

@@ -38,7 +38,7 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
       p.grad_entropy != nullptr ? p.grad_entropy[row * p.grad_entropy_stride] : 0.f;
   const RowGrad rg = row_grad(x, z_t, ignored, g, g_lse, opt, g_ent);
   *reinterpret_cast<float4*>(p.coef + row * 8) = make_float4(rg.ref, rg.a, rg.u, rg.dz_t);
-  *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, rg.h, rg.k, 0.f);
+  *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, rg.h, rg.k, rg.rdiv);
   // For an ignored row dz_t is never used (it has no target column). The entropy's term
   // p_j |log p_j + H| is at most 1/e + H, H = lse - k. The stored dz is times the chain rule
   // softcap' / T, softcap' in [0, 1]: a temperature below 1 raises it (missing that 1/T, the

@@ -20,6 +20,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
 #include "common.cuh"
 #include "flce/math.h"
 #include "params.h"
@@ -39,15 +41,15 @@ constexpr int kTile = kThreads * kPerThread;        // [kTile] columns of a row 
 static_assert(kTile == kRowTileCols, "params.h's tile width");
 
 // The columns [begin, end) of split blockIdx.y of `splits` over a row of v columns: a contiguous
-// range of whole tiles (empty for a split past the last tile).
+// range of whole tiles, dealt out evenly (two splits differ by at most one tile).
 struct ColRange {
   int64_t begin, end;
 };
 __device__ __forceinline__ ColRange split_cols(int64_t v, int splits) {
   const int64_t tiles = (v + kTile - 1) / kTile;
-  const int64_t per = (tiles + splits - 1) / splits;
-  const int64_t b = static_cast<int64_t>(blockIdx.y) * per * kTile;
-  const int64_t e = b + per * kTile;
+  const int64_t s = blockIdx.y;
+  const int64_t b = s * tiles / splits * kTile;
+  const int64_t e = (s + 1) * tiles / splits * kTile;
   return ColRange{b < v ? b : v, e < v ? e : v};
 }
 
@@ -80,9 +82,21 @@ __device__ __forceinline__ RowPartial warp_merge(RowPartial p) {
   return p;
 }
 
-// Column of this thread's element e (0 <= e < kPerThread) of the tile starting at c0.
-__device__ __forceinline__ int64_t tile_col(int64_t c0, int e) {
-  return c0 + static_cast<int64_t>(e / kVec) * (kThreads * kVec) + threadIdx.x * kVec + e % kVec;
+// Tile-local column of this thread's element e (0 <= e < kPerThread), in [0, kTile): 32-bit
+// arithmetic inside a row, whose pointer the caller has advanced to the tile.
+__device__ __forceinline__ int local_col(int e) {
+  return (e / kVec) * (kThreads * kVec) + static_cast<int>(threadIdx.x) * kVec + e % kVec;
+}
+
+// This thread's element index of column tcol in the tile that starts at column c0, or -1 (not
+// in the tile, or another thread's): the target is located once per tile, not compared with
+// every element's column.
+__device__ __forceinline__ int target_slot(int64_t tcol, int64_t c0) {
+  const int64_t rel = tcol - c0;
+  if (rel < 0 || rel >= kTile) return -1;
+  const int r = static_cast<int>(rel), group = r / kVec;
+  return group % kThreads == static_cast<int>(threadIdx.x) ? (group / kThreads) * kVec + r % kVec
+                                                          : -1;
 }
 
 // True when rows of stride ld starting at ptr allow Pack<T> accesses at every column that is a
@@ -92,28 +106,82 @@ __device__ __forceinline__ bool vec_aligned(const void* ptr, int64_t ld) {
   return ld % kVec == 0 && pack_aligned<T>(ptr);
 }
 
-// This thread's kPerThread columns of tile [c0, c0 + kTile) of a row (0 past v), in fp32; nothing
-// past v is read. One Pack<TIn> access per kVec columns (16 bytes for fp32, 8 for 16-bit logits).
+// This thread's raw values of a whole tile (z: the tile's first column of an aligned row), one
+// Pack<TIn> per kVec columns: 16-byte loads for fp32 logits, 8-byte for 16-bit ones. Loaded a
+// tile ahead of their use (the row loops below), so that the next tile's loads are in flight
+// while this one is computed.
 template <typename TIn>
-__device__ __forceinline__ void load_tile(const TIn* z, int64_t c0, int64_t v, bool aligned,
-                                          float (&x)[kPerThread]) {
+struct TilePacks {
+  Pack<TIn> q[kVecs];
+};
+
+template <typename TIn>
+__device__ __forceinline__ void load_full(const TIn* z, TilePacks<TIn>& t) {
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) t.q[i] = *reinterpret_cast<const Pack<TIn>*>(z + local_col(i * kVec));
+}
+
+template <typename TIn>
+__device__ __forceinline__ void widen(const TilePacks<TIn>& t, float (&x)[kPerThread]) {
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
-    const int64_t j = tile_col(c0, i * kVec);
-    if (aligned && j + kVec <= v) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) x[i * kVec + k] = to_float<TIn>(t.q[i].v[k]);
+  }
+}
+
+// This thread's kPerThread columns of the tile at z (its first column), of which `left` remain
+// in the row (0 past them, nothing past them read), in fp32: the row's last tile, and every
+// tile of a row that does not allow Pack accesses.
+template <typename TIn>
+__device__ __forceinline__ void load_partial(const TIn* z, int64_t left, bool aligned,
+                                             float (&x)[kPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int j = local_col(i * kVec);
+    if (aligned && j + kVec <= left) {
       const Pack<TIn> q = *reinterpret_cast<const Pack<TIn>*>(z + j);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) x[i * kVec + k] = to_float<TIn>(q.v[k]);
     } else {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) x[i * kVec + k] = j + k < v ? to_float<TIn>(z[j + k]) : 0.f;
+      for (int k = 0; k < kVec; ++k) x[i * kVec + k] = j + k < left ? to_float<TIn>(z[j + k]) : 0.f;
     }
   }
 }
 
-// kSum: the row's sum of logits (label smoothing only); kU: the entropy's running sum u (only
-// where the entropy is returned). Without them 0 is stored in their place.
-template <typename TIn, bool kSum, bool kU>
+// The row loop of both kernels: the split's whole tiles with Pack loads one tile ahead when the
+// row allows them (kFull = true: no per-element bounds), then what is left one tile at a time
+// with bounds (kFull = false). tile(x, c0, left) gets the tile's fp32 values, its first column
+// and the columns left in the row from it.
+template <typename TIn, typename F>
+__device__ __forceinline__ void for_tiles(const TIn* z, ColRange cols, int64_t v, bool aligned,
+                                          F&& tile) {
+  int64_t c0 = cols.begin;
+  if (aligned && c0 + kTile <= cols.end) {
+    TilePacks<TIn> next;
+    load_full(z + c0, next);
+    for (; c0 + kTile <= cols.end; c0 += kTile) {
+      const TilePacks<TIn> cur = next;
+      if (c0 + 2 * kTile <= cols.end) load_full(z + c0 + kTile, next);
+      float x[kPerThread];
+      widen(cur, x);
+      tile.template operator()<true>(x, c0, v - c0);
+    }
+  }
+  for (; c0 < cols.end; c0 += kTile) {
+    float x[kPerThread];
+    load_partial(z + c0, v - c0, aligned, x);
+    tile.template operator()<false>(x, c0, v - c0);
+  }
+}
+
+// kTransform: the logits go through bias, softcap and temperature (logit_of); otherwise they are
+// used as they are. kSum: the row's sum of logits (label smoothing only); kU: the entropy's
+// running sum u (only where the entropy is returned). Without them 0 is stored in their place.
+// Per element of a whole tile without these: the widening, a max, exp(z - max) and a sum (the
+// target is located once per tile, the -inf guard once per thread and tile).
+template <typename TIn, bool kTransform, bool kSum, bool kU>
 __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsParams p) {
   FLCE_DYNAMIC_SHARED(smem);
   RowPartial* warp_part = reinterpret_cast<RowPartial*>(smem);  // [kWarps]
@@ -122,45 +190,53 @@ __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsPa
   const bool aligned = vec_aligned<TIn>(logits, p.ld);
   const ColRange cols = split_cols(p.v, p.splits);
   for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
-    const TIn* z = logits + row * p.ld;
     const int64_t tcol =
         target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
     OnlineLse st = lse_empty();
     float zt = neg_inf(), sum = 0.f, comp = 0.f;
-    for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kTile) {
-      float x[kPerThread];
-      load_tile(z, c0, p.v, aligned, x);
-      // Two passes over the thread's columns of the tile: their max (the target and columns past
-      // v excluded as -inf; fmaxf skips NaN), then sum exp(z - max) and the entropy's
-      // exp(z - max) (max - z), merged into the row state once (lse_add_tile). A NaN logit makes
-      // the sum NaN; -inf logits add nothing.
-      float mx = neg_inf();
+    for_tiles(logits + row * p.ld, cols, p.v, aligned,
+              [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
+      // Columns past the row's end: -inf, and out of the logit sum.
 #pragma unroll
       for (int e = 0; e < kPerThread; ++e) {
-        const int64_t j = tile_col(c0, e);
-        float zj = neg_inf();
-        if (j < p.v) {
-          zj = logit_of(x[e], p.bias, j, p.softcap, p.temperature);
-          if constexpr (kSum) kahan_add(sum, comp, zj);
-          if (j == tcol) {
-            zt = zj;
-            zj = neg_inf();
+        const int j = local_col(e);
+        const bool in = kFull || j < left;
+        float zj = x[e];
+        if constexpr (kTransform) zj = in ? logit_of(zj, p.bias, c0 + j, p.softcap, p.temperature) : 0.f;
+        if constexpr (kSum) {
+          if (in) kahan_add(sum, comp, zj);
+        }
+        x[e] = in ? zj : neg_inf();
+      }
+      // The target leaves (max, sum exp): its owner takes it out, once per tile.
+      const int slot = target_slot(tcol, c0);
+      if (slot >= 0) {
+#pragma unroll
+        for (int e = 0; e < kPerThread; ++e) {
+          if (e == slot) {
+            zt = x[e];
+            x[e] = neg_inf();
           }
         }
-        x[e] = zj;
-        mx = fmaxf(mx, zj);
       }
+      // Two passes over the thread's columns: their max (fmaxf skips NaN), then sum exp(z - max)
+      // and the entropy's exp(z - max) (max - z), merged into the row state once
+      // (lse_add_tile). -inf columns add exp(-inf) = 0. A thread tile of -inf only (or NaN)
+      // has max -inf: the exponents are then taken against 0, which keeps -inf - -inf out of
+      // the sum (exp(-inf) = 0 again) and NaN in it, without a branch.
+      float mx = x[0];
+#pragma unroll
+      for (int e = 1; e < kPerThread; ++e) mx = fmaxf(mx, x[e]);
+      const float ref = mx == neg_inf() ? 0.f : mx;
       float ts = 0.f, tu = 0.f;
 #pragma unroll
       for (int e = 0; e < kPerThread; ++e) {
-        if (x[e] != neg_inf()) {
-          const float ex = expf(x[e] - mx);
-          ts += ex;
-          if constexpr (kU) tu += ex * (mx - x[e]);
-        }
+        const float ex = expf(x[e] - ref);
+        ts += ex;
+        if constexpr (kU) tu += ex == 0.f ? 0.f : ex * (ref - x[e]);
       }
       lse_add_tile(st, mx, ts, tu);
-    }
+    });
     RowPartial part = warp_merge(RowPartial{st, zt, kahan_result(sum, comp)});
     if (lane == 0) warp_part[warp] = part;
     __syncthreads();
@@ -178,64 +254,104 @@ __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsPa
   }
 }
 
-template <typename TIn, typename T>
+// kGeneral: bias, softcap, temperature or the entropy's term in the coefficients (logit_of,
+// logit_transform_grad, logit_grad); otherwise dz_j = A exp(z_j - ref) / S - U straight
+// (logit_grad_plain). kExtras: the master weights' residual tile (grad_lo), the bias's column
+// sums (col_partials) or the target entry's residual (target_resid), each where its pointer is
+// set. Per element of a whole tile without them: the widening, exp, two multiply-adds, the
+// rounding to T and its share of a Pack store; the target is written once per tile.
+template <typename TIn, typename T, bool kGeneral, bool kExtras>
 __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradParams p) {
   const int64_t rows = p.rows_per_cta;
   const int64_t blocks = (p.n + rows - 1) / rows;
   const TIn* logits = static_cast<const TIn*>(p.logits);
-  const bool in_aligned = vec_aligned<TIn>(logits, p.ld);
-  const bool out_aligned = vec_aligned<T>(p.grad, p.grad_ld);
+  const bool aligned = vec_aligned<TIn>(logits, p.ld) && vec_aligned<T>(p.grad, p.grad_ld) &&
+                       (!kExtras || p.grad_lo == nullptr || vec_aligned<T>(p.grad_lo, p.grad_lo_ld));
   const ColRange cols = split_cols(p.v, p.col_splits);
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = b * rows + r;
       if (row >= p.n) break;  // CTA-uniform
-      const TIn* z = logits + row * p.ld;
       T* out = static_cast<T*>(p.grad) + row * p.grad_ld;
-      T* lo = p.grad_lo != nullptr ? static_cast<T*>(p.grad_lo) + row * p.grad_lo_ld : nullptr;
-      float* colsum = p.col_partials != nullptr ? p.col_partials + b * p.v : nullptr;
+      T* lo = kExtras && p.grad_lo != nullptr ? static_cast<T*>(p.grad_lo) + row * p.grad_lo_ld
+                                              : nullptr;
+      float* colsum = kExtras && p.col_partials != nullptr ? p.col_partials + b * p.v : nullptr;
       const RowGrad rg = load_row_grad(p.coef, row);
       const int64_t tcol =
           target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
-      if (p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0 && blockIdx.y == 0) {
+      if (kExtras && p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0 &&
+          blockIdx.y == 0) {
         p.target_resid[row] = 0.f;
       }
-      for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kTile) {
-        float x[kPerThread];
-        load_tile(z, c0, p.v, in_aligned, x);
+      for_tiles(logits + row * p.ld, cols, p.v, aligned,
+                [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
         // In place, the 16-bit gradient of tile [c0, c0 + kTile) of fp32 logits lands on the
         // bytes of logits [c0 / 2, (c0 + kTile) / 2): all of them read already by every thread
-        // after this barrier (earlier tiles, and this one), none of a later tile. (Same-width
-        // logits are rewritten by the thread that read them: no barrier needed.)
+        // after this barrier (earlier tiles, and this one; the next tile's loads are in flight
+        // from before it), none of a later tile. (Same-width logits are rewritten by the thread
+        // that read them: no barrier needed.)
         if constexpr (sizeof(T) < sizeof(TIn)) __syncthreads();
+        float g[kPerThread];
 #pragma unroll
-        for (int i = 0; i < kVecs; ++i) {
-          Pack<T> hi;
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            const int e = i * kVec + k;
-            const int64_t j = tile_col(c0, e);
-            if (j >= p.v) break;
-            const float zj = logit_of(x[e], p.bias, j, p.softcap, p.temperature);
-            const float dz =
-                (j == tcol ? rg.dz_t : logit_grad(rg, zj)) *
-                logit_transform_grad(zj, p.softcap, p.temperature);
-            hi.v[k] = from_float<T>(dz);
-            if constexpr (sizeof(T) == 2) {  // an fp32 tile is exact: nothing to keep
-              const float resid = dz - to_float<T>(hi.v[k]);
-              if (lo != nullptr) lo[j] = from_float<T>(resid);
-              if (j == tcol && p.target_resid != nullptr) p.target_resid[row] = resid;
-            }
-            if (colsum != nullptr) colsum[j] = r == 0 ? dz : colsum[j] + dz;
-          }
-          const int64_t j = tile_col(c0, i * kVec);
-          if (out_aligned && j + kVec <= p.v) {
-            *reinterpret_cast<Pack<T>*>(out + j) = hi;
+        for (int e = 0; e < kPerThread; ++e) {
+          if constexpr (kGeneral) {
+            const int j = local_col(e);
+            const float zj = kFull || j < left
+                                 ? logit_of(x[e], p.bias, c0 + j, p.softcap, p.temperature)
+                                 : 0.f;
+            g[e] = logit_grad(rg, zj) * logit_transform_grad(zj, p.softcap, p.temperature);
           } else {
-            for (int k = 0; k < kVec && j + k < p.v; ++k) out[j + k] = hi.v[k];
+            g[e] = logit_grad_plain(rg, x[e]);
           }
         }
-      }
+        const int slot = target_slot(tcol, c0);
+        float resid = 0.f;
+        if (slot >= 0) {  // the target's whole gradient, its owner only
+#pragma unroll
+          for (int e = 0; e < kPerThread; ++e) {
+            if (e == slot) {
+              float chain = 1.f;
+              if constexpr (kGeneral) {
+                chain = logit_transform_grad(
+                    logit_of(x[e], p.bias, c0 + local_col(e), p.softcap, p.temperature),
+                    p.softcap, p.temperature);
+              }
+              g[e] = rg.dz_t * chain;
+              if constexpr (sizeof(T) == 2) resid = g[e] - to_float<T>(from_float<T>(g[e]));
+            }
+          }
+          if (kExtras && sizeof(T) == 2 && p.target_resid != nullptr) p.target_resid[row] = resid;
+        }
+        T* o = out + c0;
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) {
+          const int j = local_col(i * kVec);
+          Pack<T> hi;
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) hi.v[k] = from_float<T>(g[i * kVec + k]);
+          if (kFull || j + kVec <= left) {
+            if (kFull || aligned) {
+              *reinterpret_cast<Pack<T>*>(o + j) = hi;
+            } else {
+#pragma unroll
+              for (int k = 0; k < kVec; ++k) o[j + k] = hi.v[k];
+            }
+          } else {
+            for (int k = 0; k < kVec && j + k < left; ++k) o[j + k] = hi.v[k];
+          }
+          if constexpr (kExtras) {
+            for (int k = 0; k < kVec && (kFull || j + k < left); ++k) {
+              const int64_t col = c0 + j + k;
+              const float dz = g[i * kVec + k];
+              // (an fp32 tile is exact: nothing to keep)
+              if (sizeof(T) == 2 && lo != nullptr) {
+                lo[col] = from_float<T>(dz - to_float<T>(hi.v[k]));
+              }
+              if (colsum != nullptr) colsum[col] = r == 0 ? dz : colsum[col] + dz;
+            }
+          }
+        }
+      });
     }
   }
 }
@@ -325,37 +441,124 @@ cudaError_t scale_grad_to(T* out, const void* x, DType x_dtype, int slices, int6
 
 }  // namespace
 
-cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
-  if (p.n == 0) return cudaSuccess;
-  if (p.splits < 1 || p.splits > 65535) return cudaErrorInvalidValue;
-  auto launch = [&](auto tin) {
+namespace {
+
+int elt_bytes(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16 ? 2 : 4; }
+
+// The row_stats_kernel instance of these parameters: fn(kernel pointer's template).
+template <typename F>
+void with_stats_kernel(const RowStatsParams& p, F&& fn) {
+  const bool transform = p.bias != nullptr || p.softcap > 0.f || p.temperature != 1.f;
+  auto pick = [&](auto tin) {
     using TIn = decltype(tin);
-    BOOL_SWITCH(p.need_sum, kSum, [&] {
-      BOOL_SWITCH(p.need_u, kU, [&] {
-        launch_kernel<row_stats_kernel<TIn, kSum, kU>>(dim3(grid_rows(p.n), p.splits),
-                                                       dim3(kThreads), kWarps * sizeof(RowPartial),
-                                                       stream, p);
+    BOOL_SWITCH(transform, kTransform, [&] {
+      BOOL_SWITCH(p.need_sum, kSum, [&] {
+        BOOL_SWITCH(p.need_u, kU, [&] { fn.template operator()<row_stats_kernel<TIn, kTransform, kSum, kU>>(); });
       });
     });
   };
   switch (p.logits_dtype) {
     case DType::kFloat32:
     case DType::kFloat32Tf32:
-      launch(float{});
+      pick(float{});
       break;
     case DType::kBFloat16:
-      launch(__nv_bfloat16{});
+      pick(__nv_bfloat16{});
       break;
     case DType::kFloat16:
-      launch(__half{});
+      pick(__half{});
       break;
   }
-  return cudaGetLastError();
 }
 
-namespace {
-int elt_bytes(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16 ? 2 : 4; }
+// The row_grad_kernel instance of these parameters (gradient type `dtype`); false when that
+// pair of logits and gradient types has none.
+template <typename F>
+bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
+  const bool general = p.bias != nullptr || p.softcap > 0.f || p.temperature != 1.f ||
+                       p.entropy;
+  const bool extras = p.grad_lo != nullptr || p.col_partials != nullptr ||
+                      p.target_resid != nullptr;
+  auto pick = [&](auto tin, auto tout) {
+    using TIn = decltype(tin);
+    using T = decltype(tout);
+    BOOL_SWITCH(general, kGeneral, [&] {
+      BOOL_SWITCH(extras, kExtras, [&] { fn.template operator()<row_grad_kernel<TIn, T, kGeneral, kExtras>>(); });
+    });
+  };
+  const bool f32_in = p.logits_dtype == DType::kFloat32 || p.logits_dtype == DType::kFloat32Tf32;
+  if (!f32_in && dtype != p.logits_dtype) return false;
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kFloat32Tf32:
+      pick(float{}, float{});
+      break;
+    case DType::kBFloat16:
+      if (f32_in) {
+        pick(float{}, __nv_bfloat16{});
+      } else {
+        pick(__nv_bfloat16{}, __nv_bfloat16{});
+      }
+      break;
+    case DType::kFloat16:
+      if (f32_in) {
+        pick(float{}, __half{});
+      } else {
+        pick(__half{}, __half{});
+      }
+      break;
+  }
+  return true;
+}
+
+// CTAs per split for `ctas` row CTAs on the device: at least two waves of the resident CTAs
+// (per_sm from the occupancy of the kernel instance), at most one split per tile, and among
+// those the count whose last wave is fullest (a short last wave idles the rest of the GPU).
+int splits_for(int64_t ctas, int64_t v, int per_sm, int sm_count) {
+  const int64_t tiles = std::max<int64_t>((v + kTile - 1) / kTile, 1);
+  const int64_t slots = static_cast<int64_t>(std::max(per_sm, 1)) * std::max(sm_count, 1);
+  ctas = std::max<int64_t>(ctas, 1);
+  const int64_t lo = std::min<int64_t>(std::max<int64_t>((2 * slots + ctas - 1) / ctas, 1), tiles);
+  int64_t best = lo;
+  double best_fill = -1;
+  for (int64_t s = lo; s <= std::min<int64_t>(tiles, 2 * lo); ++s) {
+    const int64_t total = ctas * s;
+    const double fill = static_cast<double>(total) /
+                        static_cast<double>((total + slots - 1) / slots * slots);
+    if (fill > best_fill + 1e-9) {
+      best = s;
+      best_fill = fill;
+    }
+  }
+  return static_cast<int>(std::min<int64_t>(best, 65535));
+}
+
 }  // namespace
+
+int row_stats_splits(const RowStatsParams& p, int sm_count) {
+  int per_sm = 1;
+  with_stats_kernel(p, [&]<auto kKernel>() {
+    per_sm = max_active_ctas<kKernel>(kThreads, kWarps * sizeof(RowPartial));
+  });
+  return splits_for(p.n, p.v, per_sm, sm_count);
+}
+
+int row_grad_splits(const RowGradParams& p, DType dtype, int sm_count) {
+  int per_sm = 1;
+  with_grad_kernel(p, dtype, [&]<auto kKernel>() { per_sm = max_active_ctas<kKernel>(kThreads, 0); });
+  return splits_for((p.n + std::max(p.rows_per_cta, 1) - 1) / std::max(p.rows_per_cta, 1), p.v,
+                    per_sm, sm_count);
+}
+
+cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  if (p.splits < 1 || p.splits > 65535) return cudaErrorInvalidValue;
+  with_stats_kernel(p, [&]<auto kKernel>() {
+    launch_kernel<kKernel>(dim3(grid_rows(p.n), p.splits), dim3(kThreads),
+                           kWarps * sizeof(RowPartial), stream, p);
+  });
+  return cudaGetLastError();
+}
 
 cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
@@ -368,30 +571,10 @@ cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t st
     return cudaErrorInvalidValue;
   }
   const dim3 grid(grid_rows((p.n + p.rows_per_cta - 1) / p.rows_per_cta), p.col_splits);
-  const bool f32_in = p.logits_dtype == DType::kFloat32 || p.logits_dtype == DType::kFloat32Tf32;
-  if (!f32_in && dtype != p.logits_dtype) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kFloat32:
-    case DType::kFloat32Tf32:
-      launch_kernel<row_grad_kernel<float, float>>(grid, dim3(kThreads), 0, stream, p);
-      break;
-    case DType::kBFloat16:
-      if (f32_in) {
-        launch_kernel<row_grad_kernel<float, __nv_bfloat16>>(grid, dim3(kThreads), 0, stream, p);
-      } else {
-        launch_kernel<row_grad_kernel<__nv_bfloat16, __nv_bfloat16>>(grid, dim3(kThreads), 0,
-                                                                      stream, p);
-      }
-      break;
-    case DType::kFloat16:
-      if (f32_in) {
-        launch_kernel<row_grad_kernel<float, __half>>(grid, dim3(kThreads), 0, stream, p);
-      } else {
-        launch_kernel<row_grad_kernel<__half, __half>>(grid, dim3(kThreads), 0, stream, p);
-      }
-      break;
-  }
-  return cudaGetLastError();
+  const bool ok = with_grad_kernel(p, dtype, [&]<auto kKernel>() {
+    launch_kernel<kKernel>(grid, dim3(kThreads), 0, stream, p);
+  });
+  return ok ? cudaGetLastError() : cudaErrorInvalidValue;
 }
 
 cudaError_t launch_target_rows(const TargetRowsParams& p, DType dtype, cudaStream_t stream) {

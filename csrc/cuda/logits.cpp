@@ -64,7 +64,7 @@ at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
   rs.ignore_index = ignore_index;
   rs.need_sum = with_sum;
   rs.need_u = with_entropy;
-  rs.splits = row_col_splits(n, v);
+  rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
   at::Tensor merged = dev::empty({n, cuda::kPartialCols}, f32);
   at::Tensor parts =
       rs.splits > 1 ? dev::empty({rs.splits, n, cuda::kPartialCols}, f32) : merged;
@@ -127,8 +127,9 @@ void logits_grad(const at::Tensor& grad_loss, const std::optional<at::Tensor>& g
   rg.grad = out.data_ptr();
   rg.grad_ld = row_stride(out);
   rg.rows_per_cta = 1;
+  rg.entropy = grad_entropy.has_value();
   // In place, the gradient has the logits' width: each thread rewrites the columns it read.
-  rg.col_splits = row_col_splits(n, v);
+  rg.col_splits = cuda::row_grad_splits(rg, dtype, static_cast<int>(dev::sm_count()));
   check_launch(cuda::launch_row_grad(rg, dtype, dev::stream()), "row_grad");
 }
 

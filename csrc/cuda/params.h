@@ -74,7 +74,7 @@ struct RowCoefParams {
   float label_smoothing, z_loss, softcap;
   float temperature = 1.f;  // the stored dz carries its 1/T (bound only; the coef do not)
   int64_t vocab_size;
-  float* coef;   // [n, 8] = RowGrad (ref, a, u, dz_t), (div, h, k, 0)
+  float* coef;   // [n, 8] = RowGrad (ref, a, u, dz_t), (div, h, k, rdiv)
   float* bound;  // [n] >= max_j |dz_j| of the row, chain rule (softcap', 1/T) included
 };
 cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream);
@@ -185,6 +185,10 @@ struct RowStatsParams {
   int splits = 1;
 };
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
+// Column splits for launch_row_stats at these parameters (splits ignored) on a device of
+// sm_count SMs: at least two waves of the kernel instance's resident CTAs (the occupancy API;
+// the host emulation assumes 2 per SM), at most one per tile, the last wave as full as can be.
+int row_stats_splits(const RowStatsParams& p, int sm_count);
 
 struct RowGradParams {
   // [n, v] raw logits as for RowStatsParams (row stride ld elements of logits_dtype);
@@ -199,6 +203,9 @@ struct RowGradParams {
   int64_t target_stride;
   int64_t col_offset, ignore_index;
   const float* coef;    // [n, 8] from launch_row_coef
+  // The coefficients may hold the entropy's term (row_coef had a grad_entropy): false lets the
+  // kernel skip it (a row's h is 0 without it).
+  bool entropy = true;
   // dz in the compute dtype (launch_row_grad's dtype; with 16-bit logits, theirs), row r at
   // grad + r * grad_ld (elements of that dtype). It may alias the logits (grad = logits,
   // grad_ld = ld * sizeof(logit) / sizeof(T)): each row is rewritten tile by tile, every
@@ -219,6 +226,8 @@ struct RowGradParams {
 // dtype: the gradient's; fp32 logits give an fp32, bf16 or fp16 gradient, 16-bit logits one in
 // their own dtype (anything else: cudaErrorInvalidValue).
 cudaError_t launch_row_grad(const RowGradParams& p, DType dtype, cudaStream_t stream);
+// Column splits for launch_row_grad, as row_stats_splits (col_splits ignored).
+int row_grad_splits(const RowGradParams& p, DType dtype, int sm_count);
 
 // out[t - col_offset] += (sum over the rows with target t, in row order) of resid[row] *
 // inv_scale * x[row], for the targets t in [col_offset, col_offset + rows): the part of the

@@ -208,9 +208,10 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   at::Tensor group = dev::empty({G * gld}, input.options());
   at::Tensor group_lo = split ? dev::empty({G * v}, input.options()) : at::Tensor();
   at::Tensor scratch = plan.in_place ? at::Tensor() : dev::empty({S * ld}, f32);
-  // Column splits of the row kernels (a sub-chunk's rows alone are a few hundred CTAs).
-  auto col_splits = [&](int64_t ctas) { return row_col_splits(ctas, v); };
-  at::Tensor split_partials = dev::empty({col_splits(1) * S * cuda::kPartialCols}, f32);
+  // Column splits of the row kernels (a sub-chunk's rows alone are a few hundred CTAs): at most
+  // one per 4096-column tile of a row.
+  const int64_t max_splits = std::max<int64_t>(ceil_div(v, cuda::kRowTileCols), 1);
+  at::Tensor split_partials = dev::empty({max_splits * S * cuda::kPartialCols}, f32);
   at::Tensor partials = dev::empty({S, cuda::kPartialCols}, f32), lse = dev::empty({S}, f32),
              stats = dev::empty({S, cuda::kStatsCols}, f32), coef = dev::empty({S, 8}, f32),
              bound = dev::empty({S}, f32);
@@ -281,7 +282,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rs.ignore_index = ignore_index;
       rs.need_sum = label_smoothing != 0.0;
       rs.need_u = false;  // the single pass returns no entropy
-      rs.splits = col_splits(sn);
+      rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
       rs.partials = rs.splits > 1 ? split_partials.data_ptr<float>() : partials.data_ptr<float>();
       check_launch(cuda::launch_row_stats(rs, stream), "row_stats");
       if (rs.splits > 1) {
@@ -319,7 +320,8 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rg.col_partials = need_b && v > 0 ? col_partials.data_ptr<float>() : nullptr;
       rg.rows_per_cta = rg.col_partials != nullptr ? kBiasRows : 1;
       // (a 16-bit tile never aliases the logits here: in place is fp32 only)
-      rg.col_splits = col_splits(ceil_div(sn, rg.rows_per_cta));
+      rg.entropy = false;  // the single pass returns no entropy
+      rg.col_splits = cuda::row_grad_splits(rg, dtype, static_cast<int>(dev::sm_count()));
       check_launch(cuda::launch_row_grad(rg, dtype, stream), "row_grad");
       if (need_b) {
         check_launch(cuda::launch_column_sum(col_partials.data_ptr<float>(),

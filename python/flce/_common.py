@@ -6,6 +6,7 @@ on given logits) import from here; nothing here imports them.
 """
 import math
 import numbers
+import os
 
 import torch
 import torch.autograd.forward_ad as _fwad
@@ -163,23 +164,77 @@ def needs_composite(*tensors):
     return False
 
 
-def single_pass(requested, reduction, per_token, x):
+# The CPU single pass's row-block logits are at most this many bytes (flce_cpu.cpp
+# kFusedWorkspaceBytes), in tiles of 2048 columns (+16) for at most 512 rows (FUSED_BLOCK_N).
+CPU_FUSED_WORKSPACE = 72 << 20
+CPU_FUSED_ROWS, CPU_WIDE_TILE = 512, 2048
+
+
+_THREADS = [torch.get_num_threads()]
+
+
+def _threads():
+    # torch.get_num_threads() would break a torch.compile graph: a compiled call sees the count
+    # of the last eager call (or of the import).
+    if not torch.compiler.is_compiling():
+        _THREADS[0] = torch.get_num_threads()
+    return _THREADS[0]
+
+
+def cpu_single_pass_bytes(n, v, d, dtype, threads=None):
+    """The CPU single pass's memory beyond the gradients (docs/cpu-backend.md): the gradients
+    in fp32 from the forward to the backward (scale_grad then writes the gradients beside
+    them), dW's bf16 compensation, a block of rows' logits and, for 16-bit inputs, the weight
+    tiles packed for two GEMMs (onednn; an upper bound on the blas path).
+    tests/test_cpu_memory.py holds the measured growth to it."""
+    t = threads or _threads()
+    tiles = -(-v // CPU_WIDE_TILE)
+    logits = min(CPU_FUSED_WORKSPACE, CPU_FUSED_ROWS * (tiles + t) * (CPU_WIDE_TILE + 16) * 4)
+    packed = 4 * v * d if dtype != torch.float32 else 0
+    return (n + v) * d * 4 + v * d * 2 + logits + packed
+
+
+def cpu_memory_budget(n, v):
+    """The memory the CPU's default training path may hold beyond the gradients:
+    FLCE_CPU_MEMORY_MB when set, else half an fp32 [N, V] buffer (eager holds about three of
+    them: the logits, their fp32 copy or log-softmax, and their gradient)."""
+    mb = os.environ.get("FLCE_CPU_MEMORY_MB", "")
+    if mb:
+        try:
+            value = float(mb)
+        except ValueError:
+            value = -1.0
+        if not value >= 0:
+            raise ValueError(f"flce: FLCE_CPU_MEMORY_MB must be a number of MB >= 0, got {mb!r}")
+        return value * 2 ** 20
+    return 2 * n * v
+
+
+def single_pass(requested, reduction, per_token, x, weight=None):
     """Whether the loss and its gradients come from the single pass (flce::sum_and_grad);
-    per_token: lse or entropy outputs are asked for (the single pass returns the loss alone)."""
+    per_token: lse or entropy outputs are asked for (the single pass returns the loss alone).
+    The default rule, for every backend, is here and nowhere else."""
     if requested is None:
         # fp16 stays on the recompute path: its gradient tile needs a scale that depends on
-        # every row's statistics, which the single pass has only row chunk by row chunk. On the
-        # CPU, fp32 does too: the single pass holds dW's Kahan compensation for the whole
-        # vocabulary and a row block's logits, ~3x chunked torch's memory where the recompute
-        # path stays at it (docs/cpu-backend.md). bf16's memory stays below chunked's either
-        # way, and the single pass saves a logit GEMM, except where bf16 GEMMs run on AMX: there
-        # that GEMM is cheap, and the single pass's streaming of dW's accumulators costs more
-        # (1.15 s against 0.88 s on a 2-core Xeon, docs/benchmarks.md).
+        # every row's statistics, which the single pass has only row chunk by row chunk.
         if reduction == "none" or per_token or x.dtype == torch.float16:
             return False
         if _ops.is_cuda_backend(x):
             return True
-        return x.dtype == torch.bfloat16 and not _ops.CPU_BF16_AMX
+        # The CPU: the fastest exact path within a memory budget (docs/cpu-backend.md). The
+        # single pass saves the recompute's logit GEMM (fp32 at N=4096, V=32768, D=512 on a
+        # 2-core Xeon: 2.05 s against 2.64 s) but holds dW's compensation and the gradients in
+        # fp32 for all of V, O(V D) memory where the recompute path's is O(min(N, V) D): it
+        # is the default while that stays within cpu_memory_budget. Where bf16 GEMMs run on
+        # AMX the logit GEMM is cheap and the single pass's streaming of dW's accumulators
+        # costs more (1.40 s against 1.03 s there): bf16 keeps the recompute path.
+        if x.dtype == torch.bfloat16 and _ops.CPU_BF16_AMX:
+            return False
+        if weight is None:
+            return False
+        n, d = x.shape
+        v = weight.shape[0]
+        return cpu_single_pass_bytes(n, v, d, x.dtype) <= cpu_memory_budget(n, v)
     if requested not in (True, False):
         raise TypeError(f"flce: single_pass must be None, True or False, got {requested!r}")
     if requested and (reduction == "none" or per_token):

@@ -54,11 +54,14 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         single_pass: compute the gradients in the forward pass (3 GEMMs instead of 4: no
             recompute of the logits in the backward), which then only scales them by the
             upstream gradient. ``None`` (default): on for training (gradients needed,
-            reduction ``"mean"``/``"sum"``, no ``return_lse``/``return_entropy``) with bf16
-            inputs, and with fp32 inputs on CUDA; off otherwise. On the CPU with fp32 inputs
-            it is ~1.2x faster for ~2.7x the memory of the default (docs/cpu-backend.md).
-            ``True``/``False`` force it on either backend (``True`` needs reduction
-            ``"mean"``/``"sum"`` and neither ``return_lse`` nor ``return_entropy``).
+            reduction ``"mean"``/``"sum"``, no ``return_lse``/``return_entropy``) on CUDA for
+            bf16 and fp32; on the CPU for fp32 and bf16 while its memory (O(V D): dW's
+            compensation and the fp32 gradients) stays within ``FLCE_CPU_MEMORY_MB``, by default
+            half an fp32 ``[N, V]`` buffer, except bf16 where its GEMMs run on AMX (the
+            recompute path is faster there); off for fp16 and otherwise
+            (docs/cpu-backend.md). ``True``/``False`` force it on either backend (``True``
+            needs reduction ``"mean"``/``"sum"`` and neither ``return_lse`` nor
+            ``return_entropy``).
 
     Returns:
         The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
@@ -103,7 +106,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     args = (x, weight, t, bias) + opts.op_args()
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
     per_token = return_lse or return_entropy
-    if _common.single_pass(single_pass, reduction, per_token, x) and any(mask) and \
+    if _common.single_pass(single_pass, reduction, per_token, x, weight) and any(mask) and \
             torch.is_grad_enabled():
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",

@@ -102,10 +102,20 @@ MUTATIONS = [
     # of each pair swapped, as a misread packed bf16x2 / half2 would: both row kernels' loads.
     dict(name="logits16_pack_order_swapped",
          file=ROWS, config="plain", test="logits16_rows", expect=NUMERIC,
-         original="      for (int k = 0; k < kVec; ++k) x[i * kVec + k] = to_float<TIn>(q.v[k]);\n",
-         replacement="      for (int k = 0; k < kVec; ++k) {\n"
-                     "        x[i * kVec + k] = to_float<TIn>(q.v[sizeof(TIn) == 2 ? k ^ 1 : k]);\n"
-                     "      }\n"),
+         original="    for (int k = 0; k < kVec; ++k) x[i * kVec + k] = to_float<TIn>(t.q[i].v[k]);\n",
+         replacement="    for (int k = 0; k < kVec; ++k) {\n"
+                     "      x[i * kVec + k] = to_float<TIn>(t.q[i].v[sizeof(TIn) == 2 ? k ^ 1 : k]);\n"
+                     "    }\n"),
+    # The whole-tile loop's prefetch reads the current tile again instead of the next one.
+    dict(name="row_prefetch_wrong_tile",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="      if (c0 + 2 * kTile <= cols.end) load_full(z + c0 + kTile, next);\n",
+         replacement="      if (c0 + 2 * kTile <= cols.end) load_full(z + c0, next);\n"),
+    # The target located in the wrong thread's columns (its group index taken as the thread).
+    dict(name="target_slot_wrong_owner",
+         file=ROWS, config="plain", test="logits16_rows", expect=NUMERIC,
+         original="  return group % kThreads == static_cast<int>(threadIdx.x) ? (group / kThreads) * kVec + r % kVec\n",
+         replacement="  return group / kThreads == static_cast<int>(threadIdx.x) ? (group / kThreads) * kVec + r % kVec\n"),
     # The entropy's sum u of the tiles lost (u = 0): H_x = log s alone.
     dict(name="entropy_sum_dropped_in_fold_tile",
          file=STATS, config="plain", test="bf16_tiles", expect=r"entropy: \d+ of \d+ elements out of bounds",

@@ -744,7 +744,7 @@ void row_coef_and_check(const Problem& p, DeviceBuffer<int64_t>& target, Upstrea
       const float* st = stats.data() + i * kStats;
       const flce::RowGrad rg =
           flce::row_grad(flce::OnlineLse{st[0], st[1], st[3]}, st[2], p.ignored(i), g, gl, opt, gh);
-      const float want[8] = {rg.ref, rg.a, rg.u, rg.dz_t, rg.div, rg.h, rg.k, 0.f};
+      const float want[8] = {rg.ref, rg.a, rg.u, rg.dz_t, rg.div, rg.h, rg.k, rg.rdiv};
       for (int k = 0; k < 8; ++k) {
         t.check(std::memcmp(&coef[8 * i + k], &want[k], 4) == 0, "row %lld coef[%d] %g vs %g",
                 static_cast<long long>(i), k, coef[8 * i + k], want[k]);
@@ -1263,7 +1263,10 @@ void run_single_pass(const Case& c) {
     gp.grad_ld = grad_ld;
     gp.grad_lo = c.master ? glo.data() : nullptr;
     gp.grad_lo_ld = vr;
-    gp.target_resid = sixteen ? resid.data() : nullptr;
+    // (the binding gives no residual for a caller's logits: the lean kernel instance)
+    const bool with_resid = sixteen && !c.logits16;
+    gp.target_resid = with_resid ? resid.data() : nullptr;
+    gp.entropy = c.grad_ent;
     gp.col_partials = c.bias ? colp.data() : nullptr;
     gp.rows_per_cta = rows_per_cta;
     // Same-width logits may be split over columns in place (each thread rewrites what it read).
@@ -1291,7 +1294,7 @@ void run_single_pass(const Case& c) {
                   "row %lld col %lld: hi + lo", static_cast<long long>(i), static_cast<long long>(lo + j));
         }
       }
-      if (!sixteen) continue;
+      if (!with_resid) continue;
       const bool here = p.valid_target(i) && p.t(i) >= lo && p.t(i) < lo + vr;
       if (!here) {
         t.check(resid[i] == 0.f, "row %lld: target_resid %g without the target", static_cast<long long>(i), resid[i]);
@@ -1314,7 +1317,7 @@ void run_single_pass(const Case& c) {
                 static_cast<long long>(b), static_cast<long long>(lo + j), colp[b * vr + j], ref);
       }
     }
-    if (!sixteen) continue;
+    if (!with_resid) continue;
     // target_fix without compensation: sum += resid * W[t] in fp32, once, for the shard's rows.
     std::vector<float> before(n * d);
     for (float& x : before) x = check::normal();
