@@ -112,6 +112,34 @@ print('training steps without a host sync: ok')"
   step bench 170 "$PY" benchmarks/gpu_bench.py --out "$LOGS" --compile \
     --record "$OUT/gpu_records.jsonl" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"}
   [[ -f "$LOGS/table.txt" ]] && cp "$LOGS/table.txt" "$OUT/table.txt"
+  # The cost of fp32 gradients in float64 (FLCE_CUDA_FP32_GRAD=fp64, issue 27) against the SGEMM
+  # path, same run, and its accuracy at N = 65536 (the fp32 tests' shape).
+  step fp32_grad 60 "$PY" -c "
+import os, time, torch, flce
+def step(x, w, t):
+    x.grad = w.grad = None
+    flce.linear_cross_entropy(x, w, t).backward()
+def timed(x, w, t):
+    for _ in range(2): step(x, w, t)
+    torch.cuda.synchronize(); ts = []
+    for _ in range(5):
+        a = time.perf_counter(); step(x, w, t); torch.cuda.synchronize(); ts.append(time.perf_counter() - a)
+    return 1e3 * sorted(ts)[2]
+g = torch.Generator().manual_seed(0)
+for n, v, d in ((16384, 32768, 1024), (4096, 128256, 4096)):
+    x = (torch.randn(n, d, generator=g) / d ** 0.25).cuda().requires_grad_()
+    w = (torch.randn(v, d, generator=g) / d ** 0.25).cuda().requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).cuda()
+    out = {}
+    for mode in ('fp32', 'fp64'):
+        os.environ['FLCE_CUDA_FP32_GRAD'] = mode
+        out[mode] = timed(x, w, t)
+    print(f'fp32 single pass N={n} V={v} D={d}: SGEMM grads {out[\"fp32\"]:.2f} ms, '
+          f'fp64 grads {out[\"fp64\"]:.2f} ms ({out[\"fp64\"] / out[\"fp32\"]:.2f}x)')
+    del x, w, t; torch.cuda.empty_cache()
+"
+  step fp32_accuracy 90 env FLCE_CUDA_FP32_GRAD=fp64 "$PY" -m pytest -q -rfE \
+    tests/test_accuracy.py -k "long_sequence and cuda-fp32"
   # Cross-entropy on given logits (flce.cross_entropy) against eager / compiled / Liger and the
   # bytes' floor: the seed's TorchTitan shapes (one rank of TP = 2, and TP = 1).
   step bench_ce 90 "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128,16384x128256 \

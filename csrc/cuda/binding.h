@@ -90,6 +90,15 @@ int64_t workspace_bytes();
 // out [m, k] fp32 (or the compute dtype) = a [m, j] @ b [j, k] with fp32 accumulation.
 void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float beta = 0.f);
 
+// FLCE_CUDA_FP32_GRAD=fp64 (read at every call): fp32 inputs' gradient GEMMs in float64, the
+// products exact and the sums over rows and vocabulary in double, rounded once (opt-in: not yet
+// run on a GPU). Default fp32: cuBLAS SGEMMs, compensated across chunks and groups.
+bool fp32_grads_in_fp64();
+// out64 [m, n] float64 = a [m, k] @ b [k, n] (+ out64 when accumulate) for fp32 a and b (any
+// strides), in float64: pieces of `piece` along k widened to double, DGEMMs adding in double.
+void gemm_f64(const at::Tensor& out64, const at::Tensor& a, const at::Tensor& b, bool accumulate,
+              int64_t piece = 2048);
+
 // dE rows (sum, comp) += the 16-bit tile's target residuals times weight[target] (target_fix).
 void launch_fix(const at::Tensor& w, int64_t n, int64_t vc, int64_t d, const at::Tensor& target,
                 int64_t col_offset, int64_t ignore_index, const at::Tensor& resid,

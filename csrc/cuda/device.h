@@ -51,7 +51,8 @@ at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& opts);
 // any strides (copied when neither is 1); c [m, n] fp32 (or the compute dtype) with unit column
 // stride. fp32 accumulation. beta = 0 never reads c. On CUDA: cublasGemmEx (torch's at::mm has
 // no form that accumulates 16-bit products into an fp32 c); fp32 operands follow torch's float32
-// matmul precision (TF32 unless "highest"). On the host: at::addmm in fp32.
+// matmul precision (TF32 unless "highest"). On the host: at::mm in fp32. float64 a, b and c:
+// float64 throughout (cuBLAS's DGEMM; the fp64 gradient GEMMs of fp32 inputs).
 void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float alpha, float beta);
 
 // A small host-visible copy of a device tensor whose value is read later without a sync: on CUDA

@@ -44,6 +44,8 @@ cudaDataType_t cuda_type(at::ScalarType t) {
       return CUDA_R_16BF;
     case at::kHalf:
       return CUDA_R_16F;
+    case at::kDouble:
+      return CUDA_R_64F;
     default:
       TORCH_CHECK(false, "flce: no cuBLAS type for ", t);
   }
@@ -100,7 +102,12 @@ void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float a
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
   // fp32 accumulation, with the reduced-precision reductions of 16-bit GEMMs disallowed (they
   // would round partial sums to 16 bits); fp32 operands follow torch's float32 matmul precision.
-  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  // float64 operands (the fp64 gradient GEMMs of fp32 inputs): double accumulation, a double
+  // result, alpha and beta as doubles.
+  const bool f64 = a.scalar_type() == at::kDouble;
+  TORCH_CHECK(!f64 || c.scalar_type() == at::kDouble, "flce: a float64 gemm writes float64");
+  const double alpha64 = alpha, beta64 = beta;
+  cublasComputeType_t compute = f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
   if (a.scalar_type() == at::kFloat &&
       at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST) {
     compute = CUBLAS_COMPUTE_32F_FAST_TF32;
@@ -111,9 +118,10 @@ void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float a
       handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
                                         CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   const cublasStatus_t st = cublasGemmEx_64(
-      handle, cb.op, ca.op, n, m, k, &alpha, cb.ptr, cuda_type(b.scalar_type()), cb.ld, ca.ptr,
-      cuda_type(a.scalar_type()), ca.ld, &beta, c.data_ptr(), cuda_type(c.scalar_type()), ldc,
-      compute, CUBLAS_GEMM_DEFAULT);
+      handle, cb.op, ca.op, n, m, k, f64 ? static_cast<const void*>(&alpha64) : &alpha, cb.ptr,
+      cuda_type(b.scalar_type()), cb.ld, ca.ptr, cuda_type(a.scalar_type()), ca.ld,
+      f64 ? static_cast<const void*>(&beta64) : &beta, c.data_ptr(), cuda_type(c.scalar_type()),
+      ldc, compute, CUBLAS_GEMM_DEFAULT);
   cublasSetMathMode(handle, previous);
   TORCH_CUDABLAS_CHECK(st);
 }

@@ -393,6 +393,26 @@ void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, 
   dev::gemm(out, a, b, 1.f, beta);
 }
 
+bool fp32_grads_in_fp64() {
+  const char* s = std::getenv("FLCE_CUDA_FP32_GRAD");
+  if (s == nullptr || *s == '\0' || std::strcmp(s, "fp32") == 0) return false;
+  TORCH_CHECK_VALUE(std::strcmp(s, "fp64") == 0,
+                    "flce: FLCE_CUDA_FP32_GRAD must be fp32 or fp64, got '", s, "'");
+  return true;
+}
+
+void gemm_f64(const at::Tensor& out64, const at::Tensor& a, const at::Tensor& b, bool accumulate,
+              int64_t piece) {
+  const int64_t k = a.size(1);
+  if (k == 0 && !accumulate) out64.zero_();
+  for (int64_t k0 = 0; k0 < k; k0 += piece) {
+    const int64_t kc = std::min(piece, k - k0);
+    const at::Tensor a64 = a.narrow(1, k0, kc).to(at::kDouble);
+    const at::Tensor b64 = b.narrow(0, k0, kc).to(at::kDouble);
+    dev::gemm(out64, a64, b64, 1.f, accumulate || k0 > 0 ? 1.f : 0.f);
+  }
+}
+
 // The per-row gradient coefficients (math.h row_grad) from the row statistics.
 void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float* grad_loss,
                  int64_t grad_loss_stride, const float* grad_lse, int64_t grad_lse_stride,
@@ -560,9 +580,19 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   const TargetOrder order = fix_c ? sort_targets(target) : TargetOrder{};
   at::Tensor gb32 = need_b ? dev::empty({v}, f32) : at::Tensor();
 
+  // fp32 with FLCE_CUDA_FP32_GRAD=fp64: dE summed over the chunks in double, each dC row in
+  // double (in pieces of kF64Rows rows), rounded once.
+  const bool f64 = p.compute == at::kFloat && fp32_grads_in_fp64();
+  constexpr int64_t kF64Rows = 4096;
+  at::Tensor sum_e64 = f64 && need_e ? dev::empty({n, d}, input.options().dtype(at::kDouble))
+                                     : at::Tensor();
+  at::Tensor tmp_c64 = f64 && need_c
+                           ? dev::empty({std::min(chunk, kF64Rows), d},
+                                        input.options().dtype(at::kDouble))
+                           : at::Tensor();
   // dE = sum over chunks of dz_chunk @ W_chunk, each chunk's fp32 GEMM result Neumaier-added.
   at::Tensor sum_e, comp_e, tmp_e;
-  if (need_e) {
+  if (need_e && !f64) {
     sum_e = dev::empty({n, d}, f32);
     comp_e = at::zeros({n, d}, f32);
   }
@@ -588,7 +618,9 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
     gp.target_resid = fix_target ? target_resid.data_ptr<float>() : nullptr;
     check_launch(cuda::launch_grad_logits(gp, p.dtype, stream), "grad_logits");
 
-    if (need_e) {
+    if (need_e && f64) {
+      gemm_f64(sum_e64, g, w.narrow(1, 0, d), v0 > 0);
+    } else if (need_e) {
       const at::Tensor w_gemm = w.narrow(1, 0, d);
       if (v0 == 0) {
         // The first chunk is the sum so far (comp_e is zero: exact). With the fp16 scale it is
@@ -610,7 +642,14 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                    sum_e.data_ptr<float>(), comp_e.data_ptr<float>(), p.dtype);
       }
     }
-    if (need_c) {
+    if (need_c && f64) {
+      for (int64_t r0 = 0; r0 < vc; r0 += kF64Rows) {
+        const int64_t rc = std::min(kF64Rows, vc - r0);
+        const at::Tensor t = tmp_c64.narrow(0, 0, rc);
+        gemm_f64(t, g.narrow(1, r0, rc).t(), x_gemm, false);
+        grad_c.narrow(0, v0 + r0, rc).copy_(t);
+      }
+    } else if (need_c) {
       at::Tensor out = grad_c.narrow(0, v0, vc);
       if (split_c) {
         // out (fp32) = (hi^T X + lo^T X) / scale
@@ -637,7 +676,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                    "column_sum");
     }
   }
-  if (need_e) grad_e.copy_(sum_e.add_(comp_e));
+  if (need_e) grad_e.copy_(f64 ? sum_e64 : sum_e.add_(comp_e));
   if (need_b) grad_b.copy_(gb32);
   return {grad_e, grad_c, grad_b};
 }

@@ -237,9 +237,14 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   // over a whole 128k vocabulary would carry its k-loop's rounding; 16-bit inputs round dE to
   // 16 bits anyway).
   const int64_t kPieceCols = env_int("FLCE_CUDA_FP32_PIECE_COLS", 8192);
-  const int64_t pieces = compute == at::kFloat ? ceil_div(v, kPieceCols) : 1;
+  // FLCE_CUDA_FP32_GRAD=fp64: instead, dE and each group's dW in float64 (gemm_f64: the products
+  // exact, the sums in double), rounded once; dW's groups still Kahan-added in fp32.
+  const bool f64 = compute == at::kFloat && fp32_grads_in_fp64();
+  const int64_t pieces = compute == at::kFloat && !f64 ? ceil_div(v, kPieceCols) : 1;
   at::Tensor tmp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
   at::Tensor comp_e = need_e && pieces > 1 ? dev::empty({G, d}, f32) : at::Tensor();
+  const auto f64_opts = input.options().dtype(at::kDouble);
+  at::Tensor e64 = f64 && need_e ? dev::empty({G, d}, f64_opts) : at::Tensor();
   const bool separate_acc = fix_c && G < n;
   // Vocabulary rows of one group's fp32 dW piece (fp32 training across groups): 32 MiB at
   // D = 4096, while the piece's GEMM (2048 x D x G) is still large enough for cuBLAS.
@@ -254,6 +259,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   const bool kahan_dw = need_c && compute == at::kFloat && G < n;
   at::Tensor comp_w = kahan_dw ? at::zeros({v, d}, f32) : at::Tensor();
   at::Tensor tmp_w = kahan_dw ? dev::empty({std::min(v, kDwPiece), d}, f32) : at::Tensor();
+  at::Tensor w64 = f64 && need_c ? dev::empty({std::min(v, kDwPiece), d}, f64_opts) : at::Tensor();
   // x as target_rows reads it: row-major
   const at::Tensor x_rows = fix_c && x.stride(1) != 1 ? x.contiguous() : x;
 
@@ -334,7 +340,11 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       }
     }
     const at::Tensor dz = at::from_blob(group.data_ptr(), {gn, v}, {gld, 1}, input.options());
-    if (need_e) {
+    if (need_e && f64) {
+      const at::Tensor t = e64.narrow(0, 0, gn);
+      gemm_f64(t, dz, w, false);
+      ge[0].narrow(0, g0, gn).copy_(t);
+    } else if (need_e) {
       const at::Tensor out = ge[0].narrow(0, g0, gn);
       if (v == 0) out.zero_();  // an empty vocab-parallel shard adds nothing
       for (int64_t p0 = 0; p0 < v; p0 += kPieceCols) {
@@ -359,7 +369,26 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
                    resid.narrow(0, 0, gn), nullptr, out.data_ptr<float>(), nullptr, dtype);
       }
     }
-    if (need_c) {
+    if (need_c && f64) {
+      // Each vocabulary piece of this group's dW in double, rounded once; the first group is
+      // dW so far, the next ones Kahan-added to it.
+      for (int64_t p0 = 0; p0 < v; p0 += kDwPiece) {
+        const int64_t pc = std::min(kDwPiece, v - p0);
+        const at::Tensor t = w64.narrow(0, 0, pc);
+        gemm_f64(t, dz.narrow(1, p0, pc).t(), xg, false);
+        if (g0 == 0) {
+          acc_w.narrow(0, p0, pc).copy_(t);
+        } else {
+          const at::Tensor t32 = tmp_w.narrow(0, 0, pc);
+          t32.copy_(t);
+          check_launch(cuda::launch_kahan_accumulate(acc_w.narrow(0, p0, pc).data_ptr<float>(),
+                                                     comp_w.narrow(0, p0, pc).data_ptr<float>(),
+                                                     t32.data_ptr<float>(), pc * d, nullptr,
+                                                     stream),
+                       "kahan_accumulate");
+        }
+      }
+    } else if (need_c) {
       const float beta = g0 == 0 ? 0.f : 1.f;
       if (kahan_dw && g0 > 0) {
         for (int64_t p0 = 0; p0 < v; p0 += kDwPiece) {

@@ -46,12 +46,16 @@ void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float a
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "flce: gemm operand dtypes differ");
   if (c.numel() == 0) return;
   // fp32 products and accumulation, rounded once to c's dtype, as cuBLAS with an fp32 compute
-  // type; beta = 0 never reads c (it may hold NaN poison). Outside autocast: under
-  // torch.autocast("cpu") at::mm would run in bf16, where the binding's cuBLAS calls do not.
+  // type (float64 operands: in float64, as cuBLAS's DGEMM); beta = 0 never reads c (it may
+  // hold NaN poison). Outside autocast: under torch.autocast("cpu") at::mm would run in bf16,
+  // where the binding's cuBLAS calls do not.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  at::Tensor r = at::mm(a.to(at::kFloat), b.to(at::kFloat));
+  const at::ScalarType acc = a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(acc != at::kDouble || c.scalar_type() == at::kDouble,
+              "flce: a float64 gemm writes float64");
+  at::Tensor r = at::mm(a.to(acc), b.to(acc));
   if (alpha != 1.f) r.mul_(alpha);
-  if (beta != 0.f) r.add_(c.to(at::kFloat), beta);
+  if (beta != 0.f) r.add_(c.to(acc), beta);
   c.copy_(r);
 }
 
