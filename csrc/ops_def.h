@@ -68,6 +68,9 @@ inline void define_ops(torch::Library& m) {
       "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
   m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");
+  // The same for one slice [1, ...] already in the gradient's dtype, in place: the gradient is
+  // then deferred[0] itself (no second buffer of its size).
+  m.def("scale_grad_(Tensor(a!) deferred, Tensor scale) -> ()");
 
   // Cross-entropy on given logits (flce.cross_entropy, the logits-level vocab-parallel path).
   // logits [N, V_local]: float32, bfloat16 or float16, unit column stride (any row stride), the

@@ -102,3 +102,34 @@ def test_cpu_deferred_gradients_are_fp32_of_the_reduced_loss():
     for g, r in ((gi, xr.grad), (gw, wr.grad), (gb, br.grad)):
         # fp32 of bf16-input products: far below bf16's own rounding
         assert rel_err(g[0], r) <= 1e-5, rel_err(g[0], r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_is_the_deferred_buffer(device, dtype):
+    """A deferred gradient already in its gradient's dtype (fp32 training everywhere; a 16-bit
+    dW on the CUDA backend) is scaled in place: the gradient is that buffer (a view of the
+    [1, ...] tensor sum_and_grad returned), not a second one of its size. A second backward
+    through the same graph then raises instead of scaling twice."""
+    x, w, t, _ = rand_inputs(48, 700, 16, dtype, device, seed=6)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    saved = []  # what the op saves for its backward: the divisor and the deferred gradients
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = flce.linear_cross_entropy(xg, wg, t, reduction="sum", single_pass=True)
+    loss.backward(retain_graph=True)
+    in_place = {"x": dtype == torch.float32,
+                "w": dtype == torch.float32 or flce._ops.is_cuda_backend(x)}
+    deferred = {s_.data_ptr() for s_ in saved if s_.dim() >= 2}
+    for name, leaf in (("x", xg), ("w", wg)):
+        assert (leaf.grad.data_ptr() in deferred) == in_place[name], name
+    ref = x.clone().requires_grad_(), w.clone().requires_grad_()
+    flce.linear_cross_entropy(*ref[:2], t, reduction="sum", single_pass=False).backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(wg.grad, ref[1].grad.double()) < tol
+    if in_place["x"] or in_place["w"]:
+        with pytest.raises(RuntimeError, match="scaled in place.*single_pass=False"):
+            loss.backward()

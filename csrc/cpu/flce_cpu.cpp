@@ -779,6 +779,24 @@ at::Tensor scale_grad_cpu(const at::Tensor& deferred, const at::Tensor& scale,
   return out;
 }
 
+// deferred [1, ...] *= scale in place, in double, rounded once to its dtype.
+void scale_grad_inplace_cpu(const at::Tensor& deferred, const at::Tensor& scale) {
+  TORCH_CHECK_VALUE(deferred.dim() >= 1 && deferred.size(0) == 1 && deferred.is_contiguous(),
+                    "flce: scale_grad_ needs a contiguous deferred gradient [1, ...], got ",
+                    deferred.sizes());
+  const double k = scale.to(at::kDouble).item<double>();
+  const int64_t n = deferred.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, deferred.scalar_type(),
+                                  "flce_scale_grad_", [&] {
+    scalar_t* x = deferred.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        x[i] = static_cast<scalar_t>(static_cast<double>(x[i]) * k);
+      }
+    });
+  });
+}
+
 }  // namespace
 
 namespace cpu {
@@ -833,6 +851,7 @@ TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("backward", &backward_cpu);
   m.impl("sum_and_grad", &sum_and_grad_cpu);
   m.impl("scale_grad", &scale_grad_cpu);
+  m.impl("scale_grad_", &scale_grad_inplace_cpu);
 }
 
 }  // namespace flce

@@ -698,6 +698,20 @@ at::Tensor scale_grad_cuda(const at::Tensor& deferred, const at::Tensor& scale,
   return out;
 }
 
+void scale_grad_inplace_cuda(const at::Tensor& deferred, const at::Tensor& scale) {
+  TORCH_CHECK_VALUE(deferred.dim() >= 1 && deferred.size(0) == 1 && deferred.is_contiguous(),
+                    "flce: scale_grad_ needs a contiguous deferred gradient [1, ...], got ",
+                    deferred.sizes());
+  check_device_tensor(deferred, deferred, "deferred");
+  const dev::Guard guard(deferred);
+  const at::Tensor k = scale.to(deferred.device(), at::kDouble).reshape({1}).contiguous();
+  const DType dt = to_dtype(deferred.scalar_type());
+  // Each element is read and written by one thread, once: the kernel may write over its input.
+  check_launch(cuda::launch_scale_grad(deferred.data_ptr(), dt, deferred.data_ptr(), dt, 1,
+                                       deferred.numel(), k.data_ptr<double>(), dev::stream()),
+               "scale_grad_");
+}
+
 }  // namespace binding
 
 FLCE_CUDA_IMPL(m) {
@@ -706,6 +720,7 @@ FLCE_CUDA_IMPL(m) {
   m.impl("forward", &binding::forward_cuda);
   m.impl("backward", &binding::backward_cuda);
   m.impl("scale_grad", &binding::scale_grad_cuda);
+  m.impl("scale_grad_", &binding::scale_grad_inplace_cuda);
 }
 
 }  // namespace flce

@@ -357,10 +357,11 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
 }
 
 // Packs of kVec elements where every slice allows them (count a multiple of kVec, aligned
-// pointers), then one element per thread for the rest.
+// pointers), then one element per thread for the rest. out may be x (one slice, in place: each
+// element is read and then written by the same thread, once; no __restrict__ on them).
 template <typename T, typename X>
-__global__ void scale_grad_kernel(T* __restrict__ out, const X* __restrict__ x, int slices,
-                                  int64_t count, const double* __restrict__ scale) {
+__global__ void scale_grad_kernel(T* out, const X* x, int slices, int64_t count,
+                                  const double* __restrict__ scale) {
   const double k = *scale;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

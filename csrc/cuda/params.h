@@ -255,7 +255,8 @@ cudaError_t launch_target_rows(const TargetRowsParams& p, DType dtype, cudaStrea
 
 // out[i] = dtype((sum over k < slices of x[k * count + i]) * scale), the slices added and scaled
 // in double and rounded once: the deferred gradients of the single pass -> the gradient.
-// x is fp32 or the output dtype (x_dtype); scale is a device double.
+// x is fp32 or the output dtype (x_dtype); scale is a device double. One slice of the output
+// dtype may be scaled in place (out == x).
 cudaError_t launch_scale_grad(void* out, DType dtype, const void* x, DType x_dtype, int slices,
                               int64_t count, const double* scale, cudaStream_t stream);
 

@@ -182,16 +182,17 @@ def _threads():
 
 
 def cpu_single_pass_bytes(n, v, d, dtype, threads=None):
-    """The CPU single pass's memory beyond the gradients (docs/cpu-backend.md): the gradients
-    in fp32 from the forward to the backward (scale_grad then writes the gradients beside
-    them), dW's bf16 compensation, a block of rows' logits and, for 16-bit inputs, the weight
-    tiles packed for two GEMMs (onednn; an upper bound on the blas path).
-    tests/test_cpu_memory.py holds the measured growth to it."""
+    """The CPU single pass's memory beyond the gradients (docs/cpu-backend.md): dW's bf16
+    compensation, a block of rows' logits and, for 16-bit inputs, the gradients in fp32 from
+    the forward to the backward (scale_grad writes the 16-bit gradients beside them; fp32 ones
+    are scaled in place and are the gradients) and the weight tiles packed for two GEMMs
+    (onednn; an upper bound on the blas path). tests/test_cpu_memory.py holds the measured
+    growth to it."""
     t = threads or _threads()
     tiles = -(-v // CPU_WIDE_TILE)
     logits = min(CPU_FUSED_WORKSPACE, CPU_FUSED_ROWS * (tiles + t) * (CPU_WIDE_TILE + 16) * 4)
-    packed = 4 * v * d if dtype != torch.float32 else 0
-    return (n + v) * d * 4 + v * d * 2 + logits + packed
+    sixteen = (n + v) * d * 4 + 4 * v * d if dtype != torch.float32 else 0
+    return v * d * 2 + logits + sixteen
 
 
 def cpu_memory_budget(n, v):

@@ -145,6 +145,10 @@ def register(namespace, cuda_format):
     def _scale_grad_fake(deferred, scale, dtype):
         return deferred.new_empty(deferred.shape[1:], dtype=dtype)
 
+    @torch.library.register_fake(name("scale_grad_"))
+    def _scale_grad_inplace_fake(deferred, scale):
+        return None
+
     def sum_setup_context(ctx, inputs, output):
         input, weight, target, bias = inputs[:4]
         _, divisor, gi, gw, gb = output
@@ -154,16 +158,33 @@ def register(namespace, cuda_format):
 
     def sum_backward(ctx, grad_loss, *_):
         refuse_double_backward("the single pass (flce::sum_and_grad)", "single_pass=False")
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("flce: the single pass's gradients were scaled in place by the "
+                               "first backward through this graph; a second one "
+                               "(retain_graph=True) needs single_pass=False")
         divisor, *deferred = ctx.saved_tensors
         # The upstream gradient over the divisor, in double: a mean's 1/count is not rounded to
         # fp32. Every token ignored: the mean is NaN (as torch) but the gradients are zero, not
         # 0 * inf.
         scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
         needed = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
-        # An unrequested gradient is [0]; a requested one [k, *shape] even for an empty input
-        # (N = 0), whose gradient is then the empty [0, D], not None.
-        gi, gw, gb = (nsops.scale_grad(p, scale, dt) if need and p.dim() >= 2 else None
-                      for p, dt, need in zip(deferred, ctx.dtypes, needed))
+        grads = []
+        for p, dt, need in zip(deferred, ctx.dtypes, needed):
+            # An unrequested gradient is [0]; a requested one [k, *shape] even for an empty
+            # input (N = 0), whose gradient is then the empty [0, D], not None.
+            if not need or p.dim() < 2:
+                grads.append(None)
+            elif p.shape[0] == 1 and p.dtype == dt and p.is_contiguous() and \
+                    type(p) is torch.Tensor and not torch.compiler.is_compiling():
+                # Already in the gradient's dtype: scaled in place, the gradient is the deferred
+                # buffer itself (no second buffer of dW's size). Not while a compiler traces
+                # the backward (a tensor subclass there): its graph keeps the functional op.
+                nsops.scale_grad_(p, scale)
+                ctx.consumed = True
+                grads.append(p[0])
+            else:
+                grads.append(nsops.scale_grad(p, scale, dt))
+        gi, gw, gb = grads
         return (gi, gw, None, gb) + (None,) * 11
 
     torch.library.register_autograd(name("sum_and_grad"), sum_backward,
