@@ -32,16 +32,6 @@ using BackwardFn = Tensor3(const at::Tensor& grad_loss, const std::optional<at::
                            double softcap, std::array<bool, 3> output_mask,
                            const std::optional<at::Tensor>& grad_entropy, double temperature);
 
-// The cross-entropy-on-logits ops (ops_def.h), as every backend implements them.
-using LogitsBackwardFn = at::Tensor(const at::Tensor& grad_loss,
-                                    const std::optional<at::Tensor>& grad_lse,
-                                    const std::optional<at::Tensor>& grad_entropy,
-                                    const at::Tensor& logits, const at::Tensor& target,
-                                    const at::Tensor& stats, int64_t vocab_start,
-                                    int64_t vocab_size, int64_t ignore_index,
-                                    double label_smoothing, double z_loss, double softcap,
-                                    double temperature);
-
 // Checks shared by all backends. Python validates first with argument names; these keep a
 // direct torch.ops.flce call from reaching a kernel with inconsistent arguments.
 void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,

@@ -34,6 +34,25 @@ void check_logits_device(const at::Tensor& logits, const at::Tensor& target) {
 // Row stride of the logits in elements (any, for one row).
 int64_t row_stride(const at::Tensor& z) { return z.size(0) > 1 ? z.stride(0) : z.size(1); }
 
+// The caller's logits as the row kernels read them (no bias).
+cuda::RowOperands row_operands(const at::Tensor& logits, const at::Tensor& target,
+                               int64_t vocab_start, int64_t ignore_index, double softcap,
+                               double temperature) {
+  cuda::RowOperands r{};
+  r.logits = logits.data_ptr();
+  r.logits_dtype = to_dtype(logits.scalar_type());
+  r.n = logits.size(0);
+  r.v = logits.size(1);
+  r.ld = row_stride(logits);
+  r.softcap = static_cast<float>(softcap);
+  r.temperature = static_cast<float>(temperature);
+  r.target = target.data_ptr<int64_t>();
+  r.target_stride = target.stride(0);
+  r.col_offset = vocab_start;
+  r.ignore_index = ignore_index;
+  return r;
+}
+
 at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
                              int64_t vocab_start, int64_t ignore_index, double softcap,
                              double temperature, bool with_sum, bool with_entropy) {
@@ -51,17 +70,8 @@ at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
     return at::tensor({-inf, 0.f, -inf, 0.f, 0.f}, f32).expand({n, cuda::kPartialCols}).contiguous();
   }
   cuda::RowStatsParams rs{};
-  rs.logits = logits.data_ptr();
-  rs.logits_dtype = to_dtype(logits.scalar_type());
-  rs.n = n;
-  rs.v = v;
-  rs.ld = row_stride(logits);
-  rs.softcap = static_cast<float>(softcap);
-  rs.temperature = static_cast<float>(temperature);
-  rs.target = target.data_ptr<int64_t>();
-  rs.target_stride = target.stride(0);
-  rs.col_offset = vocab_start;
-  rs.ignore_index = ignore_index;
+  static_cast<cuda::RowOperands&>(rs) =
+      row_operands(logits, target, vocab_start, ignore_index, softcap, temperature);
   rs.need_sum = with_sum;
   rs.need_u = with_entropy;
   rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
@@ -112,17 +122,8 @@ void logits_grad(const at::Tensor& grad_loss, const std::optional<at::Tensor>& g
               softcap, temperature, vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
   const DType dtype = to_dtype(logits.scalar_type());
   cuda::RowGradParams rg{};
-  rg.logits = logits.data_ptr();
-  rg.logits_dtype = dtype;
-  rg.n = n;
-  rg.v = v;
-  rg.ld = row_stride(logits);
-  rg.softcap = static_cast<float>(softcap);
-  rg.temperature = static_cast<float>(temperature);
-  rg.target = target.data_ptr<int64_t>();
-  rg.target_stride = target.stride(0);
-  rg.col_offset = vocab_start;
-  rg.ignore_index = ignore_index;
+  static_cast<cuda::RowOperands&>(rg) =
+      row_operands(logits, target, vocab_start, ignore_index, softcap, temperature);
   rg.coef = coef.data_ptr<float>();
   rg.grad = out.data_ptr();
   rg.grad_ld = row_stride(out);

@@ -161,7 +161,8 @@ cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t c
 // Columns of one tile of the row kernels (flce_rows.cu): the unit of their column splits.
 constexpr int64_t kRowTileCols = 4096;
 
-struct RowStatsParams {
+// The logits a row kernel reads, and what it needs of them (both row kernels' parameters).
+struct RowOperands {
   // [n, v] raw logits (x . w from the single pass' GEMM, or a caller's: flce::logits_stats),
   // bias, softcap and temperature not applied, row stride ld elements of logits_dtype (fp32,
   // bf16 or fp16), unit column stride.
@@ -175,6 +176,9 @@ struct RowStatsParams {
   int64_t target_stride;
   int64_t col_offset;   // vocabulary id of column 0
   int64_t ignore_index;
+};
+
+struct RowStatsParams : RowOperands {
   float* partials;      // [splits, n, kPartialCols], contiguous
   bool need_sum = true;  // the logit sum (label smoothing); false: 0 stored
   bool need_u = true;    // the entropy's sum u (return_entropy); false: 0 stored
@@ -190,18 +194,8 @@ cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
 // the host emulation assumes 2 per SM), at most one per tile, the last wave as full as can be.
 int row_stats_splits(const RowStatsParams& p, int sm_count);
 
-struct RowGradParams {
-  // [n, v] raw logits as for RowStatsParams (row stride ld elements of logits_dtype);
-  // overwritten where grad aliases them.
-  const void* logits;
-  DType logits_dtype = DType::kFloat32;
-  int64_t n, v, ld;
-  const float* bias;
-  float softcap;
-  float temperature = 1.f;
-  const int64_t* target;
-  int64_t target_stride;
-  int64_t col_offset, ignore_index;
+// The logits (RowOperands) are overwritten where grad aliases them.
+struct RowGradParams : RowOperands {
   const float* coef;    // [n, 8] from launch_row_coef
   // The coefficients may hold the entropy's term (row_coef had a grad_entropy): false lets the
   // kernel skip it (a row's h is 0 without it).

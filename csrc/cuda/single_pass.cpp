@@ -306,17 +306,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
                   bound.data_ptr<float>());
 
       cuda::RowGradParams rg{};
-      rg.logits = lp;
-      rg.n = sn;
-      rg.v = v;
-      rg.ld = ld;
-      rg.bias = rs.bias;
-      rg.softcap = rs.softcap;
-      rg.temperature = rs.temperature;
-      rg.target = rs.target;
-      rg.target_stride = rs.target_stride;
-      rg.col_offset = shard.vocab_start;
-      rg.ignore_index = ignore_index;
+      static_cast<cuda::RowOperands&>(rg) = rs;  // the same logits
       rg.coef = coef.data_ptr<float>();
       rg.grad = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
       rg.grad_ld = gld;

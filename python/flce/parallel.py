@@ -631,11 +631,8 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         lead = tuple(target.shape)
         x = _local_rows(logits, target)
         t = target.reshape(-1).to(torch.int64)
-        code = _DTYPE_CODES[x.dtype]
-        meta = [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
-                code, 0, opts.ignore_index, _float_bits(opts.label_smoothing),
-                _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
-                0, _float_bits(opts.temperature), 0]
+        meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
+                            opts.z_loss, opts.softcap, reduction, opts.temperature)
     layout = _layout(group, rank, world, meta, False, check_ranks, error=error, target=t,
                      ignore_index=None if error else opts.ignore_index)
     options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
@@ -656,6 +653,16 @@ def _check_logits(logits, target, name):
         raise ValueError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
     _common.check_target(target, logits.shape[:-1], f"{name}'s leading dimensions")
     _check_local(logits)
+
+
+def _logits_meta(x, vocab_start, ignore_index, smoothing, z_loss, softcap, reduction,
+                 temperature):
+    """The fields of _META_FIELDS that a logits-level call has (no D, bias or weight):
+    x [N, V_local] this rank's rows."""
+    code = _DTYPE_CODES[x.dtype]
+    return [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
+            code, 0, ignore_index, _float_bits(smoothing), _float_bits(z_loss),
+            _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0]
 
 
 def _local_rows(logits, target):
@@ -711,11 +718,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
         lead = target.shape
         logits = _local_rows(vocab_parallel_logits, target)
         t = target.reshape(-1).to(torch.int64)
-        code = _DTYPE_CODES[logits.dtype]
-        # The fields of _META_FIELDS that a logits-level call has (no D, bias or weight).
-        meta = [logits.shape[1], -1 if vocab_start is None else vocab_start, -1, logits.shape[0],
-                0, code, code, 0, -100, _float_bits(smoothing), _float_bits(0.0),
-                _float_bits(0.0), _REDUCTION_CODES["none"], 0, _float_bits(1.0), 0]
+        meta = _logits_meta(logits, vocab_start, -100, smoothing, 0.0, 0.0, "none", 1.0)
     layout = _layout(group, rank, world, meta, False, True, error=error, target=t)
     # Every rank holds the same sizes, so every rank raises here or none does.
     if 0 in layout.sizes:
