@@ -224,9 +224,9 @@ def single_pass(requested, reduction, per_token, x, weight=None):
             return True
         # The CPU: the fastest exact path within a memory budget (docs/cpu-backend.md). The
         # single pass saves the recompute's logit GEMM (fp32 at N=4096, V=32768, D=512 on a
-        # 2-core Xeon: 2.05 s against 2.64 s) but holds dW's compensation and the gradients in
-        # fp32 for all of V, O(V D) memory where the recompute path's is O(min(N, V) D): it
-        # is the default while that stays within cpu_memory_budget. Where bf16 GEMMs run on
+        # 2-core Xeon: 2.07 s against 3.20 s) but holds dW's compensation for all of V (and
+        # 16-bit inputs' gradients in fp32), O(V D) memory where the recompute path's is
+        # O(min(N, V) D): it is the default while that stays within cpu_memory_budget. Where bf16 GEMMs run on
         # AMX the logit GEMM is cheap and the single pass's streaming of dW's accumulators
         # costs more (1.40 s against 1.03 s there): bf16 keeps the recompute path.
         if x.dtype == torch.bfloat16 and _ops.CPU_BF16_AMX:

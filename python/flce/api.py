@@ -56,7 +56,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             upstream gradient. ``None`` (default): on for training (gradients needed,
             reduction ``"mean"``/``"sum"``, no ``return_lse``/``return_entropy``) on CUDA for
             bf16 and fp32; on the CPU for fp32 and bf16 while its memory (O(V D): dW's
-            compensation and the fp32 gradients) stays within ``FLCE_CPU_MEMORY_MB``, by default
+            compensation, and for bf16 the gradients held in fp32) stays within
+            ``FLCE_CPU_MEMORY_MB``, by default
             half an fp32 ``[N, V]`` buffer, except bf16 where its GEMMs run on AMX (the
             recompute path is faster there); off for fp16 and otherwise
             (docs/cpu-backend.md). ``True``/``False`` force it on either backend (``True``
@@ -67,8 +68,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
         the entropy when ``return_entropy``.
     """
-    if linear_weight is not None and weight is not None and getattr(weight, "dim", None) and \
-            weight.dim() == 1:
+    if linear_weight is not None and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        # torch's keywords: weight= is its per-class weights, linear_weight= the classifier
         _refuse_class_weights()
     weight = _alias("weight", weight, "linear_weight", linear_weight)
     bias = _alias("bias", bias, "linear_bias", linear_bias)
