@@ -265,8 +265,8 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
   const int64_t rows = p.rows_per_cta;
   const int64_t blocks = (p.n + rows - 1) / rows;
   const TIn* logits = static_cast<const TIn*>(p.logits);
-  const bool aligned = vec_aligned<TIn>(logits, p.ld) && vec_aligned<T>(p.grad, p.grad_ld) &&
-                       (!kExtras || p.grad_lo == nullptr || vec_aligned<T>(p.grad_lo, p.grad_lo_ld));
+  // (the residual tile, where there is one, is written element by element: any alignment)
+  const bool aligned = vec_aligned<TIn>(logits, p.ld) && vec_aligned<T>(p.grad, p.grad_ld);
   const ColRange cols = split_cols(p.v, p.col_splits);
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     for (int64_t r = 0; r < rows; ++r) {
