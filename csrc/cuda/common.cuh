@@ -82,6 +82,38 @@ __device__ __forceinline__ OnlineLse partial_lse(const float* q) {
   return OnlineLse{q[0], q[1], q[4]};
 }
 
+// One row's partial statistics as a kernel merges them (threads, warps, column splits, tiles):
+// the non-target state, the target logit (-inf where the columns do not hold it) and the logit
+// sum.
+struct RowPartial {
+  OnlineLse lse;
+  float zt;
+  float sum;
+};
+
+__device__ __forceinline__ RowPartial merge(RowPartial a, const RowPartial& b) {
+  a.lse = lse_merge(a.lse, b.lse);
+  if (b.zt != neg_inf()) a.zt = b.zt;  // only the owner of the target column has one
+  a.sum += b.sum;
+  return a;
+}
+
+// Every lane of the warp ends with the merge of the warp's 32 partials (a butterfly: lse_merge
+// and + are symmetric in their arguments, so both partners compute the same value).
+__device__ __forceinline__ RowPartial warp_merge(RowPartial p) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    RowPartial o;
+    o.lse.m = __shfl_xor_sync(0xffffffffu, p.lse.m, off);
+    o.lse.s = __shfl_xor_sync(0xffffffffu, p.lse.s, off);
+    o.lse.u = __shfl_xor_sync(0xffffffffu, p.lse.u, off);
+    o.zt = __shfl_xor_sync(0xffffffffu, p.zt, off);
+    o.sum = __shfl_xor_sync(0xffffffffu, p.sum, off);
+    p = merge(p, o);
+  }
+  return p;
+}
+
 // kVec4 values of T moved with one access (16 bytes for fp32, 8 for 16-bit types).
 constexpr int kVec4 = 4;
 template <typename T>

@@ -53,35 +53,6 @@ __device__ __forceinline__ ColRange split_cols(int64_t v, int splits) {
   return ColRange{b < v ? b : v, e < v ? e : v};
 }
 
-struct RowPartial {
-  OnlineLse lse;
-  float zt;
-  float sum;
-};
-
-__device__ __forceinline__ RowPartial merge(RowPartial a, const RowPartial& b) {
-  a.lse = lse_merge(a.lse, b.lse);
-  if (b.zt != neg_inf()) a.zt = b.zt;  // only the owner of the target column has one
-  a.sum += b.sum;
-  return a;
-}
-
-// Every lane of the warp ends with the merge of the warp's 32 partials (a butterfly: lse_merge
-// and + are symmetric in their arguments, so both partners compute the same value).
-__device__ __forceinline__ RowPartial warp_merge(RowPartial p) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) {
-    RowPartial o;
-    o.lse.m = __shfl_xor_sync(0xffffffffu, p.lse.m, off);
-    o.lse.s = __shfl_xor_sync(0xffffffffu, p.lse.s, off);
-    o.lse.u = __shfl_xor_sync(0xffffffffu, p.lse.u, off);
-    o.zt = __shfl_xor_sync(0xffffffffu, p.zt, off);
-    o.sum = __shfl_xor_sync(0xffffffffu, p.sum, off);
-    p = merge(p, o);
-  }
-  return p;
-}
-
 // Tile-local column of this thread's element e (0 <= e < kPerThread), in [0, kTile): 32-bit
 // arithmetic inside a row, whose pointer the caller has advanced to the tile.
 __device__ __forceinline__ int local_col(int e) {

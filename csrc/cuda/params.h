@@ -247,6 +247,65 @@ struct TargetRowsParams {
 };
 cudaError_t launch_target_rows(const TargetRowsParams& p, DType dtype, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// The fused logits path (FLCE_CUDA_FUSED_LOGITS=1; docs/cuda.md "Fused logits", the arithmetic in
+// flce/tile_epilogue.h): the logits GEMM's epilogue stores E = exp(z - r_tile) in the gradient's
+// dtype and a partial per (row, column tile of kFusedTileCols) instead of fp32 logits; then
+// launch_fused_merge merges each row's tiles, and launch_fused_grad turns E into dz in place.
+
+// Columns of one epilogue tile (the fused GEMM's CTA tile N): the unit of the partials.
+constexpr int kFusedTileCols = 256;
+
+struct FusedLogitsParams {
+  const void* x;  // [n, d] bf16, row stride x_ld, unit column stride
+  int64_t x_ld;
+  const void* w;  // [v, d] bf16, row stride w_ld, unit column stride
+  int64_t w_ld;
+  // The stand-in (launch_logits_epilogue) only: the raw fp32 x . w^T [n, v], row stride
+  // logits_ld, from cuBLAS; the fused GEMM computes them in its accumulators instead.
+  const float* logits;
+  int64_t logits_ld;
+  int64_t n, v, d;
+  const float* bias;  // [v] fp32 or nullptr
+  float temperature;  // z = (x . w + b) / temperature; no softcap on this path
+  const int64_t* target;
+  int64_t target_stride;
+  int64_t col_offset, ignore_index;
+  void* e;        // [n, v] bf16 out: E, row stride e_ld elements
+  int64_t e_ld;
+  float* partials;  // [n, ceil(v / kFusedTileCols), kPartialCols] out, contiguous
+};
+// The fused GEMM (CUTLASS, sm_90a; csrc/cuda/sm90): cudaErrorNotSupported where the module has
+// no sm_90a code, the device is not sm_90, or x, w, e are not 16-byte aligned (rows included):
+// the caller then takes the stand-in.
+cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t stream);
+// Whether launch_fused_logits_sm90 would take these operands (no launch).
+bool fused_logits_sm90_supported(const FusedLogitsParams& p);
+// The stand-in: the same epilogue over fp32 logits from cuBLAS (sm_80, the host emulation, and
+// what the fused kernel is checked against).
+cudaError_t launch_logits_epilogue(const FusedLogitsParams& p, cudaStream_t stream);
+
+// partials [n, tiles, kPartialCols] -> merged [n, kPartialCols], each row's tiles in order.
+cudaError_t launch_fused_merge(const float* partials, int64_t n, int64_t tiles, float* merged,
+                               cudaStream_t stream);
+
+// dz over E in place (bf16): dz_j = (f_tile E_j - u) / T, the target's dz_t / T, with f_tile
+// from the row's coefficients and its tile's m (tile_epilogue.h); target_resid as RowGradParams'.
+struct FusedGradParams {
+  void* e;  // [n, v] bf16, row stride e_ld: E in, dz out
+  int64_t e_ld;
+  const float* partials;  // [n, tiles, kPartialCols] from the epilogue (m per tile)
+  const float* coef;      // [n, 8] from launch_row_coef
+  int64_t n, v;
+  float temperature;
+  const int64_t* target;
+  int64_t target_stride;
+  int64_t col_offset, ignore_index;
+  float* target_resid;  // [n]: dz_t - bf16(dz_t) where the row's target is a column here, else 0;
+                        // or nullptr
+};
+cudaError_t launch_fused_grad(const FusedGradParams& p, cudaStream_t stream);
+
 // out[i] = dtype((sum over k < slices of x[k * count + i]) * scale), the slices added and scaled
 // in double and rounded once: the deferred gradients of the single pass -> the gradient.
 // x is fp32 or the output dtype (x_dtype); scale is a device double. One slice of the output

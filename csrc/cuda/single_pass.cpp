@@ -195,23 +195,59 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   const at::Tensor w = weight.scalar_type() == compute ? weight : weight.to(compute);
   const at::Tensor bias32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
 
+  // The fused logits path (FLCE_CUDA_FUSED_LOGITS=1, opt-in until a GPU has run it; docs/cuda.md
+  // "Fused logits"): the logits GEMM's epilogue stores E = exp(z - r_tile) in bf16 where the
+  // group's dz will be, with a partial per (row, tile), and dz is computed over E in place. For
+  // bf16 inputs and weight whose gradient meets its bound from the stored E
+  // (tile_epilogue.h): no label smoothing (cancellation), no softcap (its chain rule needs z),
+  // no bias gradient (the column sums are the exact path's).
+  const bool fused = env_flag("FLCE_CUDA_FUSED_LOGITS", false) && compute == at::kBFloat16 &&
+                     weight.scalar_type() == at::kBFloat16 && label_smoothing == 0.0 &&
+                     !(softcap > 0.0) && !need_b && v > 0;
+  // Its GEMM (CUTLASS, sm_90a) where it takes the operands: x row-major (TMA), every sub-chunk
+  // the whole group (no fp32 scratch to bound it; vocab-parallel ranks keep the common plan).
+  const at::Tensor xf = fused && x.stride(1) != 1 ? x.contiguous() : x;
+  cuda::FusedLogitsParams fused_base{};
+  if (fused) {
+    fused_base.x = xf.data_ptr();
+    fused_base.x_ld = xf.stride(0);
+    fused_base.w = w.data_ptr();
+    fused_base.w_ld = w.stride(0);
+    fused_base.n = n;
+    fused_base.v = v;
+    fused_base.d = d;
+    fused_base.bias = bias ? bias32.data_ptr<float>() : nullptr;
+    fused_base.temperature = static_cast<float>(temperature);
+    fused_base.col_offset = shard.vocab_start;
+    fused_base.ignore_index = ignore_index;
+    fused_base.e_ld = logits_ld(v);
+  }
+  const bool fused_gemm = fused && w.stride(1) == 1 && cuda::fused_logits_sm90_supported(fused_base);
+
   at::Tensor loss_rows = dev::empty({n}, f32);
   at::Tensor ge = need_e ? dev::empty({1, n, d}, f32) : input.new_empty({0});
   at::Tensor gw = need_c ? dev::empty({1, v, d}, weight.options()) : weight.new_empty({0});
   at::Tensor gb = need_b ? dev::empty({1, v}, f32) : weight.new_empty({0});
 
-  const int64_t G = plan.group_rows, S = plan.sub_rows, ld = logits_ld(v);
+  const int64_t G = plan.group_rows, ld = logits_ld(v);
+  const int64_t S = fused_gemm && !shard.group ? G : plan.sub_rows;
   const int64_t elt = input.element_size();
   // The group's gradient buffer: dz rows of G x V in the compute dtype (row stride gld
-  // elements), and for master weights its residual; fp32: the logits themselves.
-  const int64_t gld = plan.in_place ? ld : v;
+  // elements), and for master weights its residual; fp32: the logits themselves; fused: E, then
+  // dz (16-byte rows for the fused GEMM's stores).
+  const int64_t gld = plan.in_place || fused ? ld : v;
   at::Tensor group = dev::empty({G * gld}, input.options());
   at::Tensor group_lo = split ? dev::empty({G * v}, input.options()) : at::Tensor();
-  at::Tensor scratch = plan.in_place ? at::Tensor() : dev::empty({S * ld}, f32);
+  at::Tensor scratch = plan.in_place || fused_gemm ? at::Tensor() : dev::empty({S * ld}, f32);
+  // fused: a partial per (row, tile) of a sub-chunk
+  const int64_t fused_tiles = ceil_div(v, cuda::kFusedTileCols);
+  at::Tensor tile_partials =
+      fused ? dev::empty({S * fused_tiles * cuda::kPartialCols}, f32) : at::Tensor();
   // Column splits of the row kernels (a sub-chunk's rows alone are a few hundred CTAs): at most
   // one per 4096-column tile of a row.
   const int64_t max_splits = std::max<int64_t>(ceil_div(v, cuda::kRowTileCols), 1);
-  at::Tensor split_partials = dev::empty({max_splits * S * cuda::kPartialCols}, f32);
+  at::Tensor split_partials =
+      fused ? at::Tensor() : dev::empty({max_splits * S * cuda::kPartialCols}, f32);
   at::Tensor partials = dev::empty({S, cuda::kPartialCols}, f32), lse = dev::empty({S}, f32),
              stats = dev::empty({S, cuda::kStatsCols}, f32), coef = dev::empty({S, 8}, f32),
              bound = dev::empty({S}, f32);
@@ -269,12 +305,36 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
     for (int64_t s0 = g0; s0 < g0 + gn; s0 += S) {
       const int64_t sn = std::min(S, g0 + gn - s0);
       const at::Tensor ts = target.narrow(0, s0, sn);
-      float* lp = plan.in_place ? group.data_ptr<float>() + (s0 - g0) * ld
-                                : scratch.data_ptr<float>();
-      const at::Tensor logits = at::from_blob(lp, {sn, v}, {ld, 1}, f32);
-      gemm_into(logits, x.narrow(0, s0, sn), w.t());
-
+      if (fused) {
+        cuda::FusedLogitsParams fp = fused_base;
+        fp.x = static_cast<const char*>(xf.data_ptr()) + s0 * xf.stride(0) * elt;
+        fp.n = sn;
+        fp.target = ts.data_ptr<int64_t>();
+        fp.target_stride = ts.stride(0);
+        fp.e = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
+        fp.partials = tile_partials.data_ptr<float>();
+        if (fused_gemm) {
+          check_launch(cuda::launch_fused_logits_sm90(fp, stream), "fused_logits_sm90");
+        } else {
+          const at::Tensor logits =
+              at::from_blob(scratch.data_ptr<float>(), {sn, v}, {ld, 1}, f32);
+          gemm_into(logits, x.narrow(0, s0, sn), w.t());
+          fp.logits = scratch.data_ptr<float>();
+          fp.logits_ld = ld;
+          check_launch(cuda::launch_logits_epilogue(fp, stream), "logits_epilogue");
+        }
+        check_launch(cuda::launch_fused_merge(tile_partials.data_ptr<float>(), sn, fused_tiles,
+                                              partials.data_ptr<float>(), stream),
+                     "fused_merge");
+      }
       cuda::RowStatsParams rs{};
+      float* lp = plan.in_place ? group.data_ptr<float>() + (s0 - g0) * ld
+                                : (scratch.defined() ? scratch.data_ptr<float>() : nullptr);
+      if (!fused) {
+        const at::Tensor logits = at::from_blob(lp, {sn, v}, {ld, 1}, f32);
+        gemm_into(logits, x.narrow(0, s0, sn), w.t());
+      }
+
       rs.logits = lp;
       rs.n = sn;
       rs.v = v;
@@ -288,11 +348,15 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
       rs.ignore_index = ignore_index;
       rs.need_sum = label_smoothing != 0.0;
       rs.need_u = false;  // the single pass returns no entropy
-      rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
-      rs.partials = rs.splits > 1 ? split_partials.data_ptr<float>() : partials.data_ptr<float>();
-      check_launch(cuda::launch_row_stats(rs, stream), "row_stats");
-      if (rs.splits > 1) {
-        merge_partials(split_partials.data_ptr<float>(), rs.splits, sn, partials.data_ptr<float>());
+      if (!fused) {
+        rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
+        rs.partials =
+            rs.splits > 1 ? split_partials.data_ptr<float>() : partials.data_ptr<float>();
+        check_launch(cuda::launch_row_stats(rs, stream), "row_stats");
+        if (rs.splits > 1) {
+          merge_partials(split_partials.data_ptr<float>(), rs.splits, sn,
+                         partials.data_ptr<float>());
+        }
       }
       const at::Tensor part =
           gather_partials(partials.narrow(0, 0, sn), shard.group, shard.group_size);
@@ -305,6 +369,23 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
                   coef.data_ptr<float>(),
                   bound.data_ptr<float>());
 
+      if (fused) {
+        cuda::FusedGradParams fg{};
+        fg.e = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
+        fg.e_ld = gld;
+        fg.partials = tile_partials.data_ptr<float>();
+        fg.coef = coef.data_ptr<float>();
+        fg.n = sn;
+        fg.v = v;
+        fg.temperature = static_cast<float>(temperature);
+        fg.target = ts.data_ptr<int64_t>();
+        fg.target_stride = ts.stride(0);
+        fg.col_offset = shard.vocab_start;
+        fg.ignore_index = ignore_index;
+        fg.target_resid = fix_target ? resid.data_ptr<float>() + (s0 - g0) : nullptr;
+        check_launch(cuda::launch_fused_grad(fg, stream), "fused_grad");
+        continue;
+      }
       cuda::RowGradParams rg{};
       static_cast<cuda::RowOperands&>(rg) = rs;  // the same logits
       rg.coef = coef.data_ptr<float>();
