@@ -32,6 +32,7 @@ TILES = "csrc/cuda/tiles.cuh"
 STATS = "csrc/cuda/flce_stats.cu"
 GRAD = "csrc/cuda/flce_grad.cu"
 ROWS = "csrc/cuda/flce_rows.cu"
+FUSED = "csrc/cuda/flce_fused.cu"
 
 MUTATIONS = [
     dict(name="wait_group_off_by_one_race",
@@ -133,6 +134,31 @@ MUTATIONS = [
          file=GRAD, config="plain", test="fp32_simt_tiles", expect=NUMERIC,
          original="             logit_transform_grad(z, a.softcap, a.temperature);",
          replacement="             softcap_grad(z, a.softcap);"),
+    # The fused logits path (flce_fused.cu): the target column's E counted in the tile's sum.
+    dict(name="fused_target_in_tile_sum",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="      const float ek = c0 + k < p.v ? epi_exp(z[k], r, c0 + k == tcol) : 0.f;\n",
+         replacement="      const float ek = c0 + k < p.v ? epi_exp(z[k], r, false) : 0.f;\n"),
+    # Columns past the row's end seen (as 0) by the tile's max.
+    dict(name="fused_tail_columns_in_max",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="      if (c < p.v) epi_see(st, z[k], c == tcol);\n",
+         replacement="      epi_see(st, z[k], c == tcol);\n"),
+    # The lanes' sums merged over 16 lanes only.
+    dict(name="fused_sum_butterfly_short",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="    for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);\n",
+         replacement="    for (int off = 16; off > 1; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);\n"),
+    # A row's tile partials merged with every other lane-stride skipped (rows of > 32 tiles).
+    dict(name="fused_merge_skips_tiles",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="    for (int64_t t = lane; t < tiles; t += 32) {\n",
+         replacement="    for (int64_t t = lane; t < tiles; t += 64) {\n"),
+    # dz of every tile scaled with the row's first tile's max.
+    dict(name="fused_grad_first_tile_scale",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="p.partials[(row * tiles + tile) * kPartialCols]",
+         replacement="p.partials[(row * tiles) * kPartialCols]"),
 ]
 
 
