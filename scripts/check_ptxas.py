@@ -5,8 +5,11 @@ Usage: python scripts/check_ptxas.py BUILD_LOG [--quiet]
 
 BUILD_LOG is the output of a build with FLCE_PTXAS_VERBOSE=1 (nvcc -Xptxas=-v). For every
 kernel ("entry function") of namespace flce and every architecture, ptxas reports registers,
-stack frame and spill bytes. Exit status 1 when any kernel exceeds its allowance below, or when
-the log contains no flce kernel at all (the build was not verbose, or not a CUDA build).
+stack frame and spill bytes. Exit status 1 when any kernel exceeds its allowance below, when
+ptxas serialized the WGMMA pipeline of an flce kernel (its advisories C7508-C7520, e.g. C7510
+"wgmma.mma_async instructions are serialized due to wgmma pipeline crossing function boundary":
+the tensor cores then wait on every WGMMA, a large share of Hopper's rate lost), or when the log
+contains no flce kernel at all (the build was not verbose, or not a CUDA build).
 
 The allowances are documented in docs/cuda.md ("ptxas allowance"); change both together.
 """
@@ -33,6 +36,8 @@ DEFAULT_ALLOWANCE = (0, 0, 0)  # a new kernel must be listed or meet the stricte
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_[0-9a-z]+)'")
 PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 REGS = re.compile(r"Used (\d+) registers")
+# ptxas's advisories that it serialized a function's wgmma.mma_async instructions, naming it.
+WGMMA_SERIAL = re.compile(r"\((C75(?:0[89]|1\d|20))\)[^']*'([^']+)'")
 
 
 def demangle(names):
@@ -81,13 +86,20 @@ def main(argv):
         return 2
     quiet = "--quiet" in argv
     with open(argv[1], errors="replace") as f:
-        rows = parse(f.read())
+        text = f.read()
+    rows = parse(text)
     rows = [r for r in rows if "4flce" in r["name"] or "flce::" in r["name"]]
     if not rows:
         print(f"check_ptxas: no flce kernels in {argv[1]} (build with FLCE_PTXAS_VERBOSE=1)")
         return 1
-    names = demangle(sorted({r["name"] for r in rows}))
+    serial = [(code, fn) for code, fn in WGMMA_SERIAL.findall(text)
+              if "4flce" in fn or "flce::" in fn]
+    names = demangle(sorted({r["name"] for r in rows} | {fn for _, fn in serial}))
     failures = []
+    for code, fn in sorted(set(serial)):
+        line = f"FAIL ({code}) wgmma serialized in {names[fn][:160]}"
+        failures.append(line)
+        print(line)
     seen = set()
     for r in rows:
         full = names[r["name"]]
@@ -105,6 +117,7 @@ def main(argv):
         tmpl = re.search(r"<(.*)>\(", full)
         label = base + (f"<{tmpl.group(1)}>" if tmpl else "")
         label = label.replace("flce::cuda::", "").replace("(anonymous namespace)::", "")
+        label = label if len(label) <= 100 else label[:97] + "..."
         line = (f"{'ok  ' if ok else 'FAIL'} {r['arch']:<8} {label:<58} regs {r['regs']!s:>4}  "
                 f"stack {stack:>4}  spill st {st:>4} ld {ld:>4}  (allow {allow[0]}/{allow[1]}/{allow[2]})")
         if not ok:
@@ -112,7 +125,7 @@ def main(argv):
         if not quiet or not ok:
             print(line)
     if failures:
-        print(f"check_ptxas: {len(failures)} kernel(s) over their allowance")
+        print(f"check_ptxas: {len(failures)} kernel(s) over their allowance or serialized")
         return 1
     print(f"check_ptxas: {len(seen)} kernel builds within allowance")
     return 0

@@ -41,3 +41,15 @@ def test_other_kernels_ignored_and_empty_log_fails(tmp_path):
     # Non-flce kernels (torch's) are not checked; a log without flce kernels is an error.
     assert _run(tmp_path, _log(OTHER, spill_st=64)).returncode == 1
     assert _run(tmp_path, _log(OTHER, spill_st=64) + _log(KERNEL)).returncode == 0
+
+
+def test_serialized_wgmma_fails(tmp_path):
+    # ptxas's advisory that it serialized an flce kernel's WGMMA pipeline fails the build; the
+    # same advisory for another library's kernel does not.
+    advisory = ("ptxas info    : (C7510) Potential Performance Loss: wgmma.mma_async instructions "
+                "are serialized due to wgmma pipeline crossing function boundary at a function "
+                "call in the function '{}'\n")
+    clean = _log(KERNEL, arch="sm_90a")
+    r = _run(tmp_path, clean + advisory.format(KERNEL))
+    assert r.returncode == 1 and "C7510" in r.stdout, r.stdout
+    assert _run(tmp_path, clean + advisory.format(OTHER)).returncode == 0

@@ -6,7 +6,7 @@ On "cuda-host" (and on a GPU without the sm_90a kernel) the epilogue is its SIMT
 cuBLAS's fp32 logits; on an H100/H200 the CUTLASS kernel. Either way: the loss against float64
 at fp32 accuracy, every gradient element within the output rounding of the path's own ideal
 (``fused_tile_ideal``: exact arithmetic but for E's and dz's roundings to bf16 and the final
-one), norm-wise within 1.1x that ideal's error, and the ideal within 2x the exact path's (two
+one), norm-wise within 1.1x that ideal's error, and the ideal within 1.1x the exact path's (two
 bf16 roundings of the tile where the exact path has one).
 """
 import math
@@ -100,7 +100,7 @@ def _run(x, w, t, b=None, **opts):
         err, ideal_err = rel_err(got, ref), rel_err(ideal[name].to(torch.bfloat16), ref)
         exact_err = rel_err(exact[name].to(torch.bfloat16), ref)
         assert err <= 1.1 * ideal_err + 1e-6, (name, err, ideal_err)
-        assert ideal_err <= 2.0 * exact_err + 1e-6, (name, ideal_err, exact_err)
+        assert ideal_err <= 1.1 * exact_err + 1e-6, (name, ideal_err, exact_err)
         out[name] = (err, ideal_err, exact_err)
     return out
 

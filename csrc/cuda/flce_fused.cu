@@ -162,6 +162,15 @@ unsigned grid_for(int64_t pairs) {
 
 }  // namespace
 
+#if !defined(FLCE_WITH_CUTLASS)
+// A build without CUTLASS's headers (or without sm_90a in its arch list), and the host
+// emulation (no WGMMA or TMA): the fused GEMM is never available, the stand-in runs.
+bool fused_logits_sm90_supported(const FusedLogitsParams&) { return false; }
+cudaError_t launch_fused_logits_sm90(const FusedLogitsParams&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+#endif
+
 cudaError_t launch_logits_epilogue(const FusedLogitsParams& p, cudaStream_t stream) {
   if (p.n == 0 || p.v == 0) return cudaSuccess;
   if (p.logits == nullptr || !(p.temperature > 0.f)) return cudaErrorInvalidValue;

@@ -173,6 +173,39 @@ def local_version(archs, cuda_version):
     return ".".join([cu] + [a.sm.replace("_", "") for a in archs])
 
 
+def cutlass_include(archs):
+    """CUTLASS's C++ headers for the fused logits GEMM (csrc/cuda/sm90, sm_90a only), or None.
+
+    From the ``nvidia-cutlass`` wheel (requirements-build.txt; found without importing it), or
+    FLCE_CUTLASS=PATH (an include directory); FLCE_CUTLASS=0 builds without it (the fused path
+    then always takes its SIMT stand-in), FLCE_CUTLASS=1 requires it. None as well when the arch
+    list has no 9.0a: the kernel is sm_90a code only."""
+    env = os.environ.get("FLCE_CUTLASS", "").strip()
+    if env == "0" or not any(a.sm == "sm_90a" for a in archs):
+        return None
+    path = env if env not in ("", "1") else None
+    if path is None:
+        import importlib.util
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is not None and spec.submodule_search_locations:
+            path = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    if path is None or not os.path.exists(os.path.join(path, "cutlass", "version.h")):
+        if env:
+            raise ArchError(f"FLCE_CUTLASS={env!r}: no CUTLASS headers (cutlass/version.h) at "
+                            f"{path!r}; pip install -r requirements-build.txt (nvidia-cutlass), or "
+                            "FLCE_CUTLASS=0 to build without the fused logits GEMM")
+        return None
+    return path
+
+
+def cutlass_version(include):
+    """"4.2.0" from include/cutlass/version.h."""
+    with open(os.path.join(include, "cutlass", "version.h")) as f:
+        text = f.read()
+    parts = [re.search(rf"#define CUTLASS_{k} (\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
+
+
 def write_build_info(path, **fields):
     """Write the build's facts as a module (python/flce/_build_info.py) so that wheels carry them."""
     body = "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(fields.items()))
@@ -278,13 +311,19 @@ def check_cuda_device(device):
 
 def _main(argv):
     """CLI for CMake: ``gencode ARCH_LIST NVCC`` prints the nvcc flags (a CMake list) after
-    validating; ``write-info PATH key=value ...`` writes the build-info module."""
+    validating; ``cutlass ARCH_LIST`` prints CUTLASS's include directory and version
+    (``PATH|4.2.0``, or nothing); ``write-info PATH key=value ...`` writes the build-info
+    module."""
     try:
         if argv[:1] == ["gencode"] and len(argv) == 3:
             archs = parse_arch_list(argv[1], os.environ.get("FLCE_PTX", "newest"))
             version = validate_for_nvcc(archs, argv[2])
             # "|" between fields, "," within the arch list: CMake lists split on ";".
             print(f"{','.join(map(str, archs))}|{version}|{';'.join(gencode_flags(archs))}")
+            return 0
+        if argv[:1] == ["cutlass"] and len(argv) == 2:
+            include = cutlass_include(parse_arch_list(argv[1], "none"))
+            print(f"{include}|{cutlass_version(include)}" if include else "")
             return 0
         if argv[:1] == ["write-info"] and len(argv) >= 2:
             fields = dict(kv.split("=", 1) for kv in argv[2:])
@@ -298,6 +337,7 @@ def _main(argv):
                 arch_list=format_arch_list(archs),
                 sass=[a.sm for a in archs], ptx=[a.compute for a in archs if a.ptx],
                 cuda_sources=int(fields.get("cuda_sources", 0)),
+                cutlass=fields.get("cutlass") or None,
                 build_system=fields.get("build_system", "cmake"))
             return 0
     except ArchError as e:

@@ -13,7 +13,6 @@
 
 #include "cuda/device.h"
 #include "cuda/host/runtime.h"
-#include "cuda/params.h"
 
 namespace flce {
 namespace dev {
@@ -118,17 +117,4 @@ const bool allocator_installed = [] {
 }  // namespace
 
 }  // namespace dev
-}  // namespace flce
-
-namespace flce {
-namespace cuda {
-
-// The host emulation has no WGMMA or TMA: the fused logits path always takes its stand-in
-// (launch_logits_epilogue) here.
-bool fused_logits_sm90_supported(const FusedLogitsParams&) { return false; }
-cudaError_t launch_fused_logits_sm90(const FusedLogitsParams&, cudaStream_t) {
-  return cudaErrorNotSupported;
-}
-
-}  // namespace cuda
 }  // namespace flce
