@@ -103,8 +103,22 @@ def peers(log):
     return out
 
 
-METHODS = ("flce", "flce_recompute", "eager", "compile", "torch_lce", "quack", "liger", "cce",
+METHODS = ("flce", "flce_fused", "flce_recompute", "eager", "compile", "torch_lce", "quack", "liger", "cce",
            "sol_4gemm", "sol_3gemm")
+
+
+def fused_loss(x, w, t):
+    """The fused logits path (FLCE_CUDA_FUSED_LOGITS=1, opt-in): the single pass does all its
+    work in the forward call, so the flag is needed there only."""
+    old = os.environ.get("FLCE_CUDA_FUSED_LOGITS")
+    os.environ["FLCE_CUDA_FUSED_LOGITS"] = "1"
+    try:
+        return flce.linear_cross_entropy(x, w, t)
+    finally:
+        if old is None:
+            del os.environ["FLCE_CUDA_FUSED_LOGITS"]
+        else:
+            os.environ["FLCE_CUDA_FUSED_LOGITS"] = old
 
 
 def bench_shape(n, v, d, results, log, compile_eager):
@@ -112,6 +126,7 @@ def bench_shape(n, v, d, results, log, compile_eager):
     x, w, t = make_inputs(n, v, d)
     grads_gib = (x.numel() * x.element_size() + w.numel() * w.element_size()) / 2**30
     methods = [("flce", lambda x, w, t: flce.linear_cross_entropy(x, w, t)),
+               ("flce_fused", fused_loss),
                ("flce_recompute",
                 lambda x, w, t: flce.linear_cross_entropy(x, w, t, single_pass=False)),
                ("eager", eager_loss)]
@@ -167,7 +182,7 @@ def ceilings(log):
 
 
 # gpu.jsonl's names (docs: ../shared/GPU.md) for this script's methods.
-RECORD_NAMES = {"flce": "flce", "flce_recompute": "flce_recompute", "sol_3gemm": "gemm3",
+RECORD_NAMES = {"flce": "flce", "flce_fused": "flce_fused", "flce_recompute": "flce_recompute", "sol_3gemm": "gemm3",
                 "sol_4gemm": "gemm4", "eager": "eager", "compile": "compiled",
                 "torch_lce": "torch_native", "quack": "quack", "liger": "liger", "cce": "cce"}
 

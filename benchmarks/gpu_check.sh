@@ -4,7 +4,8 @@
 # Budget: BUDGET_S (default 540 s). In order of value, so that a cut-off run still says most:
 #
 #   1. build for this GPU (TORCH_CUDA_ARCH_LIST=9.0a), ptxas report -> scripts/check_ptxas.py
-#   2. the CUDA tests (tests/test_cuda.py: both paths) and a training step under
+#   2. the CUDA tests (tests/test_cuda.py: both paths), the fused logits path (its CUTLASS GEMM
+#      against its stand-in, tests/test_fused_logits.py) and a training step under
 #      torch.cuda.set_sync_debug_mode("error") (no host sync)
 #   3. forward+backward benchmark of the single pass and the recompute path vs 3 and 4 cuBLAS
 #      GEMMs, eager, compiled, Liger / CCE / quack / torch's linear_cross_entropy where installed,
@@ -14,7 +15,8 @@
 #   4. the device-parametrized suite on "cuda" (accuracy at margins 0-200 and N = 65536, options,
 #      RL outputs, single pass)
 #   5. the GPU against the host emulation on the same inputs (benchmarks/gpu_vs_emulation.py)
-#   6. compute-sanitizer memcheck and racecheck on small shapes (benchmarks/gpu_sanitize.py)
+#   6. compute-sanitizer memcheck and racecheck on small shapes (benchmarks/gpu_sanitize.py;
+#      the fused path's memcheck: benchmarks/gpu_fused_check.py --small)
 #
 # Peers' wheels (pure Python + Triton) travel in .whl/ (ignored by git) and are installed into
 # /tmp/site when present. Logs are written to a scratch folder and packed after every step into
@@ -96,6 +98,10 @@ if step build 180 "$PY" setup.py build_ext --inplace; then
   step test_cuda 120 "$PY" -m pytest -q -rfEs -k "not cuda-host" --junitxml="$LOGS/junit_cuda.xml" \
     tests/test_cuda.py \
     tests/test_check_ptxas.py tests/test_build_info.py::test_extension_uses_the_process_libstdcxx
+  # The fused logits path (opt-in, issue 25): which epilogue ran, the CUTLASS GEMM against its
+  # stand-in on the same inputs, and its tests on "cuda" (against the path's float64 ideal).
+  step fused 120 bash -c "$PY benchmarks/gpu_fused_check.py && FLCE_CUDA_FUSED_LOGITS=1 $PY -m \
+    pytest -q -rfE -k 'not cuda-host' --junitxml=$LOGS/junit_fused.xml tests/test_fused_logits.py"
   step no_sync 30 "$PY" -c "
 import torch, flce
 x = torch.randn(4096, 1024, device='cuda', dtype=torch.bfloat16, requires_grad=True)
@@ -170,6 +176,8 @@ for n, v, d in ((16384, 32768, 1024), (4096, 128256, 4096)):
     "$PY" benchmarks/gpu_sanitize.py
   step racecheck 60 "$SANITIZER" --tool racecheck --error-exitcode 1 \
     "$PY" benchmarks/gpu_sanitize.py
+  step fused_memcheck 60 "$SANITIZER" --tool memcheck --error-exitcode 1 --leak-check no \
+    "$PY" benchmarks/gpu_fused_check.py --small
   step accuracy 90 "$PY" benchmarks/gpu_accuracy.py
   # The device-parametrized suites on the GPU (the cpu and cuda-host cases run in CI).
   step test_suite 120 "$PY" -m pytest -q -rfE --durations=10 tests -m "not cuda_host" -k cuda \
@@ -177,7 +185,7 @@ for n, v, d in ((16384, 32768, 1024), (4096, 128256, 4096)):
     --ignore=tests/test_parallel_cuda.py --junitxml="$LOGS/junit_suite.xml"
   # The tests' record (benchmarks/results/gpu.jsonl's "gpu_tests"), from both pytest steps.
   step record_tests 30 "$PY" benchmarks/gpu_tests_record.py "$OUT/gpu_records.jsonl" \
-    "$LOGS/junit_cuda.xml" "$LOGS/junit_suite.xml"
+    "$LOGS/junit_cuda.xml" "$LOGS/junit_suite.xml" "$LOGS/junit_fused.xml"
 else
   echo "build failed: see build.log in $OUT/gpu_logs.tgz"
 fi

@@ -222,7 +222,9 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
     fused_base.ignore_index = ignore_index;
     fused_base.e_ld = logits_ld(v);
   }
-  const bool fused_gemm = fused && w.stride(1) == 1 && cuda::fused_logits_sm90_supported(fused_base);
+  // (FLCE_CUDA_FUSED_GEMM=0: the stand-in everywhere, to compare the two on a GPU)
+  const bool fused_gemm = fused && w.stride(1) == 1 && env_flag("FLCE_CUDA_FUSED_GEMM", true) &&
+                          cuda::fused_logits_sm90_supported(fused_base);
 
   at::Tensor loss_rows = dev::empty({n}, f32);
   at::Tensor ge = need_e ? dev::empty({1, n, d}, f32) : input.new_empty({0});

@@ -1,0 +1,81 @@
+"""The fused logits path on a GPU (FLCE_CUDA_FUSED_LOGITS=1; docs/cuda.md "Fused logits").
+
+1. Which epilogue ran: the CUTLASS sm_90a GEMM (a kernel named ...FusedLogitsEpilogue... in the
+   profiler) or its SIMT stand-in (logits_epilogue_kernel). On an H100/H200 with a 9.0a build
+   the CUTLASS kernel must run; a silent fallback is reported as a failure.
+2. The CUTLASS kernel against the stand-in on the same inputs (FLCE_CUDA_FUSED_GEMM=0), shapes
+   with tails in N, V and D: the loss within fp32 rounding of each other, the gradients within
+   bf16's (the two differ only in the GEMM's fp32 summation order, and E's rounding where that
+   moves it across a bf16 boundary).
+3. --small: only small shapes (for compute-sanitizer memcheck / racecheck).
+Exit status 1 on any failure.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+import flce  # noqa: E402
+
+SMALL = [(1, 8, 8), (37, 301, 72), (130, 1000, 136), (257, 4099, 64)]
+LARGE = [(4096, 50021, 4096), (4000, 32768, 1024)]
+
+
+def step(x, w, t, **env):
+    for k, v in env.items():
+        os.environ[k] = v
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = flce.linear_cross_entropy(xg, wg, t)
+    loss.backward()
+    return loss.detach(), xg.grad, wg.grad
+
+
+def kernels_of(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def main():
+    small = "--small" in sys.argv
+    ok = True
+    g = torch.Generator().manual_seed(0)
+    for n, v, d in SMALL + ([] if small else LARGE):
+        x = torch.randn(n, d, generator=g).to("cuda", torch.bfloat16)
+        w = (torch.randn(v, d, generator=g) / d ** 0.5).to("cuda", torch.bfloat16)
+        t = torch.randint(0, v, (n,), generator=g).to("cuda")
+        t[::7] = -100
+        names = kernels_of(lambda: step(x, w, t, FLCE_CUDA_FUSED_LOGITS="1",
+                                        FLCE_CUDA_FUSED_GEMM="1"))
+        cutlass = any("FusedLogitsEpilogue" in k for k in names)
+        stand_in = any("logits_epilogue_kernel" in k for k in names)
+        want_cutlass = (flce.build_info().get("cutlass") is not None
+                        and torch.cuda.get_device_capability() == (9, 0) and d % 8 == 0)
+        a = step(x, w, t, FLCE_CUDA_FUSED_LOGITS="1", FLCE_CUDA_FUSED_GEMM="1")
+        b = step(x, w, t, FLCE_CUDA_FUSED_LOGITS="1", FLCE_CUDA_FUSED_GEMM="0")
+        exact = step(x, w, t, FLCE_CUDA_FUSED_LOGITS="0")
+        errs = [rel(p, q) for p, q in zip(a, b)]
+        good = (cutlass == want_cutlass and (cutlass or stand_in) and errs[0] < 1e-5
+                and errs[1] < 4e-3 and errs[2] < 4e-3
+                and all(torch.isfinite(p).all().item() for p in a))
+        ok &= good
+        print(f"{'ok  ' if good else 'FAIL'} N={n} V={v} D={d}: epilogue "
+              f"{'CUTLASS' if cutlass else 'stand-in' if stand_in else 'none?'}"
+              f"{'' if cutlass == want_cutlass else ' (expected the other)'}; vs stand-in: loss "
+              f"{errs[0]:.1e}, dE {errs[1]:.1e}, dW {errs[2]:.1e}; vs exact path: loss "
+              f"{rel(a[0], exact[0]):.1e}, dE {rel(a[1], exact[1]):.1e}, dW {rel(a[2], exact[2]):.1e}")
+        del x, w, t, a, b, exact
+        torch.cuda.empty_cache()
+    print("fused check:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
