@@ -100,8 +100,11 @@ if step build 180 "$PY" setup.py build_ext --inplace; then
     tests/test_check_ptxas.py tests/test_build_info.py::test_extension_uses_the_process_libstdcxx
   # The fused logits path (opt-in, issue 25): which epilogue ran, the CUTLASS GEMM against its
   # stand-in on the same inputs, and its tests on "cuda" (against the path's float64 ideal).
+  # Benchmarked below only if this passed (a kernel that hangs would take the bench with it).
+  export FLCE_BENCH_FUSED=0
   step fused 120 bash -c "$PY benchmarks/gpu_fused_check.py && FLCE_CUDA_FUSED_LOGITS=1 $PY -m \
-    pytest -q -rfE -k 'not cuda-host' --junitxml=$LOGS/junit_fused.xml tests/test_fused_logits.py"
+    pytest -q -rfE -k 'not cuda-host' --junitxml=$LOGS/junit_fused.xml tests/test_fused_logits.py" \
+    && FLCE_BENCH_FUSED=1
   step no_sync 30 "$PY" -c "
 import torch, flce
 x = torch.randn(4096, 1024, device='cuda', dtype=torch.bfloat16, requires_grad=True)

@@ -42,22 +42,29 @@ def _inputs(n, v, d, *, seed=0, device="cpu", bias=False, scale=2.0):
 
 def fused_tile_ideal(x, w, t, b, objective, **opts):
     """dE and dW as the fused path computes them at best: float64 logits z and gradient dz of
-    the reduced objective, each non-target E_j = exp(z_j - r) (r: the max of the row's
-    non-target logits in its 256-column tile) rounded to bf16, dz_j = bf16(bf16(E_j) * dz_j /
-    E_j) (the factor f = dz_j / E_j exact), the target entry exact (the fp32 corrections), exact
-    products; the caller rounds once."""
+    the reduced objective, each non-target stored value q_j = E_j c_j (E_j = exp(z_j - r), r:
+    the max of the row's non-target logits in its 256-column tile; c_j = softcap'(z_j), 1
+    without softcap) rounded to bf16, dz_j = bf16(bf16(q_j) * dz_j / q_j) (the factor
+    f = dz_j / q_j exact), the target entry exact (the fp32 corrections), exact products; the
+    caller rounds once."""
     x64, w64, b64 = (None if a is None else a.detach().cpu() for a in as_f64(x, w, b))
     u = x64 @ w64.T
     if b64 is not None:
         u = u + b64
     u.requires_grad_()
     kw = {k: v for k, v in opts.items() if k in ("ignore_index", "reduction", "z_loss",
-                                                  "temperature")}
+                                                  "temperature", "softcap")}
     loss, lse, ent = flce.reference.logits_cross_entropy(u, t.cpu(), return_lse=True,
                                                          return_entropy=True, **kw)
     objective(loss, lse, ent).backward()
     dz = u.grad
-    z = u.detach() / opts.get("temperature", 1.0)
+    cap, temp = opts.get("softcap") or 0.0, opts.get("temperature", 1.0)
+    c = u.detach()
+    chain = torch.ones_like(c)
+    if cap > 0:
+        c = cap * torch.tanh(c / cap)
+        chain = 1 - (c / cap) ** 2
+    z = c / temp
     n, v = z.shape
     tt = t.cpu()
     own = (tt != opts.get("ignore_index", -100)) & (tt >= 0) & (tt < v)
@@ -67,7 +74,7 @@ def fused_tile_ideal(x, w, t, b, objective, **opts):
     pad = (-v) % TILE
     r = torch.nn.functional.pad(masked, (0, pad), value=-math.inf)
     r = r.view(n, -1, TILE).amax(-1).repeat_interleave(TILE, dim=1)[:, :v]
-    e = torch.exp(z - r)
+    e = torch.exp(z - r) * chain
     ok = torch.isfinite(e) & (e > 0)  # (a tile of the target alone has r = -inf: replaced below)
     e = torch.where(ok, e, 1.0)
     hi = torch.where(ok, (e.to(torch.bfloat16).double() * (dz / e)).to(torch.bfloat16).double(), 0)
@@ -111,6 +118,7 @@ OPTIONS = {
     "mean_ignored_temperature_zloss": {"reduction": "mean", "ignore_index": 7,
                                        "temperature": 0.7, "z_loss": 1e-4},
     "sum_bias": {"reduction": "sum", "bias": True},
+    "softcap_temperature": {"reduction": "mean", "softcap": 4.0, "temperature": 1.3},
 }
 
 
@@ -139,8 +147,9 @@ def _same(a, b):
 
 
 def test_fused_is_taken_exactly_where_it_holds(dev, monkeypatch):
-    """With the flag, bf16 gradients change (the fused path ran: E's rounding); label smoothing,
-    softcap, a trained bias, fp32 and master weights keep the exact path bit for bit."""
+    """With the flag, bf16 gradients change (the fused path ran: E's rounding), with softcap as
+    well; label smoothing, a trained bias, fp32 and master weights keep the exact path bit for
+    bit."""
     x, w, t, b = _inputs(64, 700, 48, device=dev, bias=True)
 
     def both(*args, **opts):
@@ -149,9 +158,11 @@ def test_fused_is_taken_exactly_where_it_holds(dev, monkeypatch):
         monkeypatch.setenv("FLCE_CUDA_FUSED_LOGITS", "1")
         return off, _grads(*args, **opts)
 
-    off, on = both(x, w, t)
-    assert not _same(off[1:], on[1:]), "the flag changed nothing: the fused path did not run"
-    for args, opts in [((x, w, t), {"label_smoothing": 0.1}), ((x, w, t), {"softcap": 15.0}),
+    for opts in ({}, {"softcap": 15.0}):
+        off, on = both(x, w, t, **opts)
+        assert not _same(off[1:], on[1:]), f"the flag changed nothing: no fused path ({opts})"
+    for args, opts in [((x, w, t), {"label_smoothing": 0.1}),
+                       ((x, w, t), {"label_smoothing": 0.1, "softcap": 15.0}),
                        ((x, w, t, b), {}), ((x.float(), w.float(), t), {}),
                        ((x, w.float(), t), {})]:
         off, on = both(*args, **opts)

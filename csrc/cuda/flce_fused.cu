@@ -2,12 +2,14 @@
 // logits"), with the arithmetic of flce/tile_epilogue.h:
 //
 // logits_epilogue_kernel  the stand-in for the fused GEMM's epilogue (csrc/cuda/sm90): fp32
-//                         logits from cuBLAS -> E [n, v] bf16 and a partial per (row, tile);
+//                         logits from cuBLAS -> E softcap'(z) [n, v] bf16 and a partial per
+//                         (row, tile);
 //                         where the fused GEMM does not run (sm_80, the host emulation,
 //                         unaligned operands), and as its reference on the GPU;
 // fused_merge_kernel      each row's tile partials merged in a fixed order -> [n, kPartialCols];
-// fused_grad_kernel       E -> dz in place, per (row, tile) one factor f = a exp(r - ref) rdiv
-//                         and per element one multiply-add; the target entry from the fp32 z_t.
+// fused_grad_kernel       E softcap'(z) -> dz in place, per (row, tile) one factor
+//                         f = a exp(r - ref) rdiv and per element one multiply-add; the target
+//                         entry from the fp32 z_t.
 //
 // One warp per (row, tile of kFusedTileCols = 256 columns): lane k owns the kLaneCols = 8
 // adjacent columns [8k, 8k + 8) of the tile (one 16-byte access of bf16; the tests'
@@ -66,7 +68,9 @@ __global__ void __launch_bounds__(kThreads) logits_epilogue_kernel(const FusedLo
 #pragma unroll
     for (int k = 0; k < kLaneCols; ++k) {
       const int64_t c = c0 + k;
-      z[k] = c < p.v ? epi_logit(acc[c], p.bias != nullptr ? p.bias[c] : 0.f, p.temperature) : 0.f;
+      z[k] = c < p.v ? epi_logit(acc[c], p.bias != nullptr ? p.bias[c] : 0.f, p.softcap,
+                                 p.temperature)
+                     : 0.f;
       if (c < p.v) epi_see(st, z[k], c == tcol);
     }
 #pragma unroll
@@ -82,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) logits_epilogue_kernel(const FusedLo
     for (int k = 0; k < kLaneCols; ++k) {
       const float ek = c0 + k < p.v ? epi_exp(z[k], r, c0 + k == tcol) : 0.f;
       s += ek;
-      e.v[k] = from_float<bf16>(ek);
+      e.v[k] = from_float<bf16>(epi_stored(ek, z[k], p.softcap, p.temperature));
     }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
@@ -139,7 +143,8 @@ __global__ void __launch_bounds__(kThreads) fused_grad_kernel(const FusedGradPar
     }
     const int64_t slot = tcol - c0;
     if (slot >= 0 && slot < kLaneCols) {  // the target's whole gradient, its owner only
-      const float dz_t = rg.dz_t * inv_t;
+      const float dz_t =
+          epi_target_grad(rg.dz_t, p.stats[row * kStatsCols + 2], p.softcap, p.temperature);
       const bf16 hi = from_float<bf16>(dz_t);
 #pragma unroll
       for (int k = 0; k < kLaneCols; ++k) {

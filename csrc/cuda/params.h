@@ -267,11 +267,12 @@ struct FusedLogitsParams {
   int64_t logits_ld;
   int64_t n, v, d;
   const float* bias;  // [v] fp32 or nullptr
-  float temperature;  // z = (x . w + b) / temperature; no softcap on this path
+  float softcap;      // <= 0: none
+  float temperature;  // z = softcap(x . w + b) / temperature
   const int64_t* target;
   int64_t target_stride;
   int64_t col_offset, ignore_index;
-  void* e;        // [n, v] bf16 out: E, row stride e_ld elements
+  void* e;        // [n, v] bf16 out: E softcap'(z), row stride e_ld elements
   int64_t e_ld;
   float* partials;  // [n, ceil(v / kFusedTileCols), kPartialCols] out, contiguous
 };
@@ -289,15 +290,17 @@ cudaError_t launch_logits_epilogue(const FusedLogitsParams& p, cudaStream_t stre
 cudaError_t launch_fused_merge(const float* partials, int64_t n, int64_t tiles, float* merged,
                                cudaStream_t stream);
 
-// dz over E in place (bf16): dz_j = (f_tile E_j - u) / T, the target's dz_t / T, with f_tile
-// from the row's coefficients and its tile's m (tile_epilogue.h); target_resid as RowGradParams'.
+// dz over the stored values in place (bf16): dz_j = (f_tile stored_j - u) / T, the target's
+// dz_t softcap'(z_t) / T, with f_tile from the row's coefficients and its tile's m
+// (tile_epilogue.h); target_resid as RowGradParams'.
 struct FusedGradParams {
-  void* e;  // [n, v] bf16, row stride e_ld: E in, dz out
+  void* e;  // [n, v] bf16, row stride e_ld: E softcap'(z) in, dz out
   int64_t e_ld;
   const float* partials;  // [n, tiles, kPartialCols] from the epilogue (m per tile)
   const float* coef;      // [n, 8] from launch_row_coef
+  const float* stats;     // [n, kStatsCols] from launch_combine (z_t: the target's chain rule)
   int64_t n, v;
-  float temperature;
+  float softcap, temperature;
   const int64_t* target;
   int64_t target_stride;
   int64_t col_offset, ignore_index;

@@ -196,14 +196,14 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   const at::Tensor bias32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
 
   // The fused logits path (FLCE_CUDA_FUSED_LOGITS=1, opt-in until a GPU has run it; docs/cuda.md
-  // "Fused logits"): the logits GEMM's epilogue stores E = exp(z - r_tile) in bf16 where the
-  // group's dz will be, with a partial per (row, tile), and dz is computed over E in place. For
-  // bf16 inputs and weight whose gradient meets its bound from the stored E
-  // (tile_epilogue.h): no label smoothing (cancellation), no softcap (its chain rule needs z),
-  // no bias gradient (the column sums are the exact path's).
+  // "Fused logits"): the logits GEMM's epilogue stores E softcap'(z), E = exp(z - r_tile), in
+  // bf16 where the group's dz will be, with a partial per (row, tile), and dz is computed over
+  // it in place. For bf16 inputs and weight whose gradient meets its bound from the stored
+  // values (tile_epilogue.h): no label smoothing (cancellation), no bias gradient (the column
+  // sums are the exact path's).
   const bool fused = env_flag("FLCE_CUDA_FUSED_LOGITS", false) && compute == at::kBFloat16 &&
                      weight.scalar_type() == at::kBFloat16 && label_smoothing == 0.0 &&
-                     !(softcap > 0.0) && !need_b && v > 0;
+                     !need_b && v > 0;
   // Its GEMM (CUTLASS, sm_90a) where it takes the operands: x row-major (TMA), every sub-chunk
   // the whole group (no fp32 scratch to bound it; vocab-parallel ranks keep the common plan).
   const at::Tensor xf = fused && x.stride(1) != 1 ? x.contiguous() : x;
@@ -217,6 +217,7 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
     fused_base.v = v;
     fused_base.d = d;
     fused_base.bias = bias ? bias32.data_ptr<float>() : nullptr;
+    fused_base.softcap = static_cast<float>(softcap);
     fused_base.temperature = static_cast<float>(temperature);
     fused_base.col_offset = shard.vocab_start;
     fused_base.ignore_index = ignore_index;
@@ -377,8 +378,10 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
         fg.e_ld = gld;
         fg.partials = tile_partials.data_ptr<float>();
         fg.coef = coef.data_ptr<float>();
+        fg.stats = st.data_ptr<float>();
         fg.n = sn;
         fg.v = v;
+        fg.softcap = static_cast<float>(softcap);
         fg.temperature = static_cast<float>(temperature);
         fg.target = ts.data_ptr<int64_t>();
         fg.target_stride = ts.stride(0);

@@ -34,11 +34,12 @@ int share_of(int c, int shares) {
 
 struct TileOut {
   float m, s, zt;
-  std::vector<float> e;  // E of the tile's columns, rounded to bf16
+  std::vector<float> e;  // the stored values of the tile's columns (E softcap'(z)), in bf16
 };
 
 // The epilogue of one (row, tile) of logits z[c0, c0 + cols), target column tcol (or -1).
-TileOut epilogue(const std::vector<float>& z, int64_t c0, int cols, int64_t tcol, int shares) {
+TileOut epilogue(const std::vector<float>& z, int64_t c0, int cols, int64_t tcol, int shares,
+                 float cap = 0.f, float temperature = 1.f) {
   std::vector<flce::EpiRow> part(shares, flce::epi_row_empty());
   for (int c = 0; c < cols; ++c) flce::epi_see(part[share_of(c, shares)], z[c0 + c], c0 + c == tcol);
   // butterfly: every share ends with the same merged value
@@ -58,7 +59,7 @@ TileOut epilogue(const std::vector<float>& z, int64_t c0, int cols, int64_t tcol
   for (int c = 0; c < cols; ++c) {
     const float e = flce::epi_exp(z[c0 + c], r, c0 + c == tcol);
     sums[share_of(c, shares)] += e;
-    out.e[c] = flce::bf16_value(flce::bf16_bits(e));
+    out.e[c] = flce::bf16_value(flce::bf16_bits(flce::epi_stored(e, z[c0 + c], cap, temperature)));
   }
   for (int off = 1; off < shares; off *= 2) {
     std::vector<float> next(shares);
@@ -78,11 +79,13 @@ struct RowOut {
   std::vector<TileOut> tiles;
 };
 
-RowOut run_row(const std::vector<float>& z, int64_t tcol, int shares) {
+RowOut run_row(const std::vector<float>& z, int64_t tcol, int shares, float cap = 0.f,
+               float temperature = 1.f) {
   RowOut row{flce::lse_empty(), -kInf, {}};
   const int64_t v = static_cast<int64_t>(z.size());
   for (int64_t c0 = 0; c0 < v; c0 += kTile) {
-    TileOut t = epilogue(z, c0, static_cast<int>(std::min<int64_t>(kTile, v - c0)), tcol, shares);
+    TileOut t = epilogue(z, c0, static_cast<int>(std::min<int64_t>(kTile, v - c0)), tcol, shares,
+                         cap, temperature);
     row.x = flce::lse_merge(row.x, flce::OnlineLse{t.m, t.s, 0.f});
     if (t.zt != -kInf) row.zt = t.zt;
     row.tiles.push_back(std::move(t));
@@ -107,26 +110,29 @@ LD lse_except(const std::vector<float>& z, int64_t tcol) {
   return m + std::log(s);
 }
 
-// Logits of a row from accumulators, a bias and a temperature, as the epilogue forms them.
-std::vector<float> logits(int64_t v, float sigma, bool bias, float temperature) {
+// Logits of a row from accumulators, a bias, a softcap and a temperature, as the epilogue forms
+// them.
+std::vector<float> logits(int64_t v, float sigma, bool bias, float temperature, float cap = 0.f) {
   std::vector<float> z(v);
   for (auto& x : z) {
     const float acc = check::normal(sigma);
-    x = flce::epi_logit(acc, bias ? check::normal(1.f) : 0.f, temperature);
+    x = flce::epi_logit(acc, bias ? check::normal(1.f) : 0.f, cap, temperature);
   }
   return z;
 }
 
-// dz of every column from the row's statistics and the stored E, rounded to bf16.
+// dz of every column from the row's statistics and the stored values, rounded to bf16.
 std::vector<float> fused_grad(const RowOut& row, int64_t tcol, const flce::RowGrad& g,
-                              float inv_t) {
+                              float temperature, float cap = 0.f) {
+  const float inv_t = 1.f / temperature;
   std::vector<float> dz;
   for (size_t k = 0; k < row.tiles.size(); ++k) {
     const TileOut& t = row.tiles[k];
     const float f = flce::epi_grad_factor(g, t.m);
     for (size_t c = 0; c < t.e.size(); ++c) {
       const int64_t j = static_cast<int64_t>(k) * kTile + static_cast<int64_t>(c);
-      const float d = j == tcol ? g.dz_t * inv_t : flce::epi_logit_grad(f, t.e[c], g.u, inv_t);
+      const float d = j == tcol ? flce::epi_target_grad(g.dz_t, row.zt, cap, temperature)
+                                : flce::epi_logit_grad(f, t.e[c], g.u, inv_t);
       dz.push_back(flce::bf16_value(flce::bf16_bits(d)));
     }
   }
@@ -197,27 +203,37 @@ TEST(fused_gradient_is_within_two_roundings) {
     flce::LossOptions o = opt;
     o.vocab_size = v;
     for (float temperature : {1.f, 0.5f}) {
-      const auto z = logits(v, 4.f, false, temperature);
+     for (float cap : {0.f, 6.f}) {
+      const auto z = logits(v, 4.f, false, temperature, cap);
       const int64_t tcol = v / 3;
-      const RowOut row = run_row(z, tcol, 4);
+      const RowOut row = run_row(z, tcol, 4, cap, temperature);
       const flce::RowGrad g = flce::row_grad(row.x, row.zt, false, 1.f, 0.f, o);
-      const float inv_t = 1.f / temperature;
-      const auto dz = fused_grad(row, tcol, g, inv_t);
-      // exact: a p_j - u, p_j = exp(z_j - lse), with the coefficients' a (their own rounding is
-      // the exact path's as well)
+      const auto dz = fused_grad(row, tcol, g, temperature, cap);
+      // exact: (a p_j - u) c_j / T, p_j = exp(z_j - lse), c_j = softcap'(z_j), with the
+      // coefficients' a (their own rounding is the exact path's as well)
       const LD lse = logaddexp_ld_(lse_except(z, tcol), z[tcol]);
+      auto chain = [&](float zz) -> LD {
+        const LD r = cap > 0 ? static_cast<LD>(zz) * temperature / cap : 0;
+        return (1 - r * r) / temperature;
+      };
       for (int64_t j = 0; j < v; ++j) {
         if (j == tcol) {
-          EXPECT(dz[j] == flce::bf16_value(flce::bf16_bits(g.dz_t * inv_t)), "target entry");
+          const float want = g.dz_t * flce::logit_transform_grad(z[tcol], cap, temperature);
+          EXPECT(dz[j] == flce::bf16_value(flce::bf16_bits(want)), "target entry");
           continue;
         }
-        const LD ref = (g.a * std::exp(static_cast<LD>(z[j]) - lse) - g.u) / temperature;
+        const LD ref = (g.a * std::exp(static_cast<LD>(z[j]) - lse) - g.u) * chain(z[j]);
         if (ref == 0) continue;
         const LD rel = std::fabs(dz[j] - ref) / std::fabs(ref);
         worst = std::max(worst, rel);
-        EXPECT(rel <= 2 * kB + 16 * kU, "v=%lld j=%lld: dz %.9g vs %.12Lg (rel %.3Lg)", (long long)v,
+        // (c_j from the fp32 z_j: 1 - r^2 loses |2 r^2 / (1 - r^2)| 2^-24 where r -> 1, as on
+        // the exact path)
+        const LD r2 = cap > 0 ? std::pow(static_cast<LD>(z[j]) * temperature / cap, 2) : 0;
+        EXPECT(rel <= 2 * kB + 16 * kU + 4 * r2 / (1 - r2) * kU,
+               "v=%lld cap=%g j=%lld: dz %.9g vs %.12Lg (rel %.3Lg)", (long long)v, cap,
                (long long)j, dz[j], ref, rel);
       }
+     }
     }
   }
   std::printf("  worst dz error: %.3Lg relative (one bf16 rounding: %.3Lg, bound %.3Lg)\n",
@@ -232,7 +248,7 @@ TEST(fused_gradient_is_within_two_roundings) {
   auto z = logits(4096, 1.f, false, 1.f);
   const RowOut row = run_row(z, 5, 4);
   const flce::RowGrad g = flce::row_grad(row.x, row.zt, false, 1.f, 0.f, ls);
-  const auto dz = fused_grad(row, 5, g, 1.f);
+  const auto dz = fused_grad(row, 5, g, 1.f);  // (no softcap)
   const LD lse = logaddexp_ld_(lse_except(z, 5), z[5]);
   LD worst_ls = 0;
   for (int64_t j = 0; j < 4096; ++j) {

@@ -154,6 +154,15 @@ MUTATIONS = [
          file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
          original="    for (int64_t t = lane; t < tiles; t += 32) {\n",
          replacement="    for (int64_t t = lane; t < tiles; t += 64) {\n"),
+    # Softcap's chain rule left out of the stored values, or out of the target entry.
+    dict(name="fused_stored_without_softcap_chain",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="      e.v[k] = from_float<bf16>(epi_stored(ek, z[k], p.softcap, p.temperature));\n",
+         replacement="      e.v[k] = from_float<bf16>(ek);\n"),
+    dict(name="fused_target_without_softcap_chain",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="epi_target_grad(rg.dz_t, p.stats[row * kStatsCols + 2], p.softcap, p.temperature)",
+         replacement="epi_target_grad(rg.dz_t, p.stats[row * kStatsCols + 2], 0.f, p.temperature)"),
     # dz of every tile scaled with the row's first tile's max.
     dict(name="fused_grad_first_tile_scale",
          file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,

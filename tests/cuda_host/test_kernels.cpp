@@ -1396,6 +1396,7 @@ void run_fused(const Case& c) {
     fp.n = n;
     fp.v = vr;
     fp.bias = c.bias ? bias.data() + lo : nullptr;
+    fp.softcap = c.softcap;
     fp.temperature = c.temp;
     fp.target = target.data();
     fp.target_stride = 2;
@@ -1430,11 +1431,21 @@ void run_fused(const Case& c) {
             continue;
           }
           // exp(z - m) at the kernel's m: the logit's bound (and m's, one of them), the fp32
-          // exp, then bf16's rounding
-          const double ex = std::exp(p.z[i * v + j] - ref_m);
-          const double tol = ex * (p.delta[i * v + j] + rr.dmax + 8 * kU) + 0.5 * ulp(ex * (1 + 1e-6), Kind::kBf16);
-          t.check(t.near(got, ex, tol), "row %lld col %lld: E %.9g vs %.9g", static_cast<long long>(i),
-                  static_cast<long long>(j), got, ex);
+          // exp; times softcap'(z) = 1 - r^2, r = T z / cap, from the kernel's z (its bound
+          // through d(1 - r^2) = 2 r dr, and fp32's roundings); then bf16's rounding
+          const double zz = p.z[i * v + j], dz = p.delta[i * v + j];
+          const double ex = std::exp(zz - ref_m);
+          double chain = 1, dchain = 0;
+          if (c.softcap > 0) {
+            const double r = c.temp * zz / c.softcap;
+            chain = 1 - r * r;
+            dchain = 2 * std::fabs(r) * c.temp * dz / c.softcap + 4 * kU;
+          }
+          const double want = ex * chain;
+          const double tol = ex * chain * (dz + rr.dmax + 8 * kU) + ex * dchain +
+                             0.5 * ulp(want * (1 + 1e-6) + ex * dchain, Kind::kBf16);
+          t.check(t.near(got, want, tol), "row %lld col %lld: stored %.9g vs %.9g",
+                  static_cast<long long>(i), static_cast<long long>(j), got, want);
         }
       }
     }
@@ -1458,8 +1469,10 @@ void run_fused(const Case& c) {
     gp.e_ld = eld[r];
     gp.partials = tiles_part[r]->data();
     gp.coef = coef.data();
+    gp.stats = stats.data();
     gp.n = n;
     gp.v = vr;
+    gp.softcap = c.softcap;
     gp.temperature = c.temp;
     gp.target = target.data();
     gp.target_stride = 2;
@@ -1647,6 +1660,14 @@ std::vector<Case> fused_cases() {
     c.temp = 0.8f;
     c.zloss = 1e-3f;
     c.grad_lse = true;
+    c.ranks = 2;
+    cs.push_back(c);
+  }
+  {
+    Case c = make(Kind::kBf16, 57, 600, 40);
+    c.softcap = 6.f;  // logits of std ~2.5: a few near saturation
+    c.temp = 1.3f;
+    c.ignore_rows = true;
     c.ranks = 2;
     cs.push_back(c);
   }

@@ -1,6 +1,7 @@
 // The fused logits GEMM for Hopper (sm_90a): acc = x . w^T on CUTLASS's TMA + WGMMA
 // warp-specialized persistent mainloop, with an epilogue that keeps no logits. For every (row,
-// 256-column tile) it stores E = exp(z - r_tile) in bf16 and one partial (m, s, z_t, 0, 0); the
+// 256-column tile) it stores E softcap'(z), E = exp(z - r_tile), in bf16 and one partial
+// (m, s, z_t, 0, 0); the
 // arithmetic is flce/tile_epilogue.h's (the SIMT stand-in launch_logits_epilogue computes the same
 // from cuBLAS' fp32 logits, and is what this kernel is checked against).
 //
@@ -168,6 +169,7 @@ constexpr bool verify_row_quads() {
 // ---------------------------------------------------------------------------------------------
 struct EpilogueParams {
   const float* bias;  // [v] or nullptr
+  float softcap;      // <= 0: none
   float temperature;
   const int64_t* target;
   int64_t target_stride;
@@ -282,7 +284,7 @@ class FusedLogitsEpilogue {
       const float b = (p_.bias != nullptr && col_in) ? p_.bias[col0 + n] : 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        z(r, c) = epi_logit(acc(r, c), b, p_.temperature);
+        z(r, c) = epi_logit(acc(r, c), b, p_.softcap, p_.temperature);
         if (col_in) epi_see(st[r], z(r, c), n == tcol[r]);
       }
     }
@@ -299,7 +301,8 @@ class FusedLogitsEpilogue {
       }
     }
 
-    // Steps 2-3: E = exp(z - r_tile) (0 at the target), its fp32 row sum, and the bf16 stores.
+    // Steps 2-3: E = exp(z - r_tile) (0 at the target), its fp32 row sum, and the bf16 stores
+    // of E softcap'(z) (epi_stored: E itself without softcap).
     // The stores go straight from registers to global memory, two adjacent columns (4 bytes) per
     // store (check c): a quad writes 16 contiguous bytes of a row. Staging the tile in shared
     // memory for a TMA store would write full lines; left for later (it needs a 64 KiB bf16
@@ -321,13 +324,15 @@ class FusedLogitsEpilogue {
         const float e1 = in1 ? epi_exp(z(r, c + 1), ref, n + 1 == tcol[r]) : 0.f;
         s += e0;
         s += e1;
+        const float q0 = epi_stored(e0, z(r, c), p_.softcap, p_.temperature);
+        const float q1 = epi_stored(e1, z(r, c + 1), p_.softcap, p_.temperature);
         if (row_in && in1) {
           __nv_bfloat162 pair;
-          pair.x = __float2bfloat16_rn(e0);
-          pair.y = __float2bfloat16_rn(e1);
+          pair.x = __float2bfloat16_rn(q0);
+          pair.y = __float2bfloat16_rn(q1);
           *reinterpret_cast<__nv_bfloat162*>(e_row + n) = pair;
         } else if (row_in && in0) {
-          e_row[n] = __float2bfloat16_rn(e0);
+          e_row[n] = __float2bfloat16_rn(q0);
         }
       }
       // The row's sum over its quad in a fixed order; every lane ends with the same bits (fp32
@@ -443,12 +448,12 @@ cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t st
   args.mainloop.dA = make_stride(p.x_ld, _1{}, int64_t(0));
   args.mainloop.ptr_B = static_cast<const ElementW*>(p.w);
   args.mainloop.dB = make_stride(p.w_ld, _1{}, int64_t(0));
-  args.epilogue = EpilogueParams{p.bias,      p.temperature,
-                                 p.target,    p.target_stride,
-                                 p.col_offset, p.ignore_index,
-                                 p.v,         static_cast<__nv_bfloat16*>(p.e),
-                                 p.e_ld,      p.partials,
-                                 tiles};
+  args.epilogue = EpilogueParams{p.bias,       p.softcap,
+                                 p.temperature, p.target,
+                                 p.target_stride, p.col_offset,
+                                 p.ignore_index, p.v,
+                                 static_cast<__nv_bfloat16*>(p.e), p.e_ld,
+                                 p.partials,   tiles};
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
 

@@ -4,33 +4,36 @@
 //
 // The logits GEMM's epilogue sees the fp32 accumulators acc of one (row, column tile) of
 // z = x . w^T and keeps none of them:
-//   z_j = (acc_j + b_j) / T                   (logit_transform without softcap)
+//   z_j = softcap(acc_j + b_j) / T            (math.h logit_transform)
 //   m   = max of the tile's non-target z_j    (fmaxf: NaN skipped; -inf when there is none)
 //   r   = m, or 0 when m = -inf               (the tile's reference, epi_ref)
-//   E_j = exp(z_j - r) for non-target j, 0 at the target column: stored in the gradient's
-//         dtype, one value per logit, each <= 1 (no overflow, whatever the logits' range)
-//   s   = sum of the fp32 E_j, before they are rounded (the loss keeps fp32 accuracy)
+//   E_j = exp(z_j - r) for non-target j, 0 at the target column
+//   s   = sum of the fp32 E_j, before anything is rounded (the loss keeps fp32 accuracy)
 //   z_t = the target's logit where the tile holds it, else -inf
+//   stored: E_j c_j in the gradient's dtype, one value per logit, with c_j = softcap'(z_j), the
+//         chain rule's factor that needs z_j (1 without softcap): each <= 1, no overflow
+//         whatever the logits' range (epi_stored)
 // and stores the partial (m, s, z_t, 0, 0) in partial_stats' format (math.h OnlineLse with u =
 // 0: the path returns no entropy; sum_z = 0: label smoothing takes the exact path). r = 0 for an
 // empty tile keeps -inf - -inf out of E and s (exp(-inf) = 0), as the row kernels do; a NaN
 // logit makes its E and s NaN.
 //
-// The gradient pass turns E into dz in place, per (row, tile) from the row's coefficients
-// (math.h RowGrad, from the merged statistics) and the tile's m:
+// The gradient pass turns the stored values into dz in place, per (row, tile) from the row's
+// coefficients (math.h RowGrad, from the merged statistics) and the tile's m:
 //   f    = a exp(r - ref) rdiv                 (epi_grad_factor; 0 for an empty tile)
-//   dz_j = (f E_j - u) / T  for non-target j    (epi_logit_grad)
-//   dz_t = dz_t / T at the target column        (the collapse-safe entry from the fp32 z_t)
-// which is math.h logit_grad_plain's a exp(z_j - ref) rdiv - u with exp(z_j - ref) split as
-// exp(z_j - r) exp(r - ref), r <= ref (ref is the row's max, r a max of some of its columns):
-// f <= a rdiv, no overflow.
+//   dz_j = f (E_j c_j) / T  for non-target j    (epi_logit_grad, with u = 0)
+//   dz_t = dz_t c_t / T at the target column    (the collapse-safe entry from the fp32 z_t)
+// which is math.h's (a exp(z_j - ref) rdiv - u) logit_transform_grad(z_j) with exp(z_j - ref)
+// split as exp(z_j - r) exp(r - ref), r <= ref (ref is the row's max, r a max of some of its
+// columns): f <= a rdiv, no overflow. (u = g eps / V is label smoothing's term; the kernels take
+// it, but the path keeps smoothing on the exact one, below.)
 //
 // Accuracy (docs/numerics.md "Fused logits"): the stored E_j carries one rounding to the
 // gradient's dtype (relative 2^-8 in bf16, its unit roundoff), and dz_j a second one when it is
 // stored: |dz_j - exact| <= (2 * 2^-8 + 2^-16 + a few 2^-24) |dz_j| with u = 0, one bf16 ulp
 // where the exact path has half of one. With u != 0 (label smoothing) f E_j - u cancels and E's
-// rounding is not bounded relative to dz_j: smoothing keeps the exact path, as does softcap (its
-// chain rule needs z_j, which E holds only to 2^-8 absolute).
+// rounding is not bounded relative to dz_j: smoothing keeps the exact path. (With softcap and
+// u != 0 the chain rule would also need c_j apart from E_j: u c_j.)
 #pragma once
 
 #include "flce/math.h"
@@ -71,9 +74,17 @@ FLCE_HD float epi_exp(float z, float ref, bool is_target) {
   return is_target ? 0.f : vexp(z - ref);
 }
 
-// The logit of one accumulator: the bias (nullptr: none) and the temperature, no softcap.
-FLCE_HD float epi_logit(float acc, float bias, float temperature) {
-  return logit_transform(acc + bias, 0.f, temperature);
+// The logit of one accumulator: the bias (0: none), softcap (<= 0: none) and temperature.
+FLCE_HD float epi_logit(float acc, float bias, float softcap, float temperature) {
+  return logit_transform(acc + bias, softcap, temperature);
+}
+
+// The stored value of a non-target logit z with its E = exp(z - r): E c, c = softcap'(z) (the
+// chain rule's factor of math.h logit_transform_grad but its 1 / T, which the gradient pass
+// applies); E itself without softcap.
+FLCE_HD float epi_stored(float e, float z, float softcap, float temperature) {
+  if (!(softcap > 0.f)) return e;
+  return e * softcap_grad(temperature == 1.f ? z : z * temperature, softcap);
 }
 
 // The partial of one (row, tile) in partial_stats' format (m, s, z_t, sum_z, u).
@@ -96,9 +107,15 @@ FLCE_HD float epi_grad_factor(const RowGrad& g, float m) {
   return g.a * (vexp(m - g.ref) * g.rdiv);
 }
 
-// dz of one non-target column from its stored E, with the temperature's chain rule (1 / T).
-FLCE_HD float epi_logit_grad(float f, float e, float u, float inv_temperature) {
-  return (f * e - u) * inv_temperature;
+// dz of one non-target column from its stored value (epi_stored), with the temperature's chain
+// rule (1 / T).
+FLCE_HD float epi_logit_grad(float f, float stored, float u, float inv_temperature) {
+  return (f * stored - u) * inv_temperature;
+}
+
+// dz of the target column: the row's collapse-safe dz_t times the chain rule at the fp32 z_t.
+FLCE_HD float epi_target_grad(float dz_t, float z_t, float softcap, float temperature) {
+  return dz_t * logit_transform_grad(z_t, softcap, temperature);
 }
 
 }  // namespace flce
