@@ -154,6 +154,11 @@ MUTATIONS = [
          file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
          original="    for (int64_t t = lane; t < tiles; t += 32) {\n",
          replacement="    for (int64_t t = lane; t < tiles; t += 64) {\n"),
+    # The grid-stride walk over (row, tile) pairs without the carry from tile to row.
+    dict(name="fused_pairs_without_carry",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="    if (tile >= tiles) {\n      tile -= tiles;\n      ++row;\n    }\n",
+         replacement="    if (tile >= tiles) tile -= tiles;\n"),
     # Softcap's chain rule left out of the stored values, or out of the target entry.
     dict(name="fused_stored_without_softcap_chain",
          file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
