@@ -18,8 +18,11 @@
 #   6. compute-sanitizer memcheck and racecheck on small shapes (benchmarks/gpu_sanitize.py;
 #      the fused path's memcheck: benchmarks/gpu_fused_check.py --small)
 #
-# Peers' wheels (pure Python + Triton) travel in .whl/ (ignored by git) and are installed into
-# /tmp/site when present. Logs are written to a scratch folder and packed after every step into
+# Peers' wheels (pure Python + Triton) travel in .whl/ (ignored by git: name it in the device
+# tool's carry) and are installed into /tmp/site when present; so does the nvidia-cutlass wheel,
+# whose headers the fused logits GEMM needs (the device has no registry):
+#   pip download --no-deps -d .whl -r requirements-cutlass.txt
+# Without it the build leaves the GEMM out and benchmarks/gpu_fused_check.py fails. Logs are written to a scratch folder and packed after every step into
 # $OUT/gpu_logs.tgz (the device tool returns at most 8 files); $OUT/table.txt and
 # $OUT/summary.txt beside it. Every step runs under a timeout and a failing step does not stop
 # the later ones; exit status 1 if any step failed.
@@ -84,6 +87,10 @@ if [[ "${CXX:-}" == /opt/gcc/* && -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
   export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 fi
 { echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version; } >>"$LOGS/env.log" 2>&1 || true
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('cutlass_library') is None)"; then
+  SUMMARY+=("cutlass        MISSING: no fused logits GEMM in this build (nvidia-cutlass wheel in .whl/)")
+  FAILED=1
+fi
 export FLCE_CUDA=1 TORCH_CUDA_ARCH_LIST="9.0a" FLCE_PTXAS_VERBOSE=1
 # The in-place build puts flce._C into python/flce: import flce from there.
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"

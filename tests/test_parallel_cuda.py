@@ -129,8 +129,13 @@ def _check_fused(rank, sizes, start):
     loss, gx, gw = out["1"]
     assert abs(loss.item() - loss1.item()) <= 1e-6 * abs(loss1.item()), (loss, loss1)
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()), (loss, ref)
-    assert _rel(gx, x1.grad) < 1e-2 and _rel(gw, w1.grad) < 1e-2
-    assert _rel(gx, xr.grad) < 2e-2 and _rel(gw, wr.grad) < 2e-2
+    # (one process's fused path: dW differs only where the statistics' merge order rounds a
+    # stored value the other way; dE also by the ranks' parts rounded to bf16 before their sum,
+    # as on the exact path; against float64, the bf16 gradients' own error, ~2e-3)
+    assert _rel(gx, x1.grad) < 5e-3 and _rel(gw, w1.grad) < 1e-3, (_rel(gx, x1.grad),
+                                                                   _rel(gw, w1.grad))
+    assert _rel(gx, xr.grad) < 5e-3 and _rel(gw, wr.grad) < 5e-3, (_rel(gx, xr.grad),
+                                                                   _rel(gw, wr.grad))
     assert not torch.equal(gw, out["0"][2]), "the fused path did not run"
     print(f"rank {rank} fused logits: ok")
 

@@ -277,10 +277,11 @@ struct FusedLogitsParams {
   float* partials;  // [n, ceil(v / kFusedTileCols), kPartialCols] out, contiguous
 };
 // The fused GEMM (CUTLASS, sm_90a; csrc/cuda/sm90): cudaErrorNotSupported where the module has
-// no sm_90a code, the device is not sm_90, or x, w, e are not 16-byte aligned (rows included):
-// the caller then takes the stand-in.
+// no sm_90a code, the device is not sm_90, x, w, e are not 16-byte aligned (rows included) or
+// CUTLASS refuses the shape.
 cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t stream);
-// Whether launch_fused_logits_sm90 would take these operands (no launch).
+// Whether launch_fused_logits_sm90 takes these operands (no launch; e, partials and target may
+// still be null): the caller asks before it plans, and takes the stand-in otherwise.
 bool fused_logits_sm90_supported(const FusedLogitsParams& p);
 // The stand-in: the same epilogue over fp32 logits from cuBLAS (sm_80, the host emulation, and
 // what the fused kernel is checked against).

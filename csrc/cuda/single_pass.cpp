@@ -204,13 +204,14 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   const bool fused = env_flag("FLCE_CUDA_FUSED_LOGITS", false) && compute == at::kBFloat16 &&
                      weight.scalar_type() == at::kBFloat16 && label_smoothing == 0.0 &&
                      !need_b && v > 0;
-  // Its GEMM (CUTLASS, sm_90a) where it takes the operands: x row-major (TMA), every sub-chunk
-  // the whole group (no fp32 scratch to bound it; vocab-parallel ranks keep the common plan).
-  const at::Tensor xf = fused && x.stride(1) != 1 ? x.contiguous() : x;
+  // Its GEMM (CUTLASS, sm_90a) where it takes the operands: x row-major (TMA; a column-major x
+  // is copied once the GEMM is sure to run), every sub-chunk the whole group (no fp32 scratch
+  // to bound it; vocab-parallel ranks keep the common plan).
+  const bool x_row_major = x.stride(1) == 1;
   cuda::FusedLogitsParams fused_base{};
   if (fused) {
-    fused_base.x = xf.data_ptr();
-    fused_base.x_ld = xf.stride(0);
+    fused_base.x = x_row_major ? x.data_ptr() : nullptr;  // (a fresh copy: aligned)
+    fused_base.x_ld = x_row_major ? x.stride(0) : d;
     fused_base.w = w.data_ptr();
     fused_base.w_ld = w.stride(0);
     fused_base.n = n;
@@ -226,6 +227,9 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   // (FLCE_CUDA_FUSED_GEMM=0: the stand-in everywhere, to compare the two on a GPU)
   const bool fused_gemm = fused && w.stride(1) == 1 && env_flag("FLCE_CUDA_FUSED_GEMM", true) &&
                           cuda::fused_logits_sm90_supported(fused_base);
+  const at::Tensor xf = fused_gemm && !x_row_major ? x.contiguous() : x;
+  fused_base.x = xf.data_ptr();
+  fused_base.x_ld = xf.stride(0);
 
   at::Tensor loss_rows = dev::empty({n}, f32);
   at::Tensor ge = need_e ? dev::empty({1, n, d}, f32) : input.new_empty({0});

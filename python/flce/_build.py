@@ -176,12 +176,20 @@ def local_version(archs, cuda_version):
 def cutlass_include(archs):
     """CUTLASS's C++ headers for the fused logits GEMM (csrc/cuda/sm90, sm_90a only), or None.
 
-    From the ``nvidia-cutlass`` wheel (requirements-build.txt; found without importing it), or
+    From the ``nvidia-cutlass`` wheel (requirements-cutlass.txt; found without importing it), or
     FLCE_CUTLASS=PATH (an include directory); FLCE_CUTLASS=0 builds without it (the fused path
     then always takes its SIMT stand-in), FLCE_CUTLASS=1 requires it. None as well when the arch
-    list has no 9.0a: the kernel is sm_90a code only."""
+    list has no 9.0a: the kernel is sm_90a code only. And None when the list also has a plain
+    9.0 target (sm_90 SASS or compute_90 PTX): that image holds CUTLASS's stub body, which
+    stores nothing, and the launcher cannot tell which of the two images the driver picked."""
     env = os.environ.get("FLCE_CUTLASS", "").strip()
     if env == "0" or not any(a.sm == "sm_90a" for a in archs):
+        return None
+    if any((a.major, a.minor) == (9, 0) and a.suffix != "a" for a in archs):
+        if env:
+            raise ArchError(f"FLCE_CUTLASS={env!r}: the fused logits GEMM is sm_90a code, and the "
+                            f"arch list {format_arch_list(archs)!r} also has a plain 9.0 target; "
+                            "drop it (9.0a runs on every sm_90 GPU)")
         return None
     path = env if env not in ("", "1") else None
     if path is None:
@@ -192,7 +200,7 @@ def cutlass_include(archs):
     if path is None or not os.path.exists(os.path.join(path, "cutlass", "version.h")):
         if env:
             raise ArchError(f"FLCE_CUTLASS={env!r}: no CUTLASS headers (cutlass/version.h) at "
-                            f"{path!r}; pip install -r requirements-build.txt (nvidia-cutlass), or "
+                            f"{path!r}; pip install --no-deps -r requirements-cutlass.txt, or "
                             "FLCE_CUTLASS=0 to build without the fused logits GEMM")
         return None
     return path

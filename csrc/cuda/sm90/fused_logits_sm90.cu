@@ -387,8 +387,9 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 // Whether the current device runs this module's sm_90a kernel, asked once per device (a few
 // microseconds of host work; no stream work, so safe under graph capture). An sm_90a cubin
 // reports binary and PTX version 9.0; anything else here (an sm_80 cubin, PTX of another arch
-// JIT-compiled) would run CUTLASS's stub body, which prints an error and stores nothing. (A
-// compute_90 PTX without 'a' would also report 9.0 / 9.0; the project builds none.)
+// JIT-compiled) would run CUTLASS's stub body, which prints an error and stores nothing. (An
+// sm_90 cubin or compute_90 PTX without 'a' would report 9.0 / 9.0 as well: the build leaves
+// this file out when the arch list has one, python/flce/_build.py cutlass_include.)
 bool device_runs_kernel(int device) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
@@ -406,6 +407,35 @@ bool device_runs_kernel(int device) {
   (void)cudaGetLastError();  // a failed query is not the next launch's error
   known[device].store(yes ? 1 : 2, std::memory_order_relaxed);
   return yes;
+}
+
+// The kernel's arguments for p on a device of sm_count SMs.
+typename Gemm::Arguments make_args(const FusedLogitsParams& p, int device, int sm_count) {
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = make_shape(int(p.n), int(p.v), int(p.d), 1);
+  args.mainloop.ptr_A = static_cast<const ElementX*>(p.x);
+  args.mainloop.dA = make_stride(p.x_ld, _1{}, int64_t(0));
+  args.mainloop.ptr_B = static_cast<const ElementW*>(p.w);
+  args.mainloop.dB = make_stride(p.w_ld, _1{}, int64_t(0));
+  args.epilogue = EpilogueParams{p.bias,          p.softcap,
+                                 p.temperature,   p.target,
+                                 p.target_stride, p.col_offset,
+                                 p.ignore_index,  p.v,
+                                 static_cast<__nv_bfloat16*>(p.e), p.e_ld,
+                                 p.partials,      (p.v + BLOCK_N - 1) / BLOCK_N};
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+int sm_count_of(int device) {
+  int sm_count = 0;
+  if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return sm_count;
 }
 
 }  // namespace
@@ -426,44 +456,31 @@ bool fused_logits_sm90_supported(const FusedLogitsParams& p) {
     (void)cudaGetLastError();
     return false;
   }
-  return device_runs_kernel(device);
+  const int sm_count = sm_count_of(device);
+  if (sm_count <= 0 || !device_runs_kernel(device)) return false;
+  // CUTLASS's own checks, and no workspace (there is no allocator here: a configuration that
+  // needed one is refused rather than run without it). The caller may ask before it has E, the
+  // partials or the targets: stand-ins at an aligned address (only their alignment is read).
+  FusedLogitsParams q = p;
+  void* const stand_in = reinterpret_cast<void*>(uintptr_t{256});
+  if (q.e == nullptr) q.e = stand_in;
+  if (q.partials == nullptr) q.partials = static_cast<float*>(stand_in);
+  if (q.target == nullptr) q.target = static_cast<const int64_t*>(stand_in);
+  const typename Gemm::Arguments args = make_args(q, device, sm_count);
+  return Gemm::get_workspace_size(args) == 0 &&
+         Gemm::can_implement(args) == cutlass::Status::kSuccess;
 }
 
 cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t stream) {
-  if (!fused_logits_sm90_supported(p)) return cudaErrorNotSupported;
-  int device = 0, sm_count = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (p.e == nullptr || p.partials == nullptr || p.target == nullptr ||
+      !fused_logits_sm90_supported(p)) {
+    return cudaErrorNotSupported;
   }
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-
-  const int n = int(p.n), v = int(p.v), d = int(p.d);
-  const int64_t tiles = (p.v + BLOCK_N - 1) / BLOCK_N;
-
-  typename Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = make_shape(n, v, d, 1);
-  args.mainloop.ptr_A = static_cast<const ElementX*>(p.x);
-  args.mainloop.dA = make_stride(p.x_ld, _1{}, int64_t(0));
-  args.mainloop.ptr_B = static_cast<const ElementW*>(p.w);
-  args.mainloop.dB = make_stride(p.w_ld, _1{}, int64_t(0));
-  args.epilogue = EpilogueParams{p.bias,       p.softcap,
-                                 p.temperature, p.target,
-                                 p.target_stride, p.col_offset,
-                                 p.ignore_index, p.v,
-                                 static_cast<__nv_bfloat16*>(p.e), p.e_ld,
-                                 p.partials,   tiles};
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
-
-  // Workspace: the static persistent scheduler and this epilogue need none; there is no
-  // allocator here, so a configuration that needed one is refused rather than run without it.
-  if (Gemm::get_workspace_size(args) != 0) return cudaErrorNotSupported;
-  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
-
   Gemm gemm;
-  cutlass::Status s = gemm.initialize(args, nullptr, stream);
+  cutlass::Status s = gemm.initialize(make_args(p, device, sm_count_of(device)), nullptr, stream);
   if (s != cutlass::Status::kSuccess) return status_error(s);
   s = gemm.run(stream);
   if (s != cutlass::Status::kSuccess) return status_error(s);
