@@ -18,8 +18,8 @@ Environment:
                           cores MAX_JOBS leaves idle when there are fewer .cu files than jobs.
   FLCE_PTXAS_VERBOSE=1    pass -Xptxas -v (registers and spills per kernel, used by CI).
   FLCE_CUTLASS            unset: CUTLASS's headers from the nvidia-cutlass wheel when found
-                          (the fused logits GEMM, sm_90a); 0: build without; 1: require them;
-                          a path: that include directory.
+                          (the fused logits GEMMs, sm_90a / sm_100a); 0: build without; 1:
+                          require them; a path: that include directory.
 See docs/build.md.
 """
 import glob
@@ -164,18 +164,21 @@ if use_cuda:
     except _build.ArchError as e:
         sys.exit(f"error: {e}")
     cu_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    # The fused logits GEMM (CUTLASS's sm90 warp-specialized mainloop, our epilogue) where the
-    # arch list has sm_90a and CUTLASS's headers are there; elsewhere its SIMT stand-in.
+    # The fused logits GEMMs (CUTLASS's sm90 / sm100 warp-specialized mainloops, our epilogue)
+    # where the arch list has sm_90a / sm_100a and CUTLASS's headers are there; elsewhere their
+    # SIMT stand-in.
     try:
         cutlass = _build.cutlass_include(archs)
     except _build.ArchError as e:
         sys.exit(f"error: {e}")
     if cutlass:
-        cu_sources += sorted(glob.glob("csrc/cuda/sm90/*.cu"))
+        kernels = _build.cutlass_kernels(archs)
+        for k in kernels:
+            cu_sources += sorted(glob.glob(f"csrc/cuda/{k}/*.cu"))
+            define_macros.append((f"FLCE_WITH_CUTLASS_{k.upper()}", "1"))
         include_dirs.append(cutlass)
-        define_macros.append(("FLCE_WITH_CUTLASS", "1"))
-        print(f"flce: the fused logits GEMM with CUTLASS {_build.cutlass_version(cutlass)} "
-              f"({cutlass})")
+        print(f"flce: the fused logits GEMM for {', '.join(kernels)} with CUTLASS "
+              f"{_build.cutlass_version(cutlass)} ({cutlass})")
     else:
         print("flce: no fused logits GEMM in this build (no sm_90a, or no CUTLASS headers: "
               "FLCE_CUTLASS)")
@@ -226,6 +229,7 @@ _build.write_build_info(
     arch_list=_build.format_arch_list(archs), sass=[a.sm for a in archs],
     ptx=[a.compute for a in archs if a.ptx], cuda_sources=len(cu_sources),
     cutlass=_build.cutlass_version(cutlass) if cutlass else None,
+    cutlass_kernels=_build.cutlass_kernels(archs) if cutlass else [],
     build_system="setuptools")
 
 # The static metadata (name, description, Python versions) is in pyproject.toml; these two are

@@ -1,8 +1,9 @@
 """The fused logits path on a GPU (FLCE_CUDA_FUSED_LOGITS=1; docs/cuda.md "Fused logits").
 
-1. Which epilogue ran: the CUTLASS sm_90a GEMM (a kernel named ...FusedLogitsEpilogue... in the
-   profiler) or its SIMT stand-in (logits_epilogue_kernel). On an H100/H200 with a 9.0a build
-   the CUTLASS kernel must run; a silent fallback is reported as a failure.
+1. Which epilogue ran: a CUTLASS GEMM (sm_90a or sm_100a: a kernel named
+   ...FusedLogitsEpilogue... in the profiler) or its SIMT stand-in (logits_epilogue_kernel). On
+   an H100/H200 with a 9.0a build (a B200 with 10.0a) the CUTLASS kernel must run; a silent
+   fallback is reported as a failure.
 2. The CUTLASS kernel against the stand-in on the same inputs (FLCE_CUDA_FUSED_GEMM=0), shapes
    with tails in N, V and D: the loss within fp32 rounding of each other, the gradients within
    bf16's (the two differ only in the GEMM's fp32 summation order, and E's rounding where that
@@ -41,6 +42,20 @@ def kernels_of(fn):
     return {e.key for e in prof.key_averages()}
 
 
+# The GPU's CUTLASS kernel: the build's SASS target and CUTLASS kernel for it.
+KERNELS = {(9, 0): ("sm_90a", "sm90"), (10, 0): ("sm_100a", "sm100")}
+
+
+def wants_cutlass():
+    sass, _ = KERNELS.get(torch.cuda.get_device_capability(), (None, None))
+    return sass is not None and sass in flce.build_info()["sass"]
+
+
+def has_cutlass():
+    _, kernel = KERNELS.get(torch.cuda.get_device_capability(), (None, None))
+    return kernel in (flce.build_info().get("cutlass_kernels") or [])
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -59,14 +74,12 @@ def main():
                                         FLCE_CUDA_FUSED_GEMM="1"))
         cutlass = any("FusedLogitsEpilogue" in k for k in names)
         stand_in = any("logits_epilogue_kernel" in k for k in names)
-        # An H100/H200 and a build for 9.0a must run the CUTLASS kernel: a build that left it
-        # out (no CUTLASS headers where it was built) fails here too.
-        info = flce.build_info()
-        want_cutlass = (torch.cuda.get_device_capability() == (9, 0) and "sm_90a" in info["sass"]
-                        and d % 8 == 0)
-        if want_cutlass and info.get("cutlass") is None:
-            print("FAIL: this build has no fused logits GEMM (no CUTLASS headers at build time: "
-                  "put the nvidia-cutlass wheel in .whl/, see gpu_check.sh)")
+        # An H100/H200 with a build for 9.0a (a B200 with 10.0a) must run the CUTLASS kernel: a
+        # build that left it out (no CUTLASS headers where it was built) fails here too.
+        want_cutlass = wants_cutlass() and d % 8 == 0
+        if want_cutlass and not has_cutlass():
+            print("FAIL: this build has no fused logits GEMM for this GPU (no CUTLASS headers at "
+                  "build time: put the nvidia-cutlass wheel in .whl/, see gpu_check.sh)")
             return 1
         a = step(x, w, t, FLCE_CUDA_FUSED_LOGITS="1", FLCE_CUDA_FUSED_GEMM="1")
         b = step(x, w, t, FLCE_CUDA_FUSED_LOGITS="1", FLCE_CUDA_FUSED_GEMM="0")
@@ -124,9 +137,7 @@ def vocab_parallel_one_rank():
         del os.environ["FLCE_CUDA_WORKSPACE_MB"]
         errs = [rel(p, q) for p, q in zip(out["parallel"], out["single"])]
         cutlass = any("FusedLogitsEpilogue" in k for k in names)
-        want = (torch.cuda.get_device_capability() == (9, 0)
-                and "sm_90a" in flce.build_info()["sass"])
-        good = cutlass == want and errs[0] < 1e-5 and errs[1] < 1e-3 and errs[2] < 1e-3
+        good = cutlass == wants_cutlass() and errs[0] < 1e-5 and errs[1] < 1e-3 and errs[2] < 1e-3
         print(f"{'ok  ' if good else 'FAIL'} vocab-parallel, one rank, sub-chunks at offsets: "
               f"epilogue {'CUTLASS' if cutlass else 'not CUTLASS'}; vs one process: loss "
               f"{errs[0]:.1e}, dE {errs[1]:.1e}, dW {errs[2]:.1e}")

@@ -204,9 +204,9 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   const bool fused = env_flag("FLCE_CUDA_FUSED_LOGITS", false) && compute == at::kBFloat16 &&
                      weight.scalar_type() == at::kBFloat16 && label_smoothing == 0.0 &&
                      !need_b && v > 0;
-  // Its GEMM (CUTLASS, sm_90a) where it takes the operands: x row-major (TMA; a column-major x
-  // is copied once the GEMM is sure to run), every sub-chunk the whole group (no fp32 scratch
-  // to bound it; vocab-parallel ranks keep the common plan).
+  // Its GEMM (CUTLASS, sm_90a or sm_100a) where it takes the operands: x row-major (TMA; a
+  // column-major x is copied once the GEMM is sure to run), every sub-chunk the whole group (no
+  // fp32 scratch to bound it; vocab-parallel ranks keep the common plan).
   const bool x_row_major = x.stride(1) == 1;
   cuda::FusedLogitsParams fused_base{};
   if (fused) {
@@ -225,8 +225,10 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
     fused_base.e_ld = logits_ld(v);
   }
   // (FLCE_CUDA_FUSED_GEMM=0: the stand-in everywhere, to compare the two on a GPU)
-  const bool fused_gemm = fused && w.stride(1) == 1 && env_flag("FLCE_CUDA_FUSED_GEMM", true) &&
-                          cuda::fused_logits_sm90_supported(fused_base);
+  const bool try_gemm = fused && w.stride(1) == 1 && env_flag("FLCE_CUDA_FUSED_GEMM", true);
+  const bool gemm_sm90 = try_gemm && cuda::fused_logits_sm90_supported(fused_base);
+  const bool gemm_sm100 = try_gemm && !gemm_sm90 && cuda::fused_logits_sm100_supported(fused_base);
+  const bool fused_gemm = gemm_sm90 || gemm_sm100;
   const at::Tensor xf = fused_gemm && !x_row_major ? x.contiguous() : x;
   fused_base.x = xf.data_ptr();
   fused_base.x_ld = xf.stride(0);
@@ -320,8 +322,10 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
         fp.target_stride = ts.stride(0);
         fp.e = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
         fp.partials = tile_partials.data_ptr<float>();
-        if (fused_gemm) {
+        if (gemm_sm90) {
           check_launch(cuda::launch_fused_logits_sm90(fp, stream), "fused_logits_sm90");
+        } else if (gemm_sm100) {
+          check_launch(cuda::launch_fused_logits_sm100(fp, stream), "fused_logits_sm100");
         } else {
           const at::Tensor logits =
               at::from_blob(scratch.data_ptr<float>(), {sn, v}, {ld, 1}, f32);

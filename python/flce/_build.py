@@ -173,20 +173,33 @@ def local_version(archs, cuda_version):
     return ".".join([cu] + [a.sm.replace("_", "") for a in archs])
 
 
+def cutlass_kernels(archs):
+    """The fused logits GEMMs this arch list can hold: "sm90" (csrc/cuda/sm90, sm_90a code) where
+    it has 9.0a and no plain 9.0 target (sm_90 SASS or compute_90 PTX: that image would hold
+    CUTLASS's stub body, which stores nothing, and the launcher could not tell which of the two
+    the driver picked); "sm100" (csrc/cuda/sm100, sm_100a code) where it has 10.0a (its stub
+    carries a marker the launcher checks, so a plain 10.0 beside it is fine)."""
+    out = []
+    if any(a.sm == "sm_90a" for a in archs) and not any(
+            (a.major, a.minor) == (9, 0) and a.suffix != "a" for a in archs):
+        out.append("sm90")
+    if any(a.sm == "sm_100a" for a in archs):
+        out.append("sm100")
+    return out
+
+
 def cutlass_include(archs):
-    """CUTLASS's C++ headers for the fused logits GEMM (csrc/cuda/sm90, sm_90a only), or None.
+    """CUTLASS's C++ headers for the fused logits GEMMs (cutlass_kernels), or None.
 
     From the ``nvidia-cutlass`` wheel (requirements-cutlass.txt; found without importing it), or
     FLCE_CUTLASS=PATH (an include directory); FLCE_CUTLASS=0 builds without it (the fused path
     then always takes its SIMT stand-in), FLCE_CUTLASS=1 requires it. None as well when the arch
-    list has no 9.0a: the kernel is sm_90a code only. And None when the list also has a plain
-    9.0 target (sm_90 SASS or compute_90 PTX): that image holds CUTLASS's stub body, which
-    stores nothing, and the launcher cannot tell which of the two images the driver picked."""
+    list can hold none of the kernels."""
     env = os.environ.get("FLCE_CUTLASS", "").strip()
-    if env == "0" or not any(a.sm == "sm_90a" for a in archs):
+    if env == "0":
         return None
-    if any((a.major, a.minor) == (9, 0) and a.suffix != "a" for a in archs):
-        if env:
+    if not cutlass_kernels(archs):
+        if env and any(a.sm == "sm_90a" for a in archs):
             raise ArchError(f"FLCE_CUTLASS={env!r}: the fused logits GEMM is sm_90a code, and the "
                             f"arch list {format_arch_list(archs)!r} also has a plain 9.0 target; "
                             "drop it (9.0a runs on every sm_90 GPU)")
@@ -319,8 +332,8 @@ def check_cuda_device(device):
 
 def _main(argv):
     """CLI for CMake: ``gencode ARCH_LIST NVCC`` prints the nvcc flags (a CMake list) after
-    validating; ``cutlass ARCH_LIST`` prints CUTLASS's include directory and version
-    (``PATH|4.2.0``, or nothing); ``write-info PATH key=value ...`` writes the build-info
+    validating; ``cutlass ARCH_LIST`` prints CUTLASS's include directory, its version and the
+    fused GEMMs to build (``PATH|4.2.0|sm90,sm100``, or nothing); ``write-info PATH key=value ...`` writes the build-info
     module."""
     try:
         if argv[:1] == ["gencode"] and len(argv) == 3:
@@ -330,8 +343,10 @@ def _main(argv):
             print(f"{','.join(map(str, archs))}|{version}|{';'.join(gencode_flags(archs))}")
             return 0
         if argv[:1] == ["cutlass"] and len(argv) == 2:
-            include = cutlass_include(parse_arch_list(argv[1], "none"))
-            print(f"{include}|{cutlass_version(include)}" if include else "")
+            archs = parse_arch_list(argv[1], "none")
+            include = cutlass_include(archs)
+            print(f"{include}|{cutlass_version(include)}|{','.join(cutlass_kernels(archs))}"
+                  if include else "")
             return 0
         if argv[:1] == ["write-info"] and len(argv) >= 2:
             fields = dict(kv.split("=", 1) for kv in argv[2:])
@@ -346,6 +361,7 @@ def _main(argv):
                 sass=[a.sm for a in archs], ptx=[a.compute for a in archs if a.ptx],
                 cuda_sources=int(fields.get("cuda_sources", 0)),
                 cutlass=fields.get("cutlass") or None,
+                cutlass_kernels=[k for k in fields.get("cutlass_kernels", "").split(",") if k],
                 build_system=fields.get("build_system", "cmake"))
             return 0
     except ArchError as e:

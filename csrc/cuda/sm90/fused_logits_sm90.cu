@@ -6,7 +6,7 @@
 // from cuBLAS' fp32 logits, and is what this kernel is checked against).
 //
 // Built by setup.py / CMake where the arch list has sm_90a and CUTLASS's headers are found
-// (FLCE_WITH_CUTLASS; flce_fused.cu has the stub otherwise), for every gencode of the build
+// (FLCE_WITH_CUTLASS_SM90; flce_fused.cu has the stub otherwise), for every gencode of the build
 // (sm_80, sm_90a, sm_100): only the sm_90a pass holds the real kernel; the other device passes
 // compile CUTLASS's stub body (ENABLE_SM90_KERNEL_LEVEL unset), and the host refuses them at run
 // time (fused_logits_sm90_supported below).
