@@ -124,7 +124,18 @@ for _ in range(3):
     flce.linear_cross_entropy(x, w, t).backward()
 torch.cuda.set_sync_debug_mode(0)
 torch.cuda.synchronize()
-print('training steps without a host sync: ok')"
+print('training steps without a host sync: ok')
+if '$FLCE_BENCH_FUSED' == '1':  # the fused logits path too, once its check passed
+    import os
+    os.environ['FLCE_CUDA_FUSED_LOGITS'] = '1'
+    flce.linear_cross_entropy(x, w, t).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    for _ in range(3):
+        flce.linear_cross_entropy(x, w, t).backward()
+    torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    print('fused logits training steps without a host sync: ok')"
   step bench 170 "$PY" benchmarks/gpu_bench.py --out "$LOGS" --compile \
     --record "$OUT/gpu_records.jsonl" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"}
   [[ -f "$LOGS/table.txt" ]] && cp "$LOGS/table.txt" "$OUT/table.txt"
@@ -165,6 +176,10 @@ for n, v, d in ((16384, 32768, 1024), (4096, 128256, 4096)):
   step profile 45 "$PY" benchmarks/profile_step.py --n 4096 --v 128256 --d 4096 --warmup 2 \
     --steps 3 --peak-tflops 790 --torch-profiler "$LOGS/trace_4096x128256x4096.json" \
     --memory-snapshot "$LOGS/memory_4096x128256x4096.pickle"
+  # The same for the fused logits path, once its check passed (its kernels' share of the step).
+  [[ $FLCE_BENCH_FUSED == 1 ]] && step profile_fused 45 env FLCE_CUDA_FUSED_LOGITS=1 "$PY" \
+    benchmarks/profile_step.py --n 4096 --v 128256 --d 4096 --warmup 2 --steps 3 \
+    --peak-tflops 790 --memory-snapshot "$LOGS/memory_fused_4096x128256x4096.pickle"
   # Every flce kernel inside a flce:: NVTX range, none with FLCE_NVTX=0 (ncu: nsys is absent).
   NCU=${NCU:-ncu}
   command -v "$NCU" >/dev/null 2>&1 || NCU=/usr/local/cuda/bin/ncu
