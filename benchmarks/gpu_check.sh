@@ -113,29 +113,21 @@ if step build 180 "$PY" setup.py build_ext --inplace; then
     pytest -q -rfE -k 'not cuda-host' --junitxml=$LOGS/junit_fused.xml tests/test_fused_logits.py" \
     && FLCE_BENCH_FUSED=1
   step no_sync 30 "$PY" -c "
-import torch, flce
+import os, torch, flce
 x = torch.randn(4096, 1024, device='cuda', dtype=torch.bfloat16, requires_grad=True)
 w = torch.randn(32768, 1024, device='cuda', dtype=torch.bfloat16, requires_grad=True)
 t = torch.randint(0, 32768, (4096,), device='cuda')
-flce.linear_cross_entropy(x, w, t).backward()   # warm-up (allocations, handles)
-torch.cuda.synchronize()
-torch.cuda.set_sync_debug_mode('error')
-for _ in range(3):
-    flce.linear_cross_entropy(x, w, t).backward()
-torch.cuda.set_sync_debug_mode(0)
-torch.cuda.synchronize()
-print('training steps without a host sync: ok')
-if '$FLCE_BENCH_FUSED' == '1':  # the fused logits path too, once its check passed
-    import os
-    os.environ['FLCE_CUDA_FUSED_LOGITS'] = '1'
-    flce.linear_cross_entropy(x, w, t).backward()
+# the single pass, and the fused logits path once its check passed
+for fused in ('0', '1') if '$FLCE_BENCH_FUSED' == '1' else ('0',):
+    os.environ['FLCE_CUDA_FUSED_LOGITS'] = fused
+    flce.linear_cross_entropy(x, w, t).backward()   # warm-up (allocations, handles)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode('error')
     for _ in range(3):
         flce.linear_cross_entropy(x, w, t).backward()
     torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    print('fused logits training steps without a host sync: ok')"
+    print(f'training steps without a host sync (FLCE_CUDA_FUSED_LOGITS={fused}): ok')"
   step bench 170 "$PY" benchmarks/gpu_bench.py --out "$LOGS" --compile \
     --record "$OUT/gpu_records.jsonl" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"}
   [[ -f "$LOGS/table.txt" ]] && cp "$LOGS/table.txt" "$OUT/table.txt"

@@ -31,7 +31,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <climits>
 #include <cstdint>
 
 // CUTLASS 4.2's sm100 collectives (pulled in by the builder's umbrella header) trip nvcc's
@@ -47,6 +46,8 @@
 #include "cutlass/gemm/gemm.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #pragma nv_diagnostic pop
+
+#include "cuda/fused_gemm_host.h"
 
 namespace flce {
 namespace cuda {
@@ -167,20 +168,7 @@ constexpr bool verify_row_quads() {
 // accumulator fragment; Sm90TmaWarpSpecializedAdapter plugs it into the sm90 warp-specialized
 // kernels: no epilogue producer warp, no shared memory).
 // ---------------------------------------------------------------------------------------------
-struct EpilogueParams {
-  const float* bias;  // [v] or nullptr
-  float softcap;      // <= 0: none
-  float temperature;
-  const int64_t* target;
-  int64_t target_stride;
-  int64_t col_offset;
-  int64_t ignore_index;
-  int64_t v;
-  __nv_bfloat16* e;  // [n, v], row stride e_ld
-  int64_t e_ld;
-  float* partials;   // [n, tiles, kPartialCols]
-  int64_t tiles;     // ceil(v / BLOCK_N)
-};
+using fused_gemm::EpilogueParams;
 
 class FusedLogitsEpilogue {
  public:
@@ -376,99 +364,28 @@ using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 static_assert(GemmKernel::SharedStorageSize <= 227 * 1024, "kNumStages do not fit");
 
-cudaError_t status_error(cutlass::Status s) {
-  if (s == cutlass::Status::kSuccess) return cudaSuccess;
-  const cudaError_t last = cudaGetLastError();
-  return last != cudaSuccess ? last : cudaErrorUnknown;
-}
-
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-// Whether the current device runs this module's sm_90a kernel, asked once per device (a few
-// microseconds of host work; no stream work, so safe under graph capture). An sm_90a cubin
-// reports binary and PTX version 9.0; anything else here (an sm_80 cubin, PTX of another arch
+// Whether the current device runs this module's sm_90a kernel, asked once per device
+// (fused_gemm::once_per_device). An sm_90a cubin reports binary and PTX version 9.0; anything
+// else here (an sm_80 cubin, PTX of another arch
 // JIT-compiled) would run CUTLASS's stub body, which prints an error and stores nothing. (An
 // sm_90 cubin or compute_90 PTX without 'a' would report 9.0 / 9.0 as well: the build leaves
 // this file out when the arch list has one, python/flce/_build.py cutlass_include.)
 bool device_runs_kernel(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
-  if (device < 0 || device >= kMaxDevices) return false;
-  const int k = known[device].load(std::memory_order_relaxed);
-  if (k != 0) return k == 1;
-  int major = 0, minor = 0;
-  cudaFuncAttributes attr{};
-  const bool yes =
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-      major == 9 && minor == 0 &&
-      cudaFuncGetAttributes(&attr, cutlass::device_kernel<GemmKernel>) == cudaSuccess &&
-      attr.binaryVersion == 90 && attr.ptxVersion == 90;
-  (void)cudaGetLastError();  // a failed query is not the next launch's error
-  known[device].store(yes ? 1 : 2, std::memory_order_relaxed);
-  return yes;
-}
-
-// The kernel's arguments for p on a device of sm_count SMs.
-typename Gemm::Arguments make_args(const FusedLogitsParams& p, int device, int sm_count) {
-  typename Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = make_shape(int(p.n), int(p.v), int(p.d), 1);
-  args.mainloop.ptr_A = static_cast<const ElementX*>(p.x);
-  args.mainloop.dA = make_stride(p.x_ld, _1{}, int64_t(0));
-  args.mainloop.ptr_B = static_cast<const ElementW*>(p.w);
-  args.mainloop.dB = make_stride(p.w_ld, _1{}, int64_t(0));
-  args.epilogue = EpilogueParams{p.bias,          p.softcap,
-                                 p.temperature,   p.target,
-                                 p.target_stride, p.col_offset,
-                                 p.ignore_index,  p.v,
-                                 static_cast<__nv_bfloat16*>(p.e), p.e_ld,
-                                 p.partials,      (p.v + BLOCK_N - 1) / BLOCK_N};
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
-  return args;
-}
-
-int sm_count_of(int device) {
-  int sm_count = 0;
-  if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return sm_count;
+  static std::atomic<int> known[64] = {};
+  return fused_gemm::once_per_device(known, device, [](int dev) {
+    int major = 0, minor = 0;
+    fused_gemm::capability(dev, major, minor);
+    cudaFuncAttributes attr{};
+    return major == 9 && minor == 0 &&
+           cudaFuncGetAttributes(&attr, cutlass::device_kernel<GemmKernel>) == cudaSuccess &&
+           attr.binaryVersion == 90 && attr.ptxVersion == 90;
+  });
 }
 
 }  // namespace
 
 bool fused_logits_sm90_supported(const FusedLogitsParams& p) {
-  // Shapes CUTLASS takes as int, and TMA's 16-byte rule (base pointers and row strides of x
-  // and w; E's for the paired stores and a later TMA store).
-  if (p.n <= 0 || p.v <= 0 || p.d <= 0 || p.n > INT_MAX || p.v > INT_MAX || p.d > INT_MAX) {
-    return false;
-  }
-  if (!aligned16(p.x) || !aligned16(p.w) || !aligned16(p.e) || p.x_ld % kAlignment != 0 ||
-      p.w_ld % kAlignment != 0 || p.e_ld % kAlignment != 0 || p.d % kAlignment != 0 ||
-      p.x_ld < p.d || p.w_ld < p.d || p.e_ld < p.v) {
-    return false;
-  }
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  const int sm_count = sm_count_of(device);
-  if (sm_count <= 0 || !device_runs_kernel(device)) return false;
-  // CUTLASS's own checks, and no workspace (there is no allocator here: a configuration that
-  // needed one is refused rather than run without it). The caller may ask before it has E, the
-  // partials or the targets: stand-ins at an aligned address (only their alignment is read).
-  FusedLogitsParams q = p;
-  void* const stand_in = reinterpret_cast<void*>(uintptr_t{256});
-  if (q.e == nullptr) q.e = stand_in;
-  if (q.partials == nullptr) q.partials = static_cast<float*>(stand_in);
-  if (q.target == nullptr) q.target = static_cast<const int64_t*>(stand_in);
-  const typename Gemm::Arguments args = make_args(q, device, sm_count);
-  return Gemm::get_workspace_size(args) == 0 &&
-         Gemm::can_implement(args) == cutlass::Status::kSuccess;
+  return fused_gemm::supported<Gemm>(p, device_runs_kernel);
 }
 
 cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t stream) {
@@ -476,15 +393,7 @@ cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t st
       !fused_logits_sm90_supported(p)) {
     return cudaErrorNotSupported;
   }
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  Gemm gemm;
-  cutlass::Status s = gemm.initialize(make_args(p, device, sm_count_of(device)), nullptr, stream);
-  if (s != cutlass::Status::kSuccess) return status_error(s);
-  s = gemm.run(stream);
-  if (s != cutlass::Status::kSuccess) return status_error(s);
-  return cudaGetLastError();
+  return fused_gemm::launch<Gemm>(p, stream);
 }
 
 }  // namespace cuda
