@@ -78,15 +78,19 @@ def fused_tile_ideal(x, w, t, b, objective, **opts):
     ok = torch.isfinite(e) & (e > 0)  # (a tile of the target alone has r = -inf: replaced below)
     e = torch.where(ok, e, 1.0)
     hi = torch.where(ok, (e.to(torch.bfloat16).double() * (dz / e)).to(torch.bfloat16).double(), 0)
+    # the bias: column sums of the fp32 dz (E rounded, dz not yet), the target entries exact
+    g32 = torch.where(ok, e.to(torch.bfloat16).double() * (dz / e), 0)
+    g32[rows, tt[own]] = dz[rows, tt[own]]
     hi[rows, tt[own]] = dz[rows, tt[own]]
-    return {"input": hi @ w64, "weight": hi.T @ x64}
+    return {"input": hi @ w64, "weight": hi.T @ x64, "bias": g32.sum(0)}
 
 
-def _run(x, w, t, b=None, **opts):
+def _run(x, w, t, b=None, train_bias=False, **opts):
     """flce's single pass (reduction sum or mean) against float64: the loss, and each gradient
     against the fused ideal. Returns {name: (err, fused ideal err, exact-path ideal err)}."""
     xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
-    loss = flce.linear_cross_entropy(xg, wg, t, bias=b, **opts)
+    bg = b.detach().requires_grad_() if train_bias else b
+    loss = flce.linear_cross_entropy(xg, wg, t, bias=bg, **opts)
     loss.backward()
     x64, w64, b64 = (None if a is None else a.detach().cpu().requires_grad_()
                      for a in as_f64(x, w, b))
@@ -97,6 +101,18 @@ def _run(x, w, t, b=None, **opts):
     ideal = fused_tile_ideal(x, w, t, b, objective, **opts)
     exact = tile_ideal_grads(x, w, t, b, objective, **opts)
     out = {}
+    if train_bias:
+        # the column sums of the fp32 dz: within the output rounding of the path's ideal, which
+        # stays near the floor (the rounded float64 gradient)
+        ref = b64.grad
+        assert bg.grad.dtype == b.dtype and torch.isfinite(bg.grad).all()
+        assert_close_to_ref(bg.grad, ideal["bias"], b.dtype, factor=1.0, what="grad bias")
+        if ref.abs().max() > 0:  # (V = 1: the only column is the target, 0)
+            err, ideal_err = rel_err(bg.grad, ref), rel_err(ideal["bias"].to(b.dtype), ref)
+            floor = rel_err(ref.to(b.dtype), ref)
+            assert err <= 1.1 * ideal_err + 1e-6 and ideal_err <= 1.1 * floor + 1e-6, (
+                err, ideal_err, floor)
+            out["bias"] = (err, ideal_err, floor)
     for name, got, ref in (("input", xg.grad, x64.grad), ("weight", wg.grad, w64.grad)):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), name
         assert_close_to_ref(got, ideal[name], torch.bfloat16, factor=1.0,
@@ -118,6 +134,8 @@ OPTIONS = {
     "mean_ignored_temperature_zloss": {"reduction": "mean", "ignore_index": 7,
                                        "temperature": 0.7, "z_loss": 1e-4},
     "sum_bias": {"reduction": "sum", "bias": True},
+    "mean_trained_bias_softcap": {"reduction": "mean", "bias": True, "train_bias": True,
+                                  "softcap": 6.0},
     "softcap_temperature": {"reduction": "mean", "softcap": 4.0, "temperature": 1.3},
 }
 
@@ -147,8 +165,8 @@ def _same(a, b):
 
 
 def test_fused_is_taken_exactly_where_it_holds(dev, monkeypatch):
-    """With the flag, bf16 gradients change (the fused path ran: E's rounding), with softcap as
-    well; label smoothing, a trained bias, fp32 and master weights keep the exact path bit for
+    """With the flag, bf16 gradients change (the fused path ran: E's rounding), with softcap and
+    a trained bias as well; label smoothing, fp32 and master weights keep the exact path bit for
     bit."""
     x, w, t, b = _inputs(64, 700, 48, device=dev, bias=True)
 
@@ -158,12 +176,12 @@ def test_fused_is_taken_exactly_where_it_holds(dev, monkeypatch):
         monkeypatch.setenv("FLCE_CUDA_FUSED_LOGITS", "1")
         return off, _grads(*args, **opts)
 
-    for opts in ({}, {"softcap": 15.0}):
-        off, on = both(x, w, t, **opts)
+    for args, opts in [((x, w, t), {}), ((x, w, t), {"softcap": 15.0}), ((x, w, t, b), {})]:
+        off, on = both(*args, **opts)
         assert not _same(off[1:], on[1:]), f"the flag changed nothing: no fused path ({opts})"
     for args, opts in [((x, w, t), {"label_smoothing": 0.1}),
                        ((x, w, t), {"label_smoothing": 0.1, "softcap": 15.0}),
-                       ((x, w, t, b), {}), ((x.float(), w.float(), t), {}),
+                       ((x.float(), w.float(), t), {}),
                        ((x, w.float(), t), {})]:
         off, on = both(*args, **opts)
         assert _same(off, on), opts

@@ -126,48 +126,77 @@ __global__ void __launch_bounds__(kThreads) fused_merge_kernel(const float* part
   });
 }
 
-__global__ void __launch_bounds__(kThreads) fused_grad_kernel(const FusedGradParams p) {
+// dz of one (row, tile) over its stored values, in place; with kColSums each column's fp32 dz
+// (before the rounding to bf16; the target's whole dz_t) is added to colsum, the lane's 8
+// columns.
+template <bool kColSums>
+__device__ __forceinline__ void grad_row_tile(const FusedGradParams& p, int64_t row,
+                                              int64_t tile, int64_t tiles, float inv_t,
+                                              float (&colsum)[kLaneCols]) {
   const int lane = threadIdx.x % 32;
-  const int64_t tiles = (p.v + kFusedTileCols - 1) / kFusedTileCols;
-  const float inv_t = 1.f / p.temperature;
-  for_row_tiles(p.n, tiles, [&](int64_t row, int64_t tile) {
-    const int64_t tcol =
-        target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
-    if (p.target_resid != nullptr && tcol < 0 && tile == 0 && lane == 0) p.target_resid[row] = 0.f;
-    const RowGrad rg = load_row_grad(p.coef, row);
-    const float f = epi_grad_factor(rg, p.partials[(row * tiles + tile) * kPartialCols]);
-    const int64_t c0 = tile * kFusedTileCols + lane * kLaneCols;
-    bf16* e = static_cast<bf16*>(p.e) + row * p.e_ld;
-    const bool vec = lane_vector(e, p.e_ld, c0, p.v);
-    // [kLaneCols] this lane's E in, dz out (each element read before it is written, by the
-    // same thread)
-    Bf16x8 q;
-    if (vec) {
-      q = *reinterpret_cast<const Bf16x8*>(e + c0);
-    } else {
+  const int64_t tcol =
+      target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
+  if (p.target_resid != nullptr && tcol < 0 && tile == 0 && lane == 0) p.target_resid[row] = 0.f;
+  const RowGrad rg = load_row_grad(p.coef, row);
+  const float f = epi_grad_factor(rg, p.partials[(row * tiles + tile) * kPartialCols]);
+  const int64_t c0 = tile * kFusedTileCols + lane * kLaneCols;
+  bf16* e = static_cast<bf16*>(p.e) + row * p.e_ld;
+  const bool vec = lane_vector(e, p.e_ld, c0, p.v);
+  // [kLaneCols] this lane's stored values in, dz out (each element read before it is written,
+  // by the same thread)
+  Bf16x8 q;
+  if (vec) {
+    q = *reinterpret_cast<const Bf16x8*>(e + c0);
+  } else {
 #pragma unroll
-      for (int k = 0; k < kLaneCols; ++k) q.v[k] = c0 + k < p.v ? e[c0 + k] : bf16{};
-    }
+    for (int k = 0; k < kLaneCols; ++k) q.v[k] = c0 + k < p.v ? e[c0 + k] : bf16{};
+  }
+  float g[kLaneCols];
+#pragma unroll
+  for (int k = 0; k < kLaneCols; ++k) g[k] = epi_logit_grad(f, to_float<bf16>(q.v[k]), rg.u, inv_t);
+  const int64_t slot = tcol - c0;
+  if (slot >= 0 && slot < kLaneCols) {  // the target's whole gradient, its owner only
+    const float dz_t =
+        epi_target_grad(rg.dz_t, p.stats[row * kStatsCols + 2], p.softcap, p.temperature);
 #pragma unroll
     for (int k = 0; k < kLaneCols; ++k) {
-      q.v[k] = from_float<bf16>(epi_logit_grad(f, to_float<bf16>(q.v[k]), rg.u, inv_t));
+      if (k == slot) g[k] = dz_t;
     }
-    const int64_t slot = tcol - c0;
-    if (slot >= 0 && slot < kLaneCols) {  // the target's whole gradient, its owner only
-      const float dz_t =
-          epi_target_grad(rg.dz_t, p.stats[row * kStatsCols + 2], p.softcap, p.temperature);
-      const bf16 hi = from_float<bf16>(dz_t);
+    if (p.target_resid != nullptr) p.target_resid[row] = dz_t - to_float<bf16>(from_float<bf16>(dz_t));
+  }
 #pragma unroll
-      for (int k = 0; k < kLaneCols; ++k) {
-        if (k == slot) q.v[k] = hi;
-      }
-      if (p.target_resid != nullptr) p.target_resid[row] = dz_t - to_float<bf16>(hi);
+  for (int k = 0; k < kLaneCols; ++k) {
+    q.v[k] = from_float<bf16>(g[k]);
+    if constexpr (kColSums) colsum[k] += g[k];
+  }
+  if (vec) {
+    *reinterpret_cast<Bf16x8*>(e + c0) = q;
+  } else {
+    for (int k = 0; k < kLaneCols && c0 + k < p.v; ++k) e[c0 + k] = q.v[k];
+  }
+}
+
+// One warp per (row, tile); with col_partials one warp per (block of rows_per_block rows, tile),
+// its rows in order, the lane's column sums stored once per block (the bias gradient's first
+// level, as row_grad_kernel's: launch_column_sum and the compensated add finish it).
+__global__ void __launch_bounds__(kThreads) fused_grad_kernel(const FusedGradParams p) {
+  const int64_t tiles = (p.v + kFusedTileCols - 1) / kFusedTileCols;
+  const float inv_t = 1.f / p.temperature;
+  if (p.col_partials == nullptr) {
+    for_row_tiles(p.n, tiles, [&](int64_t row, int64_t tile) {
+      float unused[kLaneCols];
+      grad_row_tile<false>(p, row, tile, tiles, inv_t, unused);
+    });
+    return;
+  }
+  const int64_t rows = p.rows_per_block, blocks = (p.n + rows - 1) / rows;
+  for_row_tiles(blocks, tiles, [&](int64_t b, int64_t tile) {
+    float colsum[kLaneCols] = {};
+    for (int64_t row = b * rows; row < p.n && row < (b + 1) * rows; ++row) {
+      grad_row_tile<true>(p, row, tile, tiles, inv_t, colsum);
     }
-    if (vec) {
-      *reinterpret_cast<Bf16x8*>(e + c0) = q;
-    } else {
-      for (int k = 0; k < kLaneCols && c0 + k < p.v; ++k) e[c0 + k] = q.v[k];
-    }
+    const int64_t c0 = tile * kFusedTileCols + (threadIdx.x % 32) * kLaneCols;
+    for (int k = 0; k < kLaneCols && c0 + k < p.v; ++k) p.col_partials[b * p.v + c0 + k] = colsum[k];
   });
 }
 
@@ -217,9 +246,13 @@ cudaError_t launch_fused_merge(const float* partials, int64_t n, int64_t tiles, 
 
 cudaError_t launch_fused_grad(const FusedGradParams& p, cudaStream_t stream) {
   if (p.n == 0 || p.v == 0) return cudaSuccess;
-  if (!(p.temperature > 0.f)) return cudaErrorInvalidValue;
+  if (!(p.temperature > 0.f) || (p.col_partials != nullptr && p.rows_per_block < 1)) {
+    return cudaErrorInvalidValue;
+  }
   const int64_t tiles = (p.v + kFusedTileCols - 1) / kFusedTileCols;
-  launch_kernel<fused_grad_kernel>(dim3(grid_for(p.n * tiles)), dim3(kThreads), 0, stream, p);
+  const int64_t units = p.col_partials != nullptr ? (p.n + p.rows_per_block - 1) / p.rows_per_block
+                                                  : p.n;
+  launch_kernel<fused_grad_kernel>(dim3(grid_for(units * tiles)), dim3(kThreads), 0, stream, p);
   return cudaGetLastError();
 }
 

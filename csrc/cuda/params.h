@@ -310,6 +310,10 @@ struct FusedGradParams {
   int64_t col_offset, ignore_index;
   float* target_resid;  // [n]: dz_t - bf16(dz_t) where the row's target is a column here, else 0;
                         // or nullptr
+  // The bias gradient's column sums of the fp32 dz, [ceil(n / rows_per_block), v] (row blocks
+  // in order, as RowGradParams' col_partials), or nullptr.
+  float* col_partials;
+  int64_t rows_per_block;
 };
 cudaError_t launch_fused_grad(const FusedGradParams& p, cudaStream_t stream);
 

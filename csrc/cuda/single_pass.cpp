@@ -199,11 +199,9 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
   // "Fused logits"): the logits GEMM's epilogue stores E softcap'(z), E = exp(z - r_tile), in
   // bf16 where the group's dz will be, with a partial per (row, tile), and dz is computed over
   // it in place. For bf16 inputs and weight whose gradient meets its bound from the stored
-  // values (tile_epilogue.h): no label smoothing (cancellation), no bias gradient (the column
-  // sums are the exact path's).
+  // values (tile_epilogue.h): no label smoothing (cancellation).
   const bool fused = env_flag("FLCE_CUDA_FUSED_LOGITS", false) && compute == at::kBFloat16 &&
-                     weight.scalar_type() == at::kBFloat16 && label_smoothing == 0.0 &&
-                     !need_b && v > 0;
+                     weight.scalar_type() == at::kBFloat16 && label_smoothing == 0.0 && v > 0;
   // Its GEMM (CUTLASS, sm_90a or sm_100a) where it takes the operands: x row-major (TMA; a
   // column-major x is copied once the GEMM is sure to run), every sub-chunk the whole group (no
   // fp32 scratch to bound it; vocab-parallel ranks keep the common plan).
@@ -396,23 +394,26 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
         fg.col_offset = shard.vocab_start;
         fg.ignore_index = ignore_index;
         fg.target_resid = fix_target ? resid.data_ptr<float>() + (s0 - g0) : nullptr;
+        fg.col_partials = need_b ? col_partials.data_ptr<float>() : nullptr;
+        fg.rows_per_block = kBiasRows;
         check_launch(cuda::launch_fused_grad(fg, stream), "fused_grad");
-        continue;
+      } else {
+        cuda::RowGradParams rg{};
+        static_cast<cuda::RowOperands&>(rg) = rs;  // the same logits
+        rg.coef = coef.data_ptr<float>();
+        rg.grad = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
+        rg.grad_ld = gld;
+        rg.grad_lo =
+            split ? static_cast<char*>(group_lo.data_ptr()) + (s0 - g0) * v * elt : nullptr;
+        rg.grad_lo_ld = v;
+        rg.target_resid = fix_target ? resid.data_ptr<float>() + (s0 - g0) : nullptr;
+        rg.col_partials = need_b && v > 0 ? col_partials.data_ptr<float>() : nullptr;
+        rg.rows_per_cta = rg.col_partials != nullptr ? kBiasRows : 1;
+        // (a 16-bit tile never aliases the logits here: in place is fp32 only)
+        rg.entropy = false;  // the single pass returns no entropy
+        rg.col_splits = cuda::row_grad_splits(rg, dtype, static_cast<int>(dev::sm_count()));
+        check_launch(cuda::launch_row_grad(rg, dtype, stream), "row_grad");
       }
-      cuda::RowGradParams rg{};
-      static_cast<cuda::RowOperands&>(rg) = rs;  // the same logits
-      rg.coef = coef.data_ptr<float>();
-      rg.grad = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
-      rg.grad_ld = gld;
-      rg.grad_lo = split ? static_cast<char*>(group_lo.data_ptr()) + (s0 - g0) * v * elt : nullptr;
-      rg.grad_lo_ld = v;
-      rg.target_resid = fix_target ? resid.data_ptr<float>() + (s0 - g0) : nullptr;
-      rg.col_partials = need_b && v > 0 ? col_partials.data_ptr<float>() : nullptr;
-      rg.rows_per_cta = rg.col_partials != nullptr ? kBiasRows : 1;
-      // (a 16-bit tile never aliases the logits here: in place is fp32 only)
-      rg.entropy = false;  // the single pass returns no entropy
-      rg.col_splits = cuda::row_grad_splits(rg, dtype, static_cast<int>(dev::sm_count()));
-      check_launch(cuda::launch_row_grad(rg, dtype, stream), "row_grad");
       if (need_b) {
         check_launch(cuda::launch_column_sum(col_partials.data_ptr<float>(),
                                              ceil_div(sn, kBiasRows), v,

@@ -154,6 +154,11 @@ MUTATIONS = [
          file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
          original="    for (int64_t t = lane; t < tiles; t += 32) {\n",
          replacement="    for (int64_t t = lane; t < tiles; t += 64) {\n"),
+    # The bias gradient's row blocks overlapping by one row.
+    dict(name="fused_col_sums_overlapping_blocks",
+         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
+         original="    for (int64_t row = b * rows; row < p.n && row < (b + 1) * rows; ++row) {\n",
+         replacement="    for (int64_t row = b * rows; row < p.n && row <= (b + 1) * rows; ++row) {\n"),
     # The grid-stride walk over (row, tile) pairs without the carry from tile to row.
     dict(name="fused_pairs_without_carry",
          file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,

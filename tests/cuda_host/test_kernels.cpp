@@ -1461,9 +1461,11 @@ void run_fused(const Case& c) {
   row_coef_and_check(p, target, up, rows, stats, coef, bound);
 
   const std::vector<GradRef> gr = gradients(p, rows, bound);
+  constexpr int64_t kBlockRows = 8;  // the bias gradient's row blocks (the binding's)
+  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
   for (int r = 0; r < c.ranks; ++r) {
     const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
-    DeviceBuffer<float> resid(n, harness::qnan());
+    DeviceBuffer<float> resid(n, harness::qnan()), colp(c.bias ? blocks * vr : 0, harness::qnan());
     flce::cuda::FusedGradParams gp{};
     gp.e = e[r]->data();
     gp.e_ld = eld[r];
@@ -1479,8 +1481,26 @@ void run_fused(const Case& c) {
     gp.col_offset = lo;
     gp.ignore_index = kIgnore;
     gp.target_resid = resid.data();
+    gp.col_partials = c.bias ? colp.data() : nullptr;  // (a trained bias)
+    gp.rows_per_block = kBlockRows;
     EXPECT(ok_or_report(flce::cuda::launch_fused_grad(gp, nullptr), "fused_grad") == cudaSuccess,
            "fused_grad [%s]", describe(c).c_str());
+    for (int64_t b = 0; b < (c.bias ? blocks : 0); ++b) {
+      Tally tc("fused_grad col_partials", c);
+      for (int64_t j = 0; j < vr; ++j) {
+        // the fp32 dz of the block's rows, each within its bound and E's rounding, plain adds
+        double ref = 0, tol = 0, mag = 0;
+        for (int64_t i = b * kBlockRows; i < std::min(n, (b + 1) * kBlockRows); ++i) {
+          const GradRef& g = gr[i * v + lo + j];
+          ref += g.dz;
+          tol += g.tol + 0x1p-8 * (std::fabs(g.dz) + g.tol);
+          mag += std::fabs(g.dz);
+        }
+        tol += kBlockRows * kU * mag;
+        tc.check(tc.near(colp[b * vr + j], ref, tol), "col_partials[%lld, %lld] %.9g vs %.9g",
+                 static_cast<long long>(b), static_cast<long long>(lo + j), colp[b * vr + j], ref);
+      }
+    }
     Tally t("fused_grad (dz over E, target_resid)", c);
     const bf16* dz = reinterpret_cast<const bf16*>(e[r]->data());
     for (int64_t i = 0; i < n; ++i) {
