@@ -36,12 +36,53 @@ struct EpilogueParams {
   int64_t tiles;     // ceil(v / kFusedTileCols)
 };
 
+// The operands' type (x, w and E alike) and the elements of one 16-byte access of it: TMA's
+// rule for x's and w's base pointers and row strides, E's for the epilogues' stores.
+using Element = cutlass::bfloat16_t;
+constexpr int kAlignment = 16 / sizeof(Element);
+
+// The CUTLASS plumbing of an operator-style collective epilogue that stores E and the partials
+// itself: no C / D tensor for CUTLASS to load or store, no workspace, its parameters as given.
+struct EpilogueBase {
+  using ElementC = Element;
+  using ElementD = Element;
+  using StrideC = cute::Stride<int64_t, cute::_1, int64_t>;
+  using StrideD = cute::Stride<int64_t, cute::_1, int64_t>;
+  using ThreadEpilogueOp = void;
+  struct SharedStorage {};
+  using Arguments = EpilogueParams;
+  using Params = EpilogueParams;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  // E, the partials and the targets given, N the shard's columns, and E's base and row stride
+  // allowing stores of store_elems elements.
+  template <class ProblemShape>
+  static bool args_ok(ProblemShape const& problem_shape, Arguments const& args,
+                      int64_t store_elems) {
+    return args.e != nullptr && args.partials != nullptr && args.target != nullptr &&
+           args.e_ld % store_elems == 0 &&
+           reinterpret_cast<uintptr_t>(args.e) % (store_elems * sizeof(Element)) == 0 &&
+           args.v == int64_t(cute::get<1>(problem_shape));
+  }
+};
+
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// Shapes CUTLASS takes as int, and TMA's 16-byte rule (base pointers and row strides of x and
-// w; E's for the epilogue's stores): 8 bf16.
+// Shapes CUTLASS takes as int, and the 16-byte rule above.
 inline bool operands_ok(const FusedLogitsParams& p) {
-  constexpr int64_t kAlignment = 8;
   if (p.n <= 0 || p.v <= 0 || p.d <= 0 || p.n > INT_MAX || p.v > INT_MAX || p.d > INT_MAX) {
     return false;
   }

@@ -312,4 +312,21 @@ TEST(epilogue_propagates_nan_and_inf) {
   for (int shares : {4, 32}) EXPECT(std::isnan(run_row(z, 37, shares).zt), "NaN z_t");
 }
 
+// The tile-local target column the CUTLASS epilogues use: ignored rows, another shard's or
+// another tile's target give -1, every column of the tile its own index.
+TEST(epilogue_tile_target) {
+  const int64_t ign = -100, off = 1000, v = 600;  // a shard of columns [1000, 1600)
+  EXPECT(flce::epi_tile_target(ign, ign, off, v, 0, kTile) == -1, "ignored row");
+  EXPECT(flce::epi_tile_target(999, ign, off, v, 0, kTile) == -1, "before the shard");
+  EXPECT(flce::epi_tile_target(1600, ign, off, v, 512, kTile) == -1, "past the shard's end");
+  for (int64_t t = off; t < off + v; ++t) {
+    for (int64_t col0 = 0; col0 < v; col0 += kTile) {
+      const int64_t c = t - off;
+      const int want = c >= col0 && c < col0 + kTile ? static_cast<int>(c - col0) : -1;
+      EXPECT(flce::epi_tile_target(t, ign, off, v, col0, kTile) == want,
+             "t=%lld col0=%lld", (long long)t, (long long)col0);
+    }
+  }
+}
+
 int main(int argc, char** argv) { return check::run_all(argc, argv); }

@@ -116,11 +116,10 @@ constexpr int kNumStages = 4;
 using ClusterShape = Shape<_1, _1, _1>;
 using MmaTileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
 
-using ElementX = cutlass::bfloat16_t;  // A operand: x [n, d], K-major
-using ElementW = cutlass::bfloat16_t;  // B operand: w [v, d], K-major
+using ElementX = fused_gemm::Element;  // A operand: x [n, d], K-major
+using ElementW = fused_gemm::Element;  // B operand: w [v, d], K-major
 using ElementAccumulator = float;
-// TMA needs 16-byte aligned rows: 8 bf16.
-constexpr int kAlignment = 16 / sizeof(ElementX);
+constexpr int kAlignment = fused_gemm::kAlignment;  // TMA: 16-byte aligned rows
 
 // The epilogue's TMEM -> register step: chunks of [128 rows, 32 columns], one tcgen05.ld
 // 32x32b.x32 per warp and chunk (each warp reads its 32 TMEM lanes, each thread one lane).
@@ -191,49 +190,22 @@ constexpr bool verify_row_per_thread() {
 // The epilogue (operator-style, plugged in by Sm100TmaWarpSpecializedAdapter; no shared memory,
 // no epilogue load warp, no workspace).
 // ---------------------------------------------------------------------------------------------
-using fused_gemm::EpilogueParams;
 
-class FusedLogitsEpilogue {
+class FusedLogitsEpilogue : public fused_gemm::EpilogueBase {
  public:
-  // What the sm100 kernel and the device adapter name; nothing is loaded from or stored to a C /
-  // D tensor by CUTLASS (E and the partials are stored here).
+  // What the sm100 kernel and the device adapter name besides the base's.
   using EpilogueTile = flce::cuda::EpilogueTile;
   using CopyOpT2R = flce::cuda::CopyOpT2R;  // also handed to the scheduler's (no-op) fixup
-  using ElementC = cutlass::bfloat16_t;
-  using ElementD = cutlass::bfloat16_t;
-  using StrideC = Stride<int64_t, _1, int64_t>;
-  using StrideD = Stride<int64_t, _1, int64_t>;
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
-  using ThreadEpilogueOp = void;
   using DispatchPolicy = cutlass::epilogue::NoSmemWarpSpecialized1Sm;
   static constexpr int ThreadCount = kEpilogueThreads;
   static constexpr uint32_t TmaTransactionBytes = 0;  // no epilogue loads
 
-  struct SharedStorage {};
-  using Arguments = EpilogueParams;
-  using Params = EpilogueParams;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
-                                                  void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
     // 16-byte stores of 8 bf16: E's base and row stride 16-byte aligned.
-    return args.e != nullptr && args.partials != nullptr && args.target != nullptr &&
-           args.e_ld % kStoreCols == 0 && reinterpret_cast<uintptr_t>(args.e) % 16 == 0 &&
-           args.v == int64_t(get<1>(problem_shape));
+    return args_ok(problem_shape, args, kStoreCols);
   }
 
   CUTLASS_HOST_DEVICE
@@ -287,12 +259,10 @@ class FusedLogitsEpilogue {
     const int m = int(get<0>(tTR_cD(0)));
     const bool row_in = m < residue_m;
     const int64_t i = row0 + m;
-    int tcol = -1;  // the target's column within this tile; -1: not here, ignored, out of range
-    if (row_in) {
-      const int64_t t = p_.target[i * p_.target_stride];
-      const int64_t tc = t == p_.ignore_index ? -1 : t - p_.col_offset;
-      if (tc >= 0 && tc < p_.v && tc >= col0 && tc < col0 + BLOCK_N) tcol = int(tc - col0);
-    }
+    // the target's column within this tile; -1: not here, ignored, out of range
+    const int tcol = row_in ? epi_tile_target(p_.target[i * p_.target_stride], p_.ignore_index,
+                                              p_.col_offset, p_.v, col0, BLOCK_N)
+                            : -1;
     const float* bias = p_.bias != nullptr ? p_.bias + col0 : nullptr;
 
     // Pass 1: the logits z and the row's (m, z_t) over the whole 256-column tile. The column

@@ -82,11 +82,10 @@ constexpr int kNumStages = 4;
 using ClusterShape = Shape<_1, _1, _1>;
 using TileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
 
-using ElementX = cutlass::bfloat16_t;  // A operand: x [n, d], K-major
-using ElementW = cutlass::bfloat16_t;  // B operand: w [v, d], K-major
+using ElementX = fused_gemm::Element;  // A operand: x [n, d], K-major
+using ElementW = fused_gemm::Element;  // B operand: w [v, d], K-major
 using ElementAccumulator = float;
-// TMA needs 16-byte aligned rows: 8 bf16.
-constexpr int kAlignment = 16 / sizeof(ElementX);
+constexpr int kAlignment = fused_gemm::kAlignment;  // TMA: 16-byte aligned rows
 
 // ---------------------------------------------------------------------------------------------
 // The accumulator fragment viewed as (row, column).
@@ -168,44 +167,16 @@ constexpr bool verify_row_quads() {
 // accumulator fragment; Sm90TmaWarpSpecializedAdapter plugs it into the sm90 warp-specialized
 // kernels: no epilogue producer warp, no shared memory).
 // ---------------------------------------------------------------------------------------------
-using fused_gemm::EpilogueParams;
 
-class FusedLogitsEpilogue {
+class FusedLogitsEpilogue : public fused_gemm::EpilogueBase {
  public:
-  // The kernel and the device adapter name these; nothing is loaded from or stored to a C / D
-  // tensor by CUTLASS (E and the partials are stored here).
-  using ElementC = cutlass::bfloat16_t;
-  using ElementD = cutlass::bfloat16_t;
-  using StrideC = Stride<int64_t, _1, int64_t>;
-  using StrideD = Stride<int64_t, _1, int64_t>;
-  using ThreadEpilogueOp = void;
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
 
-  struct SharedStorage {};
-  using Arguments = EpilogueParams;
-  using Params = EpilogueParams;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
-                                                  void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
-    // Paired bf16 stores: E's rows 4-byte aligned (launch_fused_logits_sm90 checks 16).
-    return args.e != nullptr && args.partials != nullptr && args.target != nullptr &&
-           args.e_ld % 2 == 0 && reinterpret_cast<uintptr_t>(args.e) % 4 == 0 &&
-           args.v == int64_t(get<1>(problem_shape));
+    // Paired bf16 stores: E's rows 4-byte aligned (operands_ok checks 16).
+    return args_ok(problem_shape, args, 2);
   }
 
   CUTLASS_HOST_DEVICE
@@ -251,12 +222,10 @@ class FusedLogitsEpilogue {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int m = get<0>(crd(r, 0));
-      tcol[r] = -1;
-      if (m < residue_m) {
-        const int64_t t = p_.target[(row0 + m) * p_.target_stride];
-        const int64_t tc = t == p_.ignore_index ? -1 : t - p_.col_offset;
-        if (tc >= 0 && tc < p_.v && tc >= col0 && tc < col0 + BLOCK_N) tcol[r] = int(tc - col0);
-      }
+      tcol[r] = m < residue_m ? epi_tile_target(p_.target[(row0 + m) * p_.target_stride],
+                                                p_.ignore_index, p_.col_offset, p_.v, col0,
+                                                BLOCK_N)
+                              : -1;
     }
 
     // Step 1: the logits z (kept in a register fragment of the accumulators' shape, which the

@@ -66,6 +66,16 @@ FLCE_HD EpiRow epi_merge(EpiRow a, EpiRow b) {
   return EpiRow{fmaxf(a.m, b.m), b.zt != neg_inf() ? b.zt : a.zt};
 }
 
+// The column of target t within the tile [col0, col0 + cols) of a shard of v columns whose first
+// is vocabulary id col_offset, or -1: an ignored row, or a target outside the tile (targets are
+// compared, never used as an index).
+FLCE_HD int epi_tile_target(int64_t t, int64_t ignore_index, int64_t col_offset, int64_t v,
+                            int64_t col0, int cols) {
+  const int64_t c = t - col_offset;
+  if (t == ignore_index || c < 0 || c >= v || c < col0 || c >= col0 + cols) return -1;
+  return static_cast<int>(c - col0);
+}
+
 // The tile's reference r: its max, or 0 when it has no non-target logit above -inf.
 FLCE_HD float epi_ref(float m) { return m == neg_inf() ? 0.f : m; }
 
