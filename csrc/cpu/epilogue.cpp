@@ -33,6 +33,13 @@ FLCE_CLONES float row_sum_exp(const float* z, int64_t n, float m, float* u) {
   return s;
 }
 
+FLCE_CLONES float row_sum_exp(const float* z, int64_t n, float m) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) s += vexp(z[j] - m);
+  return s;
+}
+
 FLCE_CLONES float row_sum(const float* z, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)

@@ -15,6 +15,8 @@ float row_max(const float* z, int64_t n);
 // sum_j exp(z[j] - m) (vexp), and in *u the entropy's sum_j exp(z[j] - m) (m - z[j]) (-inf
 // logits add nothing to either).
 float row_sum_exp(const float* z, int64_t n, float m, float* u);
+// sum_j exp(z[j] - m) alone.
+float row_sum_exp(const float* z, int64_t n, float m);
 // sum_j z[j].
 float row_sum(const float* z, int64_t n);
 // z[j] <- logit_grad(rg, z[j]) * dz/du(z[j]): the non-target gradient of a row (softcap and

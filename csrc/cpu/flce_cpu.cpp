@@ -619,13 +619,24 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
 // and bf16 compensations) through memory once, which a taller block does less often. On a
 // 2-core Xeon with AMX (N=4096, V=32768, D=512, docs/benchmarks.md) 128 / 256 / 512 / 1024 rows
 // took 2.23 / 1.83 / 1.64 / 1.55 s in fp32 and 1.64 / 1.29 / 1.15 / 1.08 s in bf16; on a
-// 2-core Zen 4, 256 and 512 rows took the same time. 1024 rows would cost another 68 MB there.
-constexpr int64_t FUSED_BLOCK_N = 512;
-constexpr int64_t kFusedWorkspaceBytes = int64_t(72) << 20;  // 512 rows of V = 32768
+// 2-core Zen 4, 256 and 512 rows took the same time. 1024 rows (fp32, same Xeon, 5 Dec 2026,
+// afternoon): 1.71-1.73 s -> 1.63-1.67 s, for 69 MiB more logits at that shape (the single
+// pass's peak growth 174 -> 243 MB, eager's 1536). A block never has more rows than N
+// (rounded up to 16): a short batch holds no logits it does not have.
+constexpr int64_t FUSED_BLOCK_N = 1024;
+// fp32: 1024 rows of V = 32768 on 2 workers, (16 + 2) tiles of 2064 floats per row. 16-bit
+// inputs' single pass also holds the gradients in fp32 and the weight packed twice: their
+// logits keep 72 MiB (about 500 rows there), so that at that shape the pass stays within the
+// default memory budget (flce/_common.py) where it is the default (bf16 without AMX).
+constexpr int64_t kFusedWorkspaceBytes = int64_t(152) << 20;
+constexpr int64_t kFusedWorkspaceBytes16 = int64_t(72) << 20;
 
 int64_t fused_block_rows(const Operands& o, int64_t workers) {
   const int64_t row_floats = (ceil_div(o.v, o.block_v) + workers) * o.ld_tile();
-  const int64_t rows = std::min<int64_t>(FUSED_BLOCK_N, kFusedWorkspaceBytes / (4 * row_floats));
+  const int64_t workspace =
+      o.dtype == at::kFloat ? kFusedWorkspaceBytes : kFusedWorkspaceBytes16;
+  const int64_t rows = std::min({FUSED_BLOCK_N, ceil_div(std::max<int64_t>(o.n, 1), 16) * 16,
+                                 workspace / (4 * row_floats)});
   return rows >= 16 ? rows / 16 * 16 : 0;
 }
 
@@ -691,6 +702,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
   }
   const GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap,
                       opt.temperature, /*deferred=*/true);
+  // The pass returns the loss alone: the rows' entropy terms are not needed, nor, without
+  // label smoothing, the sums of their logits.
+  const bool loss_only = opt.label_smoothing == 0.f;
   const int64_t ld = o.ld_tile();
   std::vector<RowState> parts(workers * bn_f);  // per worker: its columns' row statistics
   float ls = 0.f, lc = 0.f;  // worker 0's Kahan sum of the row losses, in row order
@@ -719,7 +733,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
         logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, zt, ld,
                    wt[wt.size() > 1 ? tiles.index(v0) : 0], tw.lhs);
         for (int64_t r = 0; r < bn; ++r) {
-          fold_row(zt + r * ld, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r]);
+          fold_row(zt + r * ld, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r], loss_only);
         }
       });
       barrier.wait();  // every worker's statistics of the block are complete

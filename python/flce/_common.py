@@ -164,10 +164,11 @@ def needs_composite(*tensors):
     return False
 
 
-# The CPU single pass's row-block logits are at most this many bytes (flce_cpu.cpp
-# kFusedWorkspaceBytes), in tiles of 2048 columns (+16) for at most 512 rows (FUSED_BLOCK_N).
-CPU_FUSED_WORKSPACE = 72 << 20
-CPU_FUSED_ROWS, CPU_WIDE_TILE = 512, 2048
+# The CPU single pass's row-block logits are at most this many bytes for fp32 / 16-bit inputs
+# (flce_cpu.cpp kFusedWorkspaceBytes, kFusedWorkspaceBytes16), in tiles of 2048 columns (+16)
+# for at most 1024 rows (FUSED_BLOCK_N) and at most N rounded up to 16 (fused_block_rows).
+CPU_FUSED_WORKSPACE, CPU_FUSED_WORKSPACE_16 = 152 << 20, 72 << 20
+CPU_FUSED_ROWS, CPU_WIDE_TILE = 1024, 2048
 
 
 _THREADS = [torch.get_num_threads()]
@@ -190,7 +191,9 @@ def cpu_single_pass_bytes(n, v, d, dtype, threads=None):
     growth to it."""
     t = threads or _threads()
     tiles = -(-v // CPU_WIDE_TILE)
-    logits = min(CPU_FUSED_WORKSPACE, CPU_FUSED_ROWS * (tiles + t) * (CPU_WIDE_TILE + 16) * 4)
+    rows = min(CPU_FUSED_ROWS, -(-max(n, 1) // 16) * 16)
+    cap = CPU_FUSED_WORKSPACE if dtype == torch.float32 else CPU_FUSED_WORKSPACE_16
+    logits = min(cap, rows * (tiles + t) * (CPU_WIDE_TILE + 16) * 4)
     sixteen = (n + v) * d * 4 + 4 * v * d if dtype != torch.float32 else 0
     return v * d * 2 + logits + sixteen
 
