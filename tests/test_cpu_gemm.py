@@ -110,11 +110,11 @@ def _bf16_facts(env):
 def test_cpu_bf16_facts_follow_the_cpu_and_the_isa_caps():
     """build_info()["cpu_amx"] (which picks bf16's CPU training path, flce/api.py) is the
     kernel's amx_bf16 flag, and False in a process whose MKL or oneDNN stops below AMX (as
-    benchmarks/bench.py --isa avx2 runs them). On the blas path, build_info()["cpu_bf16_native"]
-    (which makes the backward split bf16 gradient tiles into two bf16 tiles, csrc/cpu/flce_cpu.cpp)
-    holds only where MKL multiplies bf16 natively: an Intel CPU with AVX512-BF16 or AMX-BF16,
-    and MKL not held below AVX512_E3, its first level with bf16 (AVX512 and AVX512_E1/E2 have
-    none)."""
+    benchmarks/bench.py --isa avx2 runs them; cpu_amx also makes the backward split bf16 gradient
+    tiles into two bf16 tiles, csrc/cpu/flce_cpu.cpp). On the blas path,
+    build_info()["cpu_bf16_native"] holds only where MKL multiplies bf16 natively: an Intel CPU
+    with AVX512-BF16 or AMX-BF16, and MKL not held below AVX512_E3, its first level with bf16
+    (AVX512 and AVX512_E1/E2 have none)."""
     vendor, flags = _cpuinfo()
     amx_cpu = "amx_bf16" in flags
     mkl_bf16_cpu = vendor == "GenuineIntel" and (amx_cpu or "avx512_bf16" in flags)
@@ -137,3 +137,25 @@ def test_cpu_bf16_facts_follow_the_cpu_and_the_isa_caps():
         if onednn:
             env["ONEDNN_MAX_CPU_ISA"] = onednn
         assert _bf16_facts(env) == expected, (mkl, onednn)
+
+
+# AMX held off for MKL and oneDNN: bf16 GEMMs on AVX512-BF16 at most, or widened to fp32.
+NO_AMX = {"MKL_ENABLE_INSTRUCTIONS": "AVX512_E3", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+
+
+def test_bf16_without_amx_widens_and_passes_the_bf16_tests():
+    """Where this process splits bf16 gradient tiles (AMX), the widened bf16 path that every CPU
+    without AMX takes runs the bf16 option, accuracy and single-pass tests in a child with AMX
+    held off (csrc/cpu/flce_cpu.cpp GradPass: the split only on AMX)."""
+    if not flce.build_info()["cpu_amx"]:
+        pytest.skip("no AMX here: the whole suite runs the widened bf16 path")
+    env = dict(os.environ, **NO_AMX)
+    r = subprocess.run([sys.executable, "-c", "import flce; print(flce.build_info()['cpu_amx'])"],
+                       env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "False", r.stderr
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        "test_options.py", "test_accuracy.py", "test_single_pass.py",
+                        "-k", "(bfloat16 or bf16 or dtype1) and not cuda"],
+                       env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout

@@ -338,7 +338,7 @@ class GradPass {
            Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred)
       : o_(o), cap_(cap), temp_(temp),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
-        split_(o.dtype == at::kBFloat16 && cpu::bf16_gemm_native()),
+        split_(o.dtype == at::kBFloat16 && cpu::bf16_gemm_amx()),
         widen_(o.dtype != at::kFloat && !split_) {
     const auto opts = o.x.options();
     auto make = [&](std::optional<Grad>& g, at::ScalarType dt, int64_t total, int64_t width,
@@ -389,11 +389,14 @@ class GradPass {
       if (has_t) row[tl] = 0.f;
       if (split_) tw.row_max[r] = cpu::row_absmax(row, bv);
     }
-    // bf16 inputs: where bf16 GEMMs are native (cpu::bf16_gemm_native) the fp32 gradient tile
-    // is split G = hi + lo into two bf16 tiles, so that the tile products run on them at ~16
-    // mantissa bits, far below bf16's rounding. Elsewhere a bf16 GEMM costs an fp32 one, and
-    // two of them twice: G multiplies fp32 copies of the tile's weight and input rows (widen_),
-    // as fp16 inputs always do (fp16 tiles would underflow small gradients).
+    // bf16 inputs: where bf16 GEMMs run on AMX (cpu::bf16_gemm_amx, ~6x an fp32 GEMM) the fp32
+    // gradient tile is split G = hi + lo into two bf16 tiles, so that the tile products run on
+    // them at ~16 mantissa bits, far below bf16's rounding. Elsewhere two bf16 GEMMs cost at
+    // least one fp32 GEMM (AVX512-BF16 alone: on the Xeon of docs/benchmarks.md with AMX held
+    // off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per core against 170 in fp32, and the split
+    // bf16 single pass took 4.06 s against 2.14 s for this), and where bf16 is widened, twice
+    // one: G multiplies fp32 copies of the tile's weight and input rows (widen_), as fp16
+    // inputs always do (fp16 tiles would underflow small gradients).
     //
     // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary
     // (margins ~80) a row's gradients are ~1e-35 with most of its columns below FLT_MIN: the

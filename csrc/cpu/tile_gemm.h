@@ -40,9 +40,11 @@ enum class GemmPath { blas, onednn };
 // current setting: with oneDNN disabled the blas path runs).
 GemmPath gemm_path(at::ScalarType dtype);
 
-// Whether bf16 x bf16 -> fp32 tile GEMMs run faster than fp32 ones here: on the onednn path
-// (its bf16 kernels need AVX512-BF16 or AMX), and on the blas path where MKL has them natively
-// (Intel CPUs with AVX512-BF16 / AMX). Elsewhere a bf16 GEMM costs an fp32 one.
+// Whether bf16 x bf16 -> fp32 tile GEMMs run natively here: on the onednn path (its bf16 kernels
+// need AVX512-BF16 or AMX), and on the blas path where MKL has them (Intel CPUs with
+// AVX512-BF16 / AMX). Elsewhere a bf16 GEMM widens to fp32 and costs an fp32 one. Reported
+// (flce.build_info()["cpu_bf16_native"]); the backward's split of bf16 gradient tiles follows
+// bf16_gemm_amx(), as AVX512-BF16 alone does at most twice an FMA's work per instruction.
 bool bf16_gemm_native();
 
 // Whether the tile GEMMs multiply bf16 on AMX here: a CPU with AMX-BF16, and neither MKL nor

@@ -273,7 +273,8 @@ def build_info():
     oneDNN's micro-kernels, or "blas", the BLAS torch links; see docs/cpu-backend.md),
     ``cpu_amx`` (whether those GEMMs multiply bf16 on AMX, which makes bf16 training take the
     recompute path by default), ``cpu_bf16_native`` (whether they multiply bf16 natively, on
-    AMX, AVX512-BF16 or through oneDNN, rather than widened to fp32).
+    AMX, AVX512-BF16 or through oneDNN, rather than widened to fp32; the backward splits bf16
+    gradient tiles into two bf16 tiles only on AMX, and widens them elsewhere).
     """
     import torch
     info = dict(_info())
