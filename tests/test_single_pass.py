@@ -63,8 +63,8 @@ def test_cpu_default_path(dtype, monkeypatch):
     monkeypatch.delenv("FLCE_CPU_MEMORY_MB", raising=False)
     # Few rows: the single pass's dW compensation and fp32 gradients are over half the logits.
     assert not _takes_single_pass(dtype, 40, 300, 16)
-    # Many rows of a small vocabulary: within the default budget (a 1024-row block of logits is
-    # an eighth of [N, V] here).
+    # Many rows of a small vocabulary: within the default budget (a 1024-row block of logits,
+    # with the per-worker tile rounding, is a quarter of an fp32 [N, V] here; the budget half).
     n, v, d = 8192, 4096, 16
     assert flce._common.cpu_single_pass_bytes(n, v, d, dtype) <= 2 * n * v
     assert _takes_single_pass(dtype, n, v, d) == eligible

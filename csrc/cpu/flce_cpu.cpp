@@ -393,10 +393,10 @@ class GradPass {
     // gradient tile is split G = hi + lo into two bf16 tiles, so that the tile products run on
     // them at ~16 mantissa bits, far below bf16's rounding. Elsewhere two bf16 GEMMs cost at
     // least one fp32 GEMM (AVX512-BF16 alone: on the Xeon of docs/benchmarks.md with AMX held
-    // off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per core against 170 in fp32, and the split
-    // bf16 single pass took 4.06 s against 2.14 s for this), and where bf16 is widened, twice
-    // one: G multiplies fp32 copies of the tile's weight and input rows (widen_), as fp16
-    // inputs always do (fp16 tiles would underflow small gradients).
+    // off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per core against 170 in fp32, and the bf16
+    // single pass took 4.06 s split, 2.14 s widened), and where bf16 is widened, twice one:
+    // G multiplies fp32 copies of the tile's weight and input rows (widen_), as fp16 inputs
+    // always do (fp16 tiles would underflow small gradients).
     //
     // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary
     // (margins ~80) a row's gradients are ~1e-35 with most of its columns below FLT_MIN: the

@@ -41,8 +41,8 @@ struct RowState {
 // Fold one tile row (bv logits; the target at column tl, or tl outside [0, bv)) into st. The
 // row is scratch: the target is masked out of (max, sum exp) in place, then restored.
 // loss_only: the caller needs the loss alone and no label smoothing (the single pass without
-// it): the entropy's u and the sum of logits are left at 0, two of the fold's three vector
-// passes over the row instead of three with an extra product each.
+// it): the entropy's u and the sum of logits stay 0, and the row takes two vector passes (max,
+// sum of exponentials) instead of three (the sum of logits) with the entropy's product in one.
 inline void fold_row(float* row, int64_t bv, int64_t tl, RowState& st, bool loss_only = false) {
   const bool has_t = tl >= 0 && tl < bv;
   float z_target = 0.f;
