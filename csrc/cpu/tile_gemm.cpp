@@ -378,13 +378,18 @@ struct Out {
   float* sum = nullptr;
   uint16_t* comp = nullptr;
   float scale = 1.f;
+  bool fresh = false;  // KahanOut::fresh: store into the (zero) accumulator
 
   // Row r of the compensated output += scale * x[0..n) (x is scaled in place).
   void add_row(int64_t r, float* x, int64_t n) const {
     if (scale != 1.f) {
       for (int64_t j = 0; j < n; ++j) x[j] *= scale;
     }
-    row_kahan_add(sum + r * ldc, comp + r * ldc, x, n);
+    if (fresh) {
+      std::memcpy(sum + r * ldc, x, n * sizeof(float));
+    } else {
+      row_kahan_add(sum + r * ldc, comp + r * ldc, x, n);
+    }
   }
 };
 
@@ -522,10 +527,23 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
   }
 }
 
-// The blas path of gemm_accumulate: the product in a scratch tile, then the compensated adds.
+// The blas path of gemm_accumulate: the product in a scratch tile, then the compensated adds;
+// into a fresh accumulator, the product straight into its sums.
 void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
                      const GemmOperand* a, int na, GemmOperand b, const Out& out,
                      LhsScratch& scratch) {
+  if (out.fresh) {
+    for (int i = 0; i < na; ++i) {
+      gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, out.sum, out.ldc);
+    }
+    if (out.scale != 1.f) {
+      for (int64_t r = 0; r < m; ++r) {
+        float* row = out.sum + r * out.ldc;
+        for (int64_t j = 0; j < n; ++j) row[j] *= out.scale;
+      }
+    }
+    return;
+  }
   scratch.panel.resize(m * n);
   float* prod = scratch.panel.data();
   for (int i = 0; i < na; ++i) gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, prod, n);
@@ -662,6 +680,7 @@ void gemm_accumulate(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
   out.sum = acc.sum;
   out.comp = acc.comp;
   out.scale = scale;
+  out.fresh = acc.fresh;
   if (RhsAccess::path(b) == GemmPath::onednn) {
     gemm_onednn(dtype, m, n, k, a, num_a, b, out, scratch);
   } else {

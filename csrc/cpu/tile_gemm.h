@@ -92,6 +92,11 @@ struct KahanOut {
   float* sum;
   uint16_t* comp;
   int64_t ld;
+  // The accumulator is zero (sums and compensations) and this is its first add: the product is
+  // stored into the sums instead, which is what a compensated add into zero gives (sum = x,
+  // comp = 0, exactly), without reading the accumulator or, on the blas path, writing the
+  // product to a scratch tile first.
+  bool fresh = false;
 };
 
 // (sum, comp) [m, n] += scale * sum_i op(A_i) [m, k] @ op(B) [k, n], one compensated add per
