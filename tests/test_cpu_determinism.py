@@ -23,7 +23,8 @@ import _peers  # noqa: E402
 CASES = [
     # N < V: workers split rows; dC and db are summed from partials, per block of 512 columns.
     pytest.param(600, 3000, 64, torch.float32, {}, id="rows-fp32"),
-    # N >= V: workers split the vocabulary; dE is summed from partials, per block of 256 rows.
+    # N >= V: workers split the vocabulary; dE is summed from partials, per block of 1024 rows
+    # (BLOCK_N_WIDE: three blocks here, the last one short).
     pytest.param(3000, 600, 64, torch.bfloat16, {"label_smoothing": 0.1}, id="vocab-bf16"),
     # The fused forward+backward: statistics merged and dE partials summed per row block of
     # up to 1024 rows (three here, the last one short).

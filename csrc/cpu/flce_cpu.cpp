@@ -47,11 +47,14 @@ namespace {
 
 constexpr int64_t BLOCK_N = 256;   // rows per tile
 // Rows per tile of the recompute backward for 16-bit inputs: each tile adds its dC product
-// into the Kahan accumulators of its vocabulary block, half as often with 512 rows. bf16 at
-// N=4096, V=32768, D=512 on the 2-core Xeon of docs/benchmarks.md: 1.09-1.10 s -> 0.98-1.00 s
-// (AMX), 3.11 -> 2.98 s (AVX2 emulated); 1024 rows gained nothing more. 8 MiB more scratch,
-// where bf16 is at a quarter of chunked torch's memory; fp32, at chunked torch's, keeps 256.
-constexpr int64_t BLOCK_N_WIDE = 512;
+// into the Kahan accumulators of its vocabulary block (the first one stores it), less often
+// with taller tiles. bf16 at N=4096, V=32768, D=512 on the 2-core Xeon of docs/benchmarks.md:
+// 256 -> 512 rows 1.09-1.10 s -> 0.98-1.00 s (AMX), 3.11 -> 2.98 s (AVX2 emulated); 512 ->
+// 1024 rows, once the first add was a store (5 Dec 2026), 3-10% faster on AMX in 5 rounds
+// (e.g. 0.926 -> 0.850 s), 2.60 -> 2.49 s with AMX held off; 2048 rows were slower again. 34
+// MiB of tiles on 2 workers, where bf16 is far below chunked torch's memory; fp32, at chunked
+// torch's, keeps 256.
+constexpr int64_t BLOCK_N_WIDE = 1024;
 // Vocabulary columns per tile: 256 for fp32 inputs, 2048 for 16-bit ones (Operands::block_v).
 // fp32's backward is the one whose peak memory competes with chunked torch's, and each worker
 // holds a tile, a packed weight tile (onednn) or product tile (blas) and a partial of the dC
