@@ -24,6 +24,18 @@ def test_shapes_off_tile(device, n, v, d, bias):
     check_flce(x, w, t, b, reduction="none")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,v", [(2348, 4500), (5000, 4300)], ids=["rows-split", "vocab-split"])
+def test_cpu_recompute_tiles_and_blocks(dtype, n, v):
+    """The CPU recompute backward with several tiles per worker in each block and several blocks,
+    for either split (rows when N < V; 16-bit tiles are 1024 rows by 2048 columns, fp32 ones 256
+    by 256): every gradient accumulator takes its first tile product as a store and the later
+    ones as compensated adds (flce_cpu.cpp, GradPass::tile). reduction="none": the recompute
+    path, with a random upstream gradient per row."""
+    x, w, t, b = rand_inputs(n, v, 16, dtype, "cpu", seed=31, bias=True)
+    check_flce(x, w, t, b, reduction="none")
+
+
 @pytest.mark.parametrize("dtype", DTYPES[1:])
 def test_low_precision_odd_shapes(device, dtype):
     # Odd D, an odd last row block (257 = 256 + 1) and an odd last vocab tile (2049 = 2048 + 1):
