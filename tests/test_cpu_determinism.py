@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import _peers  # noqa: E402
 
 CASES = [
-    # N < V: workers split rows; dC and db are summed from partials, per block of 512 columns.
+    # N < V: workers split rows; dC and db are summed from partials, per block of 256 columns.
     pytest.param(600, 3000, 64, torch.float32, {}, id="rows-fp32"),
     # N >= V: workers split the vocabulary; dE is summed from partials, per block of 1024 rows
     # (BLOCK_N_WIDE: three blocks here, the last one short).
