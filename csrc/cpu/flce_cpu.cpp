@@ -37,6 +37,7 @@
 
 #include "cpu/epilogue.h"
 #include "cpu/rows.h"
+#include "cpu/scratch.h"
 #include "cpu/tile_gemm.h"
 #include "cpu/workers.h"
 #include "flce/math.h"
@@ -727,11 +728,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     TileWork tw = pass.tile_work(bn_f, /*own_tile=*/false);
     // [tiles, bn_f, ld]: the row block's logits in the worker's columns, each tile's rows
     // contiguous with the row stride of the recompute path's tiles, and first touched by the
-    // worker that uses them. A std::vector, zeroed by its worker: at N=4096, V=32768, D=512
-    // (fp32, 5 Dec 2026) the array mapped with MAP_POPULATE took the same time 16 bytes past a
-    // page (where glibc puts it), 4% longer page-aligned; aligned to 2 MiB, with or without
-    // transparent huge pages, 2-5% longer.
-    std::vector<float> z(tiles.count() * bn_f * ld);
+    // worker that uses them, on huge pages (cpu/scratch.h).
+    cpu::HugeVector<float> z(tiles.count() * bn_f * ld);
     auto tile_z = [&](int64_t v0) { return z.data() + tiles.index(v0) * bn_f * ld; };
     // The worker's weight tiles as the dE GEMM and (16-bit inputs) the logit GEMM read them,
     // prepared once. fp32's logit GEMM repacks its tile per row block instead: the dE GEMM reads
