@@ -532,21 +532,17 @@ void gemm_onednn(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, const Ge
 void accumulate_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
                      const GemmOperand* a, int na, GemmOperand b, const Out& out,
                      LhsScratch& scratch) {
+  if (!out.fresh) scratch.panel.resize(m * n);
+  float* prod = out.fresh ? out.sum : scratch.panel.data();
+  const int64_t ld = out.fresh ? out.ldc : n;
+  for (int i = 0; i < na; ++i) gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, prod, ld);
   if (out.fresh) {
-    for (int i = 0; i < na; ++i) {
-      gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, out.sum, out.ldc);
-    }
-    if (out.scale != 1.f) {
-      for (int64_t r = 0; r < m; ++r) {
-        float* row = out.sum + r * out.ldc;
-        for (int64_t j = 0; j < n; ++j) row[j] *= out.scale;
-      }
+    if (out.scale == 1.f) return;
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t j = 0; j < n; ++j) prod[r * ld + j] *= out.scale;
     }
     return;
   }
-  scratch.panel.resize(m * n);
-  float* prod = scratch.panel.data();
-  for (int i = 0; i < na; ++i) gemm_blas(dtype, m, n, k, a[i], b, i == 0 ? 0.f : 1.f, prod, n);
   for (int64_t r = 0; r < m; ++r) out.add_row(r, prod + r * n, n);
 }
 
