@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ATen.h>
 
+#include "cpu/single_pass.h"
 #include "cpu/tile_gemm.h"
 #include "flce_ops.h"
 #include "ops_def.h"
@@ -44,6 +45,13 @@ TORCH_LIBRARY(flce, m) {
   // Whether they multiply bf16 natively (cpu::bf16_gemm_native: AMX, AVX512-BF16 or oneDNN)
   // rather than widened to fp32; flce.build_info()["cpu_bf16_native"].
   m.def("cpu_bf16_native() -> bool", [] { return cpu::bf16_gemm_native(); });
+  // The sizes of the CPU single pass's logits (cpu/single_pass.h), for Python's model of the
+  // pass's memory (flce/_common.py, cpu_single_pass_bytes): [rows per block, logits bytes for
+  // fp32 inputs, for 16-bit inputs, columns per tile, tile row padding in floats].
+  m.def("cpu_single_pass_layout() -> int[]", [] {
+    return std::vector<int64_t>{cpu::FUSED_BLOCK_N, cpu::kFusedWorkspaceBytes,
+                                cpu::kFusedWorkspaceBytes16, cpu::BLOCK_V_WIDE, cpu::TILE_PAD};
+  });
 }
 
 TORCH_LIBRARY_IMPL(flce, CompositeExplicitAutograd, m) { m.impl("forward", &forward_composite); }

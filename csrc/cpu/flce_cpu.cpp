@@ -38,6 +38,7 @@
 #include "cpu/epilogue.h"
 #include "cpu/rows.h"
 #include "cpu/scratch.h"
+#include "cpu/single_pass.h"
 #include "cpu/tile_gemm.h"
 #include "cpu/workers.h"
 #include "flce/math.h"
@@ -68,7 +69,7 @@ constexpr int64_t BLOCK_N_WIDE = 1024;
 // its dE product into the Kahan accumulators once (fp32: 1.96 -> 1.90 s on the Xeon of
 // docs/benchmarks.md).
 constexpr int64_t BLOCK_V_F32 = 256;
-constexpr int64_t BLOCK_V_WIDE = 2048;
+using cpu::BLOCK_V_WIDE;  // cpu/single_pass.h
 // Worker ranges and tiles start at multiples of ALIGN rows / columns.
 constexpr int64_t ALIGN = 16;
 
@@ -97,9 +98,8 @@ struct Operands {
   at::ScalarType w_dtype;   // the weight's own dtype (fp32 master weights), its gradient's
   int64_t n, v, d;
   int64_t block_v;  // vocabulary columns per tile
-  // Row stride of the tile buffers: not a power of two. The dC GEMM reads the gradient tile
-  // transposed, and a column of a 2^k-strided tile maps to a single cache set.
-  int64_t ld_tile() const { return block_v + 16; }
+  // Row stride of the tile buffers: not a power of two (cpu::TILE_PAD says why).
+  int64_t ld_tile() const { return block_v + cpu::TILE_PAD; }
   // The vocabulary tiles of [v0, v1): block_v columns each, about evenly cut.
   Tiles vocab_tiles(Span cols) const { return Tiles(cols, block_v, ALIGN); }
 };
@@ -625,30 +625,13 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                       output_mask, /*deferred=*/false);
 }
 
-// Rows per block of the fused forward+backward: a row block keeps its logits for the whole
-// vocabulary, tile by tile ([tiles, rows, ld_tile()] fp32 per worker, at most
-// ceil(V / block_v) + workers tiles in all), within kFusedWorkspaceBytes; 0 when not even 16
-// rows fit. Up to FUSED_BLOCK_N rows: every row block streams dW's accumulators (V * D fp32 sums
-// and bf16 compensations) through memory once, which a taller block does less often. On a
-// 2-core Xeon with AMX (N=4096, V=32768, D=512, docs/benchmarks.md) 128 / 256 / 512 / 1024 rows
-// took 2.23 / 1.83 / 1.64 / 1.55 s in fp32 and 1.64 / 1.29 / 1.15 / 1.08 s in bf16; on a
-// 2-core Zen 4, 256 and 512 rows took the same time. 1024 rows (fp32, same Xeon, 5 Dec 2026,
-// afternoon): 1.71-1.73 s -> 1.63-1.67 s, for 69 MiB more logits at that shape (the single
-// pass's peak growth 174 -> 243 MB, eager's 1536). A block never has more rows than N
-// (rounded up to 16): a short batch holds no logits it does not have.
-constexpr int64_t FUSED_BLOCK_N = 1024;
-// fp32: 1024 rows of V = 32768 on 2 workers, (16 + 2) tiles of 2064 floats per row. 16-bit
-// inputs' single pass also holds the gradients in fp32 and the weight packed twice: their
-// logits keep 72 MiB (about 500 rows there), so that at that shape the pass stays within the
-// default memory budget (flce/_common.py) where it is the default (bf16 without AMX).
-constexpr int64_t kFusedWorkspaceBytes = int64_t(152) << 20;
-constexpr int64_t kFusedWorkspaceBytes16 = int64_t(72) << 20;
-
+// Rows per block of the fused forward+backward (FUSED_BLOCK_N and the workspace bounds of
+// cpu/single_pass.h, which say why); 0 when not even 16 rows fit.
 int64_t fused_block_rows(const Operands& o, int64_t workers) {
   const int64_t row_floats = (ceil_div(o.v, o.block_v) + workers) * o.ld_tile();
   const int64_t workspace =
-      o.dtype == at::kFloat ? kFusedWorkspaceBytes : kFusedWorkspaceBytes16;
-  const int64_t rows = std::min({FUSED_BLOCK_N, ceil_div(std::max<int64_t>(o.n, 1), 16) * 16,
+      o.dtype == at::kFloat ? cpu::kFusedWorkspaceBytes : cpu::kFusedWorkspaceBytes16;
+  const int64_t rows = std::min({cpu::FUSED_BLOCK_N, ceil_div(std::max<int64_t>(o.n, 1), 16) * 16,
                                  workspace / (4 * row_floats)});
   return rows >= 16 ? rows / 16 * 16 : 0;
 }

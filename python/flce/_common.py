@@ -164,11 +164,6 @@ def needs_composite(*tensors):
     return False
 
 
-# The CPU single pass's row-block logits are at most this many bytes for fp32 / 16-bit inputs
-# (flce_cpu.cpp kFusedWorkspaceBytes, kFusedWorkspaceBytes16), in tiles of 2048 columns (+16)
-# for at most 1024 rows (FUSED_BLOCK_N) and at most N rounded up to 16 (fused_block_rows).
-CPU_FUSED_WORKSPACE, CPU_FUSED_WORKSPACE_16 = 152 << 20, 72 << 20
-CPU_FUSED_ROWS, CPU_WIDE_TILE = 1024, 2048
 
 
 _THREADS = [torch.get_num_threads()]
@@ -189,11 +184,14 @@ def cpu_single_pass_bytes(n, v, d, dtype, threads=None):
     are scaled in place and are the gradients) and the weight tiles packed for two GEMMs
     (onednn; an upper bound on the blas path). tests/test_cpu_memory.py holds the measured
     growth to it."""
+    # The row-block logits: tiles of CPU_WIDE_TILE columns for at most CPU_FUSED_ROWS rows and
+    # N rounded up to 16, within a workspace bound (the sizes: csrc/cpu/single_pass.h, read
+    # through _ops; the rows: flce_cpu.cpp, fused_block_rows).
     t = threads or _threads()
-    tiles = -(-v // CPU_WIDE_TILE)
-    rows = min(CPU_FUSED_ROWS, -(-max(n, 1) // 16) * 16)
-    cap = CPU_FUSED_WORKSPACE if dtype == torch.float32 else CPU_FUSED_WORKSPACE_16
-    logits = min(cap, rows * (tiles + t) * (CPU_WIDE_TILE + 16) * 4)
+    tiles = -(-v // _ops.CPU_WIDE_TILE)
+    rows = min(_ops.CPU_FUSED_ROWS, -(-max(n, 1) // 16) * 16)
+    cap = _ops.CPU_FUSED_WORKSPACE if dtype == torch.float32 else _ops.CPU_FUSED_WORKSPACE_16
+    logits = min(cap, rows * (tiles + t) * (_ops.CPU_WIDE_TILE + _ops.CPU_TILE_PAD) * 4)
     sixteen = (n + v) * d * 4 + 4 * v * d if dtype != torch.float32 else 0
     return v * d * 2 + logits + sixteen
 

@@ -18,6 +18,10 @@ ops = torch.ops.flce
 # Whether the CPU backend's bf16 tile GEMMs run on AMX (cpuid and the environment, read once):
 # flce/api.py's default training path for bf16 on the CPU depends on it.
 CPU_BF16_AMX = bool(torch.ops.flce.cpu_bf16_amx())
+# The CPU single pass's logit sizes (csrc/cpu/single_pass.h): rows per block, the logits' bytes
+# for fp32 and for 16-bit inputs, columns per tile, tile row padding (floats).
+(CPU_FUSED_ROWS, CPU_FUSED_WORKSPACE, CPU_FUSED_WORKSPACE_16, CPU_WIDE_TILE,
+ CPU_TILE_PAD) = (int(x) for x in torch.ops.flce.cpu_single_pass_layout())
 
 # Row layouts of the ops (csrc/flce_ops.h): partials (m, s, z_t, sum_z, u), stats (m_x, s_x,
 # z_t, u_x).
