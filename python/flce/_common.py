@@ -164,8 +164,6 @@ def needs_composite(*tensors):
     return False
 
 
-
-
 _THREADS = [torch.get_num_threads()]
 
 
