@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flce
-from helpers import rand_inputs, rel_err
+from helpers import check_flce, rand_inputs, rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,3 +134,19 @@ def test_gradient_is_the_deferred_buffer(device, dtype):
     if in_place["x"] or in_place["w"]:
         with pytest.raises(RuntimeError, match="scaled in place.*single_pass=False"):
             loss.backward()
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_transposed_classifier(device, weight_dtype, single_pass):
+    """A classifier stored as (D, V) and passed as its transpose (column stride V, not 1), with
+    16-bit inputs and 16-bit or fp32 master weights: every gradient as for a contiguous weight.
+    A column of the weight that is all zeros makes the input gradient's column exactly 0 (the
+    CUDA single pass's target-entry fix once read weight[t] with its row stride only)."""
+    x, w, t, _ = rand_inputs(37, 301, 24, torch.bfloat16, device, seed=11,
+                             weight_dtype=weight_dtype)
+    w[:, 5] = 0
+    wt = w.t().contiguous().t()  # the same values, strides (1, V)
+    assert wt.stride() == (1, w.shape[0])
+    _, _, grads = check_flce(x, wt, t, single_pass=single_pass, reduction="sum")
+    assert (grads["input"][:, 5] == 0).all()

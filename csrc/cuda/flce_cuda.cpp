@@ -451,6 +451,7 @@ void launch_fix(const at::Tensor& w, int64_t n, int64_t vc, int64_t d, const at:
   cuda::TargetFixParams fp{};
   fp.weight = w.data_ptr();
   fp.weight_row_stride = w.stride(0);
+  fp.weight_col_stride = w.stride(1);
   fp.n = n;
   fp.v = vc;
   fp.d = d;

@@ -152,11 +152,15 @@ __global__ void target_fix_kernel(const TargetFixParams p) {
   const T* w = static_cast<const T*>(p.weight) + tcol * p.weight_row_stride;
   float* s = p.sum + row * p.d;
   if (p.comp == nullptr) {  // a complete fp32 row (the single pass): one rounding
-    for (int64_t j = threadIdx.x; j < p.d; j += blockDim.x) s[j] += r * to_float<T>(w[j]);
+    for (int64_t j = threadIdx.x; j < p.d; j += blockDim.x) {
+      s[j] += r * to_float<T>(w[j * p.weight_col_stride]);
+    }
     return;
   }
   float* c = p.comp + row * p.d;
-  for (int64_t j = threadIdx.x; j < p.d; j += blockDim.x) kahan_add(s[j], c[j], r * to_float<T>(w[j]));
+  for (int64_t j = threadIdx.x; j < p.d; j += blockDim.x) {
+    kahan_add(s[j], c[j], r * to_float<T>(w[j * p.weight_col_stride]));
+  }
 }
 
 }  // namespace

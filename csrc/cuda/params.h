@@ -100,8 +100,8 @@ cudaError_t launch_grad_logits(const GradParams& p, DType dtype, cudaStream_t st
 // that the 16-bit tile lost, added in fp32 (the CPU backend likewise keeps the target column out
 // of the tile GEMMs).
 struct TargetFixParams {
-  const void* weight;  // [v, d] compute dtype, unit column stride
-  int64_t weight_row_stride;
+  const void* weight;  // [v, d] compute dtype, any strides (a transposed classifier included)
+  int64_t weight_row_stride, weight_col_stride;
   int64_t n, v, d;
   const int64_t* target;
   int64_t target_stride;

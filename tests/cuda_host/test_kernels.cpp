@@ -1034,6 +1034,7 @@ void run_case(const Case& c) {
         flce::cuda::TargetFixParams fp{};
         fp.weight = p.W->row_ptr(w0);
         fp.weight_row_stride = p.W->row_stride;
+        fp.weight_col_stride = p.W->col_stride;
         fp.n = n;
         fp.v = vc;
         fp.d = d;
@@ -1330,6 +1331,7 @@ void run_single_pass(const Case& c) {
     flce::cuda::TargetFixParams fp{};
     fp.weight = p.W->row_ptr(lo);
     fp.weight_row_stride = p.W->row_stride;
+    fp.weight_col_stride = p.W->col_stride;
     fp.n = n;
     fp.v = vr;
     fp.d = d;
