@@ -67,7 +67,8 @@ void check_logits_args(const at::Tensor& logits, const at::Tensor& target) {
   TORCH_CHECK_TYPE(is_float_kind(logits.scalar_type()),
                    "flce: logits must be float32, bfloat16 or float16, got ",
                    logits.scalar_type());
-  TORCH_CHECK_VALUE(logits.stride(1) == 1 || logits.size(1) <= 1,
+  // (an empty tensor's strides are whatever its view left: nothing is read through them)
+  TORCH_CHECK_VALUE(logits.stride(1) == 1 || logits.size(1) <= 1 || logits.numel() == 0,
                     "flce: logits must have a unit column stride, got strides ",
                     logits.strides());
   TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == logits.size(0),

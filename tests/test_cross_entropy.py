@@ -390,3 +390,18 @@ def test_opcheck_and_compile(device):
     a.backward()
     b.backward()
     assert torch.equal(a, b) and torch.equal(xg.grad, xe.grad)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch_of_strided_logits(device, reduction):
+    """No rows, logits a column-strided view (whose .contiguous() keeps its strides): torch's
+    answer (NaN for the mean of nothing, 0 for the sum, an empty tensor for "none") and an empty
+    gradient, not a stride error."""
+    base = torch.randn(0, 10, device=device, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.long, device=device)
+    got = flce.cross_entropy(base[:, ::2], t, reduction=reduction)
+    want = torch.nn.functional.cross_entropy(base.detach()[:, ::2], t, reduction=reduction)
+    assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got.detach()), torch.nan_to_num(want))
+    got.sum().backward()
+    assert base.grad.shape == (0, 10)
