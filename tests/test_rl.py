@@ -134,3 +134,28 @@ def test_grpo_example_matches_materialized_logits(device):
     grpo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(grpo)
     assert grpo.main(["--device", device, "--vocab", "1024", "--length", "16"]) == 0
+
+
+@pytest.mark.parametrize("target", [0, 1, 2])
+def test_entropy_where_a_non_target_class_dominates(device, target):
+    """Logits [32, 8, -10]: H = 9.4378366e-10 whichever class is the target. Where the target
+    dominates (0), H >= q = 1 - p_t and the fused kernels are relatively accurate; where another
+    class does (1, 2), their error is bounded by a few 2^-24 times q (docs/numerics.md), while the
+    composite path (class weights with label smoothing, float64) and the reference pivot on the
+    largest non-target logit and stay relatively accurate."""
+    z = torch.tensor([[32.0, 8.0, -10.0]])
+    exact = 9.437836607578037e-10  # mpmath, 50 digits
+    t = torch.tensor([target], device=device)
+    q = 1.0 - math.exp(32.0 * (target == 0) + 8.0 * (target == 1) - 10.0 * (target == 2)
+                       - math.log(math.exp(32.0) + math.exp(8.0) + math.exp(-10.0)))
+    _, h = flce.cross_entropy(z.to(device), t, reduction="none", return_entropy=True)
+    bound = 4e-7 * exact if target == 0 else 8 * 2.0 ** -24 * q
+    assert abs(h.item() - exact) <= bound, (h.item(), exact)
+    # composite paths: relatively accurate whichever class dominates
+    for zz, kw in ((z.double(), {}),
+                   (z, {"weight": torch.ones(3), "label_smoothing": 0.1})):
+        _, h = flce.cross_entropy(zz.to(device), t, reduction="none", return_entropy=True,
+                                  **{k: (v.to(device) if torch.is_tensor(v) else v)
+                                     for k, v in kw.items()})
+        tol = 1e-12 if zz.dtype == torch.float64 else 4e-7
+        assert abs(h.item() - exact) <= tol * exact, (kw, h.item(), exact)

@@ -47,8 +47,9 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         return_lse: also return the per-token logsumexp, shape ``(...)``, float32.
         return_entropy: also return the per-token entropy of ``softmax(z)``, shape ``(...)``,
             float32, 0 for ignored tokens, differentiable (``dH/dz_j = -p_j (log p_j + H)``),
-            computed from the online statistics without cancellation (it keeps its relative
-            accuracy near collapse, where ``H -> 0``). The per-token log-probability of the
+            computed from the online statistics without cancellation: relatively accurate near
+            collapse (``H -> 0`` as the target dominates), and within a few ``2^-24`` times the
+            non-target mass where another class dominates (docs/numerics.md). The per-token log-probability of the
             target is ``-loss`` with ``reduction="none"`` (rollout scoring: call under
             ``torch.no_grad()``, which saves nothing for a backward).
         single_pass: compute the gradients in the forward pass (3 GEMMs instead of 4: no

@@ -44,8 +44,7 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
     # their higher derivatives (double backward, jvp).
     z_t = torch.where(valid, z_t, torch.zeros_like(z_t))
     lse = torch.where(valid, torch.logaddexp(lse_x, z_t), lse_x)
-    nll = torch.nn.functional.softplus(lse_x - z_t)
-    # softplus's threshold (20) switches to x, which is fine; for lse_x - z_t -> -inf it is exp.
+    nll = _softplus(lse_x - z_t)
     row_weight = None
     if weight is not None:
         w = weight.to(logits.dtype)
@@ -69,18 +68,24 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
         # H = p_t nll + q (softplus(z_t - lse_x) + H_x) with H_x the entropy of the non-target
         # distribution: every term >= 0 (-sum p log p would lose the target's p_t log p_t,
         # ~ -q, once lse rounds to z_t, a relative error of 1 / (1 + margin)).
+        # H_x = log1p(r) + u / (1 + r), pivoted on the row's largest non-target logit m:
+        # r = sum of exp(z_j - m) over the other non-target logits (the pivot's own exp(0) = 1 left
+        # out, so that r keeps its relative accuracy where 1 + r rounds to 1: a non-target class
+        # that dominates the rest), u = sum exp(z_j - m) (m - z_j) >= 0. Every term >= 0.
         rest = logits.masked_fill(is_t, float("-inf"))
-        # A row with no non-target logit (V = 1) has lse_x = -inf: H_x = 0 (its weights are
-        # all 0), not (-inf) - (-inf).
-        finite = torch.isfinite(lse_x)
-        logw = rest - torch.where(finite, lse_x, torch.zeros_like(lse_x))[:, None]
-        w = logw.exp()
-        h_x = -(w * logw.masked_fill(is_t | ~finite[:, None], 0.0)).sum(1)
+        m, pivot = rest.max(dim=1, keepdim=True)
+        # A row with no finite non-target logit (V = 1, or all -inf) has H_x = 0; the finite
+        # stand-ins keep (-inf) - (-inf) and 0 * inf out of the formulas and their derivatives.
+        live = torch.isfinite(rest)
+        gap = torch.where(live, m - rest, torch.zeros_like(rest))
+        e = torch.where(live, torch.exp(-gap), torch.zeros_like(rest))
+        r = e.scatter(1, pivot, torch.zeros_like(m)).sum(1)
+        u = (e * gap).sum(1)
+        h_x = torch.log1p(r) + u / (1 + r)
         # q softplus(-d) -> 0 as d -> -inf (V = 1: p_t = 1), where 0 * inf would be NaN; no
         # finite margin comes near the clamp.
         d = (lse_x - z_t).clamp(min=-1e4)
-        ent = torch.sigmoid(-d) * torch.nn.functional.softplus(d) + torch.sigmoid(d) * (
-            torch.nn.functional.softplus(-d) + h_x)
+        ent = torch.sigmoid(-d) * _softplus(d) + torch.sigmoid(d) * (_softplus(-d) + h_x)
         out += (torch.where(valid, ent, torch.zeros_like(ent)),)
     return out if len(out) > 1 else loss
 
@@ -103,6 +108,17 @@ def linear_cross_entropy(input, weight, target, *, bias=None, ignore_index=-100,
     loss, *per_token = out
     return (loss.reshape(shape) if reduction == "none" else loss,
             *(t.reshape(shape) for t in per_token))
+
+
+def _softplus(x):
+    """log(1 + exp(x)) to its dtype's precision at every x: torch's softplus returns x itself
+    above 20, a relative error of e^-20 / 20 (1e-10: far above float64's rounding). Each branch
+    is evaluated on a clamped copy of x, so that neither it nor its derivatives overflow where
+    torch.where does not select it."""
+    pos = x > 0
+    xp = torch.where(pos, x, torch.zeros_like(x))
+    xn = torch.where(pos, torch.zeros_like(x), x)
+    return torch.where(pos, xp + torch.log1p(torch.exp(-xp)), torch.log1p(torch.exp(xn)))
 
 
 def _reduce(loss, valid, reduction, row_weight=None):
