@@ -187,12 +187,15 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--record", help="append one JSON record per (shape, dtype) to this file")
+    p.add_argument("--partial", help="the (shape, dtype) in progress, rewritten after each "
+                   "implementation (default: RECORD.partial; benchmarks/gpu_record.py)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
         return 0
     shapes = [tuple(int(a) for a in s.lower().split("x")) for s in args.shapes.split(",")]
+    partial = args.partial or f"{args.record}.partial"
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     rows = []
     for n, v in shapes:
@@ -209,10 +212,14 @@ def main(argv=None):
                 spec = dict(impl=name, device=args.device, dtype=dt, n=n, v=v,
                             repeats=args.repeats, warmup=args.warmup, threads=args.threads)
                 res[name] = run_child(spec, args.timeout)
+                if args.record:  # what is measured so far, should the run be cut
+                    gpu_record.write_partial(partial, make_record(n, v, dt, rate, floor_ms, res))
             rows.append((n, v, dt, rate, floor_ms, res))
             print_table(rows[-1:], args.device)
             if args.record:
-                record(args.record, n, v, dt, rate, floor_ms, res)
+                rec = make_record(n, v, dt, rate, floor_ms, res)
+                rec["complete"] = True
+                gpu_record.finish(args.record, partial, rec)
     return 0
 
 
@@ -232,7 +239,8 @@ def print_table(rows, device):
                   f"{r['peak_gib']:9.3f} {r['margin40_rel_err']:14.2e}")
 
 
-def record(path, n, v, dt, rate, floor_ms, res):
+def make_record(n, v, dt, rate, floor_ms, res):
+    """The (shape, dtype)'s record in gpu.jsonl's format ("complete": false until done)."""
     rec = gpu_record.environment()
     rec.update(op="cross_entropy", n=n, v=v,
                dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt],
@@ -244,9 +252,9 @@ def record(path, n, v, dt, rate, floor_ms, res):
                                  for k, r in res.items() if "ms" in r},
                skipped={k: r["skipped"] for k, r in res.items() if "skipped" in r},
                errors={k: str(r["error"])[:300] for k, r in res.items() if "error" in r},
-               copy_gb_s=round(rate / 1e9, 1), repeats=res_repeats(res))
+               copy_gb_s=round(rate / 1e9, 1), repeats=res_repeats(res), complete=False)
     rec["ms"]["bytes"] = round(floor_ms, 4)
-    gpu_record.append(path, rec)
+    return rec
 
 
 def res_repeats(res):

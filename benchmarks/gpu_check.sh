@@ -215,6 +215,7 @@ if [[ ${CXX:-} == /opt/gcc/* && -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
   export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 fi
 [[ -n $FLCE_COMMIT ]] || note "NOTE: commit unknown (no FLCE_COMMIT, no git): records say null"
+# shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
 step env bash -c 'set -e; nvidia-smi; "$1" -c "import sys, torch
 print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(),
 torch.cuda.get_device_properties(0))"; nvcc --version
@@ -298,8 +299,9 @@ step bench_large env FLCE_BENCH_FUSED=$FUSED_OK "$PY" benchmarks/gpu_bench.py \
   --methods gemm3,flce,flce_recompute,flce_fused,eager,liger,cce \
   --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
 step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --dtypes bf16 \
-  --impls flce,flce_inplace,eager,compiled,liger --repeats 10 --timeout 60 --record "$RECORDS"
-step fp64_cost "$PY" benchmarks/gpu_fp64_cost.py --record "$RECORDS"
+  --impls flce,eager,liger,flce_inplace,compiled --repeats 10 --timeout 60 --record "$RECORDS" \
+  --partial "$PARTIAL"
+step fp64_cost "$PY" benchmarks/gpu_fp64_cost.py --repeats 3 --record "$RECORDS"
 # The device-parametrized suites on "cuda", without the files that ran on their own above.
 step test_suite "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 tests \
   -m "not cuda_host" -k cuda --ignore=tests/test_cuda.py --ignore=tests/test_fused_logits.py \
@@ -325,6 +327,7 @@ for fused in ('0', '1') if '$FUSED_OK' == '1' else ('0',):
     torch.cuda.synchronize()
     print(f'training steps without a host sync (FLCE_CUDA_FUSED_LOGITS={fused}): ok')"
 # A bad target in every check mode, each in its own process; any failing process fails the step.
+# shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
 step target_modes bash -c 'rc=0
 for m in 0 sync 1; do FLCE_CHECK_TARGETS=$m "$1" benchmarks/gpu_target_check.py none || rc=1; done
 FLCE_CHECK_TARGETS=1 "$1" benchmarks/gpu_target_check.py mean || rc=1
@@ -338,6 +341,7 @@ step ncu_rows "$NCU" --clock-control none --kernel-name regex:row_ --launch-skip
   --section MemoryWorkloadAnalysis "$PY" benchmarks/profile_step.py --n 4096 --v 128256 \
   --d 4096 --warmup 1 --steps 1
 # Every flce kernel inside a flce:: NVTX range, none with FLCE_NVTX=0 (ncu: nsys is absent).
+# shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
 step nvtx bash -c 'set -e; n=("$1" --clock-control none --csv --metrics gpu__time_duration.sum)
 "${n[@]}" "$2" benchmarks/nvtx_check.py >"$3/ncu_all.csv"
 "${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/nvtx_check.py >"$3/ncu_in.csv"
