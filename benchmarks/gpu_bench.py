@@ -230,7 +230,6 @@ def gemm3(x, w, warmup, repeats):
         parts = [timed(lambda: torch.mm(xd, wd.T), warmup, repeats),
                  timed(lambda: torch.mm(g, wd), warmup, repeats),
                  timed(lambda: torch.mm(g.T, xd), warmup, repeats)]
-        del g
     return parts
 
 
@@ -241,7 +240,6 @@ def ceilings(warmup, repeats):
     dst = torch.empty_like(buf)
     ms = timed(lambda: dst.copy_(buf), warmup, repeats)[0]
     copy = 2 * buf.numel() / ms / 1e6  # GB/s, read + write
-    del buf, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = timed(lambda: torch.mm(a, b), warmup, repeats)[0]

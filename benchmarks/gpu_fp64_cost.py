@@ -58,7 +58,6 @@ def measure(n, v, d, warmup, repeats):
              timed(lambda: torch.mm(z.T, xd), warmup, repeats)]
         out["sgemm3"] = tuple(sum(p[i] for p in s) for i in range(3)) + (0,)
         z64, x64, w64 = z.double(), xd.double(), wd.double()
-        del z
         dd = [logits, timed(lambda: torch.mm(z64, w64), warmup, repeats),
               timed(lambda: torch.mm(z64.T, x64), warmup, repeats)]
         out["sgemm_dgemm2"] = tuple(sum(p[i] for p in dd) for i in range(3)) + (0,)
