@@ -44,7 +44,7 @@
 # with its output in its own log; a step that fails or times out is reported and the next one
 # runs. The limits of a phase's steps add up to at most its budget (--plan checks it;
 # tests/test_gpu_check.py runs both phases with every command stubbed). Files in $OUT (default
-# benchmarks/results/gpu-PHASE; the device tool returns at most 8):
+# benchmarks/results/gpu-RUN, RUN = date-PHASE; the device tool returns at most 8):
 #   gpu_records.jsonl  records in benchmarks/results/gpu.jsonl's format, each appended the
 #                      moment it is measured (a shape cut mid-way: "complete": false); append
 #                      them to benchmarks/results/gpu.jsonl, never edit the old ones
@@ -114,10 +114,6 @@ if ((PLAN_ONLY)); then
   exit
 fi
 
-OUT=${OUT:-$PWD/benchmarks/results/gpu-$PHASE}
-mkdir -p "$OUT"
-RECORDS=$OUT/gpu_records.jsonl
-PARTIAL=$OUT/gpu_records.partial
 LOGS=$(mktemp -d)
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 SANITIZER=${SANITIZER:-compute-sanitizer}
@@ -128,6 +124,11 @@ command -v "$NCU" >/dev/null 2>&1 || NCU=/usr/local/cuda/bin/ncu
 FLCE_COMMIT=${FLCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || true)}
 FLCE_RUN=${FLCE_RUN:-$(date -u +%Y%m%dT%H%M%SZ)-$PHASE}
 export FLCE_COMMIT FLCE_RUN
+# (the device tool empties its $OUT before each call; elsewhere each run gets its own folder)
+OUT=${OUT:-$PWD/benchmarks/results/gpu-$FLCE_RUN}
+mkdir -p "$OUT"
+RECORDS=$OUT/gpu_records.jsonl
+PARTIAL=$OUT/gpu_records.partial
 T0=$SECONDS
 SUMMARY=()
 FAILED=0

@@ -295,3 +295,14 @@ def test_bench_table_and_record_of_a_dry_run(tmp_path, monkeypatch):
     assert "skipped" in text and re.search(r"flce\s+[\d.]+", text)
     with pytest.raises(SystemExit):
         gpu_bench.main(["--methods", "flce,nope", "--record", str(rec_path)])
+
+
+@pytest.mark.parametrize("phase", ["headline", "rest"])
+def test_the_docs_give_the_plan(phase):
+    """docs/profiling.md's table of the phases names every step with its limit."""
+    text = open(os.path.join(ROOT, "docs", "profiling.md")).read()
+    (row,) = [ln for ln in text.splitlines() if ln.startswith(f"| `{phase}` |")]
+    _, steps, contingent, _, _ = _plan(phase)
+    for name, limit in {**steps, **contingent}.items():
+        assert re.search(rf"\b{name}\b[^|,]*?\b{limit}\b", row) or name in contingent and \
+            re.search(rf"\b{name}\b", row), (name, limit)
