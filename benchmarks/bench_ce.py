@@ -23,7 +23,6 @@ write). Medians of --repeats timed steps after --warmup. Memory: the peak above 
 allocated before the step (the logits, targets and nothing else), which includes the gradient.
 """
 import argparse
-import datetime
 import json
 import math
 import os
@@ -35,6 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_record  # noqa: E402
 from _peers import PeakMemory  # noqa: E402
 
 IMPLS = ("flce", "flce_inplace", "eager", "compiled", "native", "composite", "liger")
@@ -83,10 +83,12 @@ def available(name, device):
 
 
 def inputs(n, v, dtype, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    z = (torch.randn(n, v, generator=g) * 2).to(dtype).to(device)
-    t = torch.randint(0, v, (n,), generator=g).to(device)
-    t[torch.rand(n, generator=g) < 0.05] = -100
+    """Logits ~ N(0, 4) and targets with 5 % ignored, drawn where they are used (on a GPU: not
+    billions of numbers drawn on the CPU and copied over, in every child process)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    z = torch.randn(n, v, generator=g, device=device, dtype=dtype).mul_(2)
+    t = torch.randint(0, v, (n,), generator=g, device=device)
+    t[torch.rand(n, generator=g, device=device) < 0.05] = -100
     return z, t
 
 
@@ -124,7 +126,8 @@ def measure(spec):
     with PeakMemory(device) as mem:
         _, loss = step()
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
-           "peak_gib": mem.peak / 2 ** 30, "loss": float(loss.detach())}
+           "ms_max": 1e3 * max(times), "repeats": len(times), "peak_gib": mem.peak / 2 ** 30,
+           "loss": float(loss.detach())}
     # the loss at a large margin (40) against float64 on the same logits: 1.0 for a peer that
     # collapses to 0
     out["margin40_rel_err"] = margin_error(f, dtype, device)
@@ -161,8 +164,11 @@ def copy_rate(n, v, dtype, device, repeats=5):
 
 
 def run_child(spec, timeout):
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                               json.dumps(spec)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
@@ -182,12 +188,15 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--record", help="append one JSON record per (shape, dtype) to this file")
+    p.add_argument("--partial", help="the (shape, dtype) in progress, rewritten after each "
+                   "implementation (default: RECORD.partial; benchmarks/gpu_record.py)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
         return 0
     shapes = [tuple(int(a) for a in s.lower().split("x")) for s in args.shapes.split(",")]
+    partial = args.partial or f"{args.record}.partial"
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     rows = []
     for n, v in shapes:
@@ -204,10 +213,14 @@ def main(argv=None):
                 spec = dict(impl=name, device=args.device, dtype=dt, n=n, v=v,
                             repeats=args.repeats, warmup=args.warmup, threads=args.threads)
                 res[name] = run_child(spec, args.timeout)
+                if args.record:  # what is measured so far, should the run be cut
+                    gpu_record.write_partial(partial, make_record(n, v, dt, rate, floor_ms, res))
             rows.append((n, v, dt, rate, floor_ms, res))
             print_table(rows[-1:], args.device)
             if args.record:
-                record(args.record, n, v, dt, rate, floor_ms, res)
+                rec = make_record(n, v, dt, rate, floor_ms, res)
+                rec["complete"] = True
+                gpu_record.finish(args.record, partial, rec)
     return 0
 
 
@@ -227,26 +240,26 @@ def print_table(rows, device):
                   f"{r['peak_gib']:9.3f} {r['margin40_rel_err']:14.2e}")
 
 
-def record(path, n, v, dt, rate, floor_ms, res):
-    rec = {"date": datetime.date.today().isoformat(),
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "torch": torch.__version__, "commit": _commit(), "op": "cross_entropy", "n": n,
-           "v": v, "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt],
-           "ms": {k: round(r["ms"], 4) for k, r in res.items() if "ms" in r},
-           "peak_gib": {k: round(r["peak_gib"], 4) for k, r in res.items() if "ms" in r},
-           "copy_gb_s": round(rate / 1e9, 1)}
+def make_record(n, v, dt, rate, floor_ms, res):
+    """The (shape, dtype)'s record in gpu.jsonl's format ("complete": false until done)."""
+    rec = gpu_record.environment()
+    rec.update(op="cross_entropy", n=n, v=v,
+               dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt],
+               ms={k: round(r["ms"], 4) for k, r in res.items() if "ms" in r},
+               ms_range={k: [round(r["ms_min"], 4), round(r["ms_max"], 4)]
+                         for k, r in res.items() if "ms" in r},
+               peak_gib={k: round(r["peak_gib"], 4) for k, r in res.items() if "ms" in r},
+               margin40_rel_err={k: gpu_record.sig(r["margin40_rel_err"], 3)
+                                 for k, r in res.items() if "ms" in r},
+               skipped={k: r["skipped"] for k, r in res.items() if "skipped" in r},
+               errors={k: str(r["error"])[:300] for k, r in res.items() if "error" in r},
+               copy_gb_s=round(rate / 1e9, 1), repeats=res_repeats(res), complete=False)
     rec["ms"]["bytes"] = round(floor_ms, 4)
-    with open(path, "a") as fh:
-        fh.write(json.dumps(rec) + "\n")
+    return rec
 
 
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=os.path.dirname(os.path.abspath(__file__))
-                              ).stdout.strip() or None
-    except OSError:
-        return None
+def res_repeats(res):
+    return next((r["repeats"] for r in res.values() if "repeats" in r), None)
 
 
 if __name__ == "__main__":

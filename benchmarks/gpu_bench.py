@@ -1,115 +1,78 @@
-"""Forward+backward benchmark of flce's two CUDA paths against cuBLAS speed-of-light and peers.
+"""Forward+backward benchmark of flce's CUDA paths against the 3 cuBLAS GEMMs and peers, one
+record per shape appended the moment that shape is measured.
 
-Run on one GPU (benchmarks/gpu_check.sh does): for each shape, bf16,
-  flce            flce.linear_cross_entropy, loss.backward(): the single pass (3 GEMMs), the
-                  training default on CUDA
-  flce_recompute  the same with single_pass=False: forward + recomputing backward (4 GEMMs)
+    python benchmarks/gpu_bench.py --shapes 4096,128256,4096 --record OUT.jsonl \\
+        --partial OUT.partial [--methods gemm3,flce,...] [--repeats 10] [--table table.txt]
+
+Methods, measured in the order given (--methods; unknown names are refused):
+  gemm3           the step's 3 bf16 cuBLAS GEMMs alone (logits, dE, dW; torch.mm): the floor;
+                  gemm4 (a recomputing backward's 4) is derived from the same GEMMs' times
+  flce            flce.linear_cross_entropy, loss.backward(): the default CUDA path
+  flce_recompute  the same with single_pass=False (forward + recomputing backward)
+  flce_fused      the fused logits path (FLCE_CUDA_FUSED_LOGITS=1, opt-in); measured only under
+                  FLCE_BENCH_FUSED=1, which gpu_check.sh sets once the path's correctness probe
+                  passed in its own process
   eager           logits = x @ w.T; F.cross_entropy(logits.float(), t)
-  compile         the same under torch.compile (--compile)
-  torch_lce       torch.nn.functional.linear_cross_entropy (torch >= 2.13 only)
-  quack           quack.linear_cross_entropy.chunked_linear_cross_entropy, where installed
-  liger           Liger-Kernel's LigerFusedLinearCrossEntropyLoss, where installed
-  cce             Apple's Cut Cross Entropy (cut_cross_entropy.linear_cross_entropy), where installed
-  sol_4gemm       4 plain bf16 cuBLAS GEMMs of the shape (logits, recompute, dE, dW)
-  sol_3gemm       3 plain bf16 GEMMs (no recompute): the single pass' speed of light
-and the ceilings: a device-to-device copy and an 8192^3 bf16 matmul.
-Prints time, TFLOP/s (6 N V D per fwd+bwd), peak memory beyond the inputs and the gradients
-(the step's own memory: the baseline is taken after a warm-up step, whose gradients each timed
-step frees and replaces), and ratios to flce; writes results.json and table.txt under --out.
+  liger, cce      Liger-Kernel's fused linear cross-entropy, Apple's Cut Cross Entropy, where
+                  importable
+  torch_native    torch's F.linear_cross_entropy (torch >= 2.13), quack: where importable
+  compiled        torch.compile of eager (slow to compile: put it last)
+
+Each timing: --warmup steps, then --repeats steps timed with CUDA events; the record keeps the
+median ("ms"), the fastest and slowest ("ms_range"), and the peak memory beyond the inputs and
+the gradients ("peak_gib": the baseline is taken after the warm-up, whose gradients each timed
+step replaces). Ceilings measured in the same process: a device-to-device copy (read + write)
+and an 8192^3 bf16 matmul.
+
+Agreement ("agree"), for every flce path measured: its loss, dE and dW against eager's on the
+same inputs (relative norm of the difference), and against float64 (flce.reference, the
+collapse-safe formula) on a slice of --slice-rows rows with the whole vocabulary, beside the
+floor (the float64 gradients rounded to bf16) and eager's own errors on the slice.
+
+After each method the shape's record so far is written to --partial (``"complete": false``);
+when the shape is done the record is appended to --record (``"complete": true``) and the partial
+file removed. gpu_check.sh appends a partial file left behind by a step it had to cut.
+FLCE_GPU_DRY_RUN=1 replaces every measurement with a stand-in (no torch; the control flow for
+tests/test_gpu_check.py); FLCE_GPU_DRY_HANG=NxVxD:method then hangs at that measurement.
 """
 import argparse
-import json
 import os
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-import flce  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import gpu_record  # noqa: E402
 
 SHAPES = [(4096, 128256, 4096), (16384, 128256, 4096), (4096, 256000, 4096),
           (16384, 256000, 4096)]
+METHODS = ("gemm3", "flce", "flce_recompute", "flce_fused", "eager", "liger", "cce",
+           "torch_native", "quack", "compiled")
+DEFAULT_METHODS = "gemm3,flce,flce_recompute,flce_fused,eager,liger,cce,compiled"
+FLCE_PATHS = ("flce", "flce_recompute", "flce_fused")
 
 
-def timed(fn, warmup=2, iters=5):
-    """Median milliseconds of fn() over iters runs (CUDA events), and peak extra bytes."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2], torch.cuda.max_memory_allocated() - base
+# ---- the implementations ------------------------------------------------------------------
 
-
-def make_inputs(n, v, d):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = (torch.randn(v, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    return x.requires_grad_(), w.requires_grad_(), t
-
-
-def fwd_bwd(loss_fn, x, w, t):
-    def run():
-        x.grad = None
-        w.grad = None
-        loss = loss_fn(x, w, t)
-        loss.backward()
-    return run
+def _flce():
+    try:
+        import flce
+    except ImportError:  # the checkout's in-place build (gpu_check.sh sets PYTHONPATH too)
+        sys.path.insert(0, os.path.join(HERE, "..", "python"))
+        import flce
+    return flce
 
 
 def eager_loss(x, w, t):
+    import torch.nn.functional as F
+
     return F.cross_entropy((x @ w.T).float(), t)
 
 
-def peers(log):
-    """(name, loss_fn) of the installed peers."""
-    out = []
-    if hasattr(F, "linear_cross_entropy"):
-        out.append(("torch_lce", lambda x, w, t: F.linear_cross_entropy(
-            x, w, t, options=torch.nn.LinearCrossEntropyOptions())))
-    else:
-        log(f"  torch_lce: skipped (torch {torch.__version__} has no F.linear_cross_entropy)")
-    try:
-        from quack.linear_cross_entropy import chunked_linear_cross_entropy
-
-        out.append(("quack", lambda x, w, t: chunked_linear_cross_entropy(x, w, t)))
-    except Exception as e:  # noqa: BLE001
-        log(f"  quack: skipped ({type(e).__name__}: {e})"[:200])
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        liger = LigerFusedLinearCrossEntropyLoss()
-        out.append(("liger", lambda x, w, t: liger(w, x, t)))
-    except Exception as e:  # noqa: BLE001
-        log(f"  liger: skipped ({type(e).__name__}: {e})"[:200])
-    try:
-        from cut_cross_entropy import linear_cross_entropy as cce_lce
-
-        out.append(("cce", lambda x, w, t: cce_lce(x, w, t)))
-    except Exception as e:  # noqa: BLE001
-        log(f"  cce: skipped ({type(e).__name__}: {e})"[:200])
-    return out
-
-
-METHODS = ("flce", "flce_fused", "flce_recompute", "eager", "compile", "torch_lce", "quack", "liger", "cce",
-           "sol_4gemm", "sol_3gemm")
-
-
 def fused_loss(x, w, t):
-    """The fused logits path (FLCE_CUDA_FUSED_LOGITS=1, opt-in): the single pass does all its
-    work in the forward call, so the flag is needed there only."""
+    """The fused logits path: the single pass does all its work in the forward call, so the
+    flag is needed there only."""
+    flce = _flce()
     old = os.environ.get("FLCE_CUDA_FUSED_LOGITS")
     os.environ["FLCE_CUDA_FUSED_LOGITS"] = "1"
     try:
@@ -121,152 +84,358 @@ def fused_loss(x, w, t):
             os.environ["FLCE_CUDA_FUSED_LOGITS"] = old
 
 
-def bench_shape(n, v, d, results, log, compile_eager):
-    flops = 6.0 * n * v * d
-    x, w, t = make_inputs(n, v, d)
-    grads_gib = (x.numel() * x.element_size() + w.numel() * w.element_size()) / 2**30
-    methods = [("flce", lambda x, w, t: flce.linear_cross_entropy(x, w, t)),
-               ("flce_recompute",
-                lambda x, w, t: flce.linear_cross_entropy(x, w, t, single_pass=False)),
-               ("eager", eager_loss)]
-    # The fused logits path (opt-in) where asked: gpu_check.sh sets FLCE_BENCH_FUSED=1 once its
-    # correctness check passed on this GPU.
-    if os.environ.get("FLCE_BENCH_FUSED") == "1":
-        methods.insert(1, ("flce_fused", fused_loss))
-    if compile_eager:
-        methods.append(("compile", torch.compile(eager_loss, dynamic=False)))
-    methods += peers(log)
-    row = {"shape": [n, v, d], "grads_gib": grads_gib}
-    for name, fn in methods:
-        try:
-            t0 = time.time()
-            ms, mem = timed(fwd_bwd(fn, x, w, t))
-            row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": mem / 2**30}
-            log(f"  {name:<14} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  "
-                f"+{mem / 2**30:6.2f} GiB beyond inputs and gradients  "
-                f"(wall {time.time() - t0:.0f}s incl. warmup)")
-        except Exception as e:  # noqa: BLE001  (an OOM or a missing feature must not stop the run)
-            row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            log(f"  {name:<10} FAILED {row[name]['error']}")
-        torch.cuda.empty_cache()
-    # Speed of light: the GEMMs any fused implementation has to run.
+def loss_fn(name):
+    """The loss function of method ``name``, or a string saying why it cannot run here."""
+    import torch
+    import torch.nn.functional as F
+
+    if name == "flce":
+        return lambda x, w, t: _flce().linear_cross_entropy(x, w, t)
+    if name == "flce_recompute":
+        return lambda x, w, t: _flce().linear_cross_entropy(x, w, t, single_pass=False)
+    if name == "flce_fused":
+        if os.environ.get("FLCE_BENCH_FUSED") != "1":
+            return "FLCE_BENCH_FUSED != 1 (its correctness probe did not pass in this run)"
+        return fused_loss
+    if name == "eager":
+        return eager_loss
+    if name == "compiled":
+        return torch.compile(eager_loss, dynamic=False)
+    try:
+        if name == "torch_native":
+            if not hasattr(F, "linear_cross_entropy"):
+                return f"torch {torch.__version__} has no F.linear_cross_entropy"
+            opts = torch.nn.LinearCrossEntropyOptions()
+            return lambda x, w, t: F.linear_cross_entropy(x, w, t, options=opts)
+        if name == "quack":
+            from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+            return lambda x, w, t: chunked_linear_cross_entropy(x, w, t)
+        if name == "liger":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            liger = LigerFusedLinearCrossEntropyLoss()
+            return lambda x, w, t: liger(w, x, t)
+        if name == "cce":
+            from cut_cross_entropy import linear_cross_entropy as cce
+
+            return lambda x, w, t: cce(x, w, t)
+    except Exception as e:  # noqa: BLE001  (a peer that does not import is skipped, and said so)
+        return f"not importable: {type(e).__name__}: {e}"[:200]
+    raise ValueError(name)
+
+
+# ---- measurement ----------------------------------------------------------------------------
+
+def timed(fn, warmup, repeats):
+    """(median, fastest, slowest) milliseconds of fn() (CUDA events) and peak extra bytes."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return (times[len(times) // 2], times[0], times[-1],
+            torch.cuda.max_memory_allocated() - base)
+
+
+def make_inputs(n, v, d, seed=0):
+    """bf16 inputs drawn on the GPU (logits ~ N(0, 1))."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(v, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    return x.requires_grad_(), w.requires_grad_(), t
+
+
+def step_fn(fn, x, w, t):
+    def run():
+        x.grad = None
+        w.grad = None
+        fn(x, w, t).backward()
+    return run
+
+
+def grads(fn, x, w, t):
+    """One step: loss (float), dE, dW."""
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = fn(xg, wg, t)
+    loss.backward()
+    return float(loss.detach()), xg.grad, wg.grad
+
+
+def rel(a, b):
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+class Agreement:
+    """flce's outputs against eager's on the shape, and against float64 on a row slice."""
+
+    def __init__(self, x, w, t, rows):
+        _flce()
+        import flce.reference
+        self.x, self.w, self.t = x, w, t
+        self.eager = grads(eager_loss, x, w, t)
+        self.xs, self.ts = x.detach()[:rows], t[:rows]
+        xd, wd = self.xs.double().requires_grad_(), w.detach().double().requires_grad_()
+        loss = flce.reference.linear_cross_entropy(xd, wd, self.ts)  # mean over the slice
+        loss.backward()
+        self.ref = (float(loss.detach()), xd.grad, wd.grad)
+        self.rows = int(self.xs.shape[0])
+        # the floor: the float64 gradients rounded to the gradients' dtype
+        self.floor = {"dE": rel(xd.grad.to(x.dtype), xd.grad),
+                      "dW": rel(wd.grad.to(w.dtype), wd.grad)}
+        self.eager_slice = self.vs_ref(eager_loss)
+
+    def vs_ref(self, fn):
+        loss, de, dw = grads(fn, self.xs, self.w, self.ts)
+        rl, rde, rdw = self.ref
+        out = {"loss": abs(loss - rl) / abs(rl), "dE": rel(de, rde), "dW": rel(dw, rdw)}
+        return {k: gpu_record.sig(v, 3) for k, v in out.items()}
+
+    def of(self, fn):
+        loss, de, dw = grads(fn, self.x, self.w, self.t)
+        el, ede, edw = self.eager
+        vs_eager = {"loss": abs(loss - el) / abs(el), "dE": rel(de, ede), "dW": rel(dw, edw)}
+        return {"vs_eager": {k: gpu_record.sig(v, 3) for k, v in vs_eager.items()},
+                "vs_fp64_slice": self.vs_ref(fn)}
+
+    def header(self):
+        return {"slice_rows": self.rows,
+                "fp64_slice_floor": {k: gpu_record.sig(v, 3) for k, v in self.floor.items()},
+                "eager_vs_fp64_slice": self.eager_slice}
+
+
+def gemm3(x, w, warmup, repeats):
+    """The 3 GEMMs' medians (ms): logits [N, V], dE [N, D], dW [V, D]; and their spreads."""
+    import torch
+
     with torch.no_grad():
         xd, wd = x.detach(), w.detach()
-        g = torch.empty(n, v, device="cuda", dtype=torch.bfloat16).normal_()
-        gemm_nv = lambda: torch.mm(xd, wd.T)  # noqa: E731  [N, V]
-        gemm_nd = lambda: torch.mm(g, wd)  # noqa: E731     [N, D]
-        gemm_vd = lambda: torch.mm(g.T, xd)  # noqa: E731   [V, D]
-        ms_nv, _ = timed(gemm_nv)
-        ms_nd, _ = timed(gemm_nd)
-        ms_vd, _ = timed(gemm_vd)
-        del g
-    for name, ms in (("sol_4gemm", 2 * ms_nv + ms_nd + ms_vd), ("sol_3gemm", ms_nv + ms_nd + ms_vd)):
-        row[name] = {"ms": ms, "tflops": flops / ms / 1e9, "peak_gib": float("nan")}
-        log(f"  {name:<10} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  (sum of GEMM medians)")
-    results.append(row)
-    del x, w, t
-    torch.cuda.empty_cache()
+        g = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype).normal_()
+        parts = [timed(lambda: torch.mm(xd, wd.T), warmup, repeats),
+                 timed(lambda: torch.mm(g, wd), warmup, repeats),
+                 timed(lambda: torch.mm(g.T, xd), warmup, repeats)]
+    return parts
 
 
-def ceilings(log):
-    out = {}
+def ceilings(warmup, repeats):
+    import torch
+
     buf = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(buf)
-    ms, _ = timed(lambda: dst.copy_(buf))
-    out["d2d_copy_GBps"] = 2 * buf.numel() / ms / 1e6  # read + write
-    del buf, dst
+    ms = timed(lambda: dst.copy_(buf), warmup, repeats)[0]
+    copy = 2 * buf.numel() / ms / 1e6  # GB/s, read + write
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms, _ = timed(lambda: torch.mm(a, b))
-    out["mm8192_bf16_TFLOPs"] = 2 * 8192**3 / ms / 1e9
-    log(f"ceilings: device copy {out['d2d_copy_GBps']:.0f} GB/s, "
-        f"8192^3 bf16 matmul {out['mm8192_bf16_TFLOPs']:.0f} TFLOP/s")
-    return out
+    ms = timed(lambda: torch.mm(a, b), warmup, repeats)[0]
+    return {"copy_gb_s": round(copy), "mm_tflops": round(2 * 8192 ** 3 / ms / 1e9)}
 
 
-# gpu.jsonl's names (docs: ../shared/GPU.md) for this script's methods.
-RECORD_NAMES = {"flce": "flce", "flce_fused": "flce_fused", "flce_recompute": "flce_recompute", "sol_3gemm": "gemm3",
-                "sol_4gemm": "gemm4", "eager": "eager", "compile": "compiled",
-                "torch_lce": "torch_native", "quack": "quack", "liger": "liger", "cce": "cce"}
+class Shape:
+    """One shape's measurements, against torch and a GPU."""
+
+    def __init__(self, n, v, d, args):
+        import torch
+
+        self.args = args
+        self.x, self.w, self.t = make_inputs(n, v, d)
+        self.agreement = None
+        self.torch = torch
+
+    def measure(self, name):
+        """(result dict, agreement dict or None) or a string: why it was skipped."""
+        a = self.args
+        if name == "gemm3":
+            parts = gemm3(self.x, self.w, a.warmup, a.repeats)
+            ms = sum(p[0] for p in parts)
+            return {"ms": ms, "range": [sum(p[1] for p in parts), sum(p[2] for p in parts)],
+                    "gemm4_ms": ms + parts[0][0], "parts_ms": [p[0] for p in parts]}, None
+        fn = loss_fn(name)
+        if isinstance(fn, str):
+            return fn
+        ms, lo, hi, peak = timed(step_fn(fn, self.x, self.w, self.t), a.warmup, a.repeats)
+        out = {"ms": ms, "range": [lo, hi], "peak_gib": peak / 2 ** 30}
+        agree = None
+        if name in FLCE_PATHS:
+            if self.agreement is None:
+                self.agreement = Agreement(self.x, self.w, self.t, a.slice_rows)
+            agree = self.agreement.of(fn)
+        self.torch.cuda.empty_cache()
+        return out, agree
+
+    def header(self):
+        return self.agreement.header() if self.agreement else {}
+
+    def close(self):
+        del self.x, self.w, self.t, self.agreement
+        self.torch.cuda.empty_cache()
 
 
-def records(results, ceil):
-    """One record per shape in benchmarks/results/gpu.jsonl's format."""
-    import datetime
-    import subprocess
+class DryShape:
+    """Stand-in measurements (FLCE_GPU_DRY_RUN=1): no torch, no GPU."""
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or None
-    for row in results:
-        n, v, d = row["shape"]
-        ok = {RECORD_NAMES[k]: r for k, r in row.items() if k in RECORD_NAMES and "ms" in r}
-        yield {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "commit": commit, "op": "linear_cross_entropy",
-               "n": n, "v": v, "d": d, "dtype": "bfloat16",
-               "ms": {k: round(r["ms"], 3) for k, r in ok.items()},
-               "peak_gib": {k: round(r["peak_gib"], 3) for k, r in ok.items()
-                            if r["peak_gib"] == r["peak_gib"]},
-               "copy_gb_s": round(ceil["d2d_copy_GBps"]),
-               "mm_tflops": round(ceil["mm8192_bf16_TFLOPs"])}
+    def __init__(self, n, v, d, args):
+        self.key = f"{n}x{v}x{d}"
+        self.flops = 6.0 * n * v * d
+
+    def measure(self, name):
+        if os.environ.get("FLCE_GPU_DRY_HANG") == f"{self.key}:{name}":
+            print(f"dry run: hanging at {self.key}:{name}", flush=True)
+            time.sleep(3600)
+        if name == "flce_fused" and os.environ.get("FLCE_BENCH_FUSED") != "1":
+            return "FLCE_BENCH_FUSED != 1 (its correctness probe did not pass in this run)"
+        ms = self.flops / 7e11 * (1.0 + 0.1 * METHODS.index(name))
+        out = {"ms": ms, "range": [ms * 0.99, ms * 1.02], "peak_gib": 1.0}
+        if name == "gemm3":
+            out.update(gemm4_ms=ms * 4 / 3, parts_ms=[ms / 3] * 3)
+        agree = ({"vs_eager": {"loss": 1e-6, "dE": 1e-3, "dW": 1e-3},
+                  "vs_fp64_slice": {"loss": 1e-6, "dE": 3e-3, "dW": 3e-3}}
+                 if name in FLCE_PATHS else None)
+        return out, agree
+
+    def header(self):
+        return {}
+
+    def close(self):
+        pass
 
 
-def table(results, ceil):
-    lines = [f"ceilings: copy {ceil['d2d_copy_GBps']:.0f} GB/s, mm8192 bf16 "
-             f"{ceil['mm8192_bf16_TFLOPs']:.0f} TFLOP/s",
-             f"{'shape (N,V,D)':<22}{'method':<15}{'ms':>9}{'TFLOP/s':>9}{'+mem GiB':>10}"
-             f"{'x flce':>8}"]
-    for row in results:
-        base = row.get("flce", {}).get("ms")
-        shape = "x".join(map(str, row["shape"]))
-        for name in METHODS:
-            r = row.get(name)
-            if r is None:
-                continue
-            if "error" in r:
-                lines.append(f"{shape:<22}{name:<15}{'failed':>9}")
-                continue
-            ratio = f"{r['ms'] / base:8.2f}" if base else f"{'-':>8}"
-            lines.append(f"{shape:<22}{name:<15}{r['ms']:9.2f}{r['tflops']:9.1f}"
-                         f"{r['peak_gib']:10.2f}{ratio}")
+# ---- records and the table -------------------------------------------------------------------
+
+def new_record(env, ceil, n, v, d, args):
+    rec = dict(env)
+    rec.update(op="linear_cross_entropy", n=n, v=v, d=d, dtype="bfloat16", complete=False,
+               warmup=args.warmup, repeats=args.repeats, ms={}, ms_range={}, peak_gib={},
+               agree={}, skipped={}, errors={}, **ceil)
+    return rec
+
+
+def add(rec, name, result):
+    """Put one method's result (or why it did not run) into the shape's record."""
+    if isinstance(result, str):
+        rec["skipped"][name] = result
+        return
+    out, agree = result
+    if "error" in out:
+        rec["errors"][name] = out["error"]
+        return
+    rec["ms"][name] = gpu_record.sig(out["ms"])
+    rec["ms_range"][name] = [gpu_record.sig(m) for m in out["range"]]
+    if "peak_gib" in out:
+        rec["peak_gib"][name] = gpu_record.sig(out["peak_gib"], 4)
+    if name == "gemm3":
+        rec["ms"]["gemm4"] = gpu_record.sig(out["gemm4_ms"])
+        rec["gemm3_parts_ms"] = [gpu_record.sig(m) for m in out["parts_ms"]]
+    if agree:
+        rec["agree"][name] = agree
+
+
+def table(rec):
+    """The shape's lines of the summary table: ms, TFLOP/s, memory, x the 3 GEMMs, agreement."""
+    n, v, d = rec["n"], rec["v"], rec["d"]
+    flops = 6.0 * n * v * d
+    floor = rec["ms"].get("gemm3")
+    lines = [f"{n}x{v}x{d} bf16 (copy {rec.get('copy_gb_s')} GB/s, mm {rec.get('mm_tflops')} "
+             f"TFLOP/s, {rec['repeats']} repeats{'' if rec['complete'] else ', INCOMPLETE'})",
+             f"  {'method':<15}{'ms':>9}{'min-max':>16}{'TFLOP/s':>9}{'+GiB':>7}{'x gemm3':>8}"
+             f"  agreement (vs eager; vs fp64 slice: dE dW)"]
+    for name, ms in rec["ms"].items():
+        lo, hi = rec["ms_range"].get(name, [None, None])
+        spread = f"{lo:.2f}-{hi:.2f}" if lo is not None else "-"
+        peak = rec["peak_gib"].get(name)
+        ratio = f"{ms / floor:8.2f}" if floor else f"{'-':>8}"
+        agree = rec["agree"].get(name)
+        note = ""
+        if agree:
+            e, r = agree["vs_eager"], agree["vs_fp64_slice"]
+            note = (f"  loss {e['loss']:.1e} dE {e['dE']:.1e} dW {e['dW']:.1e}; "
+                    f"{r['dE']:.1e} {r['dW']:.1e}")
+        lines.append(f"  {name:<15}{ms:9.2f}{spread:>16}{flops / ms / 1e9:9.1f}"
+                     f"{'' if peak is None else f'{peak:7.2f}':>7}{ratio}{note}")
+    for name, why in rec["skipped"].items():
+        lines.append(f"  {name:<15} skipped: {why}")
+    for name, why in rec["errors"].items():
+        lines.append(f"  {name:<15} FAILED: {why}")
     return "\n".join(lines)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile of eager")
-    ap.add_argument("--record", default=None,
-                    help="append one benchmarks/results/gpu.jsonl record per shape to this file")
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None,
                     help="N,V,D;N,V,D... (default: N in 4096, 16384; V in 128256, 256000; D 4096)")
-    args = ap.parse_args()
+    ap.add_argument("--methods", default=DEFAULT_METHODS,
+                    help=f"comma-separated, in order (default {DEFAULT_METHODS})")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--slice-rows", type=int, default=128,
+                    help="rows of the float64 agreement check (the whole vocabulary)")
+    ap.add_argument("--record", required=True, help="append one record per shape to this file")
+    ap.add_argument("--partial", default=None,
+                    help="the shape in progress (default: RECORD.partial)")
+    ap.add_argument("--table", default=None, help="append each shape's table to this file")
+    args = ap.parse_args(argv)
     shapes = SHAPES if not args.shapes else [tuple(int(a) for a in s.split(","))
                                              for s in args.shapes.split(";")]
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "bench_detail.log"), "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
-
-    log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
-    ceil = ceilings(log)
-    results = []
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: unknown {unknown}; choose from {METHODS}")
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error("--repeats must be >= 1 and --warmup >= 0")
+    partial = args.partial or args.record + ".partial"
+    dry = gpu_record.dry_run()
+    env = gpu_record.environment()
+    if dry:
+        ceil, shape_cls = {"copy_gb_s": None, "mm_tflops": None}, DryShape
+    else:
+        ceil, shape_cls = ceilings(args.warmup, args.repeats), Shape
+    print(f"device {env['device']}  torch {env['torch']}  cuda {env['cuda']}  commit "
+          f"{env['commit']}  build {env.get('build')}", flush=True)
+    print(f"ceilings: copy {ceil['copy_gb_s']} GB/s, 8192^3 bf16 mm {ceil['mm_tflops']} TFLOP/s",
+          flush=True)
     for n, v, d in shapes:
-        log(f"shape N={n} V={v} D={d} bf16")
-        bench_shape(n, v, d, results, log, args.compile)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"ceilings": ceil, "results": results}, f, indent=1)
-    if args.record:
-        with open(args.record, "a") as f:
-            for rec in records(results, ceil):
-                f.write(json.dumps(rec) + "\n")
-    text = table(results, ceil)
-    with open(os.path.join(args.out, "table.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+        rec = new_record(env, ceil, n, v, d, args)
+        gpu_record.write_partial(partial, rec)
+        shape = shape_cls(n, v, d, args)
+        for name in methods:
+            t0 = time.time()
+            try:
+                result = shape.measure(name)
+            except Exception as e:  # noqa: BLE001  (an OOM or a missing feature: next method)
+                result = ({"error": f"{type(e).__name__}: {e}"[:300]}, None)
+            add(rec, name, result)
+            rec.update(shape.header())
+            gpu_record.write_partial(partial, rec)
+            got = rec["ms"].get(name)
+            print(f"  {n}x{v}x{d} {name:<15} "
+                  + (f"{got:9.2f} ms" if got is not None else
+                     rec["skipped"].get(name) or rec["errors"].get(name, "?"))
+                  + f"  (wall {time.time() - t0:.0f} s)", flush=True)
+        rec["complete"] = True
+        gpu_record.finish(args.record, partial, rec)
+        shape.close()
+        text = table(rec)
+        print(text, flush=True)
+        if args.table:
+            with open(args.table, "a") as fh:
+                fh.write(text + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

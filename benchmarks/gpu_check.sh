@@ -1,126 +1,325 @@
 #!/usr/bin/env bash
-# One prepared check of the flce CUDA backend on a single GPU machine (written for the lent H200:
-# its image's python3 with torch 2.11 CUDA 13, nvcc 13.0, compute-sanitizer, no internet).
-# Budget: BUDGET_S (default 540 s). In order of value, so that a cut-off run still says most:
+# The prepared check of flce's CUDA backend on one lent GPU (H100 / H200: the image's python3
+# with torch 2.11 and CUDA 13, nvcc 13.0, ncu, compute-sanitizer, no package index), in two
+# phases of at most BUDGET_S (default 300 s) each, so that both and a rerun fit in one 15-minute
+# lease. docs/profiling.md ("The GPU check") has the same commands and what to do with the files.
 #
-#   1. build for this GPU (TORCH_CUDA_ARCH_LIST=9.0a), ptxas report -> scripts/check_ptxas.py
-#   2. the CUDA tests (tests/test_cuda.py: both paths), the fused logits path (its CUTLASS GEMM
-#      against its stand-in, tests/test_fused_logits.py) and a training step under
-#      torch.cuda.set_sync_debug_mode("error") (no host sync)
-#   3. forward+backward benchmark of the single pass and the recompute path vs 3 and 4 cuBLAS
-#      GEMMs, eager, compiled, Liger / CCE / quack / torch's linear_cross_entropy where installed,
-#      plus copy and matmul ceilings (benchmarks/gpu_bench.py); cross-entropy on given logits
-#      (benchmarks/bench_ce.py); both append gpu.jsonl records to $OUT/gpu_records.jsonl, which
-#      the session copies into benchmarks/results/gpu.jsonl
-#   4. the device-parametrized suite on "cuda" (accuracy at margins 0-200 and N = 65536, options,
-#      RL outputs, single pass)
-#   5. the GPU against the host emulation on the same inputs (benchmarks/gpu_vs_emulation.py)
-#   6. compute-sanitizer memcheck and racecheck on small shapes (benchmarks/gpu_sanitize.py;
-#      the fused path's memcheck: benchmarks/gpu_fused_check.py --small)
+#   bash benchmarks/gpu_check.sh headline         # run a phase (on the GPU machine)
+#   bash benchmarks/gpu_check.sh rest
+#   bash benchmarks/gpu_check.sh headline --plan  # its steps and limits; exit 1 if over budget
 #
-# Peers' wheels (pure Python + Triton) travel in .whl/ (ignored by git: name it in the device
-# tool's carry) and are installed into /tmp/site when present; so does the nvidia-cutlass wheel,
-# whose headers the fused logits GEMM needs (the device has no registry):
-#   pip download --no-deps -d .whl -r requirements-cutlass.txt
-# Without it the build leaves the GEMM out and benchmarks/gpu_fused_check.py fails. Logs are written to a scratch folder and packed after every step into
-# $OUT/gpu_logs.tgz (the device tool returns at most 8 files); $OUT/table.txt and
-# $OUT/summary.txt beside it. Every step runs under a timeout and a failing step does not stop
-# the later ones; exit status 1 if any step failed.
+# From a session, with the device tool (the sha substituted here: the device has no .git):
+#   run  command: FLCE_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_check.sh headline
+#        carry: [".whl"]                 timeout_s: 330
+#   then, from the headline's files: mkdir -p .gpu_build && tar -xzf FILES_AT/flce_build.tgz
+#        -C .gpu_build (the build, so that rest need not rebuild on a fresh machine)
+#   run  command: FLCE_COMMIT=<sha> bash benchmarks/gpu_check.sh rest
+#        carry: [".whl", ".gpu_build"]   timeout_s: 330
+#
+# .whl/ (ignored by git) holds the wheels the device cannot download, for Python 3.12:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl liger-kernel==0.8.5 cut-cross-entropy==25.1.1 -r requirements-cutlass.txt
+# (nvidia-cutlass: the headers of the fused logits GEMM; without it the build leaves the GEMM
+# out and says so. quack's CuTe DSL wheel, 92 MB, is over what a call can carry.)
+#
+# headline: env, wheels, build for 9.0a (on failure build_nocutlass: again with
+#   FLCE_CUTLASS=0, and the summary says so), ptxas, fused_probe (the fused logits path's
+#   correctness on small shapes, its own process: the bench times that path only if it passed),
+#   bench at [4096 x 4096 x 128256] bf16 (the 3 cuBLAS GEMMs, the default path, the recompute
+#   path, the fused path, eager, Liger, CCE, torch.compile last; benchmarks/gpu_bench.py, with
+#   loss / dE / dW agreement with eager and with float64 on a slice), test_cuda
+#   (tests/test_cuda.py), record_tests (its gpu_tests record), profile (one profiled step and a
+#   memory snapshot).
+# rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
+#   .gpu_build/; without one it builds first, and the steps at the end are cut by the budget),
+#   fused_check and test_fused (the fused path's full check and tests, each its own process),
+#   bench_large (N = 16384 and V = 256000), bench_ce (cross-entropy on given logits, inputs made
+#   on the GPU), fp64_cost (FLCE_CUDA_FP32_GRAD=fp64 against SGEMM and DGEMM), test_suite (the
+#   device-parametrized suite without the files run above), record_tests, no_sync (training
+#   steps under torch.cuda.set_sync_debug_mode("error")), target_modes,
+#   memcheck and racecheck (compute-sanitizer), ncu_rows (the row kernels' counters), nvtx.
+#
+# Every step runs in its own process under its own limit (cut to what is left of the budget),
+# with its output in its own log; a step that fails or times out is reported and the next one
+# runs. The limits of a phase's steps add up to at most its budget (--plan checks it;
+# tests/test_gpu_check.py runs both phases with every command stubbed). Files in $OUT (default
+# benchmarks/results/gpu-RUN, RUN = date-PHASE; the device tool returns at most 8):
+#   gpu_records.jsonl  records in benchmarks/results/gpu.jsonl's format, each appended the
+#                      moment it is measured (a shape cut mid-way: "complete": false); append
+#                      them to benchmarks/results/gpu.jsonl, never edit the old ones
+#   summary.txt        one line per step: exit status, seconds, ok / FAILED / TIMEOUT / SKIPPED
+#   table.txt          the benchmarks' tables (also printed last)
+#   gpu_logs.tgz       every step's log, the JUnit reports, the profiler trace (packed after
+#                      each step)
+#   flce_build.tgz     headline: the build (_C*.so and _build_info.py) for rest's .gpu_build/
+#   memory_snapshot.pickle  headline: the allocator's history over one step (pytorch.org/memory_viz)
+# Exit status 1 if any step failed, timed out or was skipped.
+#
+# Dry runs (no GPU): PYTHON=a stand-in interpreter and stub nvcc / ncu / compute-sanitizer /
+# nvidia-smi on PATH; FLCE_GPU_DRY_RUN=1 makes gpu_bench.py and the record writers stand-ins
+# too; GPU_CHECK_MAX_LIMIT=S caps every step's limit at S seconds; WHEELS=DIR replaces .whl/.
 set -uo pipefail
 
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/benchmarks/results}"
+PHASE=${1:-}
+PLAN_ONLY=0
+[[ ${2:-} == --plan ]] && PLAN_ONLY=1
+case $PHASE in
+  headline | rest) ;;
+  *)
+    echo "usage: bash benchmarks/gpu_check.sh headline|rest [--plan]" >&2
+    exit 2
+    ;;
+esac
+
+cd "$(dirname "$0")/.." || exit 2
+BUDGET_S=${BUDGET_S:-300}
+
+# Each phase's steps, in the order they run, NAME:LIMIT_S. The limits add up to at most the
+# budget: headline's include build_nocutlass, which runs only when the build fails; rest's
+# exclude its contingent build (REST_CONTINGENT: only where no build of the headline is found).
+HEADLINE_PLAN=(env:5 wheels:10 build:105 build_nocutlass:40 ptxas:5 fused_probe:15 bench:70
+  test_cuda:30 record_tests:5 profile:15)
+REST_PLAN=(env:5 wheels:10 build_reuse:10 fused_check:20 test_fused:25 bench_large:40
+  bench_ce:25 fp64_cost:15 test_suite:40 record_tests:5 no_sync:10 target_modes:15
+  memcheck:25 racecheck:20 ncu_rows:15 nvtx:20)
+REST_CONTINGENT=(build:105 build_nocutlass:40)
+
+declare -A LIMIT=()
+if [[ $PHASE == headline ]]; then
+  PLAN=("${HEADLINE_PLAN[@]}")
+  CONTINGENT=()
+else
+  PLAN=("${REST_PLAN[@]}")
+  CONTINGENT=("${REST_CONTINGENT[@]}")
+fi
+TOTAL=0
+for entry in "${PLAN[@]}"; do
+  LIMIT[${entry%%:*}]=${entry##*:}
+  TOTAL=$((TOTAL + ${entry##*:}))
+done
+for entry in "${CONTINGENT[@]}"; do
+  LIMIT[${entry%%:*}]=${entry##*:}
+done
+
+if ((PLAN_ONLY)); then
+  for entry in "${PLAN[@]}"; do
+    printf '%-16s %4s\n' "${entry%%:*}" "${entry##*:}"
+  done
+  for entry in "${CONTINGENT[@]}"; do
+    printf '%-16s %4s  contingent (not in the total)\n' "${entry%%:*}" "${entry##*:}"
+  done
+  printf 'total %s s, budget %s s\n' "$TOTAL" "$BUDGET_S"
+  ((TOTAL <= BUDGET_S))
+  exit
+fi
+
 LOGS=$(mktemp -d)
-mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-540}
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 SANITIZER=${SANITIZER:-compute-sanitizer}
 command -v "$SANITIZER" >/dev/null 2>&1 || SANITIZER=/usr/local/cuda/bin/compute-sanitizer
+NCU=${NCU:-ncu}
+command -v "$NCU" >/dev/null 2>&1 || NCU=/usr/local/cuda/bin/ncu
+# The records' commit and run: the device gets no .git (set FLCE_COMMIT where the call is made).
+FLCE_COMMIT=${FLCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || true)}
+FLCE_RUN=${FLCE_RUN:-$(date -u +%Y%m%dT%H%M%SZ)-$PHASE}
+export FLCE_COMMIT FLCE_RUN
+# (the device tool empties its $OUT before each call; elsewhere each run gets its own folder)
+OUT=${OUT:-$PWD/benchmarks/results/gpu-$FLCE_RUN}
+mkdir -p "$OUT"
+RECORDS=$OUT/gpu_records.jsonl
+PARTIAL=$OUT/gpu_records.partial
 T0=$SECONDS
 SUMMARY=()
 FAILED=0
 
-# step NAME TIMEOUT_S CMD...: run CMD with its output in $LOGS/NAME.log, print its last lines
-# (and its errors if it failed), pack the logs; the timeout is cut to what is left of the budget
-# (at least 10 s).
+note() { SUMMARY+=("$*"); }
+
+pack() {
+  printf '%s\n' "${SUMMARY[@]}" >"$OUT/summary.txt"
+  tar -czf "$OUT/gpu_logs.tgz.tmp" -C "$LOGS" . 2>/dev/null &&
+    mv "$OUT/gpu_logs.tgz.tmp" "$OUT/gpu_logs.tgz"
+}
+
+# step NAME CMD...: run CMD in its own process under NAME's limit (cut to what is left of the
+# budget, and to GPU_CHECK_MAX_LIMIT where set), its output in $LOGS/NAME.log; print its last
+# lines; put its exit status in the summary; keep the record a cut step was writing; pack.
+# OPTIONAL=1 step ...: a failure is reported but does not fail the run.
 step() {
-  local name=$1 limit=$2
-  shift 2
+  local name=$1
+  shift
+  local limit=${LIMIT[$name]:-}
+  if [[ -z $limit ]]; then
+    echo "gpu_check.sh: step $name is in no plan of phase $PHASE" >&2
+    exit 3
+  fi
   local left=$((BUDGET_S - (SECONDS - T0)))
-  if ((left < 10)); then
-    SUMMARY+=("$(printf '%-14s SKIPPED (budget spent)' "$name")")
+  if ((left < 5)); then
+    note "$(printf '%-16s SKIPPED (budget spent)' "$name")"
     FAILED=1
+    pack
     return 1
   fi
   ((limit > left)) && limit=$left
+  if [[ -n ${GPU_CHECK_MAX_LIMIT:-} ]] && ((limit > GPU_CHECK_MAX_LIMIT)); then
+    limit=$GPU_CHECK_MAX_LIMIT
+  fi
   echo "== $name (limit ${limit}s)"
-  local t=$SECONDS rc=0
+  local t=$SECONDS rc=0 status
   timeout --kill-after=5 "$limit" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
-  tail -n 12 "$LOGS/$name.log"
-  ((rc != 0)) && grep -m 20 -E "error|Error|FAILED" "$LOGS/$name.log"
-  SUMMARY+=("$(printf '%-14s rc=%-4s %4ss' "$name" "$rc" "$((SECONDS - t))")")
-  ((rc != 0)) && FAILED=1
+  tail -n 8 "$LOGS/$name.log"
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status="TIMEOUT at ${limit}s" ;;
+    *) status=FAILED ;;
+  esac
+  if ((rc != 0)); then
+    grep -m 12 -E "error|Error|FAIL" "$LOGS/$name.log"
+    [[ ${OPTIONAL:-0} == 1 ]] || FAILED=1
+  fi
+  if [[ -f $PARTIAL ]]; then # the step died while measuring: keep what it had measured
+    cat "$PARTIAL" >>"$RECORDS" && rm -f "$PARTIAL"
+    status+=", its unfinished record kept (complete: false)"
+  fi
+  note "$(printf '%-16s rc=%-4s %4ss  %s' "$name" "$rc" "$((SECONDS - t))" "$status")"
   pack
   return $rc
 }
 
-pack() {
-  printf '%s\n' "${SUMMARY[@]}" >"$OUT/summary.txt"
-  tar -czf "$OUT/gpu_logs.tgz.tmp" -C "$LOGS" . && mv "$OUT/gpu_logs.tgz.tmp" "$OUT/gpu_logs.tgz"
+# The build for this GPU, and without CUTLASS if that fails (no fused logits GEMM then).
+build() {
+  local cutlass=${FLCE_CUTLASS:-}
+  [[ -z $cutlass && $HAVE_CUTLASS == 1 ]] && cutlass=1
+  if step build env FLCE_CUTLASS="$cutlass" "$PY" setup.py build_ext --inplace; then
+    BUILD_LOG=$LOGS/build.log
+  elif step build_nocutlass env FLCE_CUTLASS=0 "$PY" setup.py build_ext --inplace; then
+    BUILD_LOG=$LOGS/build_nocutlass.log
+    note "NOTE: the build with CUTLASS failed (build.log); this run's flce was built WITHOUT" \
+      "CUTLASS (FLCE_CUTLASS=0): no fused logits GEMM"
+  else
+    return 1
+  fi
+  # The build for a later rest call on a fresh machine (.gpu_build/, see the header).
+  if ! (cd python/flce && tar -czf "$OUT/flce_build.tgz" _C*.so _build_info.py) 2>/dev/null; then
+    rm -f "$OUT/flce_build.tgz"
+    note "NOTE: the build could not be packed into flce_build.tgz"
+  fi
+  return 0
 }
 
-{ nvidia-smi; nvidia-smi -q | grep -iE "driver version|product name|clocks|power limit"; } \
-  >"$LOGS/nvidia-smi.log" 2>&1 || true
-{ "$PY" -c "import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda,
-torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))"; nvcc --version; nproc;
-  lscpu | head -20; } >"$LOGS/env.log" 2>&1 || true
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >"$LOGS/wheels.log" 2>&1 || true
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-
+# ---- set-up ----
+export PYTHONUNBUFFERED=1
 # The image's default CXX (/opt/gcc) put libstdc++'s stream code into the extension, and the
 # first C++ error message holding a number crashed the process (2026-12-04): build with the
 # system compiler where there is one (tests/test_build_info.py checks the extension).
-if [[ "${CXX:-}" == /opt/gcc/* && -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
+if [[ ${CXX:-} == /opt/gcc/* && -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
   export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 fi
-{ echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version; } >>"$LOGS/env.log" 2>&1 || true
-if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('cutlass_library') is None)"; then
-  SUMMARY+=("cutlass        MISSING: no fused logits GEMM in this build (nvidia-cutlass wheel in .whl/)")
-  FAILED=1
+[[ -n $FLCE_COMMIT ]] || note "NOTE: commit unknown (no FLCE_COMMIT, no git): records say null"
+# shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
+step env bash -c 'set -e; nvidia-smi; "$1" -c "import sys, torch
+print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(),
+torch.cuda.get_device_properties(0))"; nvcc --version
+{ nvidia-smi -q | grep -iE "driver version|product name|clocks|power limit"; nproc
+  lscpu | head -20; echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version; } || true' _ "$PY"
+WHEELS=${WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  step wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site "$WHEELS"/*.whl &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+else
+  note "$(printf '%-16s none in %s/: no Liger, CCE or CUTLASS headers' wheels "$WHEELS")"
 fi
-export FLCE_CUDA=1 TORCH_CUDA_ARCH_LIST="9.0a" FLCE_PTXAS_VERBOSE=1
+HAVE_CUTLASS=0
+if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('cutlass_library') is None)" \
+  2>/dev/null; then
+  HAVE_CUTLASS=1
+else
+  note "NOTE: no nvidia-cutlass wheel: the build has no fused logits GEMM"
+fi
+export FLCE_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} FLCE_PTXAS_VERBOSE=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # The in-place build puts flce._C into python/flce: import flce from there.
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if step build 180 "$PY" setup.py build_ext --inplace; then
-  step ptxas 15 "$PY" scripts/check_ptxas.py "$LOGS/build.log"
-  # A bad target: every check mode in its own process (for a native backtrace of a crash:
-  # cuda-gdb -batch -ex run -ex bt --args python3 benchmarks/gpu_target_check.py).
-  step target_modes 60 bash -c "for m in 0 sync 1; do FLCE_CHECK_TARGETS=\$m $PY \
-    benchmarks/gpu_target_check.py none; echo rc=\$?; done; FLCE_CHECK_TARGETS=1 $PY \
-    benchmarks/gpu_target_check.py mean; echo rc=\$?"
-  step test_cuda 120 "$PY" -m pytest -q -rfEs -k "not cuda-host" --junitxml="$LOGS/junit_cuda.xml" \
-    tests/test_cuda.py \
-    tests/test_check_ptxas.py tests/test_build_info.py::test_extension_uses_the_process_libstdcxx
-  # The fused logits path (opt-in, issue 25): which epilogue ran, the CUTLASS GEMM against its
-  # stand-in on the same inputs, and its tests on "cuda" (against the path's float64 ideal).
-  # Benchmarked below only if this passed (a kernel that hangs would take the bench with it).
-  export FLCE_BENCH_FUSED=0
-  step fused 120 bash -c "$PY benchmarks/gpu_fused_check.py && FLCE_CUDA_FUSED_LOGITS=1 $PY -m \
-    pytest -q -rfE -k 'not cuda-host' --junitxml=$LOGS/junit_fused.xml tests/test_fused_logits.py" \
-    && FLCE_BENCH_FUSED=1
-  step no_sync 30 "$PY" -c "
-import os, torch, flce
-x = torch.randn(4096, 1024, device='cuda', dtype=torch.bfloat16, requires_grad=True)
-w = torch.randn(32768, 1024, device='cuda', dtype=torch.bfloat16, requires_grad=True)
-t = torch.randint(0, 32768, (4096,), device='cuda')
-# the single pass, and the fused logits path once its check passed
-for fused in ('0', '1') if '$FLCE_BENCH_FUSED' == '1' else ('0',):
+BUILD_LOG=
+
+finish() {
+  pack
+  echo
+  echo "== summary: $PHASE, $((SECONDS - T0)) s of $BUDGET_S, commit ${FLCE_COMMIT:-?}," \
+    "run $FLCE_RUN; files in $OUT"
+  printf '%s\n' "${SUMMARY[@]}"
+  [[ -f $RECORDS ]] && echo "records: $(wc -l <"$RECORDS") in $RECORDS"
+  [[ -f "$OUT/table.txt" ]] && cat "$OUT/table.txt"
+  exit $FAILED
+}
+
+if [[ $PHASE == headline ]]; then
+  if ! build; then
+    note "no build: nothing else can run (build.log in gpu_logs.tgz)"
+    FAILED=1
+    finish
+  fi
+  step ptxas "$PY" scripts/check_ptxas.py "$BUILD_LOG"
+  FLCE_BENCH_FUSED=0
+  step fused_probe "$PY" benchmarks/gpu_fused_check.py --small && FLCE_BENCH_FUSED=1
+  export FLCE_BENCH_FUSED
+  step bench "$PY" benchmarks/gpu_bench.py --shapes 4096,128256,4096 \
+    --methods gemm3,flce,flce_recompute,flce_fused,eager,liger,cce,compiled \
+    --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
+  step test_cuda "$PY" -m pytest -q -rfEs -p no:cacheprovider -k "not cuda-host" \
+    --junitxml="$LOGS/junit_cuda.xml" tests/test_cuda.py tests/test_check_ptxas.py \
+    tests/test_build_info.py::test_extension_uses_the_process_libstdcxx
+  step record_tests "$PY" benchmarks/gpu_tests_record.py "$RECORDS" "$LOGS/junit_cuda.xml"
+  step profile "$PY" benchmarks/profile_step.py --n 4096 --v 128256 --d 4096 --warmup 2 \
+    --steps 1 --torch-profiler "$LOGS/trace_4096x128256x4096.json" \
+    --memory-snapshot "$OUT/memory_snapshot.pickle"
+  finish
+fi
+
+# ---- rest ----
+if [[ -d .gpu_build ]] && compgen -G ".gpu_build/_C*.so" >/dev/null; then
+  cp .gpu_build/_C*.so .gpu_build/_build_info.py python/flce/
+fi
+if ! OPTIONAL=1 step build_reuse "$PY" -c "import flce, sys
+i = flce.build_info(); print(i); sys.exit(0 if i['cuda_backend'] else 1)"; then
+  note "NOTE: no CUDA build of flce here (neither kept nor carried in .gpu_build/): building;" \
+    "the last steps will be cut by the budget"
+  if ! build; then
+    note "no build: nothing else can run (build.log in gpu_logs.tgz)"
+    FAILED=1
+    finish
+  fi
+fi
+FUSED_OK=0
+step fused_check "$PY" benchmarks/gpu_fused_check.py && FUSED_OK=1
+step test_fused env FLCE_CUDA_FUSED_LOGITS=1 "$PY" -m pytest -q -rfE -p no:cacheprovider \
+  -k "not cuda-host" --junitxml="$LOGS/junit_fused.xml" tests/test_fused_logits.py
+step bench_large env FLCE_BENCH_FUSED=$FUSED_OK "$PY" benchmarks/gpu_bench.py \
+  --shapes "16384,128256,4096;4096,256000,4096;16384,256000,4096" --repeats 5 \
+  --methods gemm3,flce,flce_recompute,flce_fused,eager,liger,cce \
+  --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
+step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --dtypes bf16 \
+  --impls flce,eager,liger,flce_inplace,compiled --repeats 10 --timeout 60 --record "$RECORDS" \
+  --partial "$PARTIAL"
+step fp64_cost "$PY" benchmarks/gpu_fp64_cost.py --repeats 3 --record "$RECORDS"
+# The device-parametrized suites on "cuda", without the files that ran on their own above.
+step test_suite "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 tests \
+  -m "not cuda_host" -k cuda --ignore=tests/test_cuda.py --ignore=tests/test_fused_logits.py \
+  --ignore=tests/test_check_ptxas.py --ignore=tests/test_parallel_cuda.py \
+  --ignore=tests/test_gpu_check.py --junitxml="$LOGS/junit_suite.xml"
+step record_tests "$PY" benchmarks/gpu_tests_record.py "$RECORDS" "$LOGS/junit_fused.xml" \
+  "$LOGS/junit_suite.xml"
+# Training steps without a host sync: the default path, and the fused one once its check passed.
+step no_sync "$PY" -c "import os, sys, torch
+sys.path.insert(0, 'python'); import flce
+g = torch.Generator(device='cuda').manual_seed(0)
+x = torch.randn(4096, 1024, device='cuda', generator=g).bfloat16().requires_grad_()
+w = torch.randn(32768, 1024, device='cuda', generator=g).div(32).bfloat16().requires_grad_()
+t = torch.randint(0, 32768, (4096,), device='cuda', generator=g)
+for fused in ('0', '1') if '$FUSED_OK' == '1' else ('0',):
     os.environ['FLCE_CUDA_FUSED_LOGITS'] = fused
-    flce.linear_cross_entropy(x, w, t).backward()   # warm-up (allocations, handles)
+    flce.linear_cross_entropy(x, w, t).backward()  # warm-up: allocations, handles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode('error')
     for _ in range(3):
@@ -128,88 +327,27 @@ for fused in ('0', '1') if '$FLCE_BENCH_FUSED' == '1' else ('0',):
     torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     print(f'training steps without a host sync (FLCE_CUDA_FUSED_LOGITS={fused}): ok')"
-  step bench 170 "$PY" benchmarks/gpu_bench.py --out "$LOGS" --compile \
-    --record "$OUT/gpu_records.jsonl" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"}
-  [[ -f "$LOGS/table.txt" ]] && cp "$LOGS/table.txt" "$OUT/table.txt"
-  # The cost of fp32 gradients in float64 (FLCE_CUDA_FP32_GRAD=fp64, issue 27) against the SGEMM
-  # path, same run, and its accuracy at N = 65536 (the fp32 tests' shape).
-  step fp32_grad 60 "$PY" -c "
-import os, time, torch, flce
-def step(x, w, t):
-    x.grad = w.grad = None
-    flce.linear_cross_entropy(x, w, t).backward()
-def timed(x, w, t):
-    for _ in range(2): step(x, w, t)
-    torch.cuda.synchronize(); ts = []
-    for _ in range(5):
-        a = time.perf_counter(); step(x, w, t); torch.cuda.synchronize(); ts.append(time.perf_counter() - a)
-    return 1e3 * sorted(ts)[2]
-g = torch.Generator().manual_seed(0)
-for n, v, d in ((16384, 32768, 1024), (4096, 128256, 4096)):
-    x = (torch.randn(n, d, generator=g) / d ** 0.25).cuda().requires_grad_()
-    w = (torch.randn(v, d, generator=g) / d ** 0.25).cuda().requires_grad_()
-    t = torch.randint(0, v, (n,), generator=g).cuda()
-    out = {}
-    for mode in ('fp32', 'fp64'):
-        os.environ['FLCE_CUDA_FP32_GRAD'] = mode
-        out[mode] = timed(x, w, t)
-    print(f'fp32 single pass N={n} V={v} D={d}: SGEMM grads {out[\"fp32\"]:.2f} ms, '
-          f'fp64 grads {out[\"fp64\"]:.2f} ms ({out[\"fp64\"] / out[\"fp32\"]:.2f}x)')
-    del x, w, t; torch.cuda.empty_cache()
-"
-  step fp32_accuracy 90 env FLCE_CUDA_FP32_GRAD=fp64 "$PY" -m pytest -q -rfE \
-    tests/test_accuracy.py -k "long_sequence and cuda-fp32"
-  # Cross-entropy on given logits (flce.cross_entropy) against eager / compiled / Liger and the
-  # bytes' floor: the seed's TorchTitan shapes (one rank of TP = 2, and TP = 1).
-  step bench_ce 90 "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128,16384x128256 \
-    --dtypes bf16 --impls flce,flce_inplace,eager,compiled,native,liger --repeats 10 \
-    --record "$OUT/gpu_records.jsonl"
-  # Where the single pass's time goes at the anchor shape (kernel table; trace in the logs).
-  step profile 45 "$PY" benchmarks/profile_step.py --n 4096 --v 128256 --d 4096 --warmup 2 \
-    --steps 3 --peak-tflops 790 --torch-profiler "$LOGS/trace_4096x128256x4096.json" \
-    --memory-snapshot "$LOGS/memory_4096x128256x4096.pickle"
-  # The same for the fused logits path, once its check passed (its kernels' share of the step).
-  [[ $FLCE_BENCH_FUSED == 1 ]] && step profile_fused 45 env FLCE_CUDA_FUSED_LOGITS=1 "$PY" \
-    benchmarks/profile_step.py --n 4096 --v 128256 --d 4096 --warmup 2 --steps 3 \
-    --peak-tflops 790 --memory-snapshot "$LOGS/memory_fused_4096x128256x4096.pickle"
-  # Every flce kernel inside a flce:: NVTX range, none with FLCE_NVTX=0 (ncu: nsys is absent).
-  NCU=${NCU:-ncu}
-  command -v "$NCU" >/dev/null 2>&1 || NCU=/usr/local/cuda/bin/ncu
-  NCU_T="$NCU --clock-control none --csv --metrics gpu__time_duration.sum"
-  step nvtx 90 bash -c "$NCU_T $PY benchmarks/nvtx_check.py > $LOGS/ncu_all.csv &&
-    $NCU_T --nvtx --nvtx-include 'regex:flce::.*/' $PY benchmarks/nvtx_check.py \
-      > $LOGS/ncu_in_ranges.csv &&
-    FLCE_NVTX=0 $NCU_T --nvtx --nvtx-include 'regex:flce::.*/' $PY benchmarks/nvtx_check.py \
-      > $LOGS/ncu_off.csv &&
-    $PY benchmarks/nvtx_check.py --compare $LOGS/ncu_all.csv $LOGS/ncu_in_ranges.csv \
-      $LOGS/ncu_off.csv"
-  # The row kernels' counters at the anchor shape (DRAM throughput, issue slots, stalls).
-  step ncu_rows 60 "$NCU" --clock-control none --kernel-name regex:row_ --launch-skip 8 \
-    --launch-count 4 --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis "$PY" benchmarks/profile_step.py --n 4096 --v 128256 \
-    --d 4096 --warmup 1 --steps 1
-  step vs_emulation 90 "$PY" benchmarks/gpu_vs_emulation.py
-  step memcheck 60 "$SANITIZER" --tool memcheck --error-exitcode 1 --leak-check no \
-    "$PY" benchmarks/gpu_sanitize.py
-  step racecheck 60 "$SANITIZER" --tool racecheck --error-exitcode 1 \
-    "$PY" benchmarks/gpu_sanitize.py
-  step fused_memcheck 60 "$SANITIZER" --tool memcheck --error-exitcode 1 --leak-check no \
-    "$PY" benchmarks/gpu_fused_check.py --small
-  step accuracy 90 "$PY" benchmarks/gpu_accuracy.py
-  # The device-parametrized suites on the GPU (the cpu and cuda-host cases run in CI).
-  step test_suite 120 "$PY" -m pytest -q -rfE --durations=10 tests -m "not cuda_host" -k cuda \
-    --ignore=tests/test_cuda.py --ignore=tests/test_check_ptxas.py \
-    --ignore=tests/test_parallel_cuda.py --junitxml="$LOGS/junit_suite.xml"
-  # The tests' record (benchmarks/results/gpu.jsonl's "gpu_tests"), from both pytest steps.
-  step record_tests 30 "$PY" benchmarks/gpu_tests_record.py "$OUT/gpu_records.jsonl" \
-    "$LOGS/junit_cuda.xml" "$LOGS/junit_suite.xml" "$LOGS/junit_fused.xml"
-else
-  echo "build failed: see build.log in $OUT/gpu_logs.tgz"
-fi
-
-pack
-echo
-echo "== summary ($((SECONDS - T0))s, logs in $OUT/gpu_logs.tgz)"
-printf '%s\n' "${SUMMARY[@]}"
-[[ -f "$OUT/table.txt" ]] && cat "$OUT/table.txt"
-exit $FAILED
+# A bad target in every check mode, each in its own process; any failing process fails the step.
+# shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
+step target_modes bash -c 'rc=0
+for m in 0 sync 1; do FLCE_CHECK_TARGETS=$m "$1" benchmarks/gpu_target_check.py none || rc=1; done
+FLCE_CHECK_TARGETS=1 "$1" benchmarks/gpu_target_check.py mean || rc=1
+exit $rc' _ "$PY"
+step memcheck "$SANITIZER" --tool memcheck --error-exitcode 1 --leak-check no \
+  "$PY" benchmarks/gpu_sanitize.py
+step racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 "$PY" benchmarks/gpu_sanitize.py
+# The row kernels' counters at the anchor shape (DRAM throughput, issue slots, stalls).
+step ncu_rows "$NCU" --clock-control none --kernel-name regex:row_ --launch-skip 4 \
+  --launch-count 2 --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
+  --section MemoryWorkloadAnalysis "$PY" benchmarks/profile_step.py --n 4096 --v 128256 \
+  --d 4096 --warmup 1 --steps 1
+# Every flce kernel inside a flce:: NVTX range, none with FLCE_NVTX=0 (ncu: nsys is absent).
+# shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
+step nvtx bash -c 'set -e; n=("$1" --clock-control none --csv --metrics gpu__time_duration.sum)
+"${n[@]}" "$2" benchmarks/nvtx_check.py >"$3/ncu_all.csv"
+"${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/nvtx_check.py >"$3/ncu_in.csv"
+FLCE_NVTX=0 "${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/nvtx_check.py \
+  >"$3/ncu_off.csv"
+"$2" benchmarks/nvtx_check.py --compare "$3/ncu_all.csv" "$3/ncu_in.csv" "$3/ncu_off.csv"' \
+  _ "$NCU" "$PY" "$LOGS"
+finish

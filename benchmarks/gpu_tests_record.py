@@ -3,52 +3,58 @@ pytest steps (benchmarks/gpu_check.sh):
 
     python benchmarks/gpu_tests_record.py OUT.jsonl junit_a.xml [junit_b.xml ...]
 
-Record: {"op": "gpu_tests", "date", "device", "torch", "commit", "passed", "failed",
-"skipped", "failures": [test ids]} (errors count as failed). Prints the record.
+Record: {"op": "gpu_tests", "date", "commit", "run", "device", "driver", "cuda", "torch",
+"python", "build", "passed", "failed", "skipped", "reports": {file: [passed, failed, skipped]},
+"failures": [test ids]} (errors count as failed; a report that is missing or unreadable, as from
+a step cut at its limit, counts as one failure named after it). Prints the record.
 """
-import datetime
-import json
-import subprocess
+import os
 import sys
 import xml.etree.ElementTree as ET
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_record  # noqa: E402
+
 
 def counts(paths):
+    """(passed, failed, skipped, failures, per-report counts) of JUnit XML reports."""
     passed = failed = skipped = 0
-    failures = []
+    failures, reports = [], {}
     for path in paths:
+        name = os.path.basename(path)
         try:
             root = ET.parse(path).getroot()
         except (OSError, ET.ParseError) as e:
-            failures.append(f"{path}: no report ({type(e).__name__})")
+            failures.append(f"{name}: no report ({type(e).__name__})")
             failed += 1
+            reports[name] = None
             continue
+        p = f = s = 0
         for case in root.iter("testcase"):
-            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            test = f"{case.get('classname', '')}::{case.get('name', '')}"
             if case.find("failure") is not None or case.find("error") is not None:
-                failed += 1
-                failures.append(name)
+                f += 1
+                failures.append(test)
             elif case.find("skipped") is not None:
-                skipped += 1
+                s += 1
             else:
-                passed += 1
-    return passed, failed, skipped, failures
+                p += 1
+        reports[name] = [p, f, s]
+        passed, failed, skipped = passed + p, failed + f, skipped + s
+    return passed, failed, skipped, failures, reports
 
 
 def main(argv):
-    out, reports = argv[0], argv[1:]
-    import torch
-
-    passed, failed, skipped, failures = counts(reports)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or None
-    rec = {"date": datetime.date.today().isoformat(),
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "torch": torch.__version__, "commit": commit, "op": "gpu_tests", "passed": passed,
-           "failed": failed, "skipped": skipped, "failures": failures[:50]}
-    with open(out, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    print(json.dumps(rec))
+    if len(argv) < 2:
+        print(__doc__)
+        return 2
+    out, paths = argv[0], argv[1:]
+    passed, failed, skipped, failures, reports = counts(paths)
+    rec = gpu_record.environment()
+    rec.update(op="gpu_tests", passed=passed, failed=failed, skipped=skipped, reports=reports,
+               failures=failures[:50])
+    gpu_record.append(out, rec)
+    print(rec)
     return 0
 
 

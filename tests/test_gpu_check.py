@@ -1,0 +1,308 @@
+"""benchmarks/gpu_check.sh's control flow on a machine without a GPU, and its record writers.
+
+Each phase runs for real with every command stubbed: a stand-in interpreter (PYTHON) and stub
+nvidia-smi / nvcc / ncu / compute-sanitizer on PATH log their calls and fail or hang where told;
+gpu_bench.py and gpu_tests_record.py run for real in their dry-run mode (FLCE_GPU_DRY_RUN=1:
+stand-in measurements, no torch). The runs show that the limits of each phase fit its budget,
+that a shape's record is appended the moment it is measured (and kept, marked incomplete, when
+its step is cut), and that a failed or timed-out step is reported and the next one runs.
+"""
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import gpu_bench  # noqa: E402
+import gpu_record  # noqa: E402
+import gpu_tests_record  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and coreutils' timeout")
+
+# The stand-in interpreter: logs its arguments (and the FLCE_CUTLASS it was given), hangs or
+# fails where FAKE_HANG / FAKE_FAIL match, writes a JUnit report where pytest would, and hands
+# the record writers to the real interpreter.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+set -f
+sig="$* FLCE_CUTLASS=${FLCE_CUTLASS-unset}"
+echo "$sig" >>"$FAKE_LOG"
+for pat in ${FAKE_HANG:-}; do [[ $sig == *$pat* ]] && exec sleep 60; done
+for pat in ${FAKE_FAIL:-}; do [[ $sig == *$pat* ]] && { echo "fake failure: $pat"; exit 3; }; done
+junit='<testsuite><testcase classname="t" name="a"/>'
+junit+='<testcase classname="t" name="b"><failure/></testcase>'
+junit+='<testcase classname="t" name="c"><skipped/></testcase></testsuite>'
+for a in "$@"; do
+  [[ $a == --junitxml=* ]] && printf '%s' "$junit" >"${a#--junitxml=}"
+done
+case $1 in
+  benchmarks/gpu_bench.py | benchmarks/gpu_tests_record.py) exec "$REAL_PYTHON" "$@" ;;
+esac
+exit 0
+"""
+STUB = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >>"$FAKE_LOG"
+"""
+
+
+def _plan(phase):
+    out = subprocess.run(["bash", SCRIPT, phase, "--plan"], capture_output=True, text=True,
+                         timeout=30)
+    steps, contingent = {}, {}
+    for line in out.stdout.splitlines():
+        m = re.match(r"^(?!total )([a-z0-9_]+)\s+(\d+)(\s+contingent)?", line)
+        if m:
+            (contingent if m.group(3) else steps)[m.group(1)] = int(m.group(2))
+    total, budget = map(int, re.search(r"total (\d+) s, budget (\d+) s", out.stdout).groups())
+    return out.returncode, steps, contingent, total, budget
+
+
+@pytest.mark.parametrize("phase", ["headline", "rest"])
+def test_plan_fits_the_budget(phase):
+    rc, steps, contingent, total, budget = _plan(phase)
+    assert rc == 0
+    assert total == sum(steps.values()) <= budget <= 300
+    if phase == "headline":  # the fallback build counts: it must not push out the records
+        assert {"build", "build_nocutlass", "bench", "test_cuda", "record_tests"} <= set(steps)
+    else:
+        assert set(contingent) == {"build", "build_nocutlass"}
+
+
+def test_every_step_is_planned():
+    """A step the script runs but no plan lists would escape the budget (the script refuses it
+    at run time too)."""
+    text = open(SCRIPT).read()
+    used = set()
+    for line in text.splitlines():
+        code = line.split("#")[0]  # (the script has no "#" inside a command)
+        used |= set(re.findall(r"(?:^|[\s;!&|])step ([a-z][a-z0-9_]*)\b", code))
+    planned = set()
+    for phase in ("headline", "rest"):
+        _, steps, contingent, _, _ = _plan(phase)
+        planned |= set(steps) | set(contingent)
+    assert used and used <= planned, used - planned
+
+
+def _run(tmp_path, phase, **env):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in [("python", FAKE_PYTHON)] + [(n, STUB) for n in (
+            "nvidia-smi", "nvcc", "ncu", "compute-sanitizer")]:
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    out, log, wheels = tmp_path / "out", tmp_path / "calls.log", tmp_path / "whl"
+    wheels.mkdir(exist_ok=True)
+    (wheels / "peer-1.0-py3-none-any.whl").write_text("")
+    full_env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
+                    PYTHON=str(bin_dir / "python"), REAL_PYTHON=sys.executable,
+                    FAKE_LOG=str(log), OUT=str(out), FLCE_GPU_DRY_RUN="1",
+                    FLCE_COMMIT="abc1234", FLCE_RUN=f"test-{phase}", GPU_CHECK_MAX_LIMIT="20",
+                    WHEELS=str(wheels))
+    full_env.pop("FLCE_GPU_DRY_HANG", None)
+    full_env.update(env)
+    proc = subprocess.run(["bash", SCRIPT, phase], capture_output=True, text=True, timeout=120,
+                          env=full_env, cwd=tmp_path)
+    summary = (out / "summary.txt").read_text().splitlines()
+    records = [json.loads(line) for line in (out / "gpu_records.jsonl").read_text().splitlines()]
+    calls = log.read_text()
+    return proc, summary, records, calls
+
+
+def _status(summary):
+    """{step: (rc, status text)} from summary.txt."""
+    out = {}
+    for line in summary:
+        m = re.match(r"^([a-z0-9_]+)\s+rc=(\d+)\s+\d+s\s+(.*)$", line)
+        if m:
+            out[m.group(1)] = (int(m.group(2)), m.group(3))
+    return out
+
+
+def test_headline_dry_run(tmp_path):
+    proc, summary, records, calls = _run(tmp_path, "headline")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    status = _status(summary)
+    _, steps, _, _, _ = _plan("headline")
+    ran = [s for s in steps if s != "build_nocutlass"]
+    assert list(status) == ran and all(rc == 0 for rc, _ in status.values()), summary
+    bench = [r for r in records if r["op"] == "linear_cross_entropy"]
+    tests = [r for r in records if r["op"] == "gpu_tests"]
+    assert len(bench) == 1 and len(tests) == 1 and records[-1] is tests[0]
+    rec = bench[0]
+    assert (rec["n"], rec["v"], rec["d"], rec["complete"]) == (4096, 128256, 4096, True)
+    assert list(rec["ms"]) == ["gemm3", "gemm4", "flce", "flce_recompute", "flce_fused", "eager",
+                               "liger", "cce", "compiled"]  # torch.compile last
+    assert set(rec["agree"]) == {"flce", "flce_recompute", "flce_fused"}
+    for r in records:
+        assert (r["commit"], r["run"]) == ("abc1234", "test-headline")
+    assert (tests[0]["passed"], tests[0]["failed"], tests[0]["skipped"]) == (1, 1, 1)
+    # the first build requires CUTLASS (the stand-in finds the nvidia-cutlass wheel)
+    assert "setup.py build_ext --inplace FLCE_CUTLASS=1" in calls
+    assert "4096x128256x4096 bf16" in (tmp_path / "out" / "table.txt").read_text()
+
+
+def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
+    proc, summary, records, calls = _run(
+        tmp_path, "headline", GPU_CHECK_MAX_LIMIT="1",
+        FAKE_FAIL="build_ext*FLCE_CUTLASS=1 gpu_fused_check.py", FAKE_HANG="tests/test_cuda.py",
+        FLCE_GPU_DRY_HANG="4096x128256x4096:eager")
+    assert proc.returncode == 1
+    status = _status(summary)
+    assert status["build"][0] == 3 and "FAILED" in status["build"][1]
+    assert status["build_nocutlass"][0] == 0
+    assert any("WITHOUT CUTLASS" in line for line in summary)
+    assert "setup.py build_ext --inplace FLCE_CUTLASS=0" in calls
+    assert status["fused_probe"][0] == 3
+    assert status["bench"][0] in (124, 137) and "TIMEOUT" in status["bench"][1]
+    assert "unfinished record kept" in status["bench"][1]
+    assert status["test_cuda"][0] in (124, 137)
+    # the steps after each failure ran
+    assert status["ptxas"][0] == status["record_tests"][0] == status["profile"][0] == 0
+    bench = [r for r in records if r["op"] == "linear_cross_entropy"]
+    assert len(bench) == 1 and bench[0]["complete"] is False
+    assert list(bench[0]["ms"]) == ["gemm3", "gemm4", "flce", "flce_recompute"]
+    assert "flce_fused" in bench[0]["skipped"]  # its probe failed
+    tests = [r for r in records if r["op"] == "gpu_tests"]
+    assert tests[0]["failed"] == 1 and "no report" in tests[0]["failures"][0]
+    assert not (tmp_path / "out" / "gpu_records.partial").exists()
+
+
+def test_rest_dry_run(tmp_path):
+    proc, summary, records, calls = _run(tmp_path, "rest")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    status = _status(summary)
+    _, steps, _, _, _ = _plan("rest")
+    assert list(status) == list(steps) and all(rc == 0 for rc, _ in status.values()), summary
+    shapes = [(r["n"], r["v"], r["d"]) for r in records if r["op"] == "linear_cross_entropy"]
+    assert shapes == [(16384, 128256, 4096), (4096, 256000, 4096), (16384, 256000, 4096)]
+    assert "tests/test_fused_logits.py" in calls and "--ignore=tests/test_fused_logits.py" in calls
+    assert "setup.py" not in calls  # the build was found: not rebuilt
+
+
+def test_rest_without_a_build_and_a_cut_shape(tmp_path):
+    proc, summary, records, calls = _run(
+        tmp_path, "rest", GPU_CHECK_MAX_LIMIT="1", FAKE_FAIL="cuda_backend",
+        FAKE_HANG="gpu_target_check.py", FLCE_GPU_DRY_HANG="4096x256000x4096:flce")
+    assert proc.returncode == 1
+    status = _status(summary)
+    assert status["build_reuse"][0] == 3 and status["build"][0] == 0
+    assert any("no CUDA build of flce here" in line for line in summary)
+    assert status["target_modes"][0] in (124, 137)
+    assert status["memcheck"][0] == status["nvtx"][0] == 0
+    bench = [r for r in records if r["op"] == "linear_cross_entropy"]
+    # the first shape complete the moment it was measured, the second cut after its GEMMs
+    assert [(r["v"], r["n"], r["complete"]) for r in bench] == [(128256, 16384, True),
+                                                                (256000, 4096, False)]
+    assert list(bench[1]["ms"]) == ["gemm3", "gemm4"]
+    assert sum(r["op"] == "gpu_tests" for r in records) == 1
+
+
+# ---- the record writers -----------------------------------------------------------------------
+
+def test_commit_from_the_environment_and_without_git(monkeypatch):
+    monkeypatch.setenv("FLCE_COMMIT", "0123abc")
+    assert gpu_record.commit() == "0123abc"
+    monkeypatch.delenv("FLCE_COMMIT")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no git binary: None, not FileNotFoundError
+    assert gpu_record.commit() is None
+    assert gpu_record.driver_version() is None
+
+
+def test_append_partial_and_finish(tmp_path):
+    records, partial = tmp_path / "r.jsonl", tmp_path / "r.partial"
+    gpu_record.append(records, {"a": 1})
+    gpu_record.write_partial(partial, {"b": 2, "complete": False})
+    gpu_record.write_partial(partial, {"b": 3, "complete": False})
+    assert json.loads(partial.read_text()) == {"b": 3, "complete": False}
+    gpu_record.finish(records, partial, {"b": 3, "complete": True})
+    assert not partial.exists()
+    assert [json.loads(x) for x in records.read_text().splitlines()] == [
+        {"a": 1}, {"b": 3, "complete": True}]
+    with pytest.raises(ValueError):  # NaN is not JSON: refused, not written as NaN
+        gpu_record.append(records, {"x": float("nan")})
+    assert gpu_record.sig(float("nan")) is None and gpu_record.sig(26.0934567) == 26.093
+
+
+def test_environment_names_the_build(monkeypatch):
+    monkeypatch.setenv("FLCE_COMMIT", "0123abc")
+    monkeypatch.setenv("FLCE_RUN", "r1")
+    monkeypatch.delenv("FLCE_GPU_DRY_RUN", raising=False)
+    env = gpu_record.environment()
+    assert (env["commit"], env["run"], env["torch"]) == ("0123abc", "r1", torch.__version__)
+    assert set(gpu_record.BUILD_KEYS) <= set(env["build"]) and "cutlass" in env["build"]
+
+
+def test_junit_counts(tmp_path):
+    report = tmp_path / "junit.xml"
+    ET.ElementTree(ET.fromstring(
+        '<testsuites><testsuite><testcase classname="m" name="ok"/>'
+        '<testcase classname="m" name="bad"><failure/></testcase>'
+        '<testcase classname="m" name="err"><error/></testcase>'
+        '<testcase classname="m" name="skip"><skipped/></testcase></testsuite></testsuites>'
+    )).write(report)
+    passed, failed, skipped, failures, reports = gpu_tests_record.counts(
+        [str(report), str(tmp_path / "missing.xml")])
+    assert (passed, failed, skipped) == (1, 3, 1)
+    assert failures[:2] == ["m::bad", "m::err"] and "missing.xml: no report" in failures[2]
+    assert reports == {"junit.xml": [1, 2, 1], "missing.xml": None}
+
+
+def test_agreement_figures_on_the_cpu_backend():
+    """gpu_bench's agreement check (flce against eager, and against float64 on a slice) with
+    flce's CPU backend: flce's dE and dW near the bf16 floor, eager's loss close to flce's."""
+    g = torch.Generator().manual_seed(5)
+    n, v, d = 96, 700, 48
+    x = torch.randn(n, d, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, generator=g) / d ** 0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    ag = gpu_bench.Agreement(x, w, t, rows=32)
+    fn = gpu_bench.loss_fn("flce")
+    out = ag.of(fn)
+    head = ag.header()
+    assert head["slice_rows"] == 32
+    floor = head["fp64_slice_floor"]
+    assert 0 < floor["dE"] < 1e-2 and 0 < floor["dW"] < 1e-2
+    ref = out["vs_fp64_slice"]
+    assert ref["loss"] < 1e-5
+    assert ref["dE"] < 3 * floor["dE"] and ref["dW"] < 3 * floor["dW"]
+    assert out["vs_eager"]["loss"] < 1e-2 and 0 < out["vs_eager"]["dW"] < 0.1
+    # a wrong loss is caught: twice the loss has gradients twice as large
+    bad = ag.of(lambda x, w, t: 2 * fn(x, w, t))
+    assert bad["vs_fp64_slice"]["dE"] > 0.5 and bad["vs_eager"]["loss"] > 0.5
+
+
+def test_bench_table_and_record_of_a_dry_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLCE_GPU_DRY_RUN", "1")
+    monkeypatch.setenv("FLCE_BENCH_FUSED", "0")
+    rec_path = tmp_path / "r.jsonl"
+    gpu_bench.main(["--shapes", "64,1000,32", "--methods", "gemm3,flce,flce_fused,eager",
+                    "--record", str(rec_path), "--table", str(tmp_path / "t.txt")])
+    (rec,) = [json.loads(x) for x in rec_path.read_text().splitlines()]
+    assert rec["complete"] and rec["repeats"] == 10 and rec["ms_range"]["flce"][0] > 0
+    assert "flce_fused" in rec["skipped"]
+    text = (tmp_path / "t.txt").read_text()
+    assert "skipped" in text and re.search(r"flce\s+[\d.]+", text)
+    with pytest.raises(SystemExit):
+        gpu_bench.main(["--methods", "flce,nope", "--record", str(rec_path)])
+
+
+@pytest.mark.parametrize("phase", ["headline", "rest"])
+def test_the_docs_give_the_plan(phase):
+    """docs/profiling.md's table of the phases names every step with its limit."""
+    text = open(os.path.join(ROOT, "docs", "profiling.md")).read()
+    (row,) = [ln for ln in text.splitlines() if ln.startswith(f"| `{phase}` |")]
+    _, steps, contingent, _, _ = _plan(phase)
+    for name, limit in {**steps, **contingent}.items():
+        assert re.search(rf"\b{name}\b[^|,]*?\b{limit}\b", row) or name in contingent and \
+            re.search(rf"\b{name}\b", row), (name, limit)
