@@ -1,0 +1,529 @@
+"""Differential fuzzer of flce against float64, with a first-order error bound per element.
+
+Each case is drawn from a seed: the entry point (``linear_cross_entropy`` or ``cross_entropy``),
+sizes with tails, dtype and master weights, bias, class weights, ignored rows, reduction, label
+smoothing, z-loss, softcap, temperature, lse / entropy outputs, single_pass, confident rows (large
+target margins) and dominant non-target classes, leading dimensions, strided and transposed views
+of every tensor, and the backend: "cpu", or "cuda-host" (the CUDA backend's binding and kernels
+under the host emulation, tests/cuda_emulation.py). flce's loss, lse, entropy and every gradient
+are compared with ``flce.reference`` in float64, each element held to ``FACTOR`` times a
+first-order bound of an ideal implementation at the same precision (``bounds``):
+
+- logits: an fp32 GEMM of the inputs as flce computes with them, pairwise-summed, exact
+  products: ``|du_j| <= ceil(log2 2D) 2^-24 (sum_k |x_k w_jk| + |b_j|)``; the softcap and the
+  temperature add a few ``2^-24 |z_j|`` (and ``2^-24 cap``: tanh's absolute error); the row's
+  statistics (``lse_x = m + log s``) ``2^-24 (max_j |z_j| + log2 2V)``.
+- loss, lse, entropy: ``sum_j |d out / d z_j| dz_j`` plus a few ulps of the terms each formula
+  adds (a label-smoothed loss: of ``lse`` and ``mean_j z_j`` too; the entropy: of ``q = 1 - p_t``,
+  the bound docs/numerics.md states for the fused kernels).
+- gradient tile ``d loss / d u`` (after the softcap's and temperature's chain rule): its own
+  first-order error through the softmax, ``2 max_j dz_j (|g_j| + c p_j)``, plus its rounding: to
+  the compute dtype where the backend's GEMMs take it in 16 bits (the CUDA backend; the target
+  entry kept in fp32), else fp32.
+- dE, dW, d bias: the tile's errors times ``|W|``, ``|X|`` or 1, summed (every term's sign
+  against us), a pairwise fp32 accumulation of ``|g| |W|`` (``|g| |X|``), and one rounding to
+  the gradient's dtype.
+
+A failing case shrinks itself (options off, sizes halved, layouts made plain, while it still
+fails) and prints a repro. The suite runs a short seeded run (tests/test_fuzz.py); a long one:
+
+    python tests/fuzz.py --minutes 15 --backend cpu          # or cuda-host; --seed to vary
+
+(run from the repository with flce installed; it exits 1 on a failure, after printing it).
+"""
+import argparse
+import dataclasses
+import math
+import os
+import random
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import flce  # noqa: E402
+
+FACTOR = 4.0
+U32 = 2.0 ** -24
+UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+# Half the spacing of each dtype's subnormals: the absolute error of rounding a tiny value.
+TINY = {torch.float32: 2.0 ** -150, torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25}
+# fp32's smallest normal: exp() of an fp32 exponent underflows below it (to 0 past ~2^-149), so an
+# fp32 implementation's per-logit quantities (p_j, the collapse-safe q) carry this much absolute
+# error where float64 goes on.
+FLT_MIN = 2.0 ** -126
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class Case:
+    seed: int
+    backend: str = "cpu"          # "cpu" | "cuda-host"
+    entry: str = "linear"         # "linear" (linear_cross_entropy) | "logits" (cross_entropy)
+    lead: tuple = (8,)            # the target's shape
+    v: int = 50
+    d: int = 16                   # linear only
+    dtype: str = "fp32"
+    master: bool = False          # linear, 16-bit: fp32 weight (master weights)
+    bias: bool = False            # linear
+    class_weight: bool = False    # logits
+    ignore: float = 0.0           # fraction of ignored rows
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float = 0.0          # 0: none
+    temperature: float = 1.0
+    lse: bool = False
+    entropy: bool = False
+    single_pass: object = None    # linear: None | True | False
+    confident: float = 0.0        # a margin added to some classes' logits (0: none)
+    scale: float = 1.0            # logit spread
+    x_layout: str = "plain"       # plain | strided | transposed
+    w_layout: str = "plain"       # plain | strided | transposed | rows
+    t_layout: str = "plain"       # plain | strided
+    class_dim: int = 0            # logits: extra spatial dims (N, C, d1, ...)
+
+    def code(self):
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                           if getattr(self, f.name) != f.default or f.name == "seed")
+        return f"Case({fields})"
+
+
+def draw(rng, backend):
+    """A random case for ``backend`` (rng: random.Random)."""
+    small = backend == "cuda-host"  # the emulation runs every CUDA thread as a fiber
+    c = Case(seed=rng.randrange(2 ** 31), backend=backend)
+    c.entry = rng.choice(["linear", "linear", "logits"])
+    n = rng.choice([0, 1, 2, 3, 7, 16, 31, 33, 64] if not small else [0, 1, 3, 9, 17, 32])
+    c.lead = (n,) if rng.random() < 0.8 else (rng.choice([1, 2, 3]), n)
+    c.v = rng.choice([1, 2, 3, 17, 64, 100, 129, 257, 400] if not small else
+                     [1, 2, 5, 33, 64, 129, 200])
+    c.d = rng.choice([1, 3, 8, 16, 24, 40, 64] if not small else [1, 4, 8, 16, 24, 40])
+    c.dtype = rng.choice(list(DTYPES))
+    c.master = c.dtype != "fp32" and rng.random() < 0.3
+    c.bias = rng.random() < 0.4
+    c.class_weight = c.entry == "logits" and rng.random() < 0.3
+    c.ignore = rng.choice([0.0, 0.0, 0.2, 1.0])
+    c.reduction = rng.choice(["mean", "sum", "none"])
+    c.label_smoothing = rng.choice([0.0, 0.0, 0.1, 0.5])
+    c.z_loss = rng.choice([0.0, 0.0, 1e-3, 0.1])
+    c.softcap = rng.choice([0.0, 0.0, 3.0, 30.0])
+    c.temperature = rng.choice([1.0, 1.0, 0.5, 1.7])
+    c.lse = rng.random() < 0.3
+    c.entropy = rng.random() < 0.3
+    if c.entry == "linear":
+        c.single_pass = rng.choice([None, True, False])
+        if c.single_pass and (c.reduction == "none" or c.lse or c.entropy):
+            c.single_pass = None
+    c.confident = rng.choice([0.0, 0.0, 20.0, 60.0, 150.0])
+    c.scale = rng.choice([0.5, 1.0, 4.0])
+    c.x_layout = rng.choice(["plain", "plain", "strided", "transposed"])
+    c.w_layout = rng.choice(["plain", "plain", "strided", "transposed", "rows"])
+    c.t_layout = rng.choice(["plain", "strided"])
+    c.class_dim = rng.choice([0, 0, 0, 1]) if c.entry == "logits" and len(c.lead) == 1 else 0
+    return c
+
+
+def _filler(shape, dtype):
+    return torch.full(shape, math.nan if dtype.is_floating_point else -7, dtype=dtype)
+
+
+def _view(a, layout):
+    """``a``'s values in ``layout``: a view whose strides a kernel would misread if it assumed
+    them (a column-strided slice of wider storage, D-major storage, or every other row)."""
+    # The storage a view skips holds NaN (floats) or an invalid class (targets): an element read
+    # from the wrong place shows up.
+    if layout == "strided":
+        wide = _filler(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+        wide[..., ::2] = a
+        return wide[..., ::2]
+    if layout == "transposed" and a.dim() >= 2:
+        return a.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "rows" and a.dim() >= 2:
+        tall = _filler((2 * a.shape[0],) + a.shape[1:], a.dtype)
+        tall[::2] = a
+        return tall[::2]
+    return a
+
+
+def make_inputs(c):
+    """The case's tensors (values first, then their layouts): dict of name -> tensor."""
+    g = torch.Generator().manual_seed(c.seed)
+    dt = DTYPES[c.dtype]
+    n = math.prod(c.lead)
+    t = torch.randint(0, c.v, c.lead, generator=g)
+    if c.ignore:
+        t = torch.where(torch.rand(c.lead, generator=g) < c.ignore, torch.full_like(t, -100), t)
+    out = {}
+    # Confident rows (target margin ~confident) and rows where a non-target class dominates:
+    # for the linear entry one class raised by the bias, half the rows' targets moved to it;
+    # for given logits, half the rows' target raised, the other half's a random other class.
+    boost = torch.zeros(c.v, dtype=torch.float64)
+    row_boost = torch.zeros(n, c.v, dtype=torch.float64)
+    if c.confident:
+        half = torch.rand(c.lead, generator=g) < 0.5
+        if c.entry == "linear":
+            top = int(torch.randint(0, c.v, (1,), generator=g))
+            boost[top] = c.confident
+            t = torch.where(half & (t != -100), torch.full_like(t, top), t)
+        else:
+            other = torch.randint(0, c.v, (n,), generator=g)
+            col = torch.where(half.reshape(-1), t.reshape(-1).clamp_min(0), other)
+            row_boost[torch.arange(n), col] = c.confident
+    out["target"] = t
+    if c.entry == "linear":
+        x = torch.randn(c.lead + (c.d,), generator=g, dtype=torch.float64) * c.scale / c.d ** 0.25
+        w = torch.randn((c.v, c.d), generator=g, dtype=torch.float64) / c.d ** 0.25
+        wdt = torch.float32 if c.master else dt
+        out["input"] = x.to(dt)
+        out["weight"] = w.to(wdt)
+        if c.bias or c.confident:
+            b = torch.randn(c.v, generator=g, dtype=torch.float64) * 0.5 + boost
+            out["bias"] = b.to(wdt)
+        out["input"] = _view(out["input"], c.x_layout)
+        out["weight"] = _view(out["weight"], c.w_layout)
+        if "bias" in out:
+            out["bias"] = _view(out["bias"], "strided" if c.w_layout == "strided" else "plain")
+    else:
+        z = torch.randn((n, c.v), generator=g, dtype=torch.float64) * c.scale + row_boost
+        logits = z.to(dt).reshape(c.lead + (c.v,))
+        logits = _view(logits, c.x_layout)
+        if c.class_dim and len(c.lead) == 1:
+            # (N, C, d1): torch's class dimension 1, targets (N, d1)
+            logits = logits.reshape(1, c.lead[0], c.v).permute(0, 2, 1)
+            out["target"] = t.reshape(1, c.lead[0])
+        elif len(c.lead) == 2:
+            logits = logits.movedim(-1, 1)  # (N, C, d1)
+        out["input"] = logits
+        if c.class_weight:
+            out["class_weight"] = (torch.rand(c.v, generator=g, dtype=torch.float64) + 0.25).float()
+    out["target"] = _view(out["target"], c.t_layout)
+    return out
+
+
+def _options(c):
+    return dict(reduction=c.reduction, label_smoothing=c.label_smoothing, z_loss=c.z_loss,
+                softcap=c.softcap or None, temperature=c.temperature)
+
+
+def _upstreams(c, shape):
+    g = torch.Generator().manual_seed(c.seed + 1)
+    return {"loss": torch.rand(shape, generator=g, dtype=torch.float64) + 0.5,
+            "lse": torch.rand(shape, generator=g, dtype=torch.float64) - 0.5,
+            "entropy": torch.rand(shape, generator=g, dtype=torch.float64) - 0.5}
+
+
+def run_flce(c, inputs):
+    """flce's outputs and gradients: dict name -> float64 tensor (CPU), row-major [rows, ...]."""
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()
+              if k in ("input", "weight", "bias")}
+    opts = _options(c)
+    if c.entry == "linear":
+        res = flce.linear_cross_entropy(leaves["input"], leaves["weight"], inputs["target"],
+                                        bias=leaves.get("bias"), return_lse=c.lse,
+                                        return_entropy=c.entropy, single_pass=c.single_pass,
+                                        **opts)
+    else:
+        res = flce.cross_entropy(leaves["input"], inputs["target"],
+                                 weight=inputs.get("class_weight"), return_lse=c.lse,
+                                 return_entropy=c.entropy, **opts)
+    res = list(res) if (c.lse or c.entropy) else [res]
+    outs = {"loss": res.pop(0)}
+    if c.lse:
+        outs["lse"] = res.pop(0)
+    if c.entropy:
+        outs["entropy"] = res.pop(0)
+    up = _upstreams(c, inputs["target"].shape)
+    total = 0.0
+    for k, o in outs.items():
+        assert o.dtype == torch.float32, (k, o.dtype)
+        w = up[k] if (k != "loss" or c.reduction == "none") else torch.tensor(1.0)
+        total = total + (o * w.float()).sum()
+    total.backward()
+    got = {k: o.detach().double().reshape(-1) for k, o in outs.items()}
+    for k, leaf in leaves.items():
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, k
+        got["d" + k] = leaf.grad.double()
+    return got
+
+
+def _class_last(c, inputs):
+    """The logits' values as flce computes with them, float64 [rows, V], and targets [rows]."""
+    t = inputs["target"].reshape(-1)
+    if c.entry == "linear":
+        x = inputs["input"].double().reshape(-1, c.d)
+        w = inputs["weight"].to(DTYPES[c.dtype]).double()
+        b = inputs["bias"].to(DTYPES[c.dtype] if not c.master else torch.float32).double() \
+            if "bias" in inputs else None
+        return x, w, b, t
+    z = inputs["input"]
+    z = z.reshape(1, -1) if z.dim() == 1 else z.movedim(1, -1).reshape(-1, c.v)
+    return z.double(), None, None, t
+
+
+def reference_and_bounds(c, inputs):
+    """float64 reference outputs and gradients and their element-wise first-order bounds."""
+    x, w, b, t = _class_last(c, inputs)
+    dt = DTYPES[c.dtype]
+    rows, v = t.numel(), c.v
+    if c.entry == "linear":
+        u = x @ w.T + (b if b is not None else 0.0)
+        mag = x.abs() @ w.abs().T + (b.abs() if b is not None else 0.0)
+        du = math.ceil(math.log2(2 * c.d)) * U32 * mag
+    else:
+        u = x.clone()
+        du = torch.zeros_like(u)
+    u = u.detach().requires_grad_()
+    # transforms, with their derivative and its own first-order error
+    z, dz = u, du.clone()
+    chain = torch.ones_like(u)  # dz/du
+    if c.softcap:
+        z = c.softcap * torch.tanh(u / c.softcap)
+        chain = 1 - (z.detach() / c.softcap) ** 2
+        dz = dz * chain + U32 * (3 * z.detach().abs() + 2 * c.softcap)
+    if c.temperature != 1.0:
+        z = z / c.temperature
+        chain = chain / c.temperature
+        dz = dz / c.temperature + U32 * 2 * z.detach().abs()
+    zmax = z.detach().abs().amax(1, keepdim=True) if v else torch.zeros(rows, 1)
+    dz = dz.detach() + U32 * (zmax + math.log2(2 * max(v, 1)) + 4)
+    zz = z.detach().requires_grad_()
+    cw = inputs.get("class_weight")
+    cw = None if cw is None else cw.double()
+    loss, lse, ent = flce.reference.logits_cross_entropy(
+        zz, t, reduction="none", label_smoothing=c.label_smoothing, z_loss=c.z_loss,
+        return_lse=True, return_entropy=True, weight=cw)
+    valid = t != -100
+    # first-order sensitivity of each per-row output to its row's logits
+    def sens(o):
+        (gz,) = torch.autograd.grad(o.sum(), zz, retain_graph=True, allow_unused=True)
+        return gz if gz is not None else torch.zeros_like(zz)
+    p = torch.softmax(zz.detach(), 1) if v else zz.detach()
+    q = torch.where(valid, 1 - p.gather(1, torch.where(valid, t, 0)[:, None])[:, 0], 1.0) \
+        if v else torch.ones(rows, dtype=torch.float64)
+    lv = lse.detach()
+    mean_abs_z = zz.detach().abs().mean(1) if v else torch.zeros(rows)
+    wrow = torch.ones(rows, dtype=torch.float64) if cw is None else \
+        torch.where(valid, cw[torch.where(valid, t, 0)], 0.0)
+    terms = ((1 - c.label_smoothing) * loss.detach().abs() +
+             c.label_smoothing * (cw.sum() / v if cw is not None else 1.0) *
+             (lv.abs() + math.log2(2 * max(v, 1)) * mean_abs_z) + c.z_loss * wrow * lv ** 2)
+    ref, bound = {}, {}
+    s_loss = sens(loss)
+    b_loss = (s_loss.abs() * dz).sum(1) + 8 * U32 * terms + 4 * FLT_MIN
+    b_loss = torch.where(valid, b_loss, 0.0)
+    ref["lse"], bound["lse"] = lv, (sens(lse).abs() * dz).sum(1) + 8 * U32 * lv.abs() + FLT_MIN
+    ent_d = ent.detach()
+    bound["entropy"] = (sens(ent).abs() * dz).sum(1) + 8 * U32 * (
+        ent_d.abs() + q * (math.log2(2 * max(v, 1)) + 2)) + 4 * FLT_MIN
+    ref["entropy"] = ent_d
+    up = _upstreams(c, inputs["target"].shape)
+    count = wrow.sum() if cw is not None else valid.sum().double()
+    if c.reduction == "none":
+        ref["loss"], bound["loss"] = loss.detach(), b_loss
+        g_loss = up["loss"].reshape(-1)
+    else:
+        # (the mean of no token: a NaN loss and zero gradients)
+        scale = 1.0 if c.reduction == "sum" else (1.0 / count if count > 0 else 0.0)
+        tot = loss.detach().sum() * scale
+        ref["loss"] = tot.reshape(1)
+        bound["loss"] = ((b_loss.sum() + math.log2(2 * max(rows, 1)) * U32 * loss.detach().abs().sum())
+                         * abs(scale)).reshape(1)
+        g_loss = torch.full((rows,), float(scale), dtype=torch.float64)
+    if not c.lse:
+        ref.pop("lse"), bound.pop("lse")
+    if not c.entropy:
+        ref.pop("entropy"), bound.pop("entropy")
+    # the gradient tile dL/dz, its first-order error, then the chain rule to u
+    obj = (loss * g_loss).sum()
+    g_lse = up["lse"].reshape(-1) if c.lse else torch.zeros(rows, dtype=torch.float64)
+    g_ent = up["entropy"].reshape(-1) if c.entropy else torch.zeros(rows, dtype=torch.float64)
+    obj = obj + (lse * g_lse).sum() + (ent * g_ent).sum()
+    (gz,) = torch.autograd.grad(obj, zz, allow_unused=True)
+    gz = torch.zeros_like(zz) if gz is None else gz
+    logp = torch.log(p.clamp_min(1e-300))
+    coef = (g_loss.abs() * wrow * (1 + 2 * c.z_loss * (lv.abs() + 1)) + g_loss.abs() *
+            c.label_smoothing * (cw.sum() if cw is not None else v) / max(v, 1) + g_lse.abs())
+    env = gz.abs() + p * (coef[:, None] + g_ent.abs()[:, None] * (2 + logp.abs() +
+                                                                  ent_d[:, None]))
+    # d(dz_j) = dz_j-ish * (du_j - sum_k p_k du_k) through the softmax: at most env_j (du_j + the
+    # p-weighted mean of du; the target's collapse-safe -q: the non-target-weighted mean)
+    if v:
+        rest = p.scatter(1, torch.where(valid, t, 0)[:, None], 0.0) / q.clamp_min(1e-300)[:, None]
+        mean_dz = torch.maximum((p * dz).sum(1), (rest * dz).sum(1))[:, None]
+        err_gz = env * (dz + mean_dz)
+    else:
+        err_gz = env
+    gu = gz * chain
+    err_gu = chain * (err_gz + 4 * FLT_MIN * (coef + g_ent.abs())[:, None]) + 4 * U32 * gu.abs()
+    if c.softcap:
+        # d(dz/du) = 2 |z T| / cap^2 / T dz
+        err_gu = err_gu + gz.abs() * 2 * (z.detach() * c.temperature).abs() / c.softcap ** 2 \
+            / c.temperature * dz
+    # the tile's rounding: the CUDA backend's 16-bit GEMMs take it in the compute dtype (its
+    # target entry kept in fp32); the CPU's split the tile into hi + lo halves (fp32 exact)
+    tile_unit = UNIT[dt] if (c.backend != "cpu" and dt != torch.float32) else U32
+    tile = tile_unit * gu.abs()
+    if c.backend != "cpu" and dt == torch.float16 and gu.numel():
+        # the fp16 tile holds scale * dz with max |scale dz| in (2^13, 2^14]: what falls below its
+        # subnormals (2^-24 / scale) is lost
+        tile = tile + TINY[dt] * 2.0 ** -13 * gu.abs().max()
+    if c.backend != "cpu" and dt != torch.float32 and v:
+        own = valid.nonzero()[:, 0]
+        tile[own, t[own]] = U32 * gu.abs()[own, t[own]]
+    err_gu = (err_gu + tile).detach()
+    gu = gu.detach()
+    if c.entry == "linear":
+        out_unit = UNIT[dt]
+        w_unit = U32 if c.master else UNIT[dt]
+        w_tiny = TINY[torch.float32] if c.master else TINY[dt]
+        acc_v = math.ceil(math.log2(2 * max(v, 1))) * U32
+        acc_n = math.ceil(math.log2(2 * max(rows, 1))) * U32
+        ref["dinput"] = (gu @ w).reshape(inputs["input"].shape)
+        bound["dinput"] = ((err_gu @ w.abs() + acc_v * (gu.abs() @ w.abs())) +
+                           out_unit * (gu @ w).abs() + TINY[dt]).reshape(inputs["input"].shape)
+        ref["dweight"] = gu.T @ x
+        bound["dweight"] = err_gu.T @ x.abs() + acc_n * (gu.abs().T @ x.abs()) + \
+            w_unit * (gu.T @ x).abs() + w_tiny
+        if "bias" in inputs:
+            ref["dbias"] = gu.sum(0)
+            bound["dbias"] = err_gu.sum(0) + acc_n * gu.abs().sum(0) + w_unit * gu.sum(0).abs() + \
+                w_tiny
+    else:
+        shape = inputs["input"].shape
+        g = gu if inputs["input"].dim() == 2 else None
+        if g is None:
+            if inputs["input"].dim() == 1:
+                g, e = gu.reshape(shape), err_gu.reshape(shape)
+            else:
+                lead = (shape[0],) + tuple(shape[2:])
+                g = gu.reshape(lead + (shape[1],)).movedim(-1, 1)
+                e = err_gu.reshape(lead + (shape[1],)).movedim(-1, 1)
+        else:
+            e = err_gu
+        ref["dinput"] = g
+        bound["dinput"] = e + UNIT[dt] * g.abs() + TINY[dt]
+    ref["loss"] = ref["loss"].reshape(-1)
+    return ref, bound
+
+
+def check(c):
+    """None if the case passes, else a string saying what failed (an exception included)."""
+    try:
+        inputs = make_inputs(c)
+        if c.backend == "cuda-host":
+            import cuda_emulation
+
+            cuda_emulation.load()
+            with flce._ops.routed_to(cuda_emulation.NAMESPACE):
+                got = run_flce(c, inputs)
+        else:
+            got = run_flce(c, inputs)
+        ref, bound = reference_and_bounds(c, inputs)
+    except Exception:  # noqa: BLE001  (a crash is a finding)
+        return "raised:\n" + traceback.format_exc(limit=6)
+    bad = []
+    for k in ref:
+        r, b, x = ref[k], bound[k], got[k].reshape(ref[k].shape)
+        if c.reduction == "mean" and k == "loss" and not (inputs["target"] != -100).any():
+            ok = bool(torch.isnan(x).all())  # the mean of nothing: NaN, as torch
+            if not ok:
+                bad.append(f"{k}: {x.tolist()} where the mean of no token is NaN")
+            continue
+        err = (x - r).abs()
+        finite = torch.isfinite(x)
+        over = ~finite | (err > FACTOR * b)
+        if over.any():
+            ratio = (err / b.clamp_min(1e-300)).nan_to_num(math.inf)
+            i = int(ratio.reshape(-1).argmax())
+            bad.append(f"{k}: {int(over.sum())}/{over.numel()} elements beyond {FACTOR}x the bound"
+                       f"; worst at flat index {i}: got {x.reshape(-1)[i].item():.8e}, float64 "
+                       f"{r.reshape(-1)[i].item():.8e}, bound {b.reshape(-1)[i].item():.3e} "
+                       f"({ratio.reshape(-1)[i].item():.2f}x)")
+    return "; ".join(bad) if bad else None
+
+
+def ratios(c):
+    """Per output, the largest error / bound ratio of a passing case (the fuzzer's margin)."""
+    inputs = make_inputs(c)
+    got = run_flce(c, inputs)
+    ref, bound = reference_and_bounds(c, inputs)
+    return {k: float(((got[k].reshape(ref[k].shape) - ref[k]).abs() / bound[k].clamp_min(1e-300))
+                     .max()) if ref[k].numel() else 0.0 for k in ref}
+
+
+def _simpler(c):
+    """Candidate cases one step simpler than c."""
+    plain = {"bias": False, "class_weight": False, "ignore": 0.0, "label_smoothing": 0.0,
+             "z_loss": 0.0, "softcap": 0.0, "temperature": 1.0, "lse": False, "entropy": False,
+             "single_pass": None, "confident": 0.0, "scale": 1.0, "x_layout": "plain",
+             "w_layout": "plain", "t_layout": "plain", "class_dim": 0, "master": False,
+             "reduction": "sum"}
+    for k, val in plain.items():
+        if getattr(c, k) != val:
+            yield dataclasses.replace(c, **{k: val})
+    if len(c.lead) > 1:
+        yield dataclasses.replace(c, lead=(math.prod(c.lead),))
+    if c.lead[-1] > 1:
+        yield dataclasses.replace(c, lead=c.lead[:-1] + ((c.lead[-1] + 1) // 2,))
+    for k in ("v", "d"):
+        if getattr(c, k) > 1:
+            yield dataclasses.replace(c, **{k: (getattr(c, k) + 1) // 2})
+    if c.dtype != "fp32":
+        yield dataclasses.replace(c, dtype="fp32", master=False)
+
+
+def shrink(c, budget_s=60.0):
+    """The simplest case reachable from c by one-step simplifications that still fail."""
+    end = time.monotonic() + budget_s
+    changed = True
+    while changed and time.monotonic() < end:
+        changed = False
+        for s in _simpler(c):
+            if s.single_pass and (s.reduction == "none" or s.lse or s.entropy):
+                continue
+            if check(s) is not None:
+                c, changed = s, True
+                break
+    return c
+
+
+def repro(c, why):
+    return (f"flce fuzz failure: {why}\n  minimal case: {c.code()}\n  repro: cd tests && python -c "
+            f"\"from fuzz import *; print(check({c.code()}))\"")
+
+
+def fuzz(backend, seconds, seed=0, max_cases=None, log=None):
+    """Run random cases for ``seconds`` (or ``max_cases``); returns (cases run, failures)."""
+    rng = random.Random(f"{backend}-{seed}")
+    end = time.monotonic() + seconds
+    n, failures = 0, []
+    while time.monotonic() < end and (max_cases is None or n < max_cases):
+        c = draw(rng, backend)
+        n += 1
+        why = check(c)
+        if why is not None:
+            small = shrink(c)
+            failures.append(repro(small, check(small) or why))
+            if log:
+                log(failures[-1])
+    return n, failures
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=1.0)
+    ap.add_argument("--backend", choices=["cpu", "cuda-host"], default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    n, fails = fuzz(a.backend, a.minutes * 60, a.seed, log=print)
+    print(f"{n} cases on {a.backend} in {time.monotonic() - t0:.0f} s: {len(fails)} failed")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

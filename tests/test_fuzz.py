@@ -1,0 +1,153 @@
+"""The differential fuzzer (tests/fuzz.py): a short seeded run per backend, the defects it found as
+regression cases, and proof that its bounds catch planted errors.
+
+The long run is on demand: ``python tests/fuzz.py --minutes 15 --backend cpu`` (or cuda-host).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+import fuzz
+from fuzz import Case
+
+# Cases per backend in the short run, from a fixed seed (deterministic: the same cases every
+# run); about 30 s each on 2 cores. The time cap only guards against a hang.
+SHORT_RUN = {"cpu": 160, "cuda-host": 90}
+
+
+def _short_run(backend):
+    n, failures = fuzz.fuzz(backend, seconds=120, seed=0, max_cases=SHORT_RUN[backend])
+    assert not failures, "\n".join(failures)
+    assert n == SHORT_RUN[backend], f"only {n} cases ran within the time cap"
+
+
+def test_short_run_cpu():
+    _short_run("cpu")
+
+
+@pytest.mark.cuda_host
+def test_short_run_cuda_host():
+    _short_run("cuda-host")
+
+
+# The defects the fuzzer found (issue 41), each as the case that shows it.
+REGRESSIONS = {
+    # the CUDA single pass's target-entry fix read a transposed classifier's weight[t] with its
+    # row stride only: 16-bit inputs, 16-bit or fp32 master weights
+    "transposed_classifier_bf16": Case(seed=41, backend="cuda-host", lead=(17,), v=64, d=24,
+                                       dtype="bf16", w_layout="transposed", single_pass=True,
+                                       reduction="sum"),
+    "transposed_classifier_master": Case(seed=42, backend="cuda-host", lead=(9,), v=33, d=16,
+                                         dtype="bf16", master=True, w_layout="transposed",
+                                         single_pass=True),
+    "strided_classifier_fp16": Case(seed=43, backend="cuda-host", lead=(9,), v=33, d=16,
+                                    dtype="fp16", w_layout="strided", single_pass=True,
+                                    reduction="sum"),
+    # an empty batch of column-strided logits raised a stride error
+    "empty_strided_logits": Case(seed=44, entry="logits", lead=(0,), v=10, x_layout="strided",
+                                 reduction="sum"),
+    "empty_strided_logits_cuda": Case(seed=44, backend="cuda-host", entry="logits", lead=(0,),
+                                      v=10, x_layout="strided", reduction="sum"),
+    # the entropy where a non-target class dominates (held to docs/numerics.md's bound), and where
+    # the target does (relative)
+    "entropy_dominant_classes": Case(seed=45, entry="logits", lead=(31,), v=64, entropy=True,
+                                     reduction="none", confident=30.0),
+    "entropy_dominant_classes_composite": Case(seed=45, entry="logits", lead=(31,), v=64,
+                                               entropy=True, reduction="none", confident=30.0,
+                                               class_weight=True, label_smoothing=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(REGRESSIONS))
+def test_regression(name):
+    case = REGRESSIONS[name]
+    if case.backend == "cuda-host":
+        import cuda_emulation
+
+        try:
+            cuda_emulation.load()
+        except cuda_emulation.Unavailable as e:
+            import os
+
+            if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
+                raise
+            pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
+    assert fuzz.check(case) is None
+
+
+# Planted errors the bounds must catch, each on a case where it is a real defect.
+def _planted(key, fn):
+    def run(c, inputs):
+        got = _RUN(c, inputs)
+        if key in got:
+            got[key] = fn(got[key])
+        return got
+    return run
+
+
+_RUN = fuzz.run_flce
+PLANTED = {
+    # a loss 1e-5 high, in fp32 (a few hundred ulps)
+    "loss_scaled": (Case(seed=7, lead=(33,), v=129, d=40), "loss",
+                    lambda x: x * (1 + 1e-5)),
+    # the textbook lse - z_t: at margin 60 the loss rounds to 0 in fp32
+    "collapsed_loss": (Case(seed=8, lead=(16,), v=64, d=16, reduction="none", confident=60.0),
+                       "loss", lambda x: torch.where(x < 1e-6, torch.zeros_like(x), x)),
+    # one gradient element off by 1e-3 of the row's largest
+    "dinput_element": (Case(seed=9, lead=(16,), v=100, d=24), "dinput",
+                       lambda x: x.index_put_((torch.tensor([3]), torch.tensor([5])),
+                                              x[3].abs().max() * 1e-3, accumulate=True)),
+    # dW 2 ulps of bf16 off (the tile rounded twice)
+    "dweight_bf16": (Case(seed=10, lead=(31,), v=64, d=16, dtype="bf16"), "dweight",
+                     lambda x: x * (1 + 2 * 2 ** -7)),
+    # the entropy 1e-4 off where the target dominates
+    "entropy_scaled": (Case(seed=11, entry="logits", lead=(16,), v=64, entropy=True,
+                            reduction="none", confident=20.0), "entropy",
+                       lambda x: x * (1 + 1e-4)),
+    # the lse 1e-4 off (some 200 fp32 ulps of an lse of ~4)
+    "lse_shifted": (Case(seed=12, lead=(16,), v=64, d=16, lse=True, reduction="none"), "lse",
+                    lambda x: x + 1e-4),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_bounds_catch_planted_errors(name, monkeypatch):
+    case, key, fn = PLANTED[name]
+    assert fuzz.check(case) is None, "the unplanted case must pass"
+    monkeypatch.setattr(fuzz, "run_flce", _planted(key, fn))
+    why = fuzz.check(case)
+    assert why is not None and why.startswith(key), why
+
+
+def test_shrink_finds_a_minimal_case(monkeypatch):
+    """A planted bias-gradient error shrinks to a case that still has a bias and nothing else it
+    does not need."""
+    monkeypatch.setattr(fuzz, "run_flce", _planted("dbias", lambda x: x + 1e-3))
+    big = Case(seed=13, lead=(2, 9), v=100, d=24, bias=True, label_smoothing=0.1, softcap=30.0,
+               x_layout="strided", reduction="none")
+    assert fuzz.check(big) is not None
+    small = fuzz.shrink(big, budget_s=30)
+    assert fuzz.check(small) is not None and small.bias
+    assert (small.label_smoothing, small.softcap, small.x_layout) == (0.0, 0.0, "plain")
+    assert small.lead[-1] <= 5 and small.v <= 50 and len(small.lead) == 1
+    assert "Case(seed=13" in fuzz.repro(small, "x")
+
+
+def test_cases_cover_the_options():
+    """The draws of the short run reach every option and layout (a fuzzer that never drew one
+    would say nothing about it)."""
+    import random
+
+    seen = {f.name: set() for f in dataclasses.fields(Case)}
+    for backend in SHORT_RUN:
+        rng = random.Random(f"{backend}-0")
+        for _ in range(SHORT_RUN[backend]):
+            c = fuzz.draw(rng, backend)
+            for f in seen:
+                seen[f].add(repr(getattr(c, f)))
+    for f, want in {"entry": 2, "dtype": 3, "master": 2, "bias": 2, "class_weight": 2,
+                    "reduction": 3, "single_pass": 3, "x_layout": 3, "w_layout": 4,
+                    "t_layout": 2, "class_dim": 2, "lse": 2, "entropy": 2, "softcap": 3,
+                    "temperature": 3, "confident": 4, "ignore": 3}.items():
+        assert len(seen[f]) >= want, (f, seen[f])
