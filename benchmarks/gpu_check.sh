@@ -78,12 +78,12 @@ BUDGET_S=${BUDGET_S:-300}
 # Each phase's steps, in the order they run, NAME:LIMIT_S. The limits add up to at most the
 # budget: headline's include build_nocutlass, which runs only when the build fails; rest's
 # exclude its contingent build (REST_CONTINGENT: only where no build of the headline is found).
-HEADLINE_PLAN=(env:5 wheels:10 build:105 build_nocutlass:40 ptxas:5 fused_probe:15 bench:70
-  test_cuda:30 record_tests:5 profile:15)
+HEADLINE_PLAN=(env:5 wheels:10 build:115 build_nocutlass:40 ptxas:5 fused_probe:10 bench:70
+  test_cuda:30 record_tests:5 profile:10)
 REST_PLAN=(env:5 wheels:10 build_reuse:10 fused_check:20 test_fused:25 bench_large:40
   bench_ce:25 fp64_cost:15 test_suite:40 record_tests:5 no_sync:10 target_modes:15
   memcheck:25 racecheck:20 ncu_rows:15 nvtx:20)
-REST_CONTINGENT=(build:105 build_nocutlass:40)
+REST_CONTINGENT=(build:115 build_nocutlass:40)
 
 declare -A LIMIT=()
 if [[ $PHASE == headline ]]; then
