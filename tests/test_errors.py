@@ -208,13 +208,8 @@ def test_scalar_options_take_numbers_and_0d_tensors_alike(device, name):
         _call(x, w, t, b, **{name: torch.tensor(value, requires_grad=True)})
 
 
-def test_per_class_weights_and_probability_targets_are_refused():
+def test_probability_targets_are_refused():
     x, w, t, b = _inputs("cpu")
-    class_weight = torch.rand(V)
-    with pytest.raises(TypeError, match="per-class weights"):
-        flce.linear_cross_entropy(x, w, t, weight=class_weight)
-    with pytest.raises(TypeError, match="per-class weights"):
-        flce.linear_cross_entropy(x, linear_weight=w, target=t, weight=class_weight)
     with pytest.raises(TypeError, match="probability .*not supported"):
         flce.linear_cross_entropy(x, w, torch.softmax(torch.randn(N, V), 1))
     with pytest.raises(TypeError, match="probability .*not supported"):

@@ -430,6 +430,21 @@ def check_rank_disagreement(rank, world, group):
                 logits, torch.zeros(19 if mine else 20, dtype=torch.int64), tp_group=group))
     _expect(IndexError, f"rank {last} has a target of -5",
             lambda: fp.cross_entropy(logits, torch.full((20,), -5 if mine else 1), group=group))
+    # An offset past int64 on one rank (the exchange's row is int64): every rank raises.
+    _expect(ValueError, f"{bad}: flce.parallel: vocab_start must be a non-negative int64",
+            lambda: call(vocab_start=2 ** 63 if mine else 16 * rank))
+    # inplace_backward over a leaf that requires grad, on one rank: every rank raises.
+    leaf = torch.randn(20, 16).requires_grad_()
+    for entry in (lambda x: fp.cross_entropy(x, torch.full((20,), 1), group=group,
+                                             inplace_backward=True),
+                  lambda x: fp.vocab_parallel_cross_entropy(x, torch.full((20,), 1),
+                                                            tp_group=group, inplace_backward=True)):
+        _expect(ValueError, f"{bad}: flce: inplace_backward=True would write the gradient",
+                lambda: entry(leaf if mine else leaf * 1))
+        # logits that a tanh saved: the backward raises on every rank, rather than the tanh's
+        # backward reading the gradient as its output
+        _expect(RuntimeError, "modified by an inplace operation",
+                lambda: entry(torch.tanh(leaf)).sum().backward())
     # Explicit offsets in reverse rank order are a valid layout.
     call(vocab_start=16 * (world - 1 - rank))
     call()  # the group still works

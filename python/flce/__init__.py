@@ -2,11 +2,12 @@
 collapse-safe cross-entropy on given logits."""
 from . import reference
 from ._build import build_info
+from ._common import ArgumentError
 from ._ops import ops
 from .api import LinearCrossEntropy, cross_entropy, linear_cross_entropy
 # transformers is imported only when a model is patched.
 from .integrations import patch, patched, unpatch
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy", "cross_entropy", "reference", "ops",
-           "patch", "unpatch", "patched", "build_info"]
+           "patch", "unpatch", "patched", "build_info", "ArgumentError"]
 __version__ = "0.1.0"

@@ -18,6 +18,12 @@ REDUCTIONS = ("mean", "sum", "none")
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
 
+class ArgumentError(ValueError, RuntimeError):
+    """A bad argument value. A ``ValueError``, and also the ``RuntimeError`` that torch raises
+    for most of the same mistakes (``label_smoothing=1.2``, a target of the wrong shape, ...), so
+    that code written against ``F.cross_entropy`` catches it as it is."""
+
+
 class Options:
     """The loss options, validated and normalized to Python numbers (``softcap`` 0.0: none)."""
 
@@ -28,23 +34,23 @@ class Options:
                  softcap=None, temperature=1.0):
         self.ignore_index = index("ignore_index", ignore_index)
         if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-            raise ValueError(f"flce: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+            raise ArgumentError(f"flce: reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.reduction = reduction
         self.label_smoothing = number("label_smoothing", label_smoothing)
         if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"flce: label_smoothing must be in [0, 1], got {label_smoothing}")
+            raise ArgumentError(f"flce: label_smoothing must be in [0, 1], got {label_smoothing}")
         # Written so that NaN fails too; inf would silently turn every loss into NaN or inf.
         self.z_loss = number("z_loss", z_loss)
         if not 0 <= self.z_loss < math.inf:
-            raise ValueError(f"flce: z_loss must be a finite number >= 0, got {z_loss}")
+            raise ArgumentError(f"flce: z_loss must be a finite number >= 0, got {z_loss}")
         self.softcap = 0.0 if softcap is None else number("softcap", softcap)
         if softcap is not None and not 0 < self.softcap < math.inf:
-            raise ValueError(f"flce: softcap must be a positive finite number or None, got "
-                             f"{softcap}")
+            raise ArgumentError(f"flce: softcap must be a positive finite number or None, got "
+                                f"{softcap}")
         self.temperature = number("temperature", temperature)
         if not 0 < self.temperature < math.inf:
-            raise ValueError(f"flce: temperature must be a positive finite number, got "
-                             f"{temperature!r}")
+            raise ArgumentError(f"flce: temperature must be a positive finite number, got "
+                                f"{temperature!r}")
 
     def op_args(self):
         """(ignore_index, label_smoothing, z_loss, softcap) as the flce:: ops take them."""
@@ -85,7 +91,7 @@ def index(name, value):
                         f"{value!r}")
     value = int(value)
     if not INT64_MIN <= value <= INT64_MAX:
-        raise ValueError(f"flce: {name} must fit in int64 (the targets' dtype), got {value}")
+        raise ArgumentError(f"flce: {name} must fit in int64 (the targets' dtype), got {value}")
     return value
 
 
@@ -104,15 +110,52 @@ def check_target(target, lead, lead_name):
         raise TypeError("flce: target must hold class indices (an integer tensor), got "
                         "torch.bool")
     if tuple(target.shape) != tuple(lead):
-        raise ValueError(f"flce: target must have shape {tuple(lead)} ({lead_name}), got "
-                         f"{tuple(target.shape)}")
+        raise ArgumentError(f"flce: target must have shape {tuple(lead)} ({lead_name}), got "
+                            f"{tuple(target.shape)}")
+
+
+def check_inplace_target(logits, name):
+    """``inplace_backward=True`` writes the gradient over the storage of ``logits`` (the rows the
+    backward kernel reads): refused where that would be silently wrong rather than merely
+    overwrite what the caller gave up. The backward also bumps the logits' version counter
+    (``increment_version``), so that anything else that saved them (a softcap's tanh, a second
+    loss, a retained graph's second backward) raises torch's "modified by an inplace operation"
+    error instead of reading the gradient as logits."""
+    if not logits.requires_grad:
+        return  # no backward, nothing written
+    root = logits if logits._base is None else logits._base
+    if root.is_leaf:
+        raise ArgumentError(f"flce: inplace_backward=True would write the gradient over {name}, "
+                            f"which is {'a view of ' if root is not logits else ''}a leaf tensor "
+                            f"that requires grad (its data would become its gradient); pass "
+                            f"inplace_backward=False")
+    if torch._debug_has_internal_overlap(logits) != 0:
+        raise ArgumentError(f"flce: inplace_backward=True needs {name} whose elements do not share "
+                            f"memory (an expand()ed or broadcast view would sum several rows' "
+                            f"gradients into one); pass inplace_backward=False")
+
+
+def class_weights(weight, c, target, ignore_index, dtype):
+    """Per-class weights as torch takes them: ``(weight cast to the computation dtype, each row's
+    target weight (0 where ignored))``; ``(None, None)`` without weights."""
+    if weight is None:
+        return None, None
+    check_tensor("weight", weight)
+    if tuple(weight.shape) != (c,) or not weight.dtype.is_floating_point:
+        raise ArgumentError(f"flce: weight must be a floating-point tensor of shape ({c},) "
+                            f"(per-class weights, one per class), got {weight.dtype} "
+                            f"{tuple(weight.shape)}")
+    w = weight.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    valid = target != ignore_index
+    row = torch.where(valid, w[torch.where(valid, target, 0).clamp(0, max(c - 1, 0))], 0.0)
+    return w, row
 
 
 def check_one_device(named):
     devices = {(n, t.device) for n, t in named if t is not None}
     if len({d for _, d in devices}) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in sorted(devices, key=lambda x: x[0]))
-        raise ValueError(f"flce: all tensors must be on one device, got {listing}")
+        raise ArgumentError(f"flce: all tensors must be on one device, got {listing}")
 
 
 def validate_linear(input, weight, target, bias):
@@ -120,13 +163,13 @@ def validate_linear(input, weight, target, bias):
     check_tensor("input", input)
     check_tensor("weight", weight)
     if input.dim() < 1:
-        raise ValueError("flce: input must have shape (..., D), got a 0-d tensor")
+        raise ArgumentError("flce: input must have shape (..., D), got a 0-d tensor")
     if weight.dim() != 2:
-        raise ValueError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}")
+        raise ArgumentError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}")
     if input.shape[-1] != weight.shape[1]:
-        raise ValueError(f"flce: input's last dimension ({input.shape[-1]}) must equal weight's "
-                         f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
-                         f"{tuple(weight.shape)}")
+        raise ArgumentError(f"flce: input's last dimension ({input.shape[-1]}) must equal weight's "
+                            f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
+                            f"{tuple(weight.shape)}")
     check_target(target, input.shape[:-1], "input's leading dimensions")
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
@@ -137,8 +180,8 @@ def validate_linear(input, weight, target, bias):
     if bias is not None:
         check_tensor("bias", bias)
         if bias.shape != (weight.shape[0],):
-            raise ValueError(f"flce: bias must have shape ({weight.shape[0]},), got "
-                             f"{tuple(bias.shape)}")
+            raise ArgumentError(f"flce: bias must have shape ({weight.shape[0]},), got "
+                                f"{tuple(bias.shape)}")
         if bias.dtype != weight.dtype:
             raise TypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
                             f"{bias.dtype}")
@@ -205,7 +248,7 @@ def cpu_memory_budget(n, v):
         except ValueError:
             value = -1.0
         if not value >= 0:
-            raise ValueError(f"flce: FLCE_CPU_MEMORY_MB must be a number of MB >= 0, got {mb!r}")
+            raise ArgumentError(f"flce: FLCE_CPU_MEMORY_MB must be a number of MB >= 0, got {mb!r}")
         return value * 2 ** 20
     return 2 * n * v
 
@@ -235,13 +278,20 @@ def single_pass(requested, reduction, per_token, x, weight=None):
         n, d = x.shape
         v = weight.shape[0]
         return cpu_single_pass_bytes(n, v, d, x.dtype) <= cpu_memory_budget(n, v)
+    check_single_pass(requested, reduction, per_token)
+    return requested
+
+
+def check_single_pass(requested, reduction, per_token):
+    """A single_pass argument that the options allow (None: flce's choice)."""
+    if requested is None:
+        return
     if requested not in (True, False):
         raise TypeError(f"flce: single_pass must be None, True or False, got {requested!r}")
     if requested and (reduction == "none" or per_token):
-        raise ValueError("flce: single_pass needs reduction 'mean' or 'sum' and neither "
-                         f"return_lse nor return_entropy; got reduction={reduction!r}, "
-                         f"per-token outputs: {per_token}")
-    return requested
+        raise ArgumentError("flce: single_pass needs reduction 'mean' or 'sum' and neither "
+                            f"return_lse nor return_entropy; got reduction={reduction!r}, "
+                            f"per-token outputs: {per_token}")
 
 
 def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy):

@@ -245,6 +245,7 @@ def register(namespace, cuda_format):
             # The caller gave up the logits (inplace_backward=True): their storage becomes the
             # gradient's, and no [N, V] buffer is allocated.
             nsops.logits_backward_(*args)
+            torch.autograd.graph.increment_version(logits)
             return (logits,) + none
         return (nsops.logits_backward(*args),) + none
 

@@ -2,10 +2,12 @@
 ``flce.cross_entropy``."""
 import functools
 import inspect
+import math
 
 import torch
 
 from . import _build, _common, _composite, _ops
+from ._common import ArgumentError
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy", "cross_entropy"]
 
@@ -13,12 +15,16 @@ __all__ = ["linear_cross_entropy", "LinearCrossEntropy", "cross_entropy"]
 def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,
                           reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                           temperature=1.0, return_lse=False, return_entropy=False,
-                          single_pass=None, linear_weight=None, linear_bias=None, options=None):
+                          single_pass=None, class_weight=None, linear_weight=None,
+                          linear_bias=None, options=None):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
-    on the arguments they share (``linear_weight`` and ``linear_bias`` are accepted as torch's
-    keyword names; torch's ``options`` chunking hints are ignored, flce picks its own tiles).
+    on the arguments they share: ``linear_weight`` and ``linear_bias`` are accepted as torch's
+    keyword names, and where the classifier comes as torch passes it (positionally, or as
+    ``linear_weight=``), ``weight=`` is torch's per-class weights (``None`` included, as
+    ``nn.LinearCrossEntropyLoss`` passes it). torch's ``options`` chunking hints are ignored:
+    flce picks its own tiles.
     The ``[N, V]`` logits are never materialized.
 
     Autograd: first derivatives come from flce's own backward; float64 inputs, functorch
@@ -49,9 +55,15 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             float32, 0 for ignored tokens, differentiable (``dH/dz_j = -p_j (log p_j + H)``),
             computed from the online statistics without cancellation: relatively accurate near
             collapse (``H -> 0`` as the target dominates), and within a few ``2^-24`` times the
-            non-target mass where another class dominates (docs/numerics.md). The per-token log-probability of the
-            target is ``-loss`` with ``reduction="none"`` (rollout scoring: call under
-            ``torch.no_grad()``, which saves nothing for a backward).
+            non-target mass where another class dominates (docs/numerics.md). The per-token
+            log-probability of the target is ``-loss`` with ``reduction="none"`` (rollout
+            scoring: call under ``torch.no_grad()``, which saves nothing for a backward).
+        class_weight: optional per-class weights ``(V,)`` with torch's semantics (``weight=`` in
+            torch's calling convention, above): each token's loss (and z-loss) times its
+            target's weight, ``"mean"`` divided by the sum of those weights. Fused (no ``[N,
+            V]`` buffer; the recompute path, not the single pass); with label smoothing, whose
+            weighted term ``sum_c w_c (-log p_c) / V`` needs every logit, the composite path,
+            which materializes float32 logits.
         single_pass: compute the gradients in the forward pass (3 GEMMs instead of 4: no
             recompute of the logits in the backward), which then only scales them by the
             upstream gradient. ``None`` (default): on for training (gradients needed,
@@ -69,9 +81,6 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
         the entropy when ``return_entropy``.
     """
-    if linear_weight is not None and isinstance(weight, torch.Tensor) and weight.dim() == 1:
-        # torch's keywords: weight= is its per-class weights, linear_weight= the classifier
-        _refuse_class_weights()
     weight = _alias("weight", weight, "linear_weight", linear_weight)
     bias = _alias("bias", bias, "linear_bias", linear_bias)
     if weight is None or target is None:
@@ -80,6 +89,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                            temperature)
     _common.validate_linear(input, weight, target, bias)
+    _common.check_one_device((("input", input), ("class_weight", class_weight)))
     if input.is_cuda:
         _build.check_cuda_device(input.device)
 
@@ -88,6 +98,9 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         from . import parallel
 
         if parallel.is_vocab_sharded(weight):
+            if class_weight is not None:
+                raise ArgumentError("flce: per-class weights are not supported with a "
+                                            "vocab-sharded classifier")
             return parallel.linear_cross_entropy_dtensor(
                 input, weight, target, bias=bias, ignore_index=opts.ignore_index,
                 reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
@@ -98,49 +111,54 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     # (reshape(-1, D) cannot infer N when D = 0)
     x = input.reshape(target.numel(), input.shape[-1])
     t = target.reshape(-1).to(torch.int64)
-    if x.shape[1] == 0 or _common.needs_composite(x, weight, bias):
-        # float64, functorch transforms, forward-mode AD, and D = 0 (the logits are the bias, or
-        # 0, as torch's composition has them): flce's formulas in differentiable torch ops.
-        loss, lse, entropy = _composite.per_token(x, weight, t, bias, opts)
+    cw, row_weight = _common.class_weights(class_weight, weight.shape[0], t, opts.ignore_index,
+                                           input.dtype)
+    if x.shape[1] == 0 or _common.needs_composite(x, weight, bias) or (
+            cw is not None and opts.label_smoothing):
+        # float64, functorch transforms, forward-mode AD, D = 0 (the logits are the bias, or 0,
+        # as torch's composition has them), and class weights with label smoothing: flce's
+        # formulas in differentiable torch ops.
+        loss, lse, entropy = _composite.per_token(x, weight, t, bias, opts, class_weight=cw)
         return _common.per_token_outputs(
-            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy,
-            lead, return_lse, return_entropy)
+            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
+            entropy, lead, return_lse, return_entropy)
     args = (x, weight, t, bias) + opts.op_args()
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
     per_token = return_lse or return_entropy
     if _common.single_pass(single_pass, reduction, per_token, x, weight) and any(mask) and \
-            torch.is_grad_enabled():
+            torch.is_grad_enabled() and row_weight is None:
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
                                      temperature=opts.temperature)[0]
     loss, lse, _, entropy = _ops.ops.forward(*args, opts.temperature)
+    if row_weight is not None:
+        loss = loss * row_weight
     return _common.per_token_outputs(
-        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
-        return_lse, return_entropy)
-
-
-def _refuse_class_weights():
-    raise TypeError("flce.linear_cross_entropy: per-class weights (torch's keyword weight=) are "
-                    "not supported; flce's second argument, weight, is the classifier (torch's "
-                    "linear_weight). Weight the per-token losses of reduction='none' instead")
+        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
+        entropy, lead, return_lse, return_entropy)
 
 
 @functools.wraps(_linear_cross_entropy)
 def linear_cross_entropy(input, *args, **kwargs):
-    # torch's F.linear_cross_entropy(input, linear_weight, target, weight=class_weights): with
-    # flce's positional classifier, Python itself would say "got multiple values for argument
-    # 'weight'".
-    if len(args) >= 1 and "weight" in kwargs:
-        _refuse_class_weights()
+    # torch's calling convention, F.linear_cross_entropy(input, linear_weight, target,
+    # weight=class_weights): with the classifier positional (or as linear_weight=), weight= is
+    # the per-class weights (Python itself would otherwise say "got multiple values for argument
+    # 'weight'").
+    if "weight" in kwargs and (len(args) >= 1 or "linear_weight" in kwargs):
+        if "class_weight" in kwargs:
+            raise TypeError("flce: pass either weight= (torch's per-class weights) or "
+                            "class_weight=, not both")
+        kwargs["class_weight"] = kwargs.pop("weight")
     return _linear_cross_entropy(input, *args, **kwargs)
 
 
 linear_cross_entropy.__signature__ = inspect.signature(_linear_cross_entropy)
 
 
-def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
-                  label_smoothing=0.0, *, z_loss=0.0, softcap=None, temperature=1.0,
-                  return_lse=False, return_entropy=False, inplace_backward=False):
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0, *, z_loss=0.0, softcap=None,
+                  temperature=1.0, return_lse=False, return_entropy=False,
+                  inplace_backward=False):
     r"""Collapse-safe ``torch.nn.functional.cross_entropy`` on given logits.
 
     A drop-in for ``F.cross_entropy(input, target, weight, ignore_index=..., reduction=...,
@@ -164,7 +182,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
             times its target's weight, ``"mean"`` divided by the sum of those weights, and with
             label smoothing the smoothing term ``sum_c w_c (-log p_c) / C`` (that combination
             takes the composite path, which materializes float32 logits).
-        ignore_index, reduction, label_smoothing: as ``F.cross_entropy``.
+        size_average, ignore_index, reduce, reduction, label_smoothing: as ``F.cross_entropy``,
+            in its positional order (``size_average`` and ``reduce``: torch's deprecated
+            spelling of ``reduction``, with its meaning and its warning).
         z_loss, softcap, temperature, return_lse, return_entropy: as
             :func:`linear_cross_entropy` (the softcap and temperature apply to ``input``; with
             ``weight``, a token's z-loss is weighted like its loss).
@@ -177,6 +197,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         The loss, then the per-token lse when ``return_lse`` and the per-token entropy when
         ``return_entropy`` (shaped like ``target``).
     """
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
     opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                            temperature)
     _common.check_tensor("input", input)
@@ -189,8 +211,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
             temperature=opts.temperature, return_lse=return_lse, return_entropy=return_entropy,
             inplace_backward=inplace_backward)
     if input.dim() == 0:
-        raise ValueError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a 0-d "
-                         "tensor")
+        raise ArgumentError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a 0-d "
+                            "tensor")
     if input.dtype not in _common.FLOAT_DTYPES:
         raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
                         f"{input.dtype}")
@@ -199,25 +221,20 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
     lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
     _common.check_target(target, lead, "input's shape without the class dimension 1")
-    if weight is not None:
-        _common.check_tensor("weight", weight)
-        if weight.shape != (c,) or not weight.dtype.is_floating_point:
-            raise ValueError(f"flce: weight must be a floating-point tensor of shape ({c},) (one "
-                             f"weight per class), got {weight.dtype} {tuple(weight.shape)}")
     _common.check_one_device((("input", input), ("target", target), ("weight", weight)))
     if input.is_cuda:
         _build.check_cuda_device(input.device)
     # [rows, C], class-last: a view for (C) and (N, C), one copy for (N, C, d1, ...).
+    # (reshape(-1, C) cannot infer the rows when C = 0)
+    rows = math.prod(lead)
     logits = input.reshape(1, c) if input.dim() == 1 else \
-        input.movedim(1, -1).reshape(-1, c)
+        input.movedim(1, -1).reshape(rows, c)
     if logits.stride(1) != 1 and c > 1:
         logits = logits.contiguous()
+    if inplace_backward:
+        _common.check_inplace_target(logits, "input")
     t = target.reshape(-1).to(torch.int64)
-    valid = t != opts.ignore_index
-    row_weight = None
-    if weight is not None:
-        w = weight.to(torch.float64 if input.dtype == torch.float64 else torch.float32)
-        row_weight = torch.where(valid, w[torch.where(valid, t, 0).clamp(0, max(c - 1, 0))], 0.0)
+    _, row_weight = _common.class_weights(weight, c, t, opts.ignore_index, input.dtype)
     if _common.needs_composite(logits, weight) or (weight is not None and opts.label_smoothing):
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(
@@ -249,6 +266,7 @@ class LinearCrossEntropy(torch.nn.Module):
                  single_pass=None):
         super().__init__()
         _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature)
+        _common.check_single_pass(single_pass, reduction, return_lse or return_entropy)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing

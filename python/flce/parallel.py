@@ -29,6 +29,7 @@ import sys
 import torch
 
 from . import _common, _ops
+from ._common import ArgumentError
 
 __all__ = [
     "vocab_parallel_linear_cross_entropy",
@@ -86,8 +87,8 @@ def _resolve_group(group):
     mesh_cls = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
     if mesh_cls is not None and isinstance(group, mesh_cls):
         if group.ndim != 1:
-            raise ValueError(f"flce.parallel: group must be a 1-D DeviceMesh, got a "
-                             f"{group.ndim}-D mesh; pass mesh[dim_name] for the TP dimension")
+            raise ArgumentError(f"flce.parallel: group must be a 1-D DeviceMesh, got a "
+                                f"{group.ndim}-D mesh; pass mesh[dim_name] for the TP dimension")
         group = group.get_group()
     if group is None:
         group = dist.group.WORLD
@@ -180,13 +181,13 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     for f in _AGREED:
         values = [r[f] for r in rows]
         if any(v != mine[f] for v in values):
-            raise ValueError(f"flce.parallel: ranks disagree on {_META_FIELDS[f]}: "
-                             f"{_describe(f, values)} (rank r at position r)")
+            raise ArgumentError(f"flce.parallel: ranks disagree on {_META_FIELDS[f]}: "
+                                f"{_describe(f, values)} (rank r at position r)")
     sizes = [r[0] for r in rows]
     given = [r[1] >= 0 for r in rows]
     if any(given) != all(given):
-        raise ValueError(f"flce.parallel: pass vocab_start on every rank or on none; got "
-                         f"{[r[1] if r[1] >= 0 else None for r in rows]} (by rank)")
+        raise ArgumentError(f"flce.parallel: pass vocab_start on every rank or on none; got "
+                            f"{[r[1] if r[1] >= 0 else None for r in rows]} (by rank)")
     if all(given):
         starts = [r[1] for r in rows]
     else:
@@ -195,18 +196,19 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     end = 0
     for r in order:
         if starts[r] != end:
-            raise ValueError(f"flce.parallel: vocabulary shards must tile [0, V) without gaps or "
-                             f"overlaps; shard starts {starts}, sizes {sizes} (by rank)")
+            raise ArgumentError(f"flce.parallel: vocabulary shards must tile [0, V) without "
+                                f"gaps or overlaps; shard starts {starts}, sizes {sizes} (by "
+                                f"rank)")
         end += sizes[r]
     sizes_given = {r[2] for r in rows}
     if len(sizes_given) != 1:
-        raise ValueError(f"flce.parallel: ranks disagree on vocab_size: {[r[2] for r in rows]}")
+        raise ArgumentError(f"flce.parallel: ranks disagree on vocab_size: {[r[2] for r in rows]}")
     vocab_size = sizes_given.pop() if explicit_size else end
     if explicit_size and not 0 < vocab_size <= end:
-        raise ValueError(f"flce.parallel: vocab_size must be in [1, {end}] (the rows of all "
-                         f"shards), got {vocab_size}")
+        raise ArgumentError(f"flce.parallel: vocab_size must be in [1, {end}] (the rows of all "
+                            f"shards), got {vocab_size}")
     if vocab_size <= 0:
-        raise ValueError("flce.parallel: every vocabulary shard is empty")
+        raise ArgumentError("flce.parallel: every vocabulary shard is empty")
     for r, rr in enumerate(rows):
         bad = rr[_TMIN] if rr[_TMIN] < 0 else (rr[_TMAX] if rr[_TMAX] >= vocab_size else None)
         if bad is not None:
@@ -232,15 +234,17 @@ def _raise_rank_errors(rows, error, group, world):
     _dist().all_gather_object(messages, mine, group=group)
     failed = [r for r in range(world) if rows[r][_ERROR]]
     name, text = messages[failed[0]]
-    cls = {"TypeError": TypeError, "IndexError": IndexError}.get(name, ValueError)
+    cls = {"TypeError": TypeError, "IndexError": IndexError}.get(name, ArgumentError)
     others = f" (ranks {failed} have bad arguments)" if len(failed) > 1 else ""
     raise cls(f"flce.parallel: rank {failed[0]}'s arguments are invalid: {text}{others}")
 
 
 def _check_vocab_start(vocab_start):
-    if vocab_start is not None and (not isinstance(vocab_start, int) or vocab_start < 0):
-        raise ValueError(f"flce.parallel: vocab_start must be a non-negative int, got "
-                         f"{vocab_start!r}")
+    # (int64: it travels in the ranks' exchange of their arguments, an int64 tensor)
+    if vocab_start is not None and (not isinstance(vocab_start, int) or
+                                    not 0 <= vocab_start <= _common.INT64_MAX):
+        raise ArgumentError(f"flce.parallel: vocab_start must be a non-negative int64, got "
+                            f"{vocab_start!r}")
 
 
 def _describe(field, values):
@@ -370,8 +374,8 @@ def _use_single_pass(single_pass, reduction, return_lse, x):
     use = _common.single_pass(single_pass, reduction, return_lse, x)
     if use and not _ops.is_cuda_backend(x):
         if single_pass:
-            raise ValueError("flce.parallel: single_pass=True needs the CUDA backend (the CPU "
-                             "backend's single pass is single-device)")
+            raise ArgumentError("flce.parallel: single_pass=True needs the CUDA backend (the CPU "
+                                "backend's single pass is single-device)")
         return False
     return use
 
@@ -433,15 +437,16 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         _common.validate_linear(input, weight_local, target, bias_local)
         _check_local(input, weight_local, bias_local)
         _check_vocab_start(vocab_start)
-        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
-            raise ValueError(f"flce.parallel: vocab_size must be a positive int, got "
-                             f"{vocab_size!r}")
+        if vocab_size is not None and (not isinstance(vocab_size, int) or
+                                       not 0 < vocab_size <= _common.INT64_MAX):
+            raise ArgumentError(f"flce.parallel: vocab_size must be a positive int64, got "
+                                f"{vocab_size!r}")
         if sequence_parallel and not reduce_input_grad:
-            raise ValueError("flce.parallel: sequence_parallel=True reduce-scatters input's "
-                             "gradient itself; reduce_input_grad=False is not supported with it")
+            raise ArgumentError("flce.parallel: sequence_parallel=True reduce-scatters input's "
+                                "gradient itself; reduce_input_grad=False is not supported with it")
         if sequence_parallel and input.dim() < 2:
-            raise ValueError("flce.parallel: sequence_parallel needs input of shape (tokens, ..., "
-                             "D)")
+            raise ArgumentError("flce.parallel: sequence_parallel needs input of shape "
+                                "(tokens, ..., D)")
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or weight_local.requires_grad
             or (bias_local is not None and bias_local.requires_grad))
@@ -517,25 +522,25 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
 
     mesh = weight.device_mesh
     if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-        raise ValueError(f"flce: a DTensor weight must be sharded over the vocabulary, "
-                         f"placements (Shard(0),) on a 1-D mesh; got {tuple(weight.placements)} "
-                         f"on a {mesh.ndim}-D mesh (redistribute it, or slice a 1-D sub-mesh)")
+        raise ArgumentError(f"flce: a DTensor weight must be sharded over the vocabulary, "
+                            f"placements (Shard(0),) on a 1-D mesh; got {tuple(weight.placements)} "
+                            f"on a {mesh.ndim}-D mesh (redistribute it, or slice a 1-D sub-mesh)")
 
     def local(name, t, placements):
         if not isinstance(t, DTensor):
             return t
         if t.device_mesh != mesh:
-            raise ValueError(f"flce: {name} is a DTensor on a different mesh than weight")
+            raise ArgumentError(f"flce: {name} is a DTensor on a different mesh than weight")
         if placements is not None and tuple(t.placements) != placements:
-            raise ValueError(f"flce: a DTensor {name} must have weight's placements "
-                             f"{placements}, got {tuple(t.placements)}")
+            raise ArgumentError(f"flce: a DTensor {name} must have weight's placements "
+                                f"{placements}, got {tuple(t.placements)}")
         if placements is None:
             t = t.redistribute(mesh, [Replicate()])
         return t.to_local()
 
     if bias is not None and not isinstance(bias, DTensor):
-        raise ValueError("flce: with a DTensor weight, bias must be a DTensor with placements "
-                         "(Shard(0),) on the same mesh")
+        raise ArgumentError("flce: with a DTensor weight, bias must be a DTensor with placements "
+                            "(Shard(0),) on the same mesh")
     return vocab_parallel_linear_cross_entropy(
         local("input", input, None), weight.to_local(), local("target", target, None),
         group=mesh.get_group(), bias_local=local("bias", bias, (Shard(0),)),
@@ -585,6 +590,7 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
                 layout.vocab_size) + tuple(options)
         if inplace:
             _ops.ops.logits_backward_(*args)
+            torch.autograd.graph.increment_version(logits)  # (_common.check_inplace_target)
             return (logits,) + none
         return (_ops.ops.logits_backward(*args),) + none
 
@@ -630,6 +636,8 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
     if error is None:
         lead = tuple(target.shape)
         x = _local_rows(logits, target)
+        error = _inplace_error(inplace_backward, x, "logits")
+    if error is None:
         t = target.reshape(-1).to(torch.int64)
         meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
                             opts.z_loss, opts.softcap, reduction, opts.temperature)
@@ -645,12 +653,22 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         return_lse, return_entropy)
 
 
+def _inplace_error(inplace, x, name):
+    """This rank's refusal of inplace_backward over x (None if it may), for the exchange."""
+    try:
+        if inplace:
+            _common.check_inplace_target(x, name)
+    except ValueError as e:
+        return e
+    return None
+
+
 def _check_logits(logits, target, name):
     _common.check_tensor(name, logits)
     if logits.dtype not in _DTYPE_CODES:
         raise TypeError(f"flce: {name} must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() < 1:
-        raise ValueError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
+        raise ArgumentError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
     _common.check_target(target, logits.shape[:-1], f"{name}'s leading dimensions")
     _check_local(logits)
 
@@ -708,7 +726,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
         _check_logits(vocab_parallel_logits, target, "vocab_parallel_logits")
         smoothing = _common.number("label_smoothing", label_smoothing)
         if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")
+            raise ArgumentError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")
         _check_vocab_start(vocab_start)
         error = None
     except (TypeError, ValueError) as e:
@@ -717,19 +735,21 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     if error is None:
         lead = target.shape
         logits = _local_rows(vocab_parallel_logits, target)
+        error = _inplace_error(inplace_backward, logits, "vocab_parallel_logits")
+    if error is None:
         t = target.reshape(-1).to(torch.int64)
         meta = _logits_meta(logits, vocab_start, -100, smoothing, 0.0, 0.0, "none", 1.0)
     layout = _layout(group, rank, world, meta, False, True, error=error, target=t)
     # Every rank holds the same sizes, so every rank raises here or none does.
     if 0 in layout.sizes:
-        raise ValueError(f"flce.parallel: vocab_parallel_logits has an empty vocabulary shard: "
-                         f"{list(layout.sizes)} columns (by rank)")
+        raise ArgumentError(f"flce.parallel: vocab_parallel_logits has an empty vocabulary shard: "
+                            f"{list(layout.sizes)} columns (by rank)")
     if vocab_start is None and len(set(layout.sizes)) > 1:
-        raise ValueError(f"flce.parallel: vocab_parallel_logits shards differ in size across "
-                         f"ranks: {list(layout.sizes)} columns (by rank), but without "
-                         f"vocab_start each rank's offset is rank * its own size (Megatron's "
-                         f"equal shards); pass vocab_start= (this rank's first global column) "
-                         f"on every rank")
+        raise ArgumentError(f"flce.parallel: vocab_parallel_logits shards differ in size across "
+                            f"ranks: {list(layout.sizes)} columns (by rank), but without "
+                            f"vocab_start each rank's offset is rank * its own size (Megatron's "
+                            f"equal shards); pass vocab_start= (this rank's first global column) "
+                            f"on every rank")
     v = layout.vocab_size
     eps = smoothing * v / (v - 1) if smoothing > 0 and v > 1 else 0.0
     loss, _, _ = _VocabParallelLogitsCE.apply(logits, t, group, world, layout,
@@ -752,15 +772,15 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
     mesh = input.device_mesh
     if input.dim() != 2 or mesh.ndim != 1 or tuple(input.placements) not in ((Shard(1),),
                                                                                (Shard(-1),)):
-        raise ValueError(f"flce: a DTensor input of cross_entropy must be (N, C) logits sharded "
-                         f"over the classes, placements (Shard(1),) on a 1-D mesh; got shape "
-                         f"{tuple(input.shape)}, {tuple(input.placements)} on a {mesh.ndim}-D "
-                         f"mesh")
+        raise ArgumentError(f"flce: a DTensor input of cross_entropy must be (N, C) logits sharded "
+                            f"over the classes, placements (Shard(1),) on a 1-D mesh; got shape "
+                            f"{tuple(input.shape)}, {tuple(input.placements)} on a {mesh.ndim}-D "
+                            f"mesh")
     if weight is not None:
-        raise ValueError("flce: per-class weights are not supported with vocab-parallel logits")
+        raise ArgumentError("flce: per-class weights are not supported with vocab-parallel logits")
     if isinstance(target, DTensor):
         if target.device_mesh != mesh:
-            raise ValueError("flce: target is a DTensor on a different mesh than input")
+            raise ArgumentError("flce: target is a DTensor on a different mesh than input")
         target = target.redistribute(mesh, [Replicate()]).to_local()
     return cross_entropy(input.to_local(), target, group=mesh.get_group(),
                          ignore_index=ignore_index, reduction=reduction,

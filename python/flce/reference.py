@@ -44,7 +44,8 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
     # their higher derivatives (double backward, jvp).
     z_t = torch.where(valid, z_t, torch.zeros_like(z_t))
     lse = torch.where(valid, torch.logaddexp(lse_x, z_t), lse_x)
-    nll = _softplus(lse_x - z_t)
+    # (a +inf target logit: NaN, as torch's inf - inf, not softplus(-inf) = 0)
+    nll = torch.where(z_t == float("inf"), float("nan"), _softplus(lse_x - z_t))
     row_weight = None
     if weight is not None:
         w = weight.to(logits.dtype)

@@ -416,6 +416,17 @@ TEST(row_loss_matches_long_double_at_all_margins) {
          "the loss at margin 80 must not collapse to 0");
 }
 
+TEST(row_loss_of_an_infinite_target_logit_is_nan) {
+  const Row r = make_row(3.f, 4099);
+  for (const flce::LossOptions& o : {flce::LossOptions{0.f, 0.f, 0.f, 4099},
+                                     flce::LossOptions{0.1f, 1e-4f, 0.f, 4099}}) {
+    const float got = flce::row_loss(r.lse_x, kInf, r.sum_z, false, o).loss;
+    EXPECT(std::isnan(got), "a +inf target logit must give NaN (torch's inf - inf), got %g", got);
+    EXPECT(std::isinf(flce::row_loss(r.lse_x, -kInf, r.sum_z, false, o).loss),
+           "a -inf target logit gives +inf, as torch");
+  }
+}
+
 TEST(row_loss_ignored_rows) {
   const Row r = make_row(3.f, 4099);
   const flce::LossOptions o{0.1f, 1e-4f, 0.f, 4099};

@@ -189,7 +189,10 @@ struct RowLoss {
 FLCE_HD RowLoss row_loss(float lse_x, float z_t, float sum_z, bool ignored, const LossOptions& o) {
   const float lse = logaddexp(lse_x, z_t);
   if (ignored) return RowLoss{0.f, lse};
-  float loss = softplus(lse_x - z_t);
+  // A +inf target logit: NaN, as torch's lse - z_t = inf - inf, where softplus(-inf) = 0 would
+  // give a finite loss beside the NaN gradients (p_j = exp(z_j - inf) / NaN) and get past a
+  // training loop's check of the loss.
+  float loss = z_t == INFINITY ? NAN : softplus(lse_x - z_t);
   if (o.label_smoothing != 0.f) {
     const float eps = o.label_smoothing;
     loss = (1.f - eps) * loss + eps * (lse - sum_z / static_cast<float>(o.vocab_size));
