@@ -381,13 +381,16 @@ __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsPa
 
 // kXf != kNone: bias, softcap (kCap), temperature or the entropy's term in the coefficients
 // (xform_logit, xform_grad, logit_grad); kNone: none of them, dz_j = A exp(z_j - ref) / S - U
-// straight (logit_grad_plain). kExtras: the master weights' residual tile (grad_lo), the bias's
-// column sums (col_partials) or the target entry's residual (target_resid), each where its
-// pointer is set. Per element of a whole tile without them: the widening, exp, two
+// straight (logit_grad_plain). kExtras: the master weights' residual tile (grad_lo) or the
+// bias's column sums (col_partials), each where its pointer is set (the target entry's residual,
+// target_resid, is written by every instance where it is set). Per element of a whole tile without them: the widening, exp, two
 // multiply-adds, the rounding to T and its share of a Pack store; the target is written once per
-// tile.
+// tile. Two CTAs per SM (at most 128 registers a thread; ptxas reports no spill): with one, a
+// transform instance (118-157 registers unbounded) left 8 warps per SM to cover the memory
+// latency. The 16-bit-logits instances with extras keep one (they would spill 8 bytes).
 template <typename TIn, typename T, Xf kXf, bool kExtras>
-__global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradParams p) {
+__global__ void __launch_bounds__(kThreads, kExtras && sizeof(TIn) == 2 ? 1 : 2)
+row_grad_kernel(const RowGradParams p) {
   const int64_t rows = p.rows_per_cta;
   const int64_t blocks = (p.n + rows - 1) / rows;
   const TIn* logits = static_cast<const TIn*>(p.logits);
@@ -407,9 +410,22 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
       const RowGrad rg = load_row_grad(p.coef, row);
       const int64_t tcol =
           target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
-      if (kExtras && p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0 &&
-          blockIdx.y == 0) {
+      if (p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0 && blockIdx.y == 0) {
         p.target_resid[row] = 0.f;
+      }
+      // The target's whole gradient dz_t z'(u_t), taken once per row by the thread whose tile
+      // columns hold it (the one target_slot names in its tile), from its logit read before any
+      // thread writes this row (same arithmetic as the tile's: widened, + bias, xform_logit),
+      // with its residual; the tile loop only puts it in place.
+      float gt = 0.f;
+      if (tcol >= cols.begin && tcol < cols.end &&
+          target_slot(tcol, cols.begin + (tcol - cols.begin) / kTile * kTile) >= 0) {
+        float ut = to_float<TIn>(logits[row * p.ld + tcol]);
+        if (kXf != Xf::kNone && xf.bias != nullptr) ut += xf.bias[tcol];
+        gt = rg.dz_t * xform_grad<kXf>(xform_logit<kXf>(ut, xf), xf);
+        if (sizeof(T) == 2 && p.target_resid != nullptr) {
+          p.target_resid[row] = gt - to_float<T>(from_float<T>(gt));
+        }
       }
       for_tiles(logits + row * p.ld, cols, p.v, aligned,
                 [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
@@ -432,16 +448,9 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
           }
         }
         const int slot = target_slot(tcol, c0);
-        float resid = 0.f;
-        if (slot >= 0) {  // the target's whole gradient, its owner only
+        if (slot >= 0) {  // the target's whole gradient (gt), its owner only
 #pragma unroll
-          for (int e = 0; e < kPerThread; ++e) {
-            if (e == slot) {
-              g[e] = rg.dz_t * xform_grad<kXf>(x[e], xf);
-              if constexpr (sizeof(T) == 2) resid = g[e] - to_float<T>(from_float<T>(g[e]));
-            }
-          }
-          if (kExtras && sizeof(T) == 2 && p.target_resid != nullptr) p.target_resid[row] = resid;
+          for (int e = 0; e < kPerThread; ++e) g[e] = e == slot ? gt : g[e];
         }
         T* o = out + c0;
 #pragma unroll
@@ -623,8 +632,8 @@ bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
   const Xf xf = p.softcap > 0.f ? Xf::kCap
                 : p.bias != nullptr || p.temperature != 1.f || p.entropy ? Xf::kAffine
                                                                          : Xf::kNone;
-  const bool extras = p.grad_lo != nullptr || p.col_partials != nullptr ||
-                      p.target_resid != nullptr;
+  // (the target's residual is one store per row, by the target's owner: not an extra)
+  const bool extras = p.grad_lo != nullptr || p.col_partials != nullptr;
   auto pick = [&](auto tin, auto tout) {
     using TIn = decltype(tin);
     using T = decltype(tout);

@@ -150,6 +150,11 @@ MUTATIONS = [
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
          original="      const float t = fmaf(-2.f, rcp_approx(e + 1.f), 1.f);\n",
          replacement="      const float t = fmaf(2.f, rcp_approx(e + 1.f), 1.f);\n"),
+    # The target's gradient (taken once per row in row_grad) from its logit without the bias.
+    dict(name="rows_target_grad_without_bias",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="        if (kXf != Xf::kNone && xf.bias != nullptr) ut += xf.bias[tcol];\n",
+         replacement="\n"),
     dict(name="rows_bias_pack_offset",
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
          original="      const Pack<float> q = *reinterpret_cast<const Pack<float>*>(b + j);\n",
