@@ -1712,7 +1712,7 @@ TEST(row_transform) {
   };
   for (const XCase xc : {XCase{15.f, 1.f, false}, XCase{2.5f, 1.6f, true}, XCase{1.f, 0.3f, false},
                          XCase{0.f, 0.7f, true}, XCase{0.f, 1.f, true}, XCase{0.f, 3.f, false}}) {
-    const int64_t v = 64, n = 768;
+    const int64_t v = 128, n = 256;
     std::vector<float> u(n * v), b(v, 0.f);
     std::vector<int64_t> tgt(n);
     const double scale = xc.cap > 0 ? xc.cap : 8.0;
