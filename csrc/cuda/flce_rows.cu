@@ -144,8 +144,8 @@ __device__ __forceinline__ void load_partial(const TIn* z, int64_t left, bool al
 //   |y| >= 1:  z = sign(y) (1 - q) cap / T,  q = 2 / (E + 1),  E = 2^(2 |y| log2 e): one
 //              ex2.approx and one rcp.approx. With e_E <= 6 2^-24 (2 ulp, the bound CUDA
 //              documents for exp2f, plus the rounding of 2 |y| log2 e) and e_R <= 2 2^-24 (1
-//              ulp, PTX's bound for rcp.approx.f32), t = 1 - q carries at most
-//              (e_E + 2^-24 + e_R) q / t + 2^-24 <= 3.6 2^-24 relative error (at y = 1, where
+//              ulp, PTX's bound for rcp.approx.f32), t = 1 - q carries a relative error of at
+//              most (e_E E / (E + 1) + 2^-24 + e_R) q / t + 2^-24 <= 3.6 2^-24 (at y = 1, where
 //              q / t = 0.31 is largest; it falls as e^-2y above): tanhf's documented 2 ulp.
 //              E = inf (|y| > 44) gives t = 1 exactly; NaN stays NaN.
 // With the roundings of y (propagated as (1 - t^2) y / t <= 1 times them), of 1/T, cap / T and
