@@ -3,6 +3,7 @@
 
     python scripts/sass_count.py                      # builds flce_rows.cu for sm_90a
     python scripts/sass_count.py --arch sm_100 --object build/flce_rows.o --kernel row_grad
+    python scripts/sass_count.py --check             # exit 1 if an sm_90a instance is over BUDGETS
 
 Compiles csrc/cuda/flce_rows.cu with nvcc for one architecture (or reads --object), dumps the
 SASS with cuobjdump (PATH, $CUOBJDUMP, the CUDA toolkit, or pip's nvidia-cuda-cuobjdump), and
@@ -13,6 +14,9 @@ instruction by instruction and divided by the columns a thread handles per itera
 flag checks per element) is counted whole, an upper bound on the path taken; the kernels' whole
 -tile loops have none. Prints one line per instance: total, per element, and the classes that
 matter for an issue-bound loop (MUFU: the exp; LDG/STG: memory; BRA/BAR: control).
+
+--check holds every instance to its line of BUDGETS (instructions per logit, sm_90a; the table
+and why in docs/cuda.md, "Row kernels"), and fails where an instance has no tile loop.
 """
 import argparse
 import collections
@@ -30,17 +34,71 @@ INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 FUNC = re.compile(r"Function\s*:\s*(\S+)")
 
 
-def cuobjdump():
+# Instructions per logit allowed in the tile loop of each sm_90a instance: (kernel, transform,
+# with options, limit), the first line that matches an instance applies. transform: the Xf
+# template argument (none / affine: bias or temperature / cap: softcap); with options: row_stats
+# with the logit sum or the entropy's u (kSum or kU), row_grad with residuals or column sums
+# (kExtras); None matches both. 32 and 48 are what an H200's issue rate allows per fp32 logit at
+# 4.2 TB/s (row_stats reads 4 bytes a logit, row_grad reads 4 and writes 2); the softcap's
+# row_stats and the option-bearing instances are above them (docs/cuda.md).
+BUDGETS = [
+    ("row_stats", "cap", False, 44),
+    ("row_stats", "cap", True, 60),
+    ("row_stats", None, False, 32),
+    ("row_stats", None, True, 44),
+    ("row_grad", "cap", False, 50),
+    ("row_grad", "cap", True, 68),
+    ("row_grad", None, False, 48),
+    ("row_grad", None, True, 48),
+]
+XF_NAMES = {"0": "none", "1": "affine", "2": "cap"}
+
+
+def instance(short):
+    """(kernel, transform, with options) of a shortened instance name, e.g.
+    'void row_stats_kernel<float, (Xf)2, false, true>' -> ('row_stats', 'cap', True)."""
+    m = re.search(r"(row_stats|row_grad)_kernel<(.*)>", short)
+    if not m:
+        return None
+    args = [a.strip() for a in m.group(2).split(",")]
+    xf = next((XF_NAMES[a[-1]] for a in args if a.startswith("(Xf)")), None)
+    if m.group(1) == "row_stats":
+        options = "true" in args[-2:]
+    else:
+        options = args[-1] == "true"
+    return m.group(1), xf, options
+
+
+def budget(short):
+    inst = instance(short)
+    if inst is None:
+        return None
+    kernel, xf, options = inst
+    for k, x, o, limit in BUDGETS:
+        if k == kernel and (x is None or x == xf) and (o is None or o == options):
+            return limit
+    return None
+
+
+def cuobjdump(required=True):
     for cand in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
                  "/usr/local/cuda/bin/cuobjdump"):
         if cand and os.path.exists(cand):
             return cand
+    nvcc = shutil.which("nvcc")
+    if nvcc:  # the toolkit's bin/ (nvcc may be reached through a link elsewhere)
+        cand = os.path.join(os.path.dirname(os.path.realpath(nvcc)), "cuobjdump")
+        if os.path.exists(cand):
+            return cand
     import site
 
-    for base in site.getsitepackages() + [site.getusersitepackages()]:
-        hits = glob.glob(os.path.join(base, "nvidia", "*", "bin", "cuobjdump"))
+    for base in site.getsitepackages() + [site.getusersitepackages()] + sys.path:
+        hits = (glob.glob(os.path.join(base, "nvidia", "*", "bin", "cuobjdump"))
+                + glob.glob(os.path.join(base, "triton", "backends", "nvidia", "bin", "cuobjdump")))
         if hits:
             return hits[0]
+    if not required:
+        return None
     sys.exit("cuobjdump not found: install the toolkit's, or pip install nvidia-cuda-cuobjdump, "
              "or set CUOBJDUMP")
 
@@ -107,6 +165,8 @@ def main(argv=None):
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--object", help="an object or cubin holding flce_rows.cu's kernels")
     ap.add_argument("--kernel", default="row_", help="substring of the kernels to count")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 if an instance is over its BUDGETS line (sm_90a)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         obj = args.object
@@ -130,15 +190,32 @@ def main(argv=None):
         rows.append((short, len(body), len(body) / PER_THREAD, ops))
     print(f"{args.arch}: instructions in the tile loop of each row kernel instance "
           f"(per element = / {PER_THREAD} columns per thread)")
+    over = []
     for short, total, per, ops in sorted(rows):
+        limit = budget(short)
         if total is None:
             print(f"{short:70s} no tile loop found")
+            over.append(short)
             continue
+        if limit is not None and per > limit:
+            over.append(short)
         classes = {k: ops.get(k, 0) for k in ("MUFU", "LDG", "STG", "BRA", "BAR", "FFMA", "FADD",
                                               "FMUL", "FMNMX", "F2F", "F2FP", "PRMT", "ISETP",
                                               "FSETP", "SHF", "IMAD", "LEA", "FSEL", "SEL")}
         desc = " ".join(f"{k}={v}" for k, v in classes.items() if v)
-        print(f"{short:70s} {total:5d} {per:6.1f}/elem  {desc}")
+        mark = f" (budget {limit})" if limit is not None else ""
+        print(f"{short:70s} {total:5d} {per:6.1f}/elem{mark}  {desc}")
+    if args.check:
+        if args.arch != "sm_90a":
+            sys.exit("--check: the budgets are sm_90a's")
+        if not rows:
+            sys.exit("--check: no row kernel instances found")
+        if over:
+            print(f"sass_count: {len(over)} instance(s) over budget or without a tile loop:")
+            for short in over:
+                print(f"  {short}")
+            return 1
+        print(f"sass_count: {len(rows)} instances within budget")
     return 0
 
 

@@ -2,6 +2,9 @@
 docs/cuda.md), on a synthetic listing: no toolkit needed."""
 import importlib.util
 import os
+import shutil
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,3 +41,51 @@ def test_tile_loop_is_the_innermost_loop_with_a_load():
     # both loops hold a load; the smaller one (0x50-0x70) is taken
     assert [mod.opcode(t) for t in body] == ["LDG", "FADD", "BRA"]
     assert mod.opcode("@!P0 BRA 0x10") == "BRA"
+
+
+def test_budgets_by_instance():
+    mod = _load()
+    assert mod.instance("void row_stats_kernel<float, (Xf)2, false, true>") == ("row_stats", "cap", True)
+    assert mod.instance("void row_grad_kernel<float, __nv_bfloat16, (Xf)1, false>") == (
+        "row_grad", "affine", False)
+    assert mod.budget("void row_stats_kernel<float, (Xf)0, false, false>") == 32
+    assert mod.budget("void row_stats_kernel<float, (Xf)1, false, false>") == 32
+    assert mod.budget("void row_stats_kernel<__nv_bfloat16, (Xf)2, false, false>") == 44
+    assert mod.budget("void row_grad_kernel<float, __half, (Xf)1, false>") == 48
+    assert mod.budget("void row_grad_kernel<float, __half, (Xf)2, true>") == 68
+    # the kernels before the transform kinds (a bool kTransform, no Xf) fall to the plain lines
+    assert mod.budget("void row_stats_kernel<float, true, false, false>") == 32
+
+
+def test_check_fails_over_budget(tmp_path, monkeypatch, capsys):
+    """--check on a listing whose row_stats tile loop runs 40 instructions per logit."""
+    mod = _load()
+    body = "\n".join(f"        /*{0x10 * (i + 1):04x}*/                   FADD R7, R6, R6 ;"
+                     for i in range(40 * mod.PER_THREAD - 2))
+    end = 0x10 * (40 * mod.PER_THREAD)
+    sass = ("        Function : _Z16row_stats_kernelv\n"
+            "        /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;\n"
+            f"{body}\n"
+            f"        /*{end - 0x10:04x}*/                   BRA 0x0 ;\n"
+            f"        /*{end:04x}*/                   EXIT ;\n")
+    obj = tmp_path / "rows.o"
+    obj.write_bytes(b"")
+
+    class Done:
+        stdout = sass
+
+    monkeypatch.setattr(mod, "cuobjdump", lambda required=True: "cuobjdump")
+    monkeypatch.setattr(mod.subprocess, "run", lambda *a, **k: Done())
+    monkeypatch.setattr(mod, "demangle", lambda name: "void row_stats_kernel<float, (Xf)1, false, false>")
+    assert mod.main(["--object", str(obj), "--check"]) == 1
+    assert "over budget" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc: the sm_90a SASS is not built")
+def test_row_kernels_within_budget_sm90a():
+    """The real kernels, compiled for sm_90a (~30 s on 2 cores): every row_stats / row_grad
+    instance within its BUDGETS line."""
+    mod = _load()
+    if mod.cuobjdump(required=False) is None:
+        pytest.skip("no cuobjdump")
+    assert mod.main(["--check"]) == 0

@@ -121,6 +121,157 @@ __device__ __forceinline__ void load_partial(const TIn* z, int64_t left, bool al
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The logit transform z = softcap(u + b) / T of the row kernels, per element. math.h's
+// logit_transform / logit_transform_grad compute the same function with divisions and tanhf:
+// ~105 more sm_90a instructions per logit in row_stats and ~225 in row_grad than the plain
+// instances; these forms cost ~5 (bias, T) and ~21 (softcap) in row_stats (docs/cuda.md, "Row
+// kernels with a bias, a softcap or a temperature"). The CPU backend keeps math.h's tanhf and
+// division, so they live here.
+//
+// kAffine (a bias or a temperature, no softcap): z = (u + b) / T as q = u' (1/T) corrected once,
+// q + (u' - T q) (1/T), with u' = u + b (one add) and u' - T q exact by an FMA: with 1/T rounded
+// to nearest this is the division's correctly rounded quotient (Markstein's correction;
+// tests/cuda_host/test_kernels.cpp row_transform checks it bit for bit against u' / T). 1/T is
+// taken once per thread. At T = 1 it is u + b exactly.
+//
+// kCap (a softcap cap, with or without bias and temperature): with y = u' / cap (u' (1/cap),
+// two roundings), z = cap tanh(y) / T from one of two forms, both evaluated, one selected by |y|:
+//   |y| < 1:   z = w + w (x P(x)),  w = u' (1/T), x = y^2, tanh(y) = y (1 + x P(x)): P of degree
+//              6 fitted to tanh on [0, 1] for relative error (0.08 2^-24 for the polynomial
+//              itself, ~1.2 2^-24 with Horner in fp32): relative accuracy down to y -> 0, where
+//              z -> u' / T.
+//   |y| >= 1:  z = sign(y) (1 - q) cap / T,  q = 2 / (E + 1),  E = 2^(2 |y| log2 e): one
+//              ex2.approx and one rcp.approx. With e_E <= 6 2^-24 (2 ulp, the bound CUDA
+//              documents for exp2f, plus the rounding of 2 |y| log2 e) and e_R <= 2 2^-24 (1
+//              ulp, PTX's bound for rcp.approx.f32), t = 1 - q carries a relative error of at
+//              most (e_E E / (E + 1) + 2^-24 + e_R) q / t + 2^-24 <= 3.6 2^-24 (at y = 1, where
+//              q / t = 0.31 is largest; it falls as e^-2y above): tanhf's documented 2 ulp.
+//              E = inf (|y| > 44) gives t = 1 exactly; NaN stays NaN.
+// With the roundings of y (propagated as (1 - t^2) y / t <= 1 times them), of 1/T, cap / T and
+// the last product, z carries at most about 6-7 2^-24 |z| with the documented MUFU bounds; on the
+// host (exact exp2 and 1/x) row_transform holds it to 6 2^-24 |z| and measures ~2. The softmax
+// only needs z to an absolute error of a few ulps of the logits' scale (shared NUMERICS.md); the
+// float64 checks of tests/cuda_host/test_kernels.cpp (kU |u| + 4 kU |z| for tanh, kU |z| for
+// / T, as for tanhf and two divisions) hold unchanged.
+//
+// The chain rule (row_grad): dz/du = (1 - t^2) / T with t = z T / cap = z (1 / cap_t), as math.h
+// logit_transform_grad; without a softcap 1 / T.
+// ---------------------------------------------------------------------------------------------
+enum class Xf { kNone, kAffine, kCap };
+
+// The per-kernel constants of the transform (taken once per thread, outside the row loops).
+struct Xform {
+  const float* bias;
+  float temp, inv_t;   // T, 1 / T
+  float rcap;          // 1 / cap
+  float cap_t, rcap_t; // cap / T, T / cap
+};
+
+__device__ __forceinline__ Xform make_xform(const float* bias, float cap, float temp) {
+  Xform x;
+  x.bias = bias;
+  x.temp = temp;
+  x.inv_t = 1.f / temp;
+  x.rcap = cap > 0.f ? 1.f / cap : 0.f;
+  x.cap_t = cap / temp;
+  x.rcap_t = cap > 0.f ? temp / cap : 0.f;
+  return x;
+}
+
+// 2^a for a >= 0 and 1 / d for d >= 2: ex2.approx and rcp.approx on the GPU (one MUFU each;
+// the .ftz forms, which only differ on subnormal inputs and results, none of which occur here);
+// the host emulation has no such instructions and uses exp2f and a division.
+__device__ __forceinline__ float ex2_approx(float a) {
+#if defined(__CUDACC__)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+#else
+  return exp2f(a);
+#endif
+}
+__device__ __forceinline__ float rcp_approx(float d) {
+#if defined(__CUDACC__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return r;
+#else
+  return 1.f / d;
+#endif
+}
+
+// tanh(y) / y - 1 = x P(x), x = y^2, on [0, 1] (coefficients of x^0 .. x^6, fitted for this file).
+__device__ __forceinline__ float tanh_poly(float x) {
+  float p = -0x1.77daf6p-12f;
+  p = fmaf(p, x, 0x1.2da410p-9f);
+  p = fmaf(p, x, -0x1.04607cp-7f);
+  p = fmaf(p, x, 0x1.60097cp-6f);
+  p = fmaf(p, x, -0x1.b96220p-5f);
+  p = fmaf(p, x, 0x1.110be2p-3f);
+  p = fmaf(p, x, -0x1.55553cp-2f);
+  return p;
+}
+
+// The logit z of u, the raw value plus its bias (add_bias).
+template <Xf kXf>
+__device__ __forceinline__ float xform_logit(float u, const Xform& c) {
+  if constexpr (kXf == Xf::kNone) {
+    return u;
+  } else {
+    if constexpr (kXf == Xf::kAffine) {
+      const float q = u * c.inv_t;
+      return fmaf(fmaf(-c.temp, q, u), c.inv_t, q);
+    } else {
+      const float y = u * c.rcap;
+      const float x = y * y;
+      const float w = u * c.inv_t;
+      const float small = fmaf(w, x * tanh_poly(x), w);
+      const float e = ex2_approx(fabsf(y) * 2.88539008177792681f);  // 2 log2(e)
+      const float t = fmaf(-2.f, rcp_approx(e + 1.f), 1.f);
+      const float big = copysignf(t, y) * c.cap_t;
+      return fabsf(y) < 1.f ? small : big;
+    }
+  }
+}
+
+// dz/du at the logit z = xform_logit(u) (the chain rule's factor).
+template <Xf kXf>
+__device__ __forceinline__ float xform_grad(float z, const Xform& c) {
+  if constexpr (kXf == Xf::kNone) {
+    return 1.f;
+  } else if constexpr (kXf == Xf::kAffine) {
+    return c.inv_t;
+  } else {
+    const float t = z * c.rcap_t;
+    return fmaf(-t, t, 1.f) * c.inv_t;
+  }
+}
+
+// u + b for this thread's columns of the tile at column c0 (`left` of them in the row): one
+// 16-byte load per kVec columns in whole tiles (the kernels take the whole-tile path only where
+// the bias allows it: vec_aligned), per column with bounds otherwise.
+template <bool kFull>
+__device__ __forceinline__ void add_bias(float (&x)[kPerThread], const float* bias, int64_t c0,
+                                         int64_t left) {
+  if (bias == nullptr) return;
+  const float* b = bias + c0;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int j = local_col(i * kVec);
+    if constexpr (kFull) {
+      const Pack<float> q = *reinterpret_cast<const Pack<float>*>(b + j);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x[i * kVec + k] += q.v[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (j + k < left) x[i * kVec + k] += b[j + k];
+      }
+    }
+  }
+}
+
 // The row loop of both kernels: the split's whole tiles with Pack loads one tile ahead when the
 // row allows them (kFull = true: no per-element bounds), then what is left one tile at a time
 // with bounds (kFull = false). tile(x, c0, left) gets the tile's fp32 values, its first column
@@ -147,18 +298,21 @@ __device__ __forceinline__ void for_tiles(const TIn* z, ColRange cols, int64_t v
   }
 }
 
-// kTransform: the logits go through bias, softcap and temperature (logit_of); otherwise they are
-// used as they are. kSum: the row's sum of logits (label smoothing only); kU: the entropy's
-// running sum u (only where the entropy is returned). Without them 0 is stored in their place.
-// Per element of a whole tile without these: the widening, a max, exp(z - max) and a sum (the
-// target is located once per tile, the -inf guard once per thread and tile).
-template <typename TIn, bool kTransform, bool kSum, bool kU>
+// kXf: the logits go through bias and temperature (kAffine) or bias, softcap and temperature
+// (kCap), xform_logit; kNone: they are used as they are. kSum: the row's sum of logits (label
+// smoothing only); kU: the entropy's running sum u (only where the entropy is returned).
+// Without them 0 is stored in their place. Per element of a whole tile without these: the
+// widening, a max, exp(z - max) and a sum (the target is located once per tile, the -inf guard
+// once per thread and tile).
+template <typename TIn, Xf kXf, bool kSum, bool kU>
 __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsParams p) {
   FLCE_DYNAMIC_SHARED(smem);
   RowPartial* warp_part = reinterpret_cast<RowPartial*>(smem);  // [kWarps]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const TIn* logits = static_cast<const TIn*>(p.logits);
-  const bool aligned = vec_aligned<TIn>(logits, p.ld);
+  const Xform xf = make_xform(p.bias, p.softcap, p.temperature);
+  const bool aligned = vec_aligned<TIn>(logits, p.ld) &&
+                       (kXf == Xf::kNone || p.bias == nullptr || pack_aligned<float>(p.bias));
   const ColRange cols = split_cols(p.v, p.splits);
   for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
     const int64_t tcol =
@@ -167,13 +321,13 @@ __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsPa
     float zt = neg_inf(), sum = 0.f, comp = 0.f;
     for_tiles(logits + row * p.ld, cols, p.v, aligned,
               [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
-      // Columns past the row's end: -inf, and out of the logit sum.
+      if constexpr (kXf != Xf::kNone) add_bias<kFull>(x, xf.bias, c0, left);
+      // Columns past the row's end (0 from load_partial): -inf, and out of the logit sum.
 #pragma unroll
       for (int e = 0; e < kPerThread; ++e) {
         const int j = local_col(e);
         const bool in = kFull || j < left;
-        float zj = x[e];
-        if constexpr (kTransform) zj = in ? logit_of(zj, p.bias, c0 + j, p.softcap, p.temperature) : 0.f;
+        const float zj = xform_logit<kXf>(x[e], xf);
         if constexpr (kSum) {
           if (in) kahan_add(sum, comp, zj);
         }
@@ -225,19 +379,25 @@ __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsPa
   }
 }
 
-// kGeneral: bias, softcap, temperature or the entropy's term in the coefficients (logit_of,
-// logit_transform_grad, logit_grad); otherwise dz_j = A exp(z_j - ref) / S - U straight
-// (logit_grad_plain). kExtras: the master weights' residual tile (grad_lo), the bias's column
-// sums (col_partials) or the target entry's residual (target_resid), each where its pointer is
-// set. Per element of a whole tile without them: the widening, exp, two multiply-adds, the
-// rounding to T and its share of a Pack store; the target is written once per tile.
-template <typename TIn, typename T, bool kGeneral, bool kExtras>
-__global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradParams p) {
+// kXf != kNone: bias, softcap (kCap), temperature or the entropy's term in the coefficients
+// (xform_logit, xform_grad, logit_grad); kNone: none of them, dz_j = A exp(z_j - ref) / S - U
+// straight (logit_grad_plain). kExtras: the master weights' residual tile (grad_lo) or the
+// bias's column sums (col_partials), each where its pointer is set (the target entry's residual,
+// target_resid, is written by every instance where it is set). Per element of a whole tile without them: the widening, exp, two
+// multiply-adds, the rounding to T and its share of a Pack store; the target is written once per
+// tile. Two CTAs per SM (at most 128 registers a thread; ptxas reports no spill): with one, a
+// transform instance (118-157 registers unbounded) left 8 warps per SM to cover the memory
+// latency. The 16-bit-logits instances with extras keep one (they would spill 8 bytes).
+template <typename TIn, typename T, Xf kXf, bool kExtras>
+__global__ void __launch_bounds__(kThreads, kExtras && sizeof(TIn) == 2 ? 1 : 2)
+row_grad_kernel(const RowGradParams p) {
   const int64_t rows = p.rows_per_cta;
   const int64_t blocks = (p.n + rows - 1) / rows;
   const TIn* logits = static_cast<const TIn*>(p.logits);
   // (the residual tile, where there is one, is written element by element: any alignment)
-  const bool aligned = vec_aligned<TIn>(logits, p.ld) && vec_aligned<T>(p.grad, p.grad_ld);
+  const Xform xf = make_xform(p.bias, p.softcap, p.temperature);
+  const bool aligned = vec_aligned<TIn>(logits, p.ld) && vec_aligned<T>(p.grad, p.grad_ld) &&
+                       (kXf == Xf::kNone || p.bias == nullptr || pack_aligned<float>(p.bias));
   const ColRange cols = split_cols(p.v, p.col_splits);
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -250,9 +410,22 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
       const RowGrad rg = load_row_grad(p.coef, row);
       const int64_t tcol =
           target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
-      if (kExtras && p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0 &&
-          blockIdx.y == 0) {
+      if (p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0 && blockIdx.y == 0) {
         p.target_resid[row] = 0.f;
+      }
+      // The target's whole gradient dz_t z'(u_t), taken once per row by the thread whose tile
+      // columns hold it (the one target_slot names in its tile), from its logit read before any
+      // thread writes this row (same arithmetic as the tile's: widened, + bias, xform_logit),
+      // with its residual; the tile loop only puts it in place.
+      float gt = 0.f;
+      if (tcol >= cols.begin && tcol < cols.end &&
+          target_slot(tcol, cols.begin + (tcol - cols.begin) / kTile * kTile) >= 0) {
+        float ut = to_float<TIn>(logits[row * p.ld + tcol]);
+        if (kXf != Xf::kNone && xf.bias != nullptr) ut += xf.bias[tcol];
+        gt = rg.dz_t * xform_grad<kXf>(xform_logit<kXf>(ut, xf), xf);
+        if (sizeof(T) == 2 && p.target_resid != nullptr) {
+          p.target_resid[row] = gt - to_float<T>(from_float<T>(gt));
+        }
       }
       for_tiles(logits + row * p.ld, cols, p.v, aligned,
                 [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
@@ -262,36 +435,22 @@ __global__ void __launch_bounds__(kThreads, 1) row_grad_kernel(const RowGradPara
         // from before it), none of a later tile. (Same-width logits are rewritten by the thread
         // that read them: no barrier needed.)
         if constexpr (sizeof(T) < sizeof(TIn)) __syncthreads();
+        if constexpr (kXf != Xf::kNone) add_bias<kFull>(x, xf.bias, c0, left);
         float g[kPerThread];
 #pragma unroll
         for (int e = 0; e < kPerThread; ++e) {
-          if constexpr (kGeneral) {
-            const int j = local_col(e);
-            const float zj = kFull || j < left
-                                 ? logit_of(x[e], p.bias, c0 + j, p.softcap, p.temperature)
-                                 : 0.f;
-            g[e] = logit_grad(rg, zj) * logit_transform_grad(zj, p.softcap, p.temperature);
+          if constexpr (kXf != Xf::kNone) {
+            // (columns past the row's end hold 0: their gradient is computed and not stored)
+            x[e] = xform_logit<kXf>(x[e], xf);
+            g[e] = logit_grad(rg, x[e]) * xform_grad<kXf>(x[e], xf);
           } else {
             g[e] = logit_grad_plain(rg, x[e]);
           }
         }
         const int slot = target_slot(tcol, c0);
-        float resid = 0.f;
-        if (slot >= 0) {  // the target's whole gradient, its owner only
+        if (slot >= 0) {  // the target's whole gradient (gt), its owner only
 #pragma unroll
-          for (int e = 0; e < kPerThread; ++e) {
-            if (e == slot) {
-              float chain = 1.f;
-              if constexpr (kGeneral) {
-                chain = logit_transform_grad(
-                    logit_of(x[e], p.bias, c0 + local_col(e), p.softcap, p.temperature),
-                    p.softcap, p.temperature);
-              }
-              g[e] = rg.dz_t * chain;
-              if constexpr (sizeof(T) == 2) resid = g[e] - to_float<T>(from_float<T>(g[e]));
-            }
-          }
-          if (kExtras && sizeof(T) == 2 && p.target_resid != nullptr) p.target_resid[row] = resid;
+          for (int e = 0; e < kPerThread; ++e) g[e] = e == slot ? gt : g[e];
         }
         T* o = out + c0;
 #pragma unroll
@@ -417,15 +576,37 @@ namespace {
 
 int elt_bytes(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16 ? 2 : 4; }
 
+// XF_SWITCH(xf, NAME, body): the runtime Xf as the compile-time constant NAME inside body (one
+// instance per transform kind, as BOOL_SWITCH).
+#define XF_SWITCH(XF, CONST_NAME, ...)                  \
+  [&] {                                                 \
+    switch (XF) {                                       \
+      case Xf::kCap: {                                  \
+        constexpr static Xf CONST_NAME = Xf::kCap;      \
+        return __VA_ARGS__();                           \
+      }                                                 \
+      case Xf::kAffine: {                               \
+        constexpr static Xf CONST_NAME = Xf::kAffine;   \
+        return __VA_ARGS__();                           \
+      }                                                 \
+      default: {                                        \
+        constexpr static Xf CONST_NAME = Xf::kNone;     \
+        return __VA_ARGS__();                           \
+      }                                                 \
+    }                                                   \
+  }()
+
 // The row_stats_kernel instance of these parameters: fn(kernel pointer's template).
 template <typename F>
 void with_stats_kernel(const RowStatsParams& p, F&& fn) {
-  const bool transform = p.bias != nullptr || p.softcap > 0.f || p.temperature != 1.f;
+  const Xf xf = p.softcap > 0.f ? Xf::kCap
+                : p.bias != nullptr || p.temperature != 1.f ? Xf::kAffine
+                                                            : Xf::kNone;
   auto pick = [&](auto tin) {
     using TIn = decltype(tin);
-    BOOL_SWITCH(transform, kTransform, [&] {
+    XF_SWITCH(xf, kXf, [&] {
       BOOL_SWITCH(p.need_sum, kSum, [&] {
-        BOOL_SWITCH(p.need_u, kU, [&] { fn.template operator()<row_stats_kernel<TIn, kTransform, kSum, kU>>(); });
+        BOOL_SWITCH(p.need_u, kU, [&] { fn.template operator()<row_stats_kernel<TIn, kXf, kSum, kU>>(); });
       });
     });
   };
@@ -447,15 +628,17 @@ void with_stats_kernel(const RowStatsParams& p, F&& fn) {
 // pair of logits and gradient types has none.
 template <typename F>
 bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
-  const bool general = p.bias != nullptr || p.softcap > 0.f || p.temperature != 1.f ||
-                       p.entropy;
-  const bool extras = p.grad_lo != nullptr || p.col_partials != nullptr ||
-                      p.target_resid != nullptr;
+  // (the entropy's term alone goes through kAffine's logit_grad, at T = 1 without a bias)
+  const Xf xf = p.softcap > 0.f ? Xf::kCap
+                : p.bias != nullptr || p.temperature != 1.f || p.entropy ? Xf::kAffine
+                                                                         : Xf::kNone;
+  // (the target's residual is one store per row, by the target's owner: not an extra)
+  const bool extras = p.grad_lo != nullptr || p.col_partials != nullptr;
   auto pick = [&](auto tin, auto tout) {
     using TIn = decltype(tin);
     using T = decltype(tout);
-    BOOL_SWITCH(general, kGeneral, [&] {
-      BOOL_SWITCH(extras, kExtras, [&] { fn.template operator()<row_grad_kernel<TIn, T, kGeneral, kExtras>>(); });
+    XF_SWITCH(xf, kXf, [&] {
+      BOOL_SWITCH(extras, kExtras, [&] { fn.template operator()<row_grad_kernel<TIn, T, kXf, kExtras>>(); });
     });
   };
   const bool f32_in = p.logits_dtype == DType::kFloat32 || p.logits_dtype == DType::kFloat32Tf32;

@@ -134,6 +134,31 @@ MUTATIONS = [
          file=GRAD, config="plain", test="fp32_simt_tiles", expect=NUMERIC,
          original="             logit_transform_grad(z, a.softcap, a.temperature);",
          replacement="             softcap_grad(z, a.softcap);"),
+    # The row kernels' logit transform (flce_rows.cu xform_logit / xform_grad): the temperature
+    # applied twice without a softcap; the softcap's derivative dropped from the chain rule (1 / T
+    # alone); tanh's exp form with the wrong sign (1 + 2 / (E + 1)); the bias's 16-byte loads of
+    # whole tiles taken from the neighbouring thread's columns.
+    dict(name="rows_temperature_twice",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="      return fmaf(fmaf(-c.temp, q, u), c.inv_t, q);\n",
+         replacement="      return fmaf(fmaf(-c.temp, q, u), c.inv_t, q) * c.inv_t;\n"),
+    dict(name="rows_softcap_derivative_dropped",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="    return fmaf(-t, t, 1.f) * c.inv_t;\n",
+         replacement="    return c.inv_t;\n"),
+    dict(name="rows_tanh_exp_form_sign",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="      const float t = fmaf(-2.f, rcp_approx(e + 1.f), 1.f);\n",
+         replacement="      const float t = fmaf(2.f, rcp_approx(e + 1.f), 1.f);\n"),
+    # The target's gradient (taken once per row in row_grad) from its logit without the bias.
+    dict(name="rows_target_grad_without_bias",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="        if (kXf != Xf::kNone && xf.bias != nullptr) ut += xf.bias[tcol];\n",
+         replacement="\n"),
+    dict(name="rows_bias_pack_offset",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="      const Pack<float> q = *reinterpret_cast<const Pack<float>*>(b + j);\n",
+         replacement="      const Pack<float> q = *reinterpret_cast<const Pack<float>*>(b + (j ^ kVec));\n"),
     # The fused logits path (flce_fused.cu): the target column's E counted in the tile's sum.
     dict(name="fused_target_in_tile_sum",
          file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,

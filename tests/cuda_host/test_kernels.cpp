@@ -1641,9 +1641,41 @@ std::vector<Case> single_pass_cases(Kind k) {
     cs.push_back(c);
   }
   {
+    // A softcap the logits reach (std ~2 at D = 24): |u| / cap on both sides of the row kernels'
+    // switch between tanh's two forms at 1, saturation included; bias and entropy.
+    Case c = make(k, 29, 700, 24);
+    c.softcap = 2.f;
+    c.bias = true;
+    c.grad_ent = true;
+    c.ranks = 2;
+    cs.push_back(c);
+  }
+  {
+    // Gemma's softcap with a collapsed row: margin cap tanh((40 T + ...) / cap) / T ~ 26 > ln V
+    // + 16.6 (p_t rounds to 1 in fp32) through the exp form of tanh.
+    Case c = make(k, 19, 300, 24);
+    c.softcap = 30.f;
+    c.temp = 0.9f;
+    c.bias = true;
+    c.collapsed_row = true;
+    c.zloss = 1e-3f;
+    cs.push_back(c);
+  }
+  {
     // Rows of more than two 4096-column tiles: a 16-bit tile written in place lands on the next
     // tile's logits only here (every column of a later tile that a thread has not read yet).
     Case c = make(k, 5, 9000, 8);
+    cs.push_back(c);
+  }
+  {
+    // Whole tiles with a bias (its 16-byte loads beside the logits') and a softcap, then a bias
+    // and a temperature alone.
+    Case c = make(k, 4, 9000, 8);
+    c.bias = true;
+    c.softcap = 3.f;
+    c.temp = 1.3f;
+    cs.push_back(c);
+    c.softcap = 0.f;
     cs.push_back(c);
   }
   for (Case& c : cs) c.single_pass = true;
@@ -1664,6 +1696,113 @@ TEST(logits16_rows) {
       c.master = false;
     }
     run_all(cs);
+  }
+}
+
+// The row kernels' logit transform alone (flce_rows.cu xform_logit / xform_grad), element by
+// element against float64 over the whole range of y = (u + b) / cap, both sides of its two
+// forms' switch at |y| = 1, y -> 0 and tanh's saturation: row_stats gives each row's target
+// logit z_t (one target per row, every column a target of some row), and row_grad with the
+// coefficients (a, U, dz_t, h) = (0, -1, 1, 0) gives dz_j = 1 * dz/du for every column, the
+// chain rule's factor. Bounds (flce_rows.cu's analysis): a softcap's z within 6 2^-24 |z| and
+// its (1 - t^2) / T within (16 t^2 + 3 (1 - t^2)) 2^-24 / T; without a softcap z is the float
+// quotient (u + b) / T itself (the corrected product) and dz/du = fl(1 / T).
+TEST(row_transform) {
+  struct XCase {
+    float cap, temp;
+    bool bias;
+  };
+  for (const XCase xc : {XCase{15.f, 1.f, false}, XCase{2.5f, 1.6f, true}, XCase{1.f, 0.3f, false},
+                         XCase{0.f, 0.7f, true}, XCase{0.f, 1.f, true}, XCase{0.f, 3.f, false}}) {
+    const int64_t v = 128, n = 256;
+    std::vector<float> u(n * v), b(v, 0.f);
+    std::vector<int64_t> tgt(n);
+    const double scale = xc.cap > 0 ? xc.cap : 8.0;
+    for (int64_t i = 0; i < n; ++i) {
+      tgt[i] = i % v;
+      for (int64_t j = 0; j < v; ++j) {
+        // |y| log-uniform over [1e-7, 30], a tenth of them near the switch at |y| = 1; signs mixed
+        const double r = check::uniform(0.f, 1.f);
+        double y = (i * v + j) % 10 == 0 ? check::uniform(0.9f, 1.1f)
+                                         : std::pow(10.0, -7.0 + 8.5 * r);
+        if ((i + j) % 2) y = -y;
+        u[i * v + j] = static_cast<float>(y * scale);
+      }
+    }
+    u[0] = 0.f;
+    u[1] = xc.cap > 0 ? xc.cap : 1.f;  // |y| = 1 exactly
+    if (xc.bias) {
+      for (float& x : b) x = check::normal(0.5f);
+    }
+    DeviceBuffer<float> logits(u), bias(b), partials(n * kPartials, harness::qnan());
+    DeviceBuffer<int64_t> target(tgt);
+    flce::cuda::RowStatsParams sp{};
+    sp.logits = logits.data();
+    sp.n = n;
+    sp.v = v;
+    sp.ld = v;
+    sp.bias = xc.bias ? bias.data() : nullptr;
+    sp.softcap = xc.cap;
+    sp.temperature = xc.temp;
+    sp.target = target.data();
+    sp.target_stride = 1;
+    sp.col_offset = 0;
+    sp.ignore_index = kIgnore;
+    sp.partials = partials.data();
+    sp.need_sum = false;
+    sp.need_u = false;
+    EXPECT(ok_or_report(flce::cuda::launch_row_stats(sp, nullptr), "row_stats") == cudaSuccess,
+           "row_stats");
+    // RowGrad (ref, a, u, dz_t), (div, h, k, rdiv): p_j = exp(z_j - 1e30) = 0, dz_j = 0 p_j + 1.
+    std::vector<float> cf(n * 8);
+    for (int64_t i = 0; i < n; ++i) {
+      const float row[8] = {1e30f, 0.f, -1.f, 1.f, 1.f, 0.f, 0.f, 1.f};
+      std::copy(row, row + 8, cf.begin() + i * 8);
+    }
+    DeviceBuffer<float> coef(cf), grad(n * v, harness::qnan());
+    flce::cuda::RowGradParams gp{};
+    static_cast<flce::cuda::RowOperands&>(gp) = sp;
+    gp.coef = coef.data();
+    gp.entropy = false;
+    gp.grad = grad.data();
+    gp.grad_ld = v;
+    gp.grad_lo = nullptr;
+    gp.target_resid = nullptr;
+    gp.col_partials = nullptr;
+    gp.rows_per_cta = 1;
+    EXPECT(ok_or_report(flce::cuda::launch_row_grad(gp, DType::kFloat32, nullptr), "row_grad") ==
+               cudaSuccess,
+           "row_grad");
+    char what[96];
+    std::snprintf(what, sizeof(what), "row transform cap=%g T=%g bias=%d", xc.cap, xc.temp, xc.bias);
+    Case desc = make(Kind::kF32, n, v, 1);
+    desc.softcap = xc.cap;
+    desc.temp = xc.temp;
+    desc.bias = xc.bias;
+    Tally tz(std::string(what) + ": z_t", desc), tg(std::string(what) + ": dz/du", desc);
+    const float inv_t = 1.f / xc.temp;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < v; ++j) {
+        const float uj = u[i * v + j] + b[j];  // the kernel's u + b, one fp32 rounding
+        const double g = grad.data()[i * v + j];
+        if (xc.cap > 0) {
+          const double t = std::tanh(static_cast<double>(uj) / xc.cap);
+          const double chain = (1 - t * t) / xc.temp;
+          tg.check(tg.near(g, chain, (16 * t * t + 3 * (1 - t * t)) * kU / xc.temp),
+                   "u %.9g: %.9g vs %.9g", uj, g, chain);
+          if (j == tgt[i]) {
+            const double z = xc.cap * t / xc.temp, got = partials.data()[i * kPartials + 2];
+            tz.check(tz.near(got, z, 6 * kU * std::fabs(z)), "u %.9g: %.9g vs %.9g", uj, got, z);
+          }
+        } else {
+          tg.check(g == inv_t, "u %.9g: %.9g vs %.9g", uj, g, inv_t);
+          if (j == tgt[i]) {
+            const float z = uj / xc.temp, got = partials.data()[i * kPartials + 2];
+            tz.check(got == z, "u %.9g: %.9g vs %.9g", uj, got, z);
+          }
+        }
+      }
+    }
   }
 }
 
