@@ -17,9 +17,10 @@ first-order bound of an ideal implementation at the same precision (``bounds``):
   adds (a label-smoothed loss: of ``lse`` and ``mean_j z_j`` too; the entropy: of ``q = 1 - p_t``,
   the bound docs/numerics.md states for the fused kernels).
 - gradient tile ``d loss / d u`` (after the softcap's and temperature's chain rule): its own
-  first-order error through the softmax, ``2 max_j dz_j (|g_j| + c p_j)``, plus its rounding: to
-  the compute dtype where the backend's GEMMs take it in 16 bits (the CUDA backend; the target
-  entry kept in fp32), else fp32.
+  first-order error through the softmax, ``(dz_j + mean_k dz_k) (|g_j| + c p_j)``, plus its
+  rounding: to the compute dtype where the backend's GEMMs take it in 16 bits (the CUDA
+  backend; the target entry kept in fp32), else fp32; an fp16 tile's power-of-two scale comes
+  from an a-priori bound of the rows' gradients, and what its subnormals cannot hold is lost.
 - dE, dW, d bias: the tile's errors times ``|W|``, ``|X|`` or 1, summed (every term's sign
   against us), a pairwise fp32 accumulation of ``|g| |W|`` (``|g| |X|``), and one rounding to
   the gradient's dtype.
@@ -368,9 +369,15 @@ def reference_and_bounds(c, inputs):
     tile_unit = UNIT[dt] if (c.backend != "cpu" and dt != torch.float32) else U32
     tile = tile_unit * gu.abs()
     if c.backend != "cpu" and dt == torch.float16 and gu.numel():
-        # the fp16 tile holds scale * dz with max |scale dz| in (2^13, 2^14]: what falls below its
-        # subnormals (2^-24 / scale) is lost
-        tile = tile + TINY[dt] * 2.0 ** -13 * gu.abs().max()
+        # The fp16 tile holds scale * dz, the scale a power of two that puts an a-priori bound of
+        # every row's |dz| (flce_grad.cu, row_coef: |a| p_max + |u| + |dz_t| + the entropy's
+        # term, over T) in (2^13, 2^14]: what falls below fp16's subnormals there is lost. That
+        # bound, up to a factor 2 (2^-12 below):
+        own = torch.where(valid, t, 0)[:, None]
+        p_max = p.scatter(1, own, 0.0).amax(1) if v else torch.zeros(rows)
+        a_bound = (gz.abs().amax(1) + coef * p_max +
+                   g_ent.abs() * (0.37 + ent_d.abs() + lv.abs())) / c.temperature
+        tile = tile + TINY[dt] * 2.0 ** -12 * a_bound.max()
     if c.backend != "cpu" and dt != torch.float32 and v:
         own = valid.nonzero()[:, 0]
         tile[own, t[own]] = U32 * gu.abs()[own, t[own]]

@@ -39,14 +39,18 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
   const RowGrad rg = row_grad(x, z_t, ignored, g, g_lse, opt, g_ent);
   *reinterpret_cast<float4*>(p.coef + row * 8) = make_float4(rg.ref, rg.a, rg.u, rg.dz_t);
   *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, rg.h, rg.k, rg.rdiv);
-  // For an ignored row dz_t is never used (it has no target column). The entropy's term
+  // For an ignored row dz_t is never used (it has no target column). A non-target column's
+  // p_j a is at most p_max |a|, p_max = exp(m_x - lse) the row's largest non-target probability:
+  // a confident row's tile is ~q, far below |a| ~ g, and a scale taken from |a| pushed it under
+  // fp16's subnormals (a chunk of confident rows lost its whole gradient). The entropy's term
   // p_j |log p_j + H| is at most 1/e + H, H = lse - k. The stored dz is times the chain rule
   // softcap' / T, softcap' in [0, 1]: a temperature below 1 raises it (missing that 1/T, the
   // fp16 tile's scale overflowed to inf at T = 0.05).
-  const float ent_bound =
-      rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(logaddexp(lse_value(x), z_t) - rg.k)) : 0.f;
-  p.bound[row] =
-      (fabsf(rg.a) + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t)) + ent_bound) / p.temperature;
+  const float lse = logaddexp(lse_value(x), z_t);
+  const float p_max = x.m == neg_inf() ? 0.f : fminf(expf(x.m - lse), 1.f);
+  const float ent_bound = rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(lse - rg.k)) : 0.f;
+  p.bound[row] = (fabsf(rg.a) * p_max + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t)) +
+                  ent_bound) / p.temperature;
 }
 
 // Row blocks per rasterization group: 16 x ~16 resident column tiles touch 16 input row blocks
