@@ -302,7 +302,8 @@ def environment(device):
                             if ln.startswith("model name"))
         except (OSError, StopIteration):
             pass
-        name = f"{name}, {torch.get_num_threads()} threads"
+        threads = torch.get_num_threads()
+        name = f"{name}, {threads} thread{'s' if threads != 1 else ''}"
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "loadavg": os.getloadavg()[0],
             "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -338,12 +339,27 @@ def plot(records, path):
         ax.set_ylabel("training loss (nats/token)")
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
+        # The relative difference per step, on a log axis from a quarter of fp32's unit
+        # roundoff; steps where the two losses are bitwise equal are marked on the bottom edge.
+        bottom = 2.0 ** -26
+        ref_line, ref_label = ((2.0 ** -24, "fp32 unit roundoff 2^-24") if dtype == "fp32" else
+                               (2.0 ** -8, "bf16 rounding of a logit, 2^-8 of the loss"))
+        ax2.axhline(ref_line, color="0.5", lw=0.8, ls=":", label=ref_label)
         if len(runs) == 2:
             rel = agreement(runs["transformers"]["losses"], runs["flce"]["losses"])
-            ax2.semilogy(range(1, len(rel) + 1), [max(x, 1e-12) for x in rel], color="k", lw=0.8)
-        ax2.set_ylabel("|flce - stock| / stock")
+            steps = range(1, len(rel) + 1)
+            ax2.semilogy([k for k, x in zip(steps, rel) if x > 0], [x for x in rel if x > 0],
+                         ".", color="k", ms=3, label="|flce - stock| / stock")
+            equal = [k for k, x in zip(steps, rel) if x == 0]
+            if equal:
+                ax2.semilogy(equal, [bottom * 1.2] * len(equal), "|", color="C2", ms=6,
+                             label=f"bitwise equal ({len(equal)} steps)")
+        ax2.set_yscale("log")
+        ax2.set_ylim(bottom, 1e-1)
+        ax2.set_ylabel("relative difference")
         ax2.set_xlabel("step")
-        ax2.grid(alpha=0.3, which="both")
+        ax2.legend(loc="upper right", fontsize=7, ncol=3)
+        ax2.grid(alpha=0.3, which="major")
     r0 = records[0]
     c = r0["config"]
     fig.suptitle(f"Llama-style model ({c['layers']} layers, hidden {c['hidden']}, vocab "
