@@ -40,6 +40,10 @@ import time
 import torch
 
 VARIANTS = ("transformers", "flce")
+# The control: the stock loss again, from initial weights each moved by about one ulp (times
+# 1 + 2^-23). Its distance from the unperturbed stock run is how far two runs that differ only by
+# rounding drift apart, the yardstick for flce's distance from the stock run.
+CONTROL = "transformers-nudged"
 DTYPES = ("fp32", "bf16")
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -67,9 +71,19 @@ def parse_args(argv=None):
                    help="JSON-lines file the run records are appended to")
     p.add_argument("--png", default=os.path.join(REPO, "docs", "img", "train_lm.png"),
                    help="the loss curves ('' for none)")
+    p.add_argument("--control", action="store_true",
+                   help=f"also run the control ({CONTROL}): the stock loss from initial weights "
+                        "moved by one ulp, to show how far rounding alone moves the curve")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.control:
+        args.variants.append(CONTROL)
+    bad = [v for v in args.variants if v not in VARIANTS + (CONTROL,)]
+    if bad:
+        p.error(f"--variants: unknown {bad}")
     bad = [d for d in args.dtypes if d not in DTYPES]
     if bad:
         p.error(f"--dtypes: unknown {bad}; choose from {DTYPES}")
@@ -224,14 +238,18 @@ def train(data, *, variant, dtype, vocab, hidden, layers, lr, seed, device="cpu"
     returns the per-step losses, step times and peak memory."""
     import flce
 
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant not in VARIANTS + (CONTROL,):
+        raise ValueError(f"variant must be one of {VARIANTS + (CONTROL,)}, got {variant!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     device = torch.device(device)
     model = build_model(vocab, hidden, layers, data[0].shape[1], seed, device)
     if variant == "flce":
         flce.patch(model)
+    if variant == CONTROL:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 2.0 ** -23)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses, times, peaks = [], [], []
@@ -322,7 +340,7 @@ def plot(records, path):
     import matplotlib.pyplot as plt
 
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
-    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 6.5), squeeze=False,
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(max(6 * len(dtypes), 9), 7), squeeze=False,
                              sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     for col, dtype in enumerate(dtypes):
         runs = {r["variant"]: r for r in records if r["dtype"] == dtype}
@@ -350,6 +368,11 @@ def plot(records, path):
             steps = range(1, len(rel) + 1)
             ax2.semilogy([k for k, x in zip(steps, rel) if x > 0], [x for x in rel if x > 0],
                          ".", color="k", ms=3, label="|flce - stock| / stock")
+            if CONTROL in runs:
+                ctl = agreement(runs["transformers"]["losses"], runs[CONTROL]["losses"])
+                ax2.semilogy([k for k, x in zip(steps, ctl) if x > 0], [x for x in ctl if x > 0],
+                             "x", color="C1", ms=3, alpha=0.7,
+                             label="control: stock from weights moved 1 ulp")
             equal = [k for k, x in zip(steps, rel) if x == 0]
             if equal:
                 ax2.semilogy(equal, [bottom * 1.2] * len(equal), "|", color="C2", ms=6,
@@ -358,7 +381,7 @@ def plot(records, path):
         ax2.set_ylim(bottom, 1e-1)
         ax2.set_ylabel("relative difference")
         ax2.set_xlabel("step")
-        ax2.legend(loc="upper right", fontsize=7, ncol=3)
+        ax2.legend(loc="upper left", fontsize=7, ncol=2)
         ax2.grid(alpha=0.3, which="major")
     r0 = records[0]
     c = r0["config"]
@@ -415,7 +438,7 @@ def main(argv=None):
         tokens = os.path.join(tmp, "tokens.pt")
         torch.save(ids, tokens)
         for dtype in args.dtypes:
-            for variant in VARIANTS:
+            for variant in args.variants:
                 spec = dict(config, vocab=vocab, variant=variant, dtype=dtype, tokens=tokens,
                             device=args.device, threads=args.threads)
                 spec_path = os.path.join(tmp, "spec.json")
@@ -433,7 +456,7 @@ def main(argv=None):
                 print(f"  {variant:>12} {dtype}: final loss {run['losses'][-1]:.4f}, "
                       f"{rec['step_s_median'] * 1e3:.0f} ms/step, {rec['tokens_per_s']:.0f} "
                       f"tokens/s, step peak {rec['peak_mb']:.0f} MB", flush=True)
-    for dtype in args.dtypes:
+    for dtype in args.dtypes if set(VARIANTS) <= set(args.variants) else ():
         ref, got = (next(r for r in records if r["dtype"] == dtype and r["variant"] == v)
                     for v in VARIANTS)
         rel = agreement(ref["losses"], got["losses"])
