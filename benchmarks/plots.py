@@ -263,9 +263,9 @@ def plot_train_lm(records, path):
     recs = [r for r in records if r.get("op") == "train_lm"]
     if not recs:
         raise ValueError("no train_lm records")
-    last = recs[-1]
-    same = [r for r in recs if r["date"][:10] == last["date"][:10]
-            and r["commit"] == last["commit"] and r["config"] == last["config"]]
+    # The latest run of each (variant, dtype) at the latest record's configuration; the header
+    # names the first one's date and commit (the stock run's).
+    same = [r for r in recs if r["config"] == recs[-1]["config"]]
     train_lm.plot(_latest(same, lambda r: (r["variant"], r["dtype"])), path)
 
 
