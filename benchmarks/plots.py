@@ -1,9 +1,9 @@
 """The README's pictures, drawn from the committed result records, and the CPU records behind them.
 
-    python benchmarks/plots.py                    # draw docs/img/*.png from benchmarks/results/*.jsonl
-    python benchmarks/plots.py --out /tmp/img     # somewhere else
-    python benchmarks/plots.py collapse           # append collapse records to results/cpu.jsonl
-    python benchmarks/plots.py cpu-speed          # append CPU time/memory records (bench.py's children)
+    python benchmarks/plots.py                # draw docs/img/*.png from benchmarks/results/
+    python benchmarks/plots.py --out /tmp/img # somewhere else
+    python benchmarks/plots.py collapse       # append a collapse record to results/cpu.jsonl
+    python benchmarks/plots.py cpu-speed      # append CPU time/memory records (bench.py's)
 
 Records are JSON lines. ``op: "linear_cross_entropy"`` records (GPU ones in gpu.jsonl, CPU ones
 in cpu.jsonl) hold one shape's forward + backward median times in ``ms`` and peak memory in

@@ -27,8 +27,8 @@ bf16 autocast. The stock loss takes its logits from a bf16 GEMM, rounded to bf16
 L > 6.2 throughout these steps, measured). That is the first step's bound (measured: 1.9e-6).
 After it the bf16 rounding differences of the gradients grow as in fp32 but from a larger start:
 measured <= 7.6e-5 over these 30 steps (in the 200-step example: 1e-4 by step ~60, ~2e-3 by
-step ~100, 3.1e-2 at most, where the --control run reached 5.4e-2). The test allows the first step's 2^-8 = 3.9e-3 over
-the 30 steps, 50x the measured maximum; a loss off by 1% fails it.
+step ~100, 3.1e-2 at most, where the --control run reached 5.4e-2). The test allows the first
+step's 2^-8 = 3.9e-3 over the 30 steps, 50x the measured maximum; a loss off by 1% fails it.
 """
 import importlib.util
 import os
