@@ -8,6 +8,12 @@ the same order, once with transformers' loss and once after ``flce.patch(model)`
 under bf16 autocast, and logs per step the loss, the step time and the step's peak memory. It
 writes one JSON record per run (variant, dtype) and a PNG of the loss curves.
 
+Under bf16 autocast (CPU or CUDA) the stock head's GEMM runs in bf16 and returns bf16 logits,
+which transformers' loss upcasts to fp32; ``flce.patch`` casts the final hidden states to bf16
+as autocast would and runs the fused op against the fp32 master weights, whose logits stay in
+the GEMM's fp32 accumulators. The two bf16 curves therefore start apart by the rounding of the
+stock loss's logits (2e-6 relative at the first step here), where the fp32 curves start equal.
+
     python examples/train_lm.py                          # 200 steps, fp32 and bf16
     python examples/train_lm.py --dtypes fp32 --control  # and the rounding yardstick (--control)
     python examples/train_lm.py --steps 50 --vocab 8192 --layers 2 --hidden 128   # a quick look
