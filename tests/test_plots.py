@@ -1,0 +1,46 @@
+"""benchmarks/plots.py draws the README's pictures from the committed records (seconds, Agg).
+
+It also checks that the committed records say what the pictures are there to show, so that a
+record set that lost them (a collapse that no longer happens, a missing floor) is noticed."""
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import plots  # noqa: E402
+
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+
+def _records(name):
+    return plots.read_records(os.path.join(RESULTS, name))
+
+
+def test_committed_records():
+    cpu = _records("cpu.jsonl")
+    for rec in cpu + _records("gpu.jsonl") + _records("train_lm.jsonl"):
+        assert rec["date"] and rec["device"] and rec["commit"], rec.get("op")
+    collapse = [r for r in cpu if r["op"] == "collapse"][-1]
+    margins = collapse["margins"]
+    at = {m: i for i, m in enumerate(margins)}
+    # The picture's point: F.cross_entropy's loss is exactly 0 from margin 20 on, flce's keeps
+    # fp32-logit accuracy (~1e-7 - 1e-5 relative) while the loss is a normal fp32 number.
+    assert all(e == 1.0 for m, e in zip(margins, collapse["rel_err"]["eager"]) if m >= 20)
+    assert all(collapse["rel_err"]["flce"][at[m]] < 1e-4 for m in margins if m <= 80)
+    speed = plots._speed_sets(cpu)
+    assert speed and all("gemm3" in r["ms"] and "flce" in r["ms"] for _, rs in speed for r in rs)
+
+
+def test_draw(tmp_path):
+    written = plots.draw(str(tmp_path), RESULTS)
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["collapse.png", "speed_memory.png", "train_lm.png"]
+    for path in written:
+        with open(path, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert os.path.getsize(path) > 20_000
