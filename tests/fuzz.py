@@ -359,7 +359,12 @@ def reference_and_bounds(c, inputs):
     else:
         err_gz = env
     gu = gz * chain
-    err_gu = chain * (err_gz + 4 * FLT_MIN * (coef + g_ent.abs())[:, None]) + 4 * U32 * gu.abs()
+    # (the chain rule as computed: a saturated tanh rounds to 1 - 2^-24 as well as to 1, so
+    # softcap' carries ~2 2^-24 of absolute error, which multiplies the tile's own error even
+    # where the exact softcap' underflows to 0)
+    chain_up = chain + (4 * U32 / c.temperature if c.softcap else 0.0)
+    err_gu = chain_up * (err_gz + 4 * FLT_MIN * (coef + g_ent.abs())[:, None]) + \
+        4 * U32 * gu.abs()
     if c.softcap:
         # d(dz/du) = 2 |z T| / cap^2 / T dz
         err_gu = err_gu + gz.abs() * 2 * (z.detach() * c.temperature).abs() / c.softcap ** 2 \

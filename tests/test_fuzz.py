@@ -62,6 +62,11 @@ REGRESSIONS = {
     "fp16_tile_scale_of_confident_rows": Case(seed=1951611620, backend="cuda-host", lead=(1,),
                                               v=2, d=1, dtype="fp16", master=True,
                                               reduction="sum", softcap=30.0, confident=150.0),
+    # (the bound's own completeness) a saturated softcap whose derivative rounds to 2^-23, not
+    # 0, times a tile error where float64's gradient is exactly 0 (one class, smoothing)
+    "saturated_softcap_chain": Case(seed=186189157, backend="cuda-host", entry="logits",
+                                    lead=(1,), v=1, reduction="sum", label_smoothing=0.1,
+                                    softcap=3.0, temperature=1.7, confident=150.0),
     "fp16_tile_scale_two_rows": Case(seed=117229546, backend="cuda-host", lead=(2,), v=5, d=12,
                                      dtype="fp16", master=True, reduction="sum", confident=20.0),
 }
