@@ -100,7 +100,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         if parallel.is_vocab_sharded(weight):
             if class_weight is not None:
                 raise ArgumentError("flce: per-class weights are not supported with a "
-                                            "vocab-sharded classifier")
+                                    "vocab-sharded classifier")
             return parallel.linear_cross_entropy_dtensor(
                 input, weight, target, bias=bias, ignore_index=opts.ignore_index,
                 reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
@@ -211,8 +211,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             temperature=opts.temperature, return_lse=return_lse, return_entropy=return_entropy,
             inplace_backward=inplace_backward)
     if input.dim() == 0:
-        raise ArgumentError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a 0-d "
-                            "tensor")
+        raise ArgumentError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a "
+                            "0-d tensor")
     if input.dtype not in _common.FLOAT_DTYPES:
         raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
                         f"{input.dtype}")
