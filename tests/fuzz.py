@@ -331,8 +331,8 @@ def reference_and_bounds(c, inputs):
         scale = 1.0 if c.reduction == "sum" else (1.0 / count if count > 0 else 0.0)
         tot = loss.detach().sum() * scale
         ref["loss"] = tot.reshape(1)
-        bound["loss"] = ((b_loss.sum() + math.log2(2 * max(rows, 1)) * U32 * loss.detach().abs().sum())
-                         * abs(scale)).reshape(1)
+        acc = math.log2(2 * max(rows, 1)) * U32 * loss.detach().abs().sum()
+        bound["loss"] = ((b_loss.sum() + acc) * abs(scale)).reshape(1)
         g_loss = torch.full((rows,), float(scale), dtype=torch.float64)
     if not c.lse:
         ref.pop("lse"), bound.pop("lse")
