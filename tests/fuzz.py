@@ -425,11 +425,15 @@ def reference_and_bounds(c, inputs):
 def check(c):
     """None if the case passes, else a string saying what failed (an exception included)."""
     try:
-        inputs = make_inputs(c)
         if c.backend == "cuda-host":
             import cuda_emulation
 
+            # before the inputs: loading installs the allocator that registers every CPU
+            # allocation with the emulation's cp.async bounds check; a tensor made earlier is
+            # unknown to it and any read of it is reported out of bounds
             cuda_emulation.load()
+        inputs = make_inputs(c)
+        if c.backend == "cuda-host":
             with flce._ops.routed_to(cuda_emulation.NAMESPACE):
                 got = run_flce(c, inputs)
         else:
