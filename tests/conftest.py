@@ -27,6 +27,19 @@ def device(request):
     return request.param
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's tests (``pytestmark = pytest.mark.usefixtures(
+    "one_thread")``): tiny models gain nothing from threads, and on a shared machine they
+    oversubscribe it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _cuda_host_routing(request):
     if request.node.get_closest_marker("cuda_host") is None:

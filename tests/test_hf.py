@@ -12,13 +12,7 @@ from hf_models import COMMON, FAMILIES, VOCAB, batch, tiny_model, transformers
 FP32 = 2.0 ** -24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from threads, and on a shared machine they oversubscribe it.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _shifted(labels):

@@ -60,12 +60,7 @@ def data():
     return train_lm.batches(ids, STEPS, 4, 64, seed=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _max_rel(ref, got):
