@@ -319,7 +319,8 @@ def reference_and_bounds(c, inputs):
     ref["lse"], bound["lse"] = lv, (sens(lse).abs() * dz).sum(1) + 8 * U32 * lv.abs() + FLT_MIN
     ent_d = ent.detach()
     bound["entropy"] = (sens(ent).abs() * dz).sum(1) + 8 * U32 * (
-        ent_d.abs() + q * (math.log2(2 * max(v, 1)) + 2)) + 4 * FLT_MIN
+        ent_d.abs() + q * (math.log2(2 * max(v, 1)) + 2)) + \
+        4 * FLT_MIN * (2 + 2 * zmax[:, 0])  # q underflowing, times softplus(z_t - lse_x)
     ref["entropy"] = ent_d
     up = _upstreams(c, inputs["target"].shape)
     count = wrow.sum() if cw is not None else valid.sum().double()

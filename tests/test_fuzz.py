@@ -67,6 +67,12 @@ REGRESSIONS = {
     "saturated_softcap_chain": Case(seed=186189157, backend="cuda-host", entry="logits",
                                     lead=(1,), v=1, reduction="sum", label_smoothing=0.1,
                                     softcap=3.0, temperature=1.7, confident=150.0),
+    # (the bound's own completeness) the composite path's entropy at margin ~88, where
+    # q = 1 - p_t is below fp32's normal range and multiplies softplus(z_t - lse_x) ~ 88
+    "entropy_with_subnormal_q": Case(seed=1583597821, backend="cuda-host", entry="logits",
+                                     lead=(16,), v=2, class_weight=True, reduction="sum",
+                                     label_smoothing=0.5, temperature=1.7, entropy=True,
+                                     confident=150.0),
     "fp16_tile_scale_two_rows": Case(seed=117229546, backend="cuda-host", lead=(2,), v=5, d=12,
                                      dtype="fp16", master=True, reduction="sum", confident=20.0),
 }
