@@ -32,14 +32,14 @@ def per_token(input, weight, target, bias, opts, vocab_size=None, class_weight=N
     """Per-token (loss, lse, entropy) of ``input [N, D]`` against ``weight [V, D]``, float32
     (float64 for float64 inputs), differentiable in input, weight and bias. The weight and bias
     are taken in the input's dtype first, as the fused path computes with them (fp32 master
-    weights), then widened exactly. ``class_weight``: per-class weights, as torch's."""
+    weights), then widened exactly. ``class_weight``: per-class weights, as torch's, in the
+    computation dtype (``_common.class_weights``)."""
     cdt = compute_dtype(input.dtype)
     w = weight.to(input.dtype) if weight.dtype != input.dtype else weight
     logits = input.to(cdt) @ w.to(cdt).T
     if bias is not None:
         logits = logits + bias.to(cdt)
-    return logits_per_token(logits, target, opts, vocab_size,
-                            None if class_weight is None else class_weight.to(cdt))
+    return logits_per_token(logits, target, opts, vocab_size, class_weight)
 
 
 def logits_per_token(logits, target, opts, vocab_size=None, weight=None):

@@ -234,11 +234,11 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     if inplace_backward:
         _common.check_inplace_target(logits, "input")
     t = target.reshape(-1).to(torch.int64)
-    _, row_weight = _common.class_weights(weight, c, t, opts.ignore_index, input.dtype)
+    cw, row_weight = _common.class_weights(weight, c, t, opts.ignore_index, input.dtype)
     if _common.needs_composite(logits, weight) or (weight is not None and opts.label_smoothing):
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(
-            logits.to(cdt), t, opts, weight=None if weight is None else weight.to(cdt))
+            logits.to(cdt), t, opts, weight=cw)
     else:
         loss, lse, _, entropy = _ops.ops.logits_forward(
             logits, t, opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
