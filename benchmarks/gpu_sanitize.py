@@ -54,7 +54,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     case(129, 300, 13, dtype)
 case(67, 200, 24, torch.bfloat16, wdtype=torch.float32)
 case(67, 200, 24, torch.float16, wdtype=torch.float32)
-torch.set_float32_matmul_precision("high")  # fp32 on the TF32 tensor-core tile
+torch.set_float32_matmul_precision("high")  # fp32 GEMMs on TF32 tensor cores
 case(130, 260, 40, torch.float32)
 case(129, 300, 13, torch.float32)
 torch.set_float32_matmul_precision("highest")

@@ -15,8 +15,8 @@ run is in the second, and that FLCE_NVTX=0 leaves none in the third.
 import csv
 import sys
 
-FLCE_KERNELS = ("partial_stats_kernel", "combine_kernel", "row_coef_kernel",
-                "grad_logits_kernel", "target_fix_kernel", "kahan_accumulate_kernel",
+FLCE_KERNELS = ("combine_kernel", "row_coef_kernel",
+                "target_fix_kernel", "kahan_accumulate_kernel",
                 "scale_store_kernel", "column_sum_kernel", "row_stats_kernel",
                 "row_grad_kernel", "target_rows_kernel", "scale_grad_kernel")
 

@@ -22,8 +22,6 @@ import sys
 # Every flce kernel is register-resident today (see the table in docs/cuda.md): no spills and
 # no stack frame.
 ALLOWANCE = {
-    "partial_stats_kernel": (0, 0, 0),
-    "grad_logits_kernel": (0, 0, 0),
     "row_coef_kernel": (0, 0, 0),
     "target_fix_kernel": (0, 0, 0),
     "combine_kernel": (0, 0, 0),
@@ -52,7 +50,7 @@ def demangle(names):
 
 
 def base_name(demangled):
-    """'void flce::cuda::(anon)::grad_logits_kernel<flce::cuda::SimtTile>(...)' -> name."""
+    """'void flce::cuda::(anon)::row_grad_kernel<float, float, ...>(...)' -> name."""
     head = demangled.replace("(anonymous namespace)::", "").split("(")[0]
     head = re.sub(r"<.*", "", head)
     return head.split("::")[-1].split()[-1]

@@ -11,7 +11,9 @@ for cuBLAS.
 ``load()`` builds it once per source state under ``build/cuda_host/`` (torch's JIT extension
 builder, ninja) and registers its fake kernels and autograd. The build needs the CUDA headers
 (cuda_runtime.h, cuda_bf16.h), not a GPU; without them ``load()`` raises ``Unavailable``.
-FLCE_CUDA_HOST_RACECHECK=1 builds the kernels with the shared-memory race detector.
+FLCE_CUDA_HOST_RACECHECK=1 builds the kernels with the shared-memory race detector;
+FLCE_CUDA_HOST_MUTANT=PATH builds it with one launch-sequence file (csrc/cuda/NAME.cpp) replaced by
+PATH, a mutated copy (tests/test_driver_mutations.py).
 """
 import functools
 import glob
@@ -74,6 +76,20 @@ def load():
     # One build directory per source state: the kernels' and runtime's objects are rebuilt by
     # their own timestamps only, and ninja does not see header changes through them.
     build_dir = os.path.join(ROOT, "build", "cuda_host", f"{config}-{_digest(sources)}")
+    mutant = os.environ.get("FLCE_CUDA_HOST_MUTANT")
+    if mutant:
+        # A planted bug (tests/test_driver_mutations.py): one launch-sequence file replaced by a
+        # mutated copy. The module is built in a copy of the clean build directory, so that
+        # ninja recompiles that file alone.
+        mutant = os.path.abspath(mutant)
+        name = os.path.basename(mutant)
+        binding = [mutant if os.path.basename(b) == name else b for b in binding]
+        clean_dir = build_dir
+        build_dir = f"{clean_dir}-mutant-{_digest([mutant])}"
+        if not os.path.isdir(build_dir) and os.path.isdir(clean_dir):
+            import shutil
+
+            shutil.copytree(clean_dir, build_dir, symlinks=True)
     os.makedirs(build_dir, exist_ok=True)
     # The kernels and the runtime as build_info.py compiles them (one flag list for every build
     # of the emulation; racecheck: the kernels instrumented for the race detector, no libtsan).

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "check_ptxas.py")
-KERNEL = "_ZN4flce4cuda46_GLOBAL__N__d79566e2_13_flce_stats_cu_69f0b28020partial_stats_kernelINS0_8SimtTileEEEvNS0_11StatsParamsE"
+KERNEL = "_ZN4flce4cuda45_GLOBAL__N__a1b2c3d4_13_flce_grad_cu_5e8f0a1215row_coef_kernelENS0_13RowCoefParamsE"
 OTHER = "_ZN2at6native18elementwise_kernelILi128ELi4EEEviT1_"
 
 
@@ -24,7 +24,7 @@ def _run(tmp_path, text):
 def test_clean_log_passes(tmp_path):
     r = _run(tmp_path, _log(KERNEL) + _log(KERNEL, arch="sm_90a"))
     assert r.returncode == 0, r.stdout
-    assert "partial_stats_kernel" in r.stdout and "2 kernel builds" in r.stdout
+    assert "row_coef_kernel" in r.stdout and "2 kernel builds" in r.stdout
 
 
 def test_spills_fail(tmp_path):

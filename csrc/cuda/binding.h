@@ -1,6 +1,7 @@
 // What the CUDA binding's launch sequences share (torch side; the kernels never include it):
 //   flce_cuda.cpp    these helpers, and the ops partial_stats, combine, forward, backward
 //                    (recompute) and scale_grad;
+//   chunks.cpp       the row-chunk driver every linear launch sequence runs;
 //   single_pass.cpp  sum_and_grad, the single pass of training (3 GEMMs);
 //   logits.cpp       logits_stats and logits_backward, cross-entropy on a caller's logits.
 // Each file reads top to bottom as one launch sequence and registers its own ops. The same
@@ -99,10 +100,10 @@ bool fp32_grads_in_fp64();
 void gemm_f64(const at::Tensor& out64, const at::Tensor& a, const at::Tensor& b, bool accumulate,
               int64_t piece = 2048);
 
-// dE rows (sum, comp) += the 16-bit tile's target residuals times weight[target] (target_fix).
+// dE rows (fp32) += the 16-bit tile's target residuals times weight[target] (target_fix).
 void launch_fix(const at::Tensor& w, int64_t n, int64_t vc, int64_t d, const at::Tensor& target,
                 int64_t col_offset, int64_t ignore_index, const at::Tensor& resid,
-                const float* inv_scale, float* sum, float* comp, DType dtype);
+                const float* inv_scale, float* sum, DType dtype);
 // The rows of a block sorted by target (stable), and dW's target rows from them (target_rows).
 struct TargetOrder {
   at::Tensor sorted, order;
@@ -111,6 +112,71 @@ TargetOrder sort_targets(const at::Tensor& target);
 void add_target_rows(const at::Tensor& out, int64_t col_offset, const at::Tensor& x,
                      const TargetOrder& ord, const at::Tensor& resid, const float* inv_scale,
                      int64_t ignore_index, DType dtype, const at::Tensor& base = at::Tensor());
+
+// ---------------------------------------------------------------------------------------------
+// The row-chunk driver (chunks.cpp): every linear launch sequence is stats_chunks or grad_chunks.
+// ---------------------------------------------------------------------------------------------
+// This rank's columns of a vocab-parallel classifier: vocabulary ids [vocab_start, vocab_start +
+// V) of vocab_size; group names the process group whose ranks' partial statistics the single
+// pass all-gathers (none: one device).
+struct Shard {
+  int64_t vocab_start = 0, vocab_size = 0;
+  std::optional<std::string> group;
+  int64_t group_size = 1;
+};
+
+// The operands and options of one linear op call (already checked).
+struct LinearJob {
+  at::Tensor input, weight, target;  // [n, d], [v, d], [n]
+  std::optional<at::Tensor> bias;    // [v]
+  Shard shard;
+  int64_t ignore_index = -100;
+  double label_smoothing = 0, z_loss = 0, softcap = 0, temperature = 1;
+};
+
+// Rows per group (the gradient buffer [G, V]) and per logits sub-chunk (fp32 [S, V]) within the
+// workspace budget. must = false: no plan (0 rows) when fewer than kMinRows rows fit (the single
+// pass then runs forward + recompute backward); must = true: at least one row.
+constexpr int64_t kMinRows = 64;
+struct ChunkPlan {
+  int64_t group_rows = 0, sub_rows = 0;
+  bool in_place = false;  // fp32: logits computed into the group buffer, dz written over them
+};
+ChunkPlan plan_chunks(int64_t n, int64_t v, at::ScalarType compute, bool split, bool must);
+// Master weights (16-bit compute, fp32 weight) take the gradient tile as hi + lo for dW.
+bool split_grad(const LinearJob& job, bool need_c);
+
+// The merged [n, 5] partial statistics (m, s, z_t, sum_z, u) of the shard's columns; need_sum /
+// need_u: compute sum_z / u (else 0).
+at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u);
+
+struct GradJob {
+  // The forward's row statistics [n, kStatsCols] (the recompute backward), or undefined: each
+  // sub-chunk's are computed from its logits, gathered over the shard's group and finalized
+  // (the single pass; then no grad_lse / grad_entropy, and not fp16).
+  at::Tensor stats;
+  at::Tensor grad_loss;  // [n] fp32 dL/dloss_row, stride 0 for one value
+  std::optional<at::Tensor> grad_lse, grad_entropy;  // [n] fp32
+  std::array<bool, 3> mask{};                         // dE, dW, db
+};
+struct GradOut {
+  at::Tensor loss_rows, flag;  // computed statistics only: [n] loss, the target check's flag
+  at::Tensor ge;               // [n, d] fp32
+  at::Tensor gw;               // [v, d] the weight's dtype
+  at::Tensor gb;               // [v] fp32
+};
+GradOut grad_chunks(const LinearJob& job, const GradJob& grads, const ChunkPlan& plan);
+
+// Statistics of fp32 or 16-bit logits rows (rs without partials / splits) into out [rs.n, 5]:
+// column splits through split_buffer ([max_row_splits(v), n, 5]) merged in order, or one split
+// where split_buffer is null.
+void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer);
+int64_t max_row_splits(int64_t v);
+// [n, 5] partials of an empty shard: the empty state per row.
+at::Tensor empty_partials(int64_t n, const at::TensorOptions& f32);
+// Every rank's [n, 5] partials of the same rows, [ranks, n, 5] in rank order (functional
+// all-gather over the shard's group; the wait is the current stream's, not the host's).
+at::Tensor gather_partials(const at::Tensor& partials, const Shard& shard);
 
 // The ops of flce_cuda.cpp that other launch sequences fall back on.
 at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,

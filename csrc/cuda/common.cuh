@@ -1,6 +1,8 @@
 // Device helpers shared by the flce kernels.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -37,30 +39,35 @@ __device__ __forceinline__ int64_t target_column(int64_t t, int64_t ignore_index
   return (c >= 0 && c < cols) ? c : -1;
 }
 
-// Grouped rasterization of a 1-D grid over (row block, column) pairs: consecutive CTAs walk
-// the columns of a group of `group` row blocks, row block fastest. The CTAs resident at any time
-// then share a few input row blocks and a few weight tiles, which stay in L2, instead of
-// streaming every row block of the input from DRAM at each column step.
-struct TileCoord {
-  int64_t row_block;
-  int64_t col;
-};
-
-__device__ __forceinline__ TileCoord grouped_tile(int64_t id, int64_t row_blocks, int64_t cols,
-                                                  int64_t group) {
-  const int64_t per_group = group * cols;
-  const int64_t g = id / per_group;
-  const int64_t first = g * group;
-  const int64_t rows_here = row_blocks - first < group ? row_blocks - first : group;
-  const int64_t in = id - g * per_group;  // < rows_here * cols (only the last group is short)
-  return TileCoord{first + in % rows_here, in / rows_here};
+// Conversions between fp32 and the storage dtypes (round to nearest even).
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
 }
 
-// The logit z = softcap(acc + bias) / temperature of column col.
-__device__ __forceinline__ float logit_of(float acc, const float* bias, int64_t col, float cap,
-                                          float temp) {
-  if (bias != nullptr) acc += bias[col];
-  return logit_transform(acc, cap, temp);
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
 }
 
 // Row `row` of launch_row_coef's coefficients [n, 8] = (ref, a, u, dz_t), (div, h, k, rdiv).

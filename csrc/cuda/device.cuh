@@ -12,8 +12,8 @@
 //       emulation gives a pointer to its per-block arena (128-byte aligned, poisoned with 0xFF
 //       before every block and watched by the race detector).
 //
-// Everything else (threadIdx, __syncthreads, shuffles, the PTX wrappers of ptx.cuh) is the same
-// source for both; the emulation provides host definitions in csrc/cuda/host/simt.h.
+// Everything else (threadIdx, __syncthreads, shuffles, the bit casts) is the same source for both;
+// the emulation provides host definitions in csrc/cuda/host/simt.h.
 #pragma once
 
 #include <cuda_runtime.h>

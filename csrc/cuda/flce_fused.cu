@@ -23,7 +23,6 @@
 #include "common.cuh"
 #include "flce/tile_epilogue.h"
 #include "params.h"
-#include "ptx.cuh"
 
 namespace flce {
 namespace cuda {

@@ -6,7 +6,6 @@
 #include "common.cuh"
 #include "flce/math.h"
 #include "params.h"
-#include "ptx.cuh"
 #include "static_switch.h"
 
 namespace flce {
@@ -130,7 +129,6 @@ cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t c
   if (count == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32:
-    case DType::kFloat32Tf32:
       launch_kernel<scale_store_kernel<float>>(dim3(grid_for(count)), dim3(kThreads), 0, stream,
                                                static_cast<float*>(out), x, count, inv_scale);
       break;

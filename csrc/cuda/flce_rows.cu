@@ -25,7 +25,6 @@
 #include "common.cuh"
 #include "flce/math.h"
 #include "params.h"
-#include "ptx.cuh"
 #include "static_switch.h"
 
 namespace flce {
@@ -551,7 +550,6 @@ cudaError_t scale_grad_to(T* out, const void* x, DType x_dtype, int slices, int6
   const unsigned grid = static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
   switch (x_dtype) {
     case DType::kFloat32:
-    case DType::kFloat32Tf32:
       launch_kernel<scale_grad_kernel<T, float>>(dim3(grid), dim3(kThreads), 0, stream, out,
                                               static_cast<const float*>(x), slices, count,
                                               scale);
@@ -612,7 +610,6 @@ void with_stats_kernel(const RowStatsParams& p, F&& fn) {
   };
   switch (p.logits_dtype) {
     case DType::kFloat32:
-    case DType::kFloat32Tf32:
       pick(float{});
       break;
     case DType::kBFloat16:
@@ -641,11 +638,10 @@ bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
       BOOL_SWITCH(extras, kExtras, [&] { fn.template operator()<row_grad_kernel<TIn, T, kXf, kExtras>>(); });
     });
   };
-  const bool f32_in = p.logits_dtype == DType::kFloat32 || p.logits_dtype == DType::kFloat32Tf32;
+  const bool f32_in = p.logits_dtype == DType::kFloat32;
   if (!f32_in && dtype != p.logits_dtype) return false;
   switch (dtype) {
     case DType::kFloat32:
-    case DType::kFloat32Tf32:
       pick(float{}, float{});
       break;
     case DType::kBFloat16:
@@ -757,7 +753,6 @@ cudaError_t launch_scale_grad(void* out, DType dtype, const void* x, DType x_dty
   if (count == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32:
-    case DType::kFloat32Tf32:
       return scale_grad_to(static_cast<float*>(out), x, x_dtype, slices, count, scale, stream);
     case DType::kBFloat16:
       return scale_grad_to(static_cast<__nv_bfloat16*>(out), x, x_dtype, slices, count, scale,

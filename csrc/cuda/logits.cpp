@@ -14,7 +14,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <limits>
 #include <optional>
 
 #include "cuda/binding.h"
@@ -64,23 +63,15 @@ at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
   const int64_t n = logits.size(0), v = logits.size(1);
   const auto f32 = f32_of(logits);
   if (n == 0) return dev::empty({0, cuda::kPartialCols}, f32);
-  if (v == 0) {
-    // An empty shard: the empty state (m, s, z_t, sum_z, u) for every row.
-    const float inf = std::numeric_limits<float>::infinity();
-    return at::tensor({-inf, 0.f, -inf, 0.f, 0.f}, f32).expand({n, cuda::kPartialCols}).contiguous();
-  }
+  if (v == 0) return empty_partials(n, f32);  // an empty shard: the empty state per row
   cuda::RowStatsParams rs{};
   static_cast<cuda::RowOperands&>(rs) =
       row_operands(logits, target, vocab_start, ignore_index, softcap, temperature);
   rs.need_sum = with_sum;
   rs.need_u = with_entropy;
-  rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
   at::Tensor merged = dev::empty({n, cuda::kPartialCols}, f32);
-  at::Tensor parts =
-      rs.splits > 1 ? dev::empty({rs.splits, n, cuda::kPartialCols}, f32) : merged;
-  rs.partials = parts.data_ptr<float>();
-  check_launch(cuda::launch_row_stats(rs, dev::stream()), "row_stats");
-  if (rs.splits > 1) merge_partials(parts.data_ptr<float>(), rs.splits, n, merged.data_ptr<float>());
+  at::Tensor splits = dev::empty({max_row_splits(v) * n * cuda::kPartialCols}, f32);
+  row_stats_into(rs, merged.data_ptr<float>(), splits.data_ptr<float>());
   return merged;
 }
 

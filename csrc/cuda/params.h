@@ -21,41 +21,8 @@ namespace cuda {
 constexpr int kPartialCols = 5;
 constexpr int kStatsCols = 4;
 
-// Operand storage and tile kind. kFloat32: exact fp32 (SIMT FMA). kFloat32Tf32: fp32 storage on
-// TF32 tensor cores (only when torch's float32 matmul precision is not "highest").
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat32Tf32 = 3 };
-
-// Tile shape of the logit-tile kernels for one compute dtype: rows (tokens) x vocab columns.
-struct TileShape {
-  int block_n;
-  int block_v;
-};
-TileShape tile_shape(DType dtype);
-
-// Operands of a logit tile z = input @ weight^T (+ bias, softcap).
-struct LinearArgs {
-  const void* input;   // [n, d] compute dtype
-  const void* weight;  // [v, d] compute dtype
-  const float* bias;   // [v] fp32, or nullptr
-  int64_t n, v, d;
-  int64_t input_row_stride, input_col_stride;    // col stride 1 and aligned for tensor cores
-  int64_t weight_row_stride, weight_col_stride;
-  const int64_t* target;  // [n], stride target_stride
-  int64_t target_stride;
-  int64_t col_offset;    // vocabulary id of weight row 0
-  int64_t ignore_index;
-  float softcap;         // <= 0: none
-  float temperature = 1.f;  // the logits are softcap(x . w + b) / temperature; 1: none
-};
-
-// Forward: per-row partial statistics over vocab tiles [split*tiles_per_split, ...).
-struct StatsParams {
-  LinearArgs lin;
-  float* partials;  // [splits, n, kPartialCols]
-  int splits;
-  int64_t tiles_per_split;
-};
-cudaError_t launch_partial_stats(const StatsParams& p, DType dtype, cudaStream_t stream);
+// Storage dtype of a kernel's operands (logits, gradient tile, weight rows).
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // Backward, step 1: per-row gradient coefficients (math.h row_grad) and the bound of |dz| per row.
 struct RowCoefParams {
@@ -79,24 +46,8 @@ struct RowCoefParams {
 };
 cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream);
 
-// Backward, step 2: the gradient tile dz (times softcap'), stored as scale * dz in the compute
-// dtype into grad_logits [n, v] (contiguous), optionally with its rounding residual (hi + lo
-// carries ~2x the mantissa bits), plus per-row-block column sums of the unscaled fp32
-// dz for the bias gradient.
-struct GradParams {
-  LinearArgs lin;
-  const float* coef;        // [n, 8] from launch_row_coef
-  const float* scale;       // device scalar (power of two), or nullptr for 1
-  void* grad_logits;        // [n, v] compute dtype: hi = (T)(scale * dz)
-  void* grad_logits_lo;     // [n, v] compute dtype: (T)(scale * dz - hi), or nullptr
-  float* col_partials;      // [ceil(n / block_n), v], or nullptr
-  float* target_resid;      // [n]: scale * dz_t - hi of the target entry, for the rows whose
-                            // target is in this block (others untouched), or nullptr
-};
-cudaError_t launch_grad_logits(const GradParams& p, DType dtype, cudaStream_t stream);
-
-// dE rows += (target_resid * inv_scale) * weight[target] with Neumaier compensation, for the
-// rows whose target is in this weight block: the part of the dominant target-column gradient
+// dE rows += (target_resid * inv_scale) * weight[target] in fp32, for the rows whose target is
+// in this weight block: the part of the dominant target-column gradient
 // that the 16-bit tile lost, added in fp32 (the CPU backend likewise keeps the target column out
 // of the tile GEMMs).
 struct TargetFixParams {
@@ -108,8 +59,7 @@ struct TargetFixParams {
   int64_t col_offset, ignore_index;
   const float* target_resid;  // [n]
   const float* inv_scale;     // device scalar or nullptr
-  float* sum;                 // [n, d]
-  float* comp;                // [n, d], or nullptr: sum += (plain fp32 add)
+  float* sum;                 // [n, d] fp32, complete rows (one rounding per element)
 };
 cudaError_t launch_target_fix(const TargetFixParams& p, DType dtype, cudaStream_t stream);
 

@@ -7,8 +7,8 @@ scratch directory, applies the mutation there, recompiles only the kernel TUs th
 mutated file (with the flags of csrc/cuda/host/build_info.py, the ones CMake uses), relinks the
 test program with the unchanged objects of the CMake build, runs the test and requires it to FAIL
 with the expected report. (Every TU that includes a mutated header is rebuilt: the host linker
-keeps one copy of an inline function such as MmaTile<T>::compute for all TUs, where nvcc compiles
-each TU's device code on its own.) The unmutated CMake-built program must PASS the same test (else the
+keeps one copy of an inline function for all TUs, where nvcc compiles each TU's device code on
+its own.) The unmutated CMake-built program must PASS the same test (else the
 mutation would prove nothing).
 
 Usage: mutations.py BUILD_JSON [NAME ...]   (BUILD_JSON: tests/cuda_host/mutation_build.json in
@@ -28,73 +28,38 @@ RACE = r"shared-memory race|cp\.async in flight|uninitialized shared memory"
 NUMERIC = r"elements out of bounds \["
 ASAN_OOB = r"AddressSanitizer: heap-buffer-overflow"
 
-TILES = "csrc/cuda/tiles.cuh"
-STATS = "csrc/cuda/flce_stats.cu"
 GRAD = "csrc/cuda/flce_grad.cu"
 ROWS = "csrc/cuda/flce_rows.cu"
 FUSED = "csrc/cuda/flce_fused.cu"
 
 MUTATIONS = [
-    dict(name="wait_group_off_by_one_race",
-         file=TILES, config="racecheck", test="bf16_tiles",
-         expect=r"cp\.async in flight",
-         original="      cp_async_wait<kStages - 2>();  // slice kt has landed",
-         replacement="      cp_async_wait<kStages - 1>();  // slice kt has landed"),
-    dict(name="wait_group_off_by_one_values",
-         file=TILES, config="plain", test="bf16_tiles", expect=NUMERIC,
-         original="      cp_async_wait<kStages - 2>();  // slice kt has landed",
-         replacement="      cp_async_wait<kStages - 1>();  // slice kt has landed"),
-    dict(name="no_barrier_ring_to_epilogue_tile",
-         file=TILES, config="racecheck", test="fp16_tiles", expect=RACE,
-         original="    cp_async_wait<0>();\n    __syncthreads();  // all warps are done with the",
-         replacement="    cp_async_wait<0>();\n    // all warps are done with the"),
-    dict(name="no_barrier_epilogue_tile_to_ring",
-         file=STATS, config="racecheck", test="bf16_tiles", expect=RACE,
-         original="    __syncthreads();  // epi (and the pipeline it aliases) is free again\n",
+    # row_coef's bound of |dz| without the chain rule's 1/T (the fp16 tile's scale overflowed at
+    # T = 0.05 before the fix).
+    dict(name="temperature_dropped_from_gradient_bound",
+         file=GRAD, config="plain", test="low_temperature",
+         expect=r"bound >= max_j \|dz_j\|: \d+ of \d+ elements out of bounds",
+         original="ent_bound) / p.temperature;\n",
+         replacement="ent_bound);\n"),
+    # target_fix storing the residual's product instead of adding it to the dE row.
+    dict(name="target_fix_overwrites_row",
+         file=GRAD, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="    s[j] += r * to_float<T>(w[j * p.weight_col_stride]);\n",
+         replacement="    s[j] = r * to_float<T>(w[j * p.weight_col_stride]);\n"),
+    # row_stats' partials stored one row down: the last shard's last row lands past the buffer.
+    dict(name="rows_partials_store_one_row_past",
+         file=ROWS, config="asan", test="single_pass_rows", expect=ASAN_OOB,
+         original="store_partial(p.partials + (blockIdx.y * p.n + row) * kPartialCols, all.lse, all.zt,",
+         replacement="store_partial(p.partials + (blockIdx.y * p.n + row + 1) * kPartialCols, all.lse, all.zt,"),
+    # The warps' partials of one row overwritten by the next row's before thread 0 merged them.
+    dict(name="rows_no_barrier_before_next_row",
+         file=ROWS, config="racecheck", test="single_pass_rows", expect=RACE,
+         original="    __syncthreads();  // warp_part is reused by the next row\n",
          replacement="\n"),
-    dict(name="no_barrier_fragment_stores_to_epilogue",
-         file=TILES, config="racecheck", test="tf32_tiles", expect=RACE,
-         original="            make_float2(acc[mi][ni][2], acc[mi][ni][3]);\n      }\n    }\n"
-                  "    __syncthreads();\n",
-         replacement="            make_float2(acc[mi][ni][2], acc[mi][ni][3]);\n      }\n    }\n"),
-    dict(name="no_barrier_in_pipeline_loop",
-         file=TILES, config="racecheck", test="bf16_tiles", expect=RACE,
-         original="      __syncthreads();               // ... for all threads, and slice kt-1's",
-         replacement="      // ... for all threads, and slice kt-1's"),
-    dict(name="no_barrier_before_column_sums",
-         file=GRAD, config="racecheck", test="fp32_simt_tiles", expect=RACE,
-         original="  if (p.col_partials == nullptr) return;\n  __syncthreads();\n",
-         replacement="  if (p.col_partials == nullptr) return;\n"),
-    dict(name="swapped_b_fragments",
-         file=TILES, config="plain", test="bf16_tiles", expect=NUMERIC,
-         original="        bf[2 * nj][1] = r[1];\n        bf[2 * nj + 1][0] = r[2];",
-         replacement="        bf[2 * nj][1] = r[2];\n        bf[2 * nj + 1][0] = r[1];"),
-    dict(name="wrong_a_fragment_rows",
-         file=TILES, config="plain", test="fp16_tiles", expect=NUMERIC,
-         original="const int row = warp_n * kWarpN + mi * 16 + (lane % 16);",
-         replacement="const int row = warp_n * kWarpN + mi * 16 + (lane % 8);"),
-    dict(name="tf32_rounding_dropped",
-         file=TILES, config="plain", test="tf32_tiles", expect=NUMERIC,
-         original="        ldmatrix_x4(af[mi], smem_addr(sA + row * kSmemRow + col));\n"
-                  "        to_mma_operand<T>(af[mi]);",
-         replacement="        ldmatrix_x4(af[mi], smem_addr(sA + row * kSmemRow + col));"),
-    dict(name="null_source_for_zero_fill",
-         file=TILES, config="plain", test="bf16_tiles",
-         expect=r"cp\.async source outside every registered allocation",
-         original="const T* g = valid ? src + r * ld + k : src;",
-         replacement="const T* g = valid ? src + r * ld + k : nullptr;"),
-    dict(name="gradient_store_one_past",
-         file=GRAD, config="asan", test="bf16_tiles", expect=ASAN_OOB,
-         original="        out[row * a.v + col] = hi;",
-         replacement="        out[row * a.v + col + 1] = hi;"),
-    dict(name="wrong_row_guard_in_gradient_epilogue",
-         file=GRAD, config="asan", test="fp16_tiles", expect=ASAN_OOB,
-         original="      if (row < a.n && col < a.v) {",
-         replacement="      if (row <= a.n && col < a.v) {"),
-    dict(name="wrong_row_guard_in_stats_store",
-         file=STATS, config="asan", test="fp32_simt_tiles", expect=ASAN_OOB,
-         original="    if (row >= a.n) break;\n    const RowState st = rows[r];",
-         replacement="    if (row > a.n) break;\n    const RowState st = rows[r];"),
+    # The entropy's sum u of the row's tiles lost (u = 0): H_x = log s alone.
+    dict(name="rows_entropy_sum_dropped",
+         file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
+         original="        if constexpr (kU) tu += ex == 0.f ? 0.f : ex * (ref - x[e]);\n",
+         replacement=""),
     dict(name="no_barrier_before_in_place_gradient",
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
          original="        if constexpr (sizeof(T) < sizeof(TIn)) __syncthreads();\n",
@@ -117,23 +82,6 @@ MUTATIONS = [
          file=ROWS, config="plain", test="logits16_rows", expect=NUMERIC,
          original="  return group % kThreads == static_cast<int>(threadIdx.x) ? (group / kThreads) * kVec + r % kVec\n",
          replacement="  return group / kThreads == static_cast<int>(threadIdx.x) ? (group / kThreads) * kVec + r % kVec\n"),
-    # The entropy's sum u of the tiles lost (u = 0): H_x = log s alone.
-    dict(name="entropy_sum_dropped_in_fold_tile",
-         file=STATS, config="plain", test="bf16_tiles", expect=r"entropy: \d+ of \d+ elements out of bounds",
-         original="          ue += e * (mx - z[i]);\n",
-         replacement=""),
-    # row_coef's bound of |dz| without the chain rule's 1/T (the fp16 tile's scale overflowed at
-    # T = 0.05 before the fix).
-    dict(name="temperature_dropped_from_gradient_bound",
-         file=GRAD, config="plain", test="low_temperature",
-         expect=r"bound >= max_j \|dz_j\|: \d+ of \d+ elements out of bounds",
-         original="ent_bound) / p.temperature;\n",
-         replacement="ent_bound);\n"),
-    # The gradient tile's chain rule without the temperature's 1/T (softcap' at z instead of z T).
-    dict(name="temperature_dropped_from_gradient_chain_rule",
-         file=GRAD, config="plain", test="fp32_simt_tiles", expect=NUMERIC,
-         original="             logit_transform_grad(z, a.softcap, a.temperature);",
-         replacement="             softcap_grad(z, a.softcap);"),
     # The row kernels' logit transform (flce_rows.cu xform_logit / xform_grad): the temperature
     # applied twice without a softcap; the softcap's derivative dropped from the chain rule (1 / T
     # alone); tanh's exp form with the wrong sign (1 + 2 / (E + 1)); the bias's 16-byte loads of

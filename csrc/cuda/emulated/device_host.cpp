@@ -53,7 +53,22 @@ void gemm(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float a
   const at::ScalarType acc = a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(acc != at::kDouble || c.scalar_type() == at::kDouble,
               "flce: a float64 gemm writes float64");
-  at::Tensor r = at::mm(a.to(acc), b.to(acc));
+  // fp32 operands where torch's float32 matmul precision allows TF32 (cuBLAS's
+  // CUBLAS_COMPUTE_32F_FAST_TF32): each operand rounded to TF32's 10 mantissa bits first
+  // (round to nearest, ties away, as cvt.rna.tf32.f32), the products and sums in fp32.
+  auto operand = [acc](const at::Tensor& t) {
+    at::Tensor x = t.to(acc);
+    if (t.scalar_type() != at::kFloat ||
+        at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::HIGHEST) {
+      return x;
+    }
+    at::Tensor bits = x.contiguous().view(at::kInt);
+    const at::Tensor finite = at::isfinite(x.contiguous());
+    const at::Tensor rounded = at::bitwise_and(bits + 0x1000, static_cast<int64_t>(~0x1FFF))
+                                   .view(at::kFloat);
+    return at::where(finite, rounded, x.contiguous());
+  };
+  at::Tensor r = at::mm(operand(a), operand(b));
   if (alpha != 1.f) r.mul_(alpha);
   if (beta != 0.f) r.add_(c.to(acc), beta);
   c.copy_(r);

@@ -1,0 +1,66 @@
+"""Bugs planted in the CUDA binding's row-chunk driver (csrc/cuda/chunks.cpp) that the cuda-host
+tests must catch.
+
+The kernels have their own planted bugs (tests/cuda_host/mutations.py, ctest); the launch
+sequences are host C++ that only the emulated torch binding runs. For each mutation this test
+writes a mutated copy of the file, builds the emulated module with it in place of the original
+(tests/cuda_emulation.py, FLCE_CUDA_HOST_MUTANT: a copy of the clean build, the one file
+recompiled) and runs, in a fresh process, the tests that should catch it: they must fail on an
+assertion (not on a build or import error). The clean sources pass the same tests in the main
+run.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import cuda_emulation
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHUNKS = os.path.join(cuda_emulation.ROOT, "csrc", "cuda", "chunks.cpp")
+
+# (name, original snippet (exactly once in chunks.cpp), replacement, pytest selection)
+MUTATIONS = [
+    # fp16: the gradient tile's power-of-two scale left in dE.
+    ("fp16_scale_left_in_dE",
+     "      if (inv_scale.defined()) ge.mul_(inv_scale);\n", "\n",
+     ["test_cuda.py::test_recompute_chunked"]),
+    # Every group's target entries fixed with the first group's targets.
+    ("target_fix_with_first_groups_targets",
+     "    const at::Tensor tg = target.narrow(0, g0, gn);\n",
+     "    const at::Tensor tg = target.narrow(0, 0, gn);\n",
+     ["test_cuda.py::test_recompute_chunked", "test_cuda.py::test_single_pass_chunked"]),
+    # The given coefficients of a sub-chunk taken relative to its group instead of to row 0.
+    ("given_coefficients_group_relative",
+     "      float* sub_coef = coef.data_ptr<float>() + (given ? s0 * 8 : 0);\n",
+     "      float* sub_coef = coef.data_ptr<float>() + (given ? (s0 - g0) * 8 : 0);\n",
+     ["test_cuda.py::test_recompute_chunked"]),
+]
+
+
+def _available():
+    try:
+        cuda_emulation.load()
+        return True
+    except cuda_emulation.Unavailable:
+        return False
+
+
+@pytest.mark.parametrize("name,original,replacement,tests", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_mutation_is_caught(name, original, replacement, tests, tmp_path):
+    if not _available():
+        if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
+            pytest.fail("the host emulation of the CUDA backend cannot be built here")
+        pytest.skip("no CUDA headers: the host emulation cannot be built")
+    text = open(CHUNKS).read()
+    assert text.count(original) == 1, f"{name}: the snippet occurs {text.count(original)} times"
+    mutant = tmp_path / "chunks.cpp"
+    mutant.write_text(text.replace(original, replacement))
+    env = dict(os.environ, FLCE_CUDA_HOST_MUTANT=str(mutant))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        "-k", "cuda-host", *tests], cwd=HERE, env=env, capture_output=True,
+                       text=True, timeout=900)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, f"{name}: the mutated driver was not caught (exit {p.returncode}):\n{out[-3000:]}"
+    assert "AssertionError" in out or "assert " in out, f"{name}: failed, but not on a check:\n{out[-3000:]}"
