@@ -429,9 +429,6 @@ def check(c):
         if c.backend == "cuda-host":
             import cuda_emulation
 
-            # before the inputs: loading installs the allocator that registers every CPU
-            # allocation with the emulation's cp.async bounds check; a tensor made earlier is
-            # unknown to it and any read of it is reported out of bounds
             cuda_emulation.load()
         inputs = make_inputs(c)
         if c.backend == "cuda-host":

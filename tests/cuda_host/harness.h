@@ -1,6 +1,5 @@
-// Shared helpers of the cuda-host test programs: exact-size "device" buffers registered with the
-// emulation (so that ASan sees every overrun and cp.async sources are checked), launch helpers
-// and error-report matchers. The test framework is tests/cpp/check.h.
+// Shared helpers of the cuda-host test programs: exact-size "device" buffers (so that ASan sees
+// every overrun), launch helpers and error-report matchers. The test framework is tests/cpp/check.h.
 #pragma once
 
 #include <cstring>
@@ -13,18 +12,13 @@
 
 namespace harness {
 
-// An exact-size heap buffer registered as a global allocation for the lifetime of the object.
+// An exact-size heap buffer standing for a global allocation.
 template <typename T>
 class DeviceBuffer {
  public:
-  explicit DeviceBuffer(std::size_t n) : data_(n) { flce::host::register_allocation(ptr(), bytes()); }
-  DeviceBuffer(std::size_t n, const T& fill) : data_(n, fill) {
-    flce::host::register_allocation(ptr(), bytes());
-  }
-  explicit DeviceBuffer(const std::vector<T>& v) : data_(v) {
-    flce::host::register_allocation(ptr(), bytes());
-  }
-  ~DeviceBuffer() { flce::host::unregister_allocation(ptr()); }
+  explicit DeviceBuffer(std::size_t n) : data_(n) {}
+  DeviceBuffer(std::size_t n, const T& fill) : data_(n, fill) {}
+  explicit DeviceBuffer(const std::vector<T>& v) : data_(v) {}
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
@@ -36,9 +30,6 @@ class DeviceBuffer {
   std::vector<T>& vec() { return data_; }
 
  private:
-  // A zero-size allocation is still an address (the kernels pass tensor bases to cp.async).
-  const void* ptr() const { return data_.empty() ? static_cast<const void*>(this) : data_.data(); }
-  std::size_t bytes() const { return data_.size() * sizeof(T); }
   std::vector<T> data_;
 };
 

@@ -1,15 +1,10 @@
 // Tests of the host SIMT runtime itself (csrc/cuda/host): thread indexing, barriers, warp
-// shuffles and votes, launch limits, cp.async / ldmatrix / mma against the PTX ISA's fragment
-// layouts, cvt.rna.tf32, and every error the runtime must report instead of hanging or
-// answering wrong. Tests named race_* need the race-checked build (kernels compiled with
-// -fsanitize=thread) and are registered only there.
+// shuffles and votes, launch limits, the shared-memory race detector, and every error the runtime
+// must report instead of hanging or answering wrong. Tests named race_* need the race-checked
+// build (kernels compiled with -fsanitize=thread) and are registered only there.
 //
 // Each error test also runs the corrected kernel, so that it shows the report is caused by the
 // planted bug and not by the runtime rejecting everything.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -401,281 +396,12 @@ TEST(cvta_of_global_pointer_reported) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// cp.async
-// ---------------------------------------------------------------------------------------------
-
-// Each thread copies 16 bytes of src (chunk t, or a zero-fill when t % 4 == 3) and reads them
-// before (early) and after (late) its wait. mode 1: src = nullptr for the zero-fills. mode 2:
-// the zero-fill source is one past the end of the allocation. mode 3: no wait before exit.
-__global__ void cp_async_kernel(const float* src, float* early, float* late, int mode) {
-  FLCE_DYNAMIC_SHARED(smem);
-  float* s = reinterpret_cast<float*>(smem);
-  const unsigned t = threadIdx.x;
-  const bool valid = t % 4 != 3;
-  const float* from = valid ? src + 4 * t : (mode == 1 ? nullptr : (mode == 2 ? src + 4 * blockDim.x : src));
-  flce::host::ptx::cp_async_cg_16(static_cast<uint32_t>(__cvta_generic_to_shared(s + 4 * t)), from,
-                                  valid ? 16 : 0);
-  flce::host::ptx::cp_async_commit_group();
-  if (mode == 3) return;
-  if (!harness::race_checked_build()) {
-    for (int i = 0; i < 4; ++i) early[4 * t + i] = s[4 * t + i];
-  }
-  flce::host::ptx::cp_async_wait_group(0);
-  for (int i = 0; i < 4; ++i) late[4 * t + i] = s[4 * t + i];
-}
-
-TEST(cp_async_lands_at_wait) {
-  const int threads = 64;
-  std::vector<float> x(4 * threads);
-  for (float& v : x) v = check::normal();
-  DeviceBuffer<float> src(x), early(4 * threads, 0.f), late(4 * threads, harness::qnan());
-  EXPECT(run<cp_async_kernel>(dim3(2), dim3(threads), 16 * threads, src.data(), early.data(),
-                              late.data(), 0) == cudaSuccess,
-         "%s", flce::host::last_error_message().c_str());
-  for (int t = 0; t < threads; ++t) {
-    for (int i = 0; i < 4; ++i) {
-      const float want = t % 4 == 3 ? 0.f : x[4 * t + i];
-      EXPECT(late[4 * t + i] == want, "t%d[%d] after the wait: %g vs %g", t, i, late[4 * t + i],
-             want);
-      if (!harness::race_checked_build()) {
-        EXPECT(std::isnan(early[4 * t + i]), "t%d[%d] before the wait must be stale: %g", t, i,
-               early[4 * t + i]);
-      }
-    }
-  }
-  EXPECT(failed_with(run<cp_async_kernel>(dim3(1), dim3(threads), 16 * threads, src.data(),
-                                          early.data(), late.data(), 1),
-                     cudaErrorIllegalAddress, "null pointer"),
-         "src = nullptr for src-size 0");
-  EXPECT(failed_with(run<cp_async_kernel>(dim3(1), dim3(threads), 16 * threads, src.data(),
-                                          early.data(), late.data(), 2),
-                     cudaErrorIllegalAddress, "outside every registered allocation"),
-         "src-size 0 source one past the end");
-  EXPECT(failed_with(run<cp_async_kernel>(dim3(1), dim3(threads), 16 * threads, src.data(),
-                                          early.data(), late.data(), 3),
-                     cudaErrorLaunchFailure, "cp.async copies pending"),
-         "exit without wait");
-  std::vector<float> unregistered(4 * threads + 4, 1.f);
-  float* aligned = reinterpret_cast<float*>((reinterpret_cast<std::uintptr_t>(unregistered.data()) + 15) & ~std::uintptr_t{15});
-  EXPECT(failed_with(run<cp_async_kernel>(dim3(1), dim3(threads), 16 * threads, aligned,
-                                          early.data(), late.data(), 0),
-                     cudaErrorIllegalAddress, "outside every registered allocation"),
-         "unregistered source");
-}
-
-// wait_group N retires all but the N most recent groups of the calling thread.
-__global__ void cp_async_groups_kernel(const float* src, float* out) {
-  FLCE_DYNAMIC_SHARED(smem);
-  float* s = reinterpret_cast<float*>(smem);
-  const unsigned t = threadIdx.x;  // one thread per warp lane group; each owns 3 chunks
-  for (int gidx = 0; gidx < 3; ++gidx) {
-    float* dst = s + 4 * (3 * t + gidx);
-    flce::host::ptx::cp_async_cg_16(static_cast<uint32_t>(__cvta_generic_to_shared(dst)),
-                                    src + 4 * (3 * t + gidx), 16);
-    flce::host::ptx::cp_async_commit_group();
-  }
-  flce::host::ptx::cp_async_wait_group(2);  // group 0 landed, 1 and 2 pending
-  if (!harness::race_checked_build()) {
-    for (int gidx = 0; gidx < 3; ++gidx) out[3 * t + gidx] = s[4 * (3 * t + gidx)];
-  }
-  flce::host::ptx::cp_async_wait_group(0);
-}
-
-TEST(cp_async_wait_group_counts) {
-  if (harness::race_checked_build()) return;  // the early reads are reported there (race_*)
-  const int threads = 32;
-  std::vector<float> x(12 * threads);
-  for (float& v : x) v = check::normal();
-  DeviceBuffer<float> src(x), out(3 * threads, 0.f);
-  EXPECT(run<cp_async_groups_kernel>(dim3(1), dim3(threads), 48 * threads, src.data(),
-                                     out.data()) == cudaSuccess,
-         "%s", flce::host::last_error_message().c_str());
-  for (int t = 0; t < threads; ++t) {
-    EXPECT(out[3 * t] == x[4 * (3 * t)], "group 0 landed");
-    EXPECT(std::isnan(out[3 * t + 1]) && std::isnan(out[3 * t + 2]), "groups 1, 2 pending");
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// ldmatrix and mma against the PTX ISA fragment layouts
-// ---------------------------------------------------------------------------------------------
-
-// ldmatrix.x4 of four 8x8 b16 matrices whose rows lie at scattered 16-byte slots: lane 8i + r
-// points at the row r of matrix i.
-__global__ void ldmatrix_kernel(const uint16_t* m, const int* row_slot, uint32_t* out) {
-  FLCE_DYNAMIC_SHARED(smem);
-  uint16_t* s = reinterpret_cast<uint16_t*>(smem);
-  const unsigned lane = threadIdx.x;
-  for (int i = 0; i < 8; ++i) s[row_slot[lane] * 8 + i] = m[lane * 8 + i];  // matrix lane/8, row lane%8
-  __syncthreads();
-  uint32_t r[4];
-  flce::host::ptx::ldmatrix_x4(
-      r, static_cast<uint32_t>(__cvta_generic_to_shared(s + row_slot[lane] * 8)));
-  for (int i = 0; i < 4; ++i) out[4 * lane + i] = r[i];
-}
-
-TEST(ldmatrix_x4_fragment_layout) {
-  std::vector<uint16_t> m(4 * 64);
-  for (std::size_t i = 0; i < m.size(); ++i) m[i] = static_cast<uint16_t>(1000 + i);
-  std::vector<int> slot(32);
-  std::iota(slot.begin(), slot.end(), 0);
-  std::shuffle(slot.begin(), slot.end(), check::rng());
-  DeviceBuffer<uint16_t> dm(m);
-  DeviceBuffer<int> ds(slot);
-  DeviceBuffer<uint32_t> out(128, 0);
-  EXPECT(run<ldmatrix_kernel>(dim3(1), dim3(32), 32 * 16, dm.data(), ds.data(), out.data()) ==
-             cudaSuccess,
-         "%s", flce::host::last_error_message().c_str());
-  // ISA: lane l holds in r[i] row l / 4, elements 2 (l % 4) (low half) and 2 (l % 4) + 1.
-  for (int l = 0; l < 32; ++l) {
-    for (int i = 0; i < 4; ++i) {
-      const int row = l / 4, col = 2 * (l % 4);
-      const uint32_t want = m[i * 64 + row * 8 + col] | uint32_t{m[i * 64 + row * 8 + col + 1]} << 16;
-      EXPECT(out[4 * l + i] == want, "lane %d r[%d]: 0x%08x vs 0x%08x", l, i, out[4 * l + i], want);
-    }
-  }
-}
-
-__global__ void ldmatrix_misaligned_kernel(uint32_t* out, int offset) {
-  FLCE_DYNAMIC_SHARED(smem);
-  for (int i = 0; i < 32; ++i) smem[threadIdx.x * 32 + i] = 1;
-  __syncthreads();
-  uint32_t r[4];
-  flce::host::ptx::ldmatrix_x4(
-      r, static_cast<uint32_t>(__cvta_generic_to_shared(smem + threadIdx.x * 16 +
-                                                        (threadIdx.x == 9 ? offset : 0))));
-  out[threadIdx.x] = r[0];
-}
-
-TEST(ldmatrix_misaligned_reported) {
-  DeviceBuffer<uint32_t> out(32, 0);
-  EXPECT(run<ldmatrix_misaligned_kernel>(dim3(1), dim3(32), 1024, out.data(), 0) == cudaSuccess,
-         "%s", flce::host::last_error_message().c_str());
-  EXPECT(failed_with(run<ldmatrix_misaligned_kernel>(dim3(1), dim3(32), 1024, out.data(), 8),
-                     cudaErrorMisalignedAddress, "misaligned ldmatrix"),
-         "misaligned");
-  EXPECT(flce::host::last_error_message().find("lane 9") != std::string::npos,
-         "blames the lane that gave the address");
-}
-
-enum class MmaKind : int { kBf16, kF16, kTf32 };
-
-// Every lane builds its fragments from full A [16, K] (row-major) and B [K, 8] as the ISA tables
-// say, element -> register, then one mma; d = A B + C is stored back through the C layout.
-__global__ void mma_kernel(const float* A, const float* B, const float* C, float* D, int kind) {
-  const int lane = static_cast<int>(threadIdx.x), g = lane / 4, q = lane % 4;
-  uint32_t a[4], b[2];
-  float d[4] = {C[g * 8 + 2 * q], C[g * 8 + 2 * q + 1], C[(g + 8) * 8 + 2 * q],
-                C[(g + 8) * 8 + 2 * q + 1]};
-  if (kind == static_cast<int>(MmaKind::kTf32)) {
-    auto bits = [](float f) { return __float_as_uint(f); };
-    a[0] = bits(A[g * 8 + q]);
-    a[1] = bits(A[(g + 8) * 8 + q]);
-    a[2] = bits(A[g * 8 + q + 4]);
-    a[3] = bits(A[(g + 8) * 8 + q + 4]);
-    b[0] = bits(B[q * 8 + g]);
-    b[1] = bits(B[(q + 4) * 8 + g]);
-    flce::host::ptx::mma_m16n8k8_tf32(d, a, b[0], b[1]);
-  } else {
-    const bool bf = kind == static_cast<int>(MmaKind::kBf16);
-    auto h = [bf](float f) -> uint32_t {
-      if (bf) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-      return __half_as_ushort(__float2half_rn(f));
-    };
-    auto pair = [&](float lo, float hi) { return h(lo) | h(hi) << 16; };
-    a[0] = pair(A[g * 16 + 2 * q], A[g * 16 + 2 * q + 1]);
-    a[1] = pair(A[(g + 8) * 16 + 2 * q], A[(g + 8) * 16 + 2 * q + 1]);
-    a[2] = pair(A[g * 16 + 2 * q + 8], A[g * 16 + 2 * q + 9]);
-    a[3] = pair(A[(g + 8) * 16 + 2 * q + 8], A[(g + 8) * 16 + 2 * q + 9]);
-    b[0] = pair(B[(2 * q) * 8 + g], B[(2 * q + 1) * 8 + g]);
-    b[1] = pair(B[(2 * q + 8) * 8 + g], B[(2 * q + 9) * 8 + g]);
-    if (bf) {
-      flce::host::ptx::mma_m16n8k16_bf16(d, a, b[0], b[1]);
-    } else {
-      flce::host::ptx::mma_m16n8k16_f16(d, a, b[0], b[1]);
-    }
-  }
-  D[g * 8 + 2 * q] = d[0];
-  D[g * 8 + 2 * q + 1] = d[1];
-  D[(g + 8) * 8 + 2 * q] = d[2];
-  D[(g + 8) * 8 + 2 * q + 1] = d[3];
-}
-
-float round_to(float x, MmaKind kind) {
-  if (kind == MmaKind::kBf16) return __bfloat162float(__float2bfloat16_rn(x));
-  if (kind == MmaKind::kF16) return __half2float(__float2half_rn(x));
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u &= 0xffffe000u;  // the tensor core reads the upper 19 bits of a tf32 operand
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-
-TEST(mma_fragment_layouts) {
-  for (MmaKind kind : {MmaKind::kBf16, MmaKind::kF16, MmaKind::kTf32}) {
-    const int K = kind == MmaKind::kTf32 ? 8 : 16;
-    std::vector<float> A(16 * K), B(K * 8), C(16 * 8);
-    for (float& v : A) v = check::normal();
-    for (float& v : B) v = check::normal();
-    for (float& v : C) v = check::normal();
-    DeviceBuffer<float> dA(A), dB(B), dC(C), dD(16 * 8, harness::qnan());
-    EXPECT(run<mma_kernel>(dim3(1), dim3(32), 0, dA.data(), dB.data(), dC.data(), dD.data(),
-                           static_cast<int>(kind)) == cudaSuccess,
-           "%s", flce::host::last_error_message().c_str());
-    for (int i = 0; i < 16; ++i) {
-      for (int j = 0; j < 8; ++j) {
-        long double ref = C[i * 8 + j], mag = std::fabs(C[i * 8 + j]);
-        for (int k = 0; k < K; ++k) {
-          const long double p =
-              static_cast<long double>(round_to(A[i * K + k], kind)) * round_to(B[k * 8 + j], kind);
-          ref += p;
-          mag += std::fabs(p);
-        }
-        // One fp32 rounding of the sum (the emulation sums exactly), plus slack for the order.
-        const long double tol = 2 * check::kU * mag;
-        EXPECT(std::fabs(dD[i * 8 + j] - ref) <= tol, "kind %d D[%d][%d] = %.9g vs %.9Lg",
-               static_cast<int>(kind), i, j, dD[i * 8 + j], ref);
-      }
-    }
-  }
-}
-
-TEST(cvt_rna_tf32) {
-  auto f = [](uint32_t u) {
-    float x;
-    std::memcpy(&x, &u, 4);
-    return x;
-  };
-  using flce::host::ptx::cvt_rna_tf32;
-  EXPECT(cvt_rna_tf32(f(0x3f800fffu)) == 0x3f800000u, "below half rounds down");
-  EXPECT(cvt_rna_tf32(f(0x3f801000u)) == 0x3f802000u, "tie rounds away (up for +)");
-  EXPECT(cvt_rna_tf32(f(0xbf801000u)) == 0xbf802000u, "tie rounds away (down for -)");
-  EXPECT(cvt_rna_tf32(f(0x3f803000u)) == 0x3f804000u, "tie away, not to even");
-  EXPECT(cvt_rna_tf32(f(0x7f7ff000u)) == 0x7f800000u, "overflow to inf");
-  EXPECT(cvt_rna_tf32(f(0x7f800000u)) == 0x7f800000u, "inf stays");
-  EXPECT(cvt_rna_tf32(f(0x7f800001u)) == 0x7fffffffu, "nan -> canonical nan");
-  // Against long double round-half-away at 11 significant bits, for random normal values.
-  for (int i = 0; i < 10000; ++i) {
-    const float x = check::normal(100.f);
-    if (x == 0.f) continue;
-    int e;
-    const long double m = std::frexp(static_cast<long double>(x), &e);  // |m| in [0.5, 1)
-    const long double scaled = m * 2048.0L;                               // 11 bits
-    const long double r = std::copysign(std::floor(std::fabs(scaled) + 0.5L), scaled);
-    const float want = static_cast<float>(std::ldexp(r / 2048.0L, e));
-    EXPECT(cvt_rna_tf32(x) == __float_as_uint(want), "x = %a", x);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
 // The race detector (race-checked build only)
 // ---------------------------------------------------------------------------------------------
 
 // mode 0: clean. 1: RAW (thread 1 reads thread 0's write, no barrier). 2: WAR (thread 1 writes
-// what thread 0 read). 3: WAW. 4: read of a byte nobody wrote. 5: read of a cp.async destination
-// before the wait. 6: a cp.async over bytes another thread read in the same barrier interval.
-// 7: ldmatrix of rows nobody wrote.
-__global__ void racy_kernel(const float* g, float* out, int mode) {
+// what thread 0 read). 3: WAW. 4: read of a byte nobody wrote.
+__global__ void racy_kernel(float* out, int mode) {
   FLCE_DYNAMIC_SHARED(smem);
   float* s = reinterpret_cast<float*>(smem);
   const unsigned t = threadIdx.x;
@@ -698,31 +424,6 @@ __global__ void racy_kernel(const float* g, float* out, int mode) {
     case 4:
       v = s[blockDim.x + t];
       break;
-    case 5:
-      if (t < 128) {
-        flce::host::ptx::cp_async_cg_16(
-            static_cast<uint32_t>(__cvta_generic_to_shared(s + 4 * t)), g + 4 * t, 16);
-        flce::host::ptx::cp_async_commit_group();
-        v = s[4 * t + 1];
-        flce::host::ptx::cp_async_wait_group(0);
-      }
-      break;
-    case 6:
-      if (t == 0) v = s[36];
-      if (t == 9) {
-        flce::host::ptx::cp_async_cg_16(
-            static_cast<uint32_t>(__cvta_generic_to_shared(s + 36)), g, 16);
-        flce::host::ptx::cp_async_commit_group();
-        flce::host::ptx::cp_async_wait_group(0);
-      }
-      break;
-    case 7: {
-      uint32_t r[4];
-      flce::host::ptx::ldmatrix_x4(
-          r, static_cast<uint32_t>(__cvta_generic_to_shared(s + blockDim.x + 4 * (t % 32))));
-      v = static_cast<float>(r[0]);
-      break;
-    }
     default:
       v = s[(t + 1) % blockDim.x];
       break;
@@ -732,30 +433,26 @@ __global__ void racy_kernel(const float* g, float* out, int mode) {
 }
 
 void expect_race(int mode, const char* kind) {
-  DeviceBuffer<float> g(4 * 256, 1.f), out(256, 0.f);
-  const cudaError_t e =
-      run<racy_kernel>(dim3(1), dim3(256), 256 * 4 + 256 * 4, g.data(), out.data(), mode);
+  DeviceBuffer<float> out(256, 0.f);
+  const cudaError_t e = run<racy_kernel>(dim3(1), dim3(256), 256 * 4 + 256 * 4, out.data(), mode);
   EXPECT(failed_with(e, cudaErrorLaunchFailure, kind), "mode %d", mode);
 }
 
 TEST(race_detector_reports) {
   if (!harness::race_checked_build()) return;
-  DeviceBuffer<float> g(4 * 256, 1.f), out(256, 0.f);
-  EXPECT(run<racy_kernel>(dim3(2), dim3(256), 2048, g.data(), out.data(), 0) == cudaSuccess,
+  DeviceBuffer<float> out(256, 0.f);
+  EXPECT(run<racy_kernel>(dim3(2), dim3(256), 2048, out.data(), 0) == cudaSuccess,
          "clean kernel: %s", flce::host::last_error_message().c_str());
   expect_race(1, "shared-memory race (read after write)");
   expect_race(2, "shared-memory race (write after read)");
   expect_race(3, "shared-memory race (write after write)");
   expect_race(4, "read of uninitialized shared memory");
-  expect_race(5, "cp.async in flight");
-  expect_race(6, "shared-memory race (write after read)");
-  expect_race(7, "read of uninitialized shared memory");
   // The report names the access and the conflicting one with source locations.
   expect_race(1, "written by thread 0 at");
   EXPECT(flce::host::last_error_message().find("test_runtime.cpp") != std::string::npos,
          "symbolized: %s", flce::host::last_error_message().c_str());
   flce::host::set_racecheck(false);
-  EXPECT(run<racy_kernel>(dim3(1), dim3(256), 2048, g.data(), out.data(), 1) == cudaSuccess,
+  EXPECT(run<racy_kernel>(dim3(1), dim3(256), 2048, out.data(), 1) == cudaSuccess,
          "set_racecheck(false) turns the detector off");
   flce::host::set_racecheck(true);
 }

@@ -1,9 +1,7 @@
 // dev:: for the host emulation of the CUDA backend (csrc/cuda/device.h; built with
 // FLCE_CUDA_HOST into the test-only module of module.cpp): CPU tensors stand for device
 // memory, the kernels run on the host SIMT runtime (csrc/cuda/host/runtime.h) at their launch,
-// and at::addmm in fp32 stands in for cuBLAS. Every workspace from dev::empty is NaN-poisoned,
-// and every CPU allocation is registered with the runtime, so that a cp.async source outside
-// all live tensors is reported.
+// and at::mm in fp32 stands in for cuBLAS. Every workspace from dev::empty is NaN-poisoned.
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -87,49 +85,6 @@ PendingCopy::PendingCopy(PendingCopy&&) noexcept = default;
 PendingCopy& PendingCopy::operator=(PendingCopy&&) noexcept = default;
 bool PendingCopy::ready() const { return ++impl_->polls > 1; }
 const at::Tensor& PendingCopy::wait() const { return impl_->host; }
-
-namespace {
-
-// The CPU allocator of the process, wrapped so that every live allocation is known to the
-// runtime's cp.async source check. Installed when the module loads. Its data pointers are their
-// own contexts, as the default CPU allocator's (code such as Allocator::raw_allocate asserts it).
-c10::DeleterFnPtr g_base_deleter = nullptr;
-
-void free_registered(void* p) {
-  if (p != nullptr) host::unregister_allocation(p);
-  g_base_deleter(p);
-}
-
-class RegisteringAllocator final : public c10::Allocator {
- public:
-  explicit RegisteringAllocator(c10::Allocator* base) : base_(base) {
-    g_base_deleter = base->raw_deleter();
-    TORCH_CHECK(g_base_deleter != nullptr, "flce_cuda_host: the CPU allocator has no raw deleter");
-  }
-  c10::DataPtr allocate(size_t bytes) override {
-    c10::DataPtr inner = base_->allocate(bytes);
-    void* p = inner.get();
-    TORCH_CHECK(inner.get_context() == p, "flce_cuda_host: unexpected CPU allocator context");
-    inner.release_context();
-    if (p != nullptr) host::register_allocation(p, bytes);
-    return {p, p, &free_registered, c10::Device(c10::kCPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &free_registered; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-
- private:
-  c10::Allocator* base_;
-};
-
-const bool allocator_installed = [] {
-  static RegisteringAllocator alloc(c10::GetCPUAllocator());
-  c10::SetCPUAllocator(&alloc, /*priority=*/100);
-  return true;
-}();
-
-}  // namespace
 
 }  // namespace dev
 }  // namespace flce

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 CONFIGS = ("plain", "racecheck", "asan")
 
-RUNTIME_SOURCES = ["runtime.cpp", "ptx.cpp", "racecheck.cpp", "fiber.cpp"]
+RUNTIME_SOURCES = ["runtime.cpp", "racecheck.cpp", "fiber.cpp"]
 # The defines torch.utils.cpp_extension gives every .cu file (the nvcc build uses them too).
 DEFINES = [
     "FLCE_CUDA_HOST",

@@ -1,9 +1,8 @@
-// Internals shared by the runtime's translation units (runtime.cpp, ptx.cpp, racecheck.cpp).
+// Internals shared by the runtime's translation units (runtime.cpp, racecheck.cpp).
 #pragma once
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "fiber.h"
 #include "runtime.h"
@@ -17,18 +16,10 @@ namespace detail {
 
 enum class State : std::uint8_t { kReady, kRunning, kBarrier, kWarp, kDone };
 
-// One cp.async in flight: lands (src_size bytes copied, the rest of the 16 zero-filled) when the
-// issuing thread's wait_group retires its group.
-struct Copy {
-  char* dst;
-  const char* src;
-  int src_size;
-};
-
 // What a lane hands to a warp collective; the lane that completes the collective computes every
 // lane's result and writes it through `out` (the waiting lanes' stacks are live).
 struct Deposit {
-  std::uint32_t u[6];
+  std::uint32_t u[2];  // the value (a shuffle moves at most 8 bytes)
   int arg;
   int width;
   void* out;
@@ -49,9 +40,6 @@ struct Fiber {
   Op op = Op::kShflIdx;
   unsigned mask = 0;
   Deposit dep{};
-  // cp.async: issued copies not yet landed, oldest first; sizes of the committed groups.
-  std::vector<Copy> copies;
-  std::vector<std::uint32_t> groups;
 };
 
 inline constexpr int kMaxPending = 8;
@@ -86,13 +74,8 @@ using Compute = void (*)(Fiber* const* lanes, unsigned mask, Op op);
 void collective(Op op, unsigned mask, const Deposit& dep, Compute compute, const char* file,
                 unsigned line, const void* pc);
 
-// The launch's dynamic shared memory: [arena, arena + arena_size), shared-window address 0 at
-// arena. Returns nullptr when [addr, addr + bytes) is outside it.
-char* shared_ptr(std::uint32_t addr, std::size_t bytes);
 const char* op_name(Op op);
 std::string describe_pc(const void* pc);
-// The allocation holding [p, p + bytes) (bytes 0: p may be the base of an empty one), or false.
-bool in_registered_allocation(const void* p, std::size_t bytes);
 
 // The race detector (racecheck.cpp), active for instrumented launches.
 namespace rc {
@@ -100,9 +83,6 @@ extern bool g_active;
 void launch_begin(char* arena, std::size_t arena_size, std::size_t guard);
 void block_begin();
 void barrier();
-void read(const Fiber* f, const void* p, std::size_t n, const void* pc);
-void async_issue(const Fiber* f, const void* dst, std::size_t n, const void* pc);
-void async_land(const Fiber* f, const void* dst, std::size_t n);
 }  // namespace rc
 
 }  // namespace detail

@@ -2,8 +2,7 @@
 //
 // The kernel translation units are compiled with -fsanitize=thread but linked without libtsan:
 // the compiler's __tsan_read*/__tsan_write* calls before every memory access land here. Accesses
-// outside the launch's dynamic shared memory (global memory, stacks, parameters) are ignored;
-// the runtime reports its own shared-memory accesses (ldmatrix reads, cp.async writes) directly.
+// outside the launch's dynamic shared memory (global memory, stacks, parameters) are ignored.
 //
 // Per byte of shared memory the shadow holds the last writer and the readers since the last
 // barrier, stamped with the barrier interval ("epoch", counted across blocks, so that a new block
@@ -11,10 +10,8 @@
 //   read  after a write by another thread            RAW
 //   write after a read by another thread             WAR
 //   write after a write by another thread            WAW
-// and at any time: an access to a byte with a cp.async in flight (issued, not yet landed by the
-// issuer's wait_group), a read of a byte never written in this block, an access past the end of
-// the dynamic shared memory. A cp.async counts as a write when issued (against the epoch's reads
-// and writes) and again when it lands.
+// and at any time: a read of a byte never written in this block, an access past the end of the
+// dynamic shared memory.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -34,15 +31,13 @@ bool g_active = false;
 
 namespace {
 
-constexpr std::uint16_t kNone = 0xffff;
 constexpr std::uint16_t kMany = 0xfffe;
 
 struct Shadow {
   std::uint32_t w_epoch;
   std::uint32_t r_epoch;
-  std::uint16_t w_tid;  // writer (or cp.async issuer while in flight)
+  std::uint16_t w_tid;  // writer in w_epoch
   std::uint16_t r_tid;  // reader in r_epoch, or kMany
-  std::uint8_t in_flight;
   const void* w_pc;
   const void* r_pc;
 };
@@ -96,11 +91,6 @@ void on_read(const Fiber* f, std::uintptr_t p, std::size_t n, const void* pc) {
   const std::size_t off = p - s.lo;
   for (std::size_t i = 0; i < n; ++i) {
     Shadow& b = s.shadow[off + i];
-    if (b.in_flight) {
-      report("access to shared memory with a cp.async in flight", f, off + i, "read",
-             "; the cp.async was issued by ", b.w_tid, b.w_pc,
-             " and has not landed (its group was not retired by cp.async.wait_group)", pc);
-    }
     if (b.w_epoch < s.block_epoch) {
       report("read of uninitialized shared memory", f, off + i, "read", nullptr, 0, nullptr,
              ", which no thread of this block has written", pc);
@@ -119,29 +109,23 @@ void on_read(const Fiber* f, std::uintptr_t p, std::size_t n, const void* pc) {
   }
 }
 
-void on_write(const Fiber* f, std::uintptr_t p, std::size_t n, const void* pc, bool async) {
-  const char* access = async ? "cp.async write" : "write";
-  check_bounds(f, p, n, access, pc);
+void on_write(const Fiber* f, std::uintptr_t p, std::size_t n, const void* pc) {
+  check_bounds(f, p, n, "write", pc);
   const auto tid = static_cast<std::uint16_t>(f->tid);
   const std::size_t off = p - s.lo;
   for (std::size_t i = 0; i < n; ++i) {
     Shadow& b = s.shadow[off + i];
-    if (b.in_flight) {
-      report("access to shared memory with a cp.async in flight", f, off + i, access,
-             "; the cp.async was issued by ", b.w_tid, b.w_pc, " and has not landed", pc);
-    }
-    if (b.w_epoch == s.epoch && b.w_tid != tid && b.w_tid != kNone) {
-      report("shared-memory race (write after write)", f, off + i, access, "; also written by ",
+    if (b.w_epoch == s.epoch && b.w_tid != tid) {
+      report("shared-memory race (write after write)", f, off + i, "write", "; also written by ",
              b.w_tid, b.w_pc, " with no barrier in between", pc);
     }
     if (b.r_epoch == s.epoch && b.r_tid != tid) {
-      report("shared-memory race (write after read)", f, off + i, access, "; read by ", b.r_tid,
+      report("shared-memory race (write after read)", f, off + i, "write", "; read by ", b.r_tid,
              b.r_pc, " with no barrier in between", pc);
     }
     b.w_tid = tid;
     b.w_epoch = s.epoch;
     b.w_pc = pc;
-    b.in_flight = async ? 1 : 0;
   }
 }
 
@@ -151,7 +135,7 @@ inline void access(const void* addr, std::size_t n, bool write, const void* pc) 
   const auto p = reinterpret_cast<std::uintptr_t>(addr);
   if (p + n <= s.lo || p >= s.lo + s.size + s.guard) return;
   if (write) {
-    on_write(g_cur, p, n, pc, false);
+    on_write(g_cur, p, n, pc);
   } else {
     on_read(g_cur, p, n, pc);
   }
@@ -172,31 +156,9 @@ void launch_begin(char* arena, std::size_t arena_size, std::size_t guard) {
   }
 }
 
-void block_begin() {
-  s.block_epoch = ++s.epoch;
-  // Bytes still flagged by an aborted launch are the only in-flight state that can survive.
-  for (std::size_t i = 0; i < s.size; ++i) s.shadow[i].in_flight = 0;
-}
+void block_begin() { s.block_epoch = ++s.epoch; }
 
 void barrier() { ++s.epoch; }
-
-void read(const Fiber* f, const void* p, std::size_t n, const void* pc) {
-  on_read(f, reinterpret_cast<std::uintptr_t>(p), n, pc);
-}
-
-void async_issue(const Fiber* f, const void* dst, std::size_t n, const void* pc) {
-  on_write(f, reinterpret_cast<std::uintptr_t>(dst), n, pc, true);
-}
-
-void async_land(const Fiber* f, const void* dst, std::size_t n) {
-  const std::size_t off = reinterpret_cast<std::uintptr_t>(dst) - s.lo;
-  for (std::size_t i = 0; i < n; ++i) {
-    Shadow& b = s.shadow[off + i];
-    b.in_flight = 0;
-    b.w_tid = static_cast<std::uint16_t>(f->tid);
-    b.w_epoch = s.epoch;
-  }
-}
 
 }  // namespace rc
 }  // namespace detail

@@ -16,7 +16,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -67,7 +66,6 @@ struct Settings {
 #else
   FiberImpl impl = FiberImpl::kUcontext;
 #endif
-  std::map<std::uintptr_t, std::size_t> allocations;  // base -> bytes
   std::unordered_map<const void*, int> max_dynamic_smem;  // cudaFuncSetAttribute
   Stats stats;
 };
@@ -296,12 +294,6 @@ void fiber_entry() {
 
 // The thread has returned from the kernel: anything that waits for it now waits forever.
 void exit_checks(Fiber* self) {
-  if (!self->copies.empty()) {
-    fail(cudaErrorLaunchFailure, "thread exited with cp.async copies pending",
-         format("%zu copies were issued and never waited for (cp.async.wait_group)",
-                self->copies.size()),
-         nullptr);
-  }
   self->state = State::kDone;
   --g.live;
   ++g.exited;
@@ -436,8 +428,6 @@ bool run_block() {
   if (rc::g_active) rc::block_begin();
   for (int i = 0; i < g.nthreads; ++i) {
     Fiber& f = g.fibers[i];
-    f.copies.clear();
-    f.groups.clear();
     f.file = nullptr;
     f.line = 0;
     context_init(f.ctx, g.stacks[i], &fiber_entry, g.impl);
@@ -554,7 +544,7 @@ void prepare_launch(const LaunchSpec& spec) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Shared with ptx.cpp and racecheck.cpp
+// Shared with racecheck.cpp
 // ---------------------------------------------------------------------------------------------
 
 namespace {
@@ -606,14 +596,6 @@ const char* op_name(Op op) {
       return "__all_sync";
     case Op::kVoteBallot:
       return "__ballot_sync";
-    case Op::kLdmatrix:
-      return "ldmatrix.sync.aligned.m8n8.x4.shared.b16";
-    case Op::kMmaBf16:
-      return "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32";
-    case Op::kMmaF16:
-      return "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32";
-    case Op::kMmaTf32:
-      return "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32";
   }
   return "?";
 }
@@ -689,21 +671,6 @@ void collective(Op op, unsigned mask, const Deposit& dep, Compute compute, const
   for (int l = 0; l < 32; ++l) {
     if (lanes[l] != nullptr && lanes[l] != self) push_ready(lanes[l]);
   }
-}
-
-char* shared_ptr(std::uint32_t addr, std::size_t bytes) {
-  if (static_cast<std::size_t>(addr) + bytes > g.arena_size) return nullptr;
-  return g.arena + addr;
-}
-
-bool in_registered_allocation(const void* ptr, std::size_t bytes) {
-  const auto& a = settings().allocations;
-  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-  auto it = a.upper_bound(p);
-  if (it == a.begin()) return false;
-  --it;
-  if (bytes == 0) return p < it->first + it->second || p == it->first;
-  return p + bytes <= it->first + it->second;
 }
 
 // "function at file:line" by addr2line on the object holding pc, or "object+0xoffset".
@@ -899,17 +866,6 @@ void run_launch(const LaunchSpec& spec, void (*thunk)(void*), void* params) {
 const DeviceProperties& device_properties() { return detail::settings().props; }
 void set_device_properties(const DeviceProperties& props) { detail::settings().props = props; }
 
-void register_allocation(const void* ptr, std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(detail::launch_mutex());
-  detail::settings().allocations[reinterpret_cast<std::uintptr_t>(ptr)] = bytes;
-}
-
-void unregister_allocation(const void* ptr) {
-  std::lock_guard<std::mutex> lock(detail::launch_mutex());
-  detail::settings().allocations.erase(reinterpret_cast<std::uintptr_t>(ptr));
-}
-
-std::size_t registered_allocations() { return detail::settings().allocations.size(); }
 
 std::string last_error_message() { return detail::t_failed_message; }
 void set_abort_on_error(bool on) { detail::settings().abort_on_error = on; }

@@ -5,10 +5,10 @@
 // grid run one after another; a launch runs to completion inside the launch call (synchronous).
 // Launches of different OS threads are serialized. See csrc/cuda/host/README.md.
 //
-// Errors: a detected error (shared-memory race, partial or divergent barrier, warp collective with
-// a missing lane, deadlock, cp.async source outside every registered allocation, misaligned or
-// non-shared address, bad launch configuration) ends the launch. The launch's cudaError_t is then
-// what cudaGetLastError() / cudaPeekAtLastError() return (as after a real launch), and
+// Errors: a detected error (shared-memory race, read of uninitialized or out-of-bounds shared
+// memory, partial or divergent barrier, warp collective with a missing lane, deadlock, non-shared
+// address, bad launch configuration) ends the launch. The launch's cudaError_t is then what
+// cudaGetLastError() / cudaPeekAtLastError() return (as after a real launch), and
 // cudaGetErrorString() of that code, like last_error_message(), is the full report. Nothing here
 // aborts the process unless set_abort_on_error(true) asked for it (standalone test binaries).
 #pragma once
@@ -36,13 +36,6 @@ struct DeviceProperties {
 };
 const DeviceProperties& device_properties();
 void set_device_properties(const DeviceProperties& props);
-
-// Global allocations that kernels may read with cp.async: a cp.async source (also one with
-// src-size 0, which reads nothing but must still be a valid address) must lie inside one of them.
-// Register every buffer a launch reads through cp.async; re-registering a base replaces it.
-void register_allocation(const void* ptr, std::size_t bytes);
-void unregister_allocation(const void* ptr);
-std::size_t registered_allocations();
 
 // The report of the last failed launch of this OS thread ("" if none failed yet).
 std::string last_error_message();

@@ -4,9 +4,9 @@
 // The CUDA headers (cuda_runtime.h, cuda_bf16.h, cuda_fp16.h) compile as host C++ and give the
 // types (dim3, float4, __half, __nv_bfloat16) and the host conversions; this header adds the
 // device side: threadIdx/blockIdx/blockDim/gridDim, __syncthreads, the warp shuffles and votes,
-// __cvta_generic_to_shared, the bit casts, the host versions of the PTX used by ptx.cuh
-// (namespace flce::host::ptx) and the launch. All of it is implemented out of line by the runtime
-// (runtime.cpp), which is not instrumented: in a race-checked build only the kernel code is.
+// __cvta_generic_to_shared, the bit casts and the launch. All of it is implemented out of line by
+// the runtime (runtime.cpp), which is not instrumented: in a race-checked build only the kernel
+// code is.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -63,10 +63,6 @@ enum class Op : int {
   kVoteAny,
   kVoteAll,
   kVoteBallot,
-  kLdmatrix,
-  kMmaBf16,
-  kMmaF16,
-  kMmaTf32,
 };
 
 void syncthreads(const char* file, unsigned line);
@@ -123,26 +119,6 @@ void launch(dim3 grid, dim3 block, std::size_t smem, cudaStream_t, Args&&... arg
 }
 
 inline char* dynamic_shared() { return detail::g_view.dynamic_smem; }
-
-// Host implementations of the PTX instructions wrapped by csrc/cuda/ptx.cuh, from the PTX ISA
-// (see README.md for the fragment layouts and what is and is not modelled).
-namespace ptx {
-// cp.async.cg.shared.global [dst], [src], 16, src_size (src_size 0 or 16; the rest zero-filled).
-void cp_async_cg_16(std::uint32_t dst, const void* src, int src_size);
-void cp_async_commit_group();
-void cp_async_wait_group(int n);
-// ldmatrix.sync.aligned.m8n8.x4.shared.b16
-void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr);
-// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 and m16n8k8 ... tf32: d += a b
-void mma_m16n8k16_bf16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                       std::uint32_t b1);
-void mma_m16n8k16_f16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                      std::uint32_t b1);
-void mma_m16n8k8_tf32(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                      std::uint32_t b1);
-// cvt.rna.tf32.f32: round to nearest, ties away from zero, to 10 mantissa bits (low 13 bits 0).
-std::uint32_t cvt_rna_tf32(float x);
-}  // namespace ptx
 
 }  // namespace host
 }  // namespace flce
