@@ -7,15 +7,14 @@
 #include <optional>
 #include <tuple>
 
+#include "flce/layout.h"
+
 namespace flce {
 
 using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Row layouts of the ops (ops_def.h): partials [N, kPartialCols] = (m, s, z_t, sum_z, u),
-// stats [N, kStatsCols] = (m_x, s_x, z_t, u_x).
-constexpr int64_t kPartialCols = 5;
-constexpr int64_t kStatsCols = 4;
+// Row layouts of the ops: kPartialCols, kStatsCols (flce/layout.h).
 
 using PartialStatsFn = at::Tensor(const at::Tensor& input, const at::Tensor& weight,
                                   const at::Tensor& target, const std::optional<at::Tensor>& bias,

@@ -48,6 +48,9 @@ TORCH_LIBRARY(flce, m) {
   // The sizes of the CPU single pass's logits (cpu/single_pass.h), for Python's model of the
   // pass's memory (flce/_common.py, cpu_single_pass_bytes): [rows per block, logits bytes for
   // fp32 inputs, for 16-bit inputs, columns per tile, tile row padding in floats].
+  // The row layouts of partials and stats (flce/layout.h): [kPartialCols, kStatsCols].
+  m.def("row_layout() -> int[]",
+        [] { return std::vector<int64_t>{kPartialCols, kStatsCols}; });
   m.def("cpu_single_pass_layout() -> int[]", [] {
     return std::vector<int64_t>{cpu::FUSED_BLOCK_N, cpu::kFusedWorkspaceBytes,
                                 cpu::kFusedWorkspaceBytes16, cpu::BLOCK_V_WIDE, cpu::TILE_PAD};

@@ -36,10 +36,8 @@ namespace binding {
 using cuda::DType;
 using Tensor5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Environment: a flag (unset or empty: fallback; "0": false) and a positive integer (read at
-// every call).
+// Environment: a flag (unset or empty: fallback; "0": false; read at every call).
 bool env_flag(const char* name, bool fallback);
-int64_t env_int(const char* name, int64_t fallback);
 
 // An NVTX range for the scope; FLCE_NVTX=0 disables them (read once).
 class NvtxRange {
@@ -86,7 +84,8 @@ void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float*
                  double label_smoothing, double z_loss, double softcap, double temperature,
                  int64_t vocab_size, float* coef, float* bound);
 
-// Bytes of the workspace budget (FLCE_CUDA_WORKSPACE_MB, default 1536 MiB, read at every call).
+// Bytes of the workspace budget (FLCE_CUDA_WORKSPACE_MB, default heuristics::kWorkspaceMb, read
+// at every call).
 int64_t workspace_bytes();
 // out [m, k] fp32 (or the compute dtype) = a [m, j] @ b [j, k] with fp32 accumulation.
 void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float beta = 0.f);
@@ -135,9 +134,8 @@ struct LinearJob {
 };
 
 // Rows per group (the gradient buffer [G, V]) and per logits sub-chunk (fp32 [S, V]) within the
-// workspace budget. must = false: no plan (0 rows) when fewer than kMinRows rows fit (the single
-// pass then runs forward + recompute backward); must = true: at least one row.
-constexpr int64_t kMinRows = 64;
+// workspace budget (heuristics.h). must = false: no plan (0 rows) when fewer than kMinRows rows
+// fit (the single pass then runs forward + recompute backward); must = true: at least one row.
 struct ChunkPlan {
   int64_t group_rows = 0, sub_rows = 0;
   bool in_place = false;  // fp32: logits computed into the group buffer, dz written over them

@@ -29,17 +29,16 @@
 
 #include "cuda/binding.h"
 #include "cuda/device.h"
+#include "cuda/heuristics.h"
 #include "cuda/params.h"
 
 namespace flce {
 namespace binding {
 namespace {
 
-// Vocabulary rows of one fp32 dW piece: 32 MiB at D = 4096, while the piece's GEMM
-// (2048 x D x G) is still large enough for cuBLAS.
-constexpr int64_t kDwPiece = 2048;
-// Rows of a bias column-sum block of row_grad (8-row CTAs): sums reduced in order.
-constexpr int kBiasRows = 8;
+using heuristics::kBiasRows;
+using heuristics::kDwPiece;
+using heuristics::kMinRows;
 
 // Row stride of a chunk's fp32 logits, in floats: a multiple of 8 (32-byte rows).
 int64_t logits_ld(int64_t v) { return ceil_div(std::max<int64_t>(v, 1), 8) * 8; }
@@ -113,19 +112,12 @@ ChunkPlan plan_chunks(int64_t n, int64_t v, at::ScalarType compute, bool split, 
     return must ? std::max<int64_t>(r, 1) : int64_t{0};
   };
   if (compute == at::kFloat) {
-    // fp32 dW sums a group's rows inside one cuBLAS GEMM (fp32 accumulation) and the groups with
-    // Kahan compensation: groups of at most 1024 rows keep the first term small
-    // (benchmarks/accumulation.py), and fp32 GEMMs are slow enough that the [V, D] compensated
-    // add per group costs little beside them.
-    plan.in_place = true;
-    plan.group_rows =
-        std::min<int64_t>(rows(budget / (4 * ld)), env_int("FLCE_CUDA_FP32_GROUP_ROWS", 1024));
+    plan.in_place = true;  // the fp32 logits are the group buffer; dz is written over them
+    plan.group_rows = std::min(rows(budget / (4 * ld)), heuristics::kFp32GroupRows);
     plan.sub_rows = plan.group_rows;
   } else {
-    // The sub-chunk gets a twelfth of the budget (at most 128 MiB): 256 rows of a 128k
-    // vocabulary, enough for the logits GEMM (M = S) to stay compute-bound while each sub-chunk
-    // re-reads W.
-    const int64_t scratch = std::min<int64_t>(budget / 12, int64_t{128} << 20);
+    const int64_t scratch =
+        std::min(budget / heuristics::kSubChunkShare, heuristics::kSubChunkMaxBytes);
     plan.sub_rows = rows(scratch / (4 * ld));
     const int64_t elt = 2 * (split ? 2 : 1);
     plan.group_rows = rows(std::max<int64_t>(budget - plan.sub_rows * ld * 4, 0) / (elt * ld));
@@ -332,7 +324,7 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& gj, const ChunkPlan& pl
     out.gb.zero_();
     gb_comp = at::zeros({v}, f32);
   }
-  const int64_t kPieceCols = env_int("FLCE_CUDA_FP32_PIECE_COLS", 8192);
+  const int64_t kPieceCols = heuristics::kFp32PieceCols;
   // FLCE_CUDA_FP32_GRAD=fp64: dE and each group's dW in float64 (gemm_f64: the products exact,
   // the sums in double), rounded once; dW's groups still Kahan-added in fp32.
   const bool f64 = compute == at::kFloat && fp32_grads_in_fp64();

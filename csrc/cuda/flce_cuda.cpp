@@ -34,6 +34,7 @@
 
 #include "cuda/binding.h"
 #include "cuda/device.h"
+#include "cuda/heuristics.h"
 #include "cuda/params.h"
 #include "flce_ops.h"
 
@@ -44,15 +45,6 @@ bool env_flag(const char* name, bool fallback) {
   const char* s = std::getenv(name);
   if (s == nullptr || *s == '\0') return fallback;
   return std::strcmp(s, "0") != 0;
-}
-
-// A positive integer from the environment (read at every call), else the fallback.
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* s = std::getenv(name);
-  if (s == nullptr || *s == '\0') return fallback;
-  const long long v = std::atoll(s);
-  TORCH_CHECK_VALUE(v > 0, "flce: ", name, " must be a positive integer, got '", s, "'");
-  return v;
 }
 
 // FLCE_NVTX=0 disables the ranges (read once).
@@ -171,15 +163,15 @@ void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t voc
     g_checks.push_back(PendingCheck{dev::PendingCopy(info), vocab_size, ignore_index});
   }
   // A host far ahead of its GPU waits here rather than queueing pinned copies without bound.
-  constexpr size_t kMaxPending = 64;
-  poll_target_checks(check_mode() == CheckMode::kSync || g_checks.size() > kMaxPending);
+  poll_target_checks(check_mode() == CheckMode::kSync ||
+                     g_checks.size() > heuristics::kMaxPendingChecks);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward (logit tiles folded into row statistics) and combine.
 // ---------------------------------------------------------------------------------------------
 
-// combine (finalize) of [ranks, n, 4] partials into loss [n], lse [n], stats [n, 3] (written
+// combine (finalize) of [ranks, n, 5] partials into loss [n], lse [n], stats [n, 4] (written
 // through their pointers), raising *flag for out-of-range targets.
 void launch_finalize(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
                      int64_t ignore_index, double label_smoothing, double z_loss, float* loss,
@@ -271,13 +263,12 @@ Tensor4 forward_cuda(const at::Tensor& input, const at::Tensor& weight, const at
                       label_smoothing, z_loss);
 }
 
-// Bytes of the workspace budget (FLCE_CUDA_WORKSPACE_MB, default 1536 MiB, read at every call):
-// the recompute backward's gradient tile and the single pass' group buffer plus its logits
-// sub-chunk.
+// Bytes of the workspace budget (FLCE_CUDA_WORKSPACE_MB, read at every call): the chunk driver's
+// logits and gradient buffers.
 int64_t workspace_bytes() {
   const char* s = std::getenv("FLCE_CUDA_WORKSPACE_MB");
   const double mb = s != nullptr ? std::atof(s) : 0.0;  // fractions too (tests of the chunking)
-  return static_cast<int64_t>((mb > 0 ? mb : 1536.0) * (1 << 20));
+  return static_cast<int64_t>((mb > 0 ? mb : heuristics::kWorkspaceMb) * (1 << 20));
 }
 
 // out [m, k] fp32 (or the compute dtype) = a [m, j] @ b [j, k] with fp32 accumulation.

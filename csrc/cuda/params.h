@@ -12,14 +12,15 @@
 
 #include <cstdint>
 
+#include "flce/layout.h"
+
 namespace flce {
 namespace cuda {
 
-// Row layouts: partial statistics [kPartialCols] = (m, s, z_t, sum_z, u) (online logsumexp of
-// the non-target logits, the target logit, the sum of all logits, the entropy's sum u of
-// math.h OnlineLse); row statistics [kStatsCols] = (m_x, s_x, z_t, u_x).
-constexpr int kPartialCols = 5;
-constexpr int kStatsCols = 4;
+// Row layouts: partial statistics [kPartialCols] = (m, s, z_t, sum_z, u), row statistics
+// [kStatsCols] = (m_x, s_x, z_t, u_x) (flce/layout.h).
+using ::flce::kPartialCols;
+using ::flce::kStatsCols;
 
 // Storage dtype of a kernel's operands (logits, gradient tile, weight rows).
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };

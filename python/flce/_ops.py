@@ -23,10 +23,9 @@ CPU_BF16_AMX = bool(torch.ops.flce.cpu_bf16_amx())
 (CPU_FUSED_ROWS, CPU_FUSED_WORKSPACE, CPU_FUSED_WORKSPACE_16, CPU_WIDE_TILE,
  CPU_TILE_PAD) = (int(x) for x in torch.ops.flce.cpu_single_pass_layout())
 
-# Row layouts of the ops (csrc/flce_ops.h): partials (m, s, z_t, sum_z, u), stats (m_x, s_x,
-# z_t, u_x).
-PARTIAL_COLS = 5
-STATS_COLS = 4
+# Row layouts of the ops (csrc/include/flce/layout.h): partials (m, s, z_t, sum_z, u), stats
+# (m_x, s_x, z_t, u_x).
+PARTIAL_COLS, STATS_COLS = (int(x) for x in torch.ops.flce.row_layout())
 
 
 def is_cuda_backend(t):

@@ -1,0 +1,15 @@
+// The row layouts the ops exchange (csrc/ops_def.h), defined once for every backend, the
+// torch-free kernels and Python (flce/_ops.py reads them through torch.ops.flce.row_layout):
+//   partials [N, kPartialCols] = (m, s, z_t, sum_z, u): online logsumexp (m, s) of the
+//            non-target logits, the target logit, the sum of all logits (label smoothing), the
+//            entropy's sum u (math.h OnlineLse);
+//   stats    [N, kStatsCols] = (m_x, s_x, z_t, u_x): the combined row statistics the backward
+//            reads.
+#pragma once
+
+namespace flce {
+
+constexpr int kPartialCols = 5;
+constexpr int kStatsCols = 4;
+
+}  // namespace flce
