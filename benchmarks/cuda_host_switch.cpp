@@ -1,4 +1,4 @@
-// The cost of a fiber context switch in the host SIMT emulation (csrc/cuda/host), for the
+// The cost of a fiber context switch in the host SIMT emulation (tools/cuda_host), for the
 // hand-written x86-64 switch and glibc's swapcontext, measured two ways:
 //   raw      ping-pong between the launcher and one fiber (two switches per round trip)
 //   kernel   a 256-thread kernel doing nothing but warp shuffles: every shuffle blocks 31 lanes

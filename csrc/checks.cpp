@@ -1,6 +1,6 @@
 // The argument checks every backend shares (declared in flce_ops.h). Kept apart from ops.cpp,
 // which registers the `flce` library, so that the test-only emulated CUDA binding
-// (csrc/cuda/emulated/) links them without registering `flce` twice.
+// (tools/cuda_host/binding/) links them without registering `flce` twice.
 #include <ATen/ATen.h>
 
 #include "flce_ops.h"

@@ -1,6 +1,6 @@
 // The schemas of the flce operator library, written once. csrc/ops.cpp defines them in the
 // `flce` namespace; the test-only build of the CUDA binding against the host emulation of the
-// kernels (csrc/cuda/emulated/) defines the same schemas in `flce_cuda_host`, so that the CUDA
+// kernels (tools/cuda_host/binding/) defines the same schemas in `flce_cuda_host`, so that the CUDA
 // launch sequence runs on CPU tensors under exactly the op contract it serves on a GPU.
 //
 // Shapes: input [N, D], weight [V_local, D], target [N] (int64, global vocabulary ids),

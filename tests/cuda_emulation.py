@@ -2,8 +2,7 @@
 
 It is the torch binding of the CUDA backend (csrc/cuda/*.cpp, compiled with
 FLCE_CUDA_HOST) together with the unchanged kernels of csrc/cuda/*.cu compiled as host C++ and
-run by the host SIMT runtime (csrc/cuda/host/: each CUDA thread a fiber, the PTX emulated from
-the ISA tables), serving CPU tensors under the op namespace ``flce_cuda_host``, whose schemas are
+run by the host SIMT runtime (tools/cuda_host/: each CUDA thread a fiber), serving CPU tensors under the op namespace ``flce_cuda_host``, whose schemas are
 flce's. With ``flce._ops.routed_to("flce_cuda_host")`` the whole API runs the CUDA launch
 sequence: chunk loops, workspaces (NaN-poisoned), scales, target checks, and at::mm standing in
 for cuBLAS.
@@ -24,6 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = "flce_cuda_host"
+TOOLS = os.path.join(ROOT, "tools", "cuda_host")
 
 
 class Unavailable(RuntimeError):
@@ -33,7 +33,7 @@ class Unavailable(RuntimeError):
 def _build_info():
     import runpy
 
-    return runpy.run_path(os.path.join(ROOT, "csrc", "cuda", "host", "build_info.py"))
+    return runpy.run_path(os.path.join(ROOT, "tools", "cuda_host", "build_info.py"))
 
 
 def _binding_sources():
@@ -43,8 +43,8 @@ def _binding_sources():
     cuda = sorted(p for p in glob.glob(os.path.join(src, "cuda", "*.cpp"))
                   if os.path.basename(p) != "device_cuda.cpp")
     return [os.path.join(src, "checks.cpp")] + cuda + [
-        os.path.join(src, "cuda", "emulated", "device_host.cpp"),
-        os.path.join(src, "cuda", "emulated", "module.cpp")]
+        os.path.join(TOOLS, "binding", "device_host.cpp"),
+        os.path.join(TOOLS, "binding", "module.cpp")]
 
 
 def _digest(paths):
@@ -70,8 +70,8 @@ def load():
     except FileNotFoundError as e:
         raise Unavailable(str(e)) from None
     binding = _binding_sources()
-    sources = glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True) + glob.glob(
-        os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True) + binding + \
+    sources = [p for top in ("csrc", TOOLS) for ext in ("*.h", "*.cuh")
+               for p in glob.glob(os.path.join(ROOT, top, "**", ext), recursive=True)] + binding + \
         info["kernel_sources"] + info["runtime_sources"]
     # One build directory per source state: the kernels' and runtime's objects are rebuilt by
     # their own timestamps only, and ninja does not see header changes through them.

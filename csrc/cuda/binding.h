@@ -23,7 +23,7 @@
 #include "flce_ops.h"
 
 // The CUDA dispatch key of `flce`, or (host emulation) the CPU key of the test-only namespace
-// that csrc/cuda/emulated/ defines with the same schemas.
+// that tools/cuda_host/binding/ defines with the same schemas.
 #if defined(FLCE_CUDA_HOST)
 #define FLCE_CUDA_IMPL(m) TORCH_LIBRARY_IMPL(flce_cuda_host, CPU, m)
 #else

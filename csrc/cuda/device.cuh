@@ -1,5 +1,5 @@
 // The two things the kernels of csrc/cuda spell differently for nvcc and for the host SIMT
-// emulation (csrc/cuda/host, compiled by a host C++ compiler with -DFLCE_CUDA_HOST):
+// emulation (tools/cuda_host, compiled by a host C++ compiler with -DFLCE_CUDA_HOST):
 //
 //   launch_kernel<kernel>(grid, block, smem, stream, args...)
 //       kernel<<<grid, block, smem, stream>>>(args...) under nvcc; under the emulation the whole
@@ -13,7 +13,7 @@
 //       before every block and watched by the race detector).
 //
 // Everything else (threadIdx, __syncthreads, shuffles, the bit casts) is the same source for both;
-// the emulation provides host definitions in csrc/cuda/host/simt.h.
+// the emulation provides host definitions in tools/cuda_host/host/simt.h.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,9 +1,10 @@
-// The device facilities the torch binding (flce_cuda.cpp, single_pass.cpp, logits.cpp) uses, behind one small interface with
-// two implementations:
-//   device_cuda.cpp            a CUDA device: torch's current stream, CUDAGuard, cuBLAS;
-//   emulated/device_host.cpp   the host emulation (FLCE_CUDA_HOST): CPU tensors, the kernels run
-//                              by the host SIMT runtime (csrc/cuda/host/), at::mm standing in
-//                              for cuBLAS, every workspace NaN-poisoned.
+// The device facilities the torch binding (chunks.cpp, flce_cuda.cpp, single_pass.cpp,
+// logits.cpp) uses, behind one small interface with two implementations:
+//   device_cuda.cpp    a CUDA device: torch's current stream, CUDAGuard, cuBLAS;
+//   tools/cuda_host/binding/device_host.cpp
+//                      the host emulation (FLCE_CUDA_HOST, tests only): CPU tensors, the
+//                      kernels run by the host SIMT runtime (tools/cuda_host/host/), at::mm
+//                      standing in for cuBLAS, every workspace NaN-poisoned.
 // So the binding's launch sequence (chunk loops, workspace sizing, scales, first-chunk
 // initialization, target checks) is one source, run in CI on the CPU and on the GPU alike.
 #pragma once

@@ -4,7 +4,7 @@
 Each mutation is (file, an exact snippet that occurs exactly once, its replacement, the build,
 the test to run, the expected kind of report). For each one this script copies csrc/ to a
 scratch directory, applies the mutation there, recompiles only the kernel TUs that include the
-mutated file (with the flags of csrc/cuda/host/build_info.py, the ones CMake uses), relinks the
+mutated file (with the flags of tools/cuda_host/build_info.py, the ones CMake uses), relinks the
 test program with the unchanged objects of the CMake build, runs the test and requires it to FAIL
 with the expected report. (Every TU that includes a mutated header is rebuilt: the host linker
 keeps one copy of an inline function for all TUs, where nvcc compiles each TU's device code on
@@ -243,7 +243,7 @@ def main():
     cfg = json.load(open(sys.argv[1]))
     wanted = set(sys.argv[2:])
     muts = [m for m in MUTATIONS if not wanted or m["name"] in wanted]
-    bi = runpy.run_path(os.path.join(cfg["source_root"], "csrc", "cuda", "host", "build_info.py"))
+    bi = runpy.run_path(os.path.join(cfg["source_root"], "tools", "cuda_host", "build_info.py"))
     os.makedirs(cfg["work_dir"], exist_ok=True)
     t0 = time.time()
     failures = 0

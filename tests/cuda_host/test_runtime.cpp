@@ -1,4 +1,4 @@
-// Tests of the host SIMT runtime itself (csrc/cuda/host): thread indexing, barriers, warp
+// Tests of the host SIMT runtime itself (tools/cuda_host): thread indexing, barriers, warp
 // shuffles and votes, launch limits, the shared-memory race detector, and every error the runtime
 // must report instead of hanging or answering wrong. Tests named race_* need the race-checked
 // build (kernels compiled with -fsanitize=thread) and are registered only there.

@@ -10,7 +10,7 @@
 #pragma once
 
 #if defined(__CUDACC__)
-#error "csrc/cuda/host/simt.h is the host emulation; nvcc compiles the real device code"
+#error "tools/cuda_host/host/simt.h is the host emulation; nvcc compiles the real device code"
 #endif
 
 #include <cuda_bf16.h>

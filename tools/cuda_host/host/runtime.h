@@ -1,9 +1,9 @@
 // flce host SIMT emulation: the C++ API for code that drives emulated kernels (the host tests and
-// the emulated torch binding). The kernels themselves see csrc/cuda/host/simt.h instead.
+// the emulated torch binding). The kernels themselves see tools/cuda_host/host/simt.h instead.
 //
 // Model: each CUDA thread of a block runs as a fiber on the calling OS thread; the blocks of a
 // grid run one after another; a launch runs to completion inside the launch call (synchronous).
-// Launches of different OS threads are serialized. See csrc/cuda/host/README.md.
+// Launches of different OS threads are serialized. See tools/cuda_host/README.md.
 //
 // Errors: a detected error (shared-memory race, read of uninitialized or out-of-bounds shared
 // memory, partial or divergent barrier, warp collective with a missing lane, deadlock, non-shared

@@ -1,7 +1,7 @@
 // The test-only Python module flce_cuda_host: the CUDA binding (csrc/cuda/*.cpp, built
 // with FLCE_CUDA_HOST) serving CPU tensors under the namespace flce_cuda_host, whose schemas are
 // flce's (ops_def.h). Its kernels are the unchanged csrc/cuda/*.cu, compiled as host C++ and run
-// by the host SIMT runtime (csrc/cuda/host/). tests/cuda_host.py builds and loads it.
+// by the host SIMT runtime (tools/cuda_host/host/). tests/cuda_emulation.py builds and loads it.
 #include <Python.h>
 #include <torch/library.h>
 

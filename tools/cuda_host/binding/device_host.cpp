@@ -1,6 +1,6 @@
 // dev:: for the host emulation of the CUDA backend (csrc/cuda/device.h; built with
 // FLCE_CUDA_HOST into the test-only module of module.cpp): CPU tensors stand for device
-// memory, the kernels run on the host SIMT runtime (csrc/cuda/host/runtime.h) at their launch,
+// memory, the kernels run on the host SIMT runtime (tools/cuda_host/host/runtime.h) at their launch,
 // and at::mm in fp32 stands in for cuBLAS. Every workspace from dev::empty is NaN-poisoned.
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
@@ -10,7 +10,7 @@
 #include <limits>
 
 #include "cuda/device.h"
-#include "cuda/host/runtime.h"
+#include "host/runtime.h"
 
 namespace flce {
 namespace dev {

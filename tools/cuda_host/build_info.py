@@ -2,7 +2,7 @@
 """Sources and flags of the flce host SIMT emulation, for any build system.
 
 The emulation compiles the unchanged CUDA kernels (csrc/cuda/*.cu) as host C++ together with the
-runtime of csrc/cuda/host. Three configurations:
+runtime of tools/cuda_host/host. Three configurations:
 
   plain      kernels and runtime at -O2
   racecheck  the kernel TUs also with -fsanitize=thread: the instrumentation calls the runtime's
@@ -13,7 +13,7 @@ runtime of csrc/cuda/host. Three configurations:
 From Python (e.g. a torch extension's setup):
 
     import runpy
-    bi = runpy.run_path("csrc/cuda/host/build_info.py")
+    bi = runpy.run_path("tools/cuda_host/build_info.py")
     info = bi["build_info"]("racecheck")          # dict, see build_info()
     objects = bi["compile_objects"]("build/emu", "racecheck")   # compiled with g++
 
@@ -27,7 +27,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 CONFIGS = ("plain", "racecheck", "asan")
 
 RUNTIME_SOURCES = ["runtime.cpp", "racecheck.cpp", "fiber.cpp"]
@@ -67,7 +68,7 @@ def build_info(config="plain"):
 
     Keys: runtime_sources, kernel_sources (absolute paths), include_dirs, defines, cflags (all
     TUs), kernel_cflags (the .cu files; includes "-x c++"), runtime_cflags, ldflags, config.
-    Code that includes csrc/cuda/host/runtime.h or device.cuh needs include_dirs and defines.
+    Code that includes host/runtime.h or device.cuh needs include_dirs and defines.
     """
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
@@ -75,7 +76,7 @@ def build_info(config="plain"):
     if inc is None:
         raise FileNotFoundError("CUDA headers not found (cuda_runtime.h, cuda_bf16.h, cuda_fp16.h):"
                                 " set CUDA_HOME")
-    host = os.path.join(ROOT, "csrc", "cuda", "host")
+    host = os.path.join(HERE, "host")
     opt = ["-O1"] if config == "asan" else ["-O2"]
     sanitize = SANITIZE if config == "asan" else []
     return {
@@ -84,7 +85,7 @@ def build_info(config="plain"):
         # Every kernel file of csrc/cuda (the binding's .cpp files are not).
         "kernel_sources": sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))),
         "include_dirs": [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"),
-                         os.path.join(ROOT, "csrc", "cuda"), inc],
+                         os.path.join(ROOT, "csrc", "cuda"), HERE, inc],
         "defines": list(DEFINES),
         "cflags": COMMON_CFLAGS + opt,
         "kernel_cflags": ["-x", "c++"] + (["-fsanitize=thread"] if config == "racecheck" else [])
