@@ -11,17 +11,23 @@ at N = 65536 and 1M tokens (16 and 256 groups of 4096 rows; fp32: also 1024-row 
 Kahan compensation across them, which the single pass uses for fp32 because beta = 1 is not
 enough there).
 
-    python benchmarks/accumulation.py            # prints a table; --json PATH writes it too
+    python benchmarks/run.py accuracy            # prints a line per case as it finishes
+    python benchmarks/run.py accuracy --record benchmarks/results/cpu.jsonl   # and a record each
 
 The gradient tile is fp32 (fp32 training) or bf16 with its target entries in fp32 (16-bit
 training: target_rows adds them back; dW is rounded to bf16 at the end); cuBLAS's k order
 inside one GEMM differs from MKL's, which a GPU run can confirm.
 """
 import argparse
-import json
 import math
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _records  # noqa: E402
+from _progress import Progress  # noqa: E402
 
 
 def tile_grad(z, t, scale):
@@ -91,24 +97,31 @@ def measure(n, v, d, group, dtype, seed=0, kahan=False):
             "across the groups": ((acc32.double() - gemms).norm() / acc64.norm()).item()}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json")
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="benchmarks/run.py accuracy",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--record", help="append one record per case (op: dw_accumulation) to this "
+                    "JSON-lines file as it finishes")
     ap.add_argument("-V", type=int, default=2048)
     ap.add_argument("-D", type=int, default=64)
     ap.add_argument("--group", type=int, default=4096)
     ap.add_argument("--tokens", default="65536,1048576")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     # (dtype, rows per group, across the groups): the 16-bit single pass (beta = 1), fp32 as
     # beta = 1 would give it, and fp32 as the single pass does it (1024-row groups, Kahan).
     variants = [(torch.bfloat16, args.group, False), (torch.float32, args.group, False),
                 (torch.float32, 1024, True)]
+    tokens = [int(s) for s in args.tokens.split(",")]
+    progress = Progress(len(variants) * len(tokens))
     for dtype, group, kahan in variants:
-        for n in (int(s) for s in args.tokens.split(",")):
+        for n in tokens:
+            progress.start(f"dW accumulation, {str(dtype).replace('torch.', '')} N={n} "
+                           f"groups of {group}{' (Kahan)' if kahan else ''}")
             r = measure(n, args.V, args.D, group, dtype, kahan=kahan)
             rows.append(r)
+            progress.done(f"accumulated/ideal {r['accumulated (fp32, beta=1)'] / r['ideal']:.3f}")
             print(f"{r['dtype']:>9} N={n:>8} groups={r['groups']:>4} {r['across']:>6}: dW rel err "
                   f"accumulated {r['accumulated (fp32, beta=1)']:.3e} | exact sums of the same "
                   f"tiles {r['same tiles, exact sums']:.3e} | ideal {r['ideal']:.3e} | floor "
@@ -116,9 +129,16 @@ def main():
                   f"{r['accumulation alone']:.3e} (within the GEMMs {r['within the GEMMs']:.3e}, "
                   f"across the groups {r['across the groups']:.3e}) | accumulated/ideal "
                   f"{r['accumulated (fp32, beta=1)'] / r['ideal']:.3f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            if args.record:
+                rec = _records.base("cpu", "dw_accumulation")
+                rec.update(dtype=r["dtype"], n=r["N"], v=r["V"], d=r["D"], group=r["group"],
+                           groups=r["groups"], across=r["across"],
+                           rel_err={k: v for k, v in r.items() if k not in (
+                               "N", "V", "D", "group", "groups", "across", "dtype")},
+                           source="benchmarks/run.py accuracy: dW's relative error (norm) "
+                                  "against float64")
+                _records.append(args.record, rec)
+    return rows
 
 
 if __name__ == "__main__":

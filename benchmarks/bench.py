@@ -1,17 +1,22 @@
-"""Benchmark flce's fused linear cross-entropy against its peers: forward + backward time, peak
-memory and loss accuracy at a large target margin.
+"""The linear step (`python benchmarks/run.py linear`): flce's fused linear cross-entropy against
+its peers, forward + backward time, peak memory and loss accuracy at a large target margin.
 
-    python benchmarks/bench.py                       # N=4096 V=32768 D=512, fp32, default peers
-    python benchmarks/bench.py --dtype bf16 --compile --csv out.csv
-    python benchmarks/bench.py -N 256 -V 4096 -D 64 --peers eager,chunked,liger
-    python benchmarks/bench.py --load 2 --peers eager,chunked   # 2 busy processes compete
-    python benchmarks/bench.py --isa avx2                       # an AVX2-only CPU, emulated
+    python benchmarks/run.py linear                  # N=4096 V=32768 D=512, fp32, default peers
+    python benchmarks/run.py linear --dtype fp32,bf16 --record benchmarks/results/cpu.jsonl
+    python benchmarks/run.py linear --dtype bf16 --compile --csv out.csv
+    python benchmarks/run.py linear --shapes 256x4096x64,1024x8192x256 --peers eager,chunked,liger
+    python benchmarks/run.py linear --load 2 --peers eager,chunked   # 2 busy processes compete
+    python benchmarks/run.py linear --isa avx2                       # an AVX2-only CPU, emulated
 
-Every (implementation, shape) runs in its own fresh process; see docs/benchmarks.md for the
-method. Take numbers on a quiet machine: the timings are medians, but a busy CPU still moves them
-(the table records the load average before and after).
+A configuration is one (dtype, shape); every (implementation, configuration) runs in its own
+fresh process, and a progress line is printed as each starts and ends. With --record, each
+configuration's record (benchmarks/results/cpu.jsonl's format, benchmarks/_records.py) is
+appended the moment the configuration is done. See docs/benchmarks.md for the method. Take
+numbers on a quiet machine: the timings are medians, but a busy CPU still moves them (the
+table and the record keep the load average before and after).
 """
 import argparse
+import copy
 import csv
 import os
 import statistics
@@ -21,6 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers  # noqa: E402
+import _records  # noqa: E402
+from _progress import Progress  # noqa: E402
 
 DEFAULT_PEERS = ("eager", "chunked", "cce", "gemm3")
 CSV_COLUMNS = ("impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
@@ -31,14 +38,17 @@ CSV_COLUMNS = ("impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="benchmarks/run.py linear",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=("cpu", "cuda"))
-    p.add_argument("--dtype", default="fp32", choices=tuple(_peers.DTYPES))
+    p.add_argument("--dtype", "--dtypes", dest="dtypes", default="fp32",
+                   help=f"comma list from {tuple(_peers.DTYPES)} (default: %(default)s)")
     p.add_argument("-N", type=int, default=4096, help="tokens (rows)")
     p.add_argument("-V", type=int, default=32768, help="vocabulary size")
     p.add_argument("-D", type=int, default=512, help="hidden size")
+    p.add_argument("--shapes", help="comma list of NxVxD, in place of -N -V -D")
     p.add_argument("--repeats", type=int, default=5, help="timed runs; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (compiles, caches)")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
@@ -62,8 +72,26 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="run the implementations' children this many times, interleaved, and "
                         "report the median of their medians (steadier on a shared machine)")
-    p.add_argument("--csv", help="also write the results to this CSV file")
+    p.add_argument("--csv", help="also write the results to this CSV file (every configuration)")
+    p.add_argument("--record", help="append each configuration's record to this JSON-lines file "
+                   "as it finishes (e.g. benchmarks/results/cpu.jsonl)")
     args = p.parse_args(argv)
+    args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in args.dtype_list if d not in _peers.DTYPES]
+    if bad or not args.dtype_list:
+        p.error(f"--dtype: unknown {bad}; choose from {tuple(_peers.DTYPES)}")
+    if args.shapes:
+        try:
+            args.shape_list = [tuple(int(a) for a in s.lower().split("x"))
+                               for s in args.shapes.split(",") if s.strip()]
+        except ValueError:
+            p.error("--shapes: NxVxD,NxVxD,...")
+        if not args.shape_list or any(len(s) != 3 for s in args.shape_list):
+            p.error("--shapes: NxVxD,NxVxD,...")
+        args.N, args.V, args.D = args.shape_list[0]
+    else:
+        args.shape_list = [(args.N, args.V, args.D)]
+    args.dtype = args.dtype_list[0]
     if args.load < 0:
         p.error("--load must be >= 0")
     if args.isa != "native" and args.device != "cpu":
@@ -73,6 +101,8 @@ def parse_args(argv=None):
     for name in ("N", "V", "D", "repeats", "acc_V", "acc_D", "warmup", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"-{name if len(name) == 1 else '-' + name.replace('_', '-')} must be >= 1")
+    if any(x < 1 for s in args.shape_list for x in s):
+        p.error("--shapes: every N, V, D must be >= 1")
     peers = [s.strip() for s in args.peers.split(",") if s.strip()]
     unknown = [s for s in peers if s not in _peers.IMPLS[1:]]
     if unknown:
@@ -81,6 +111,21 @@ def parse_args(argv=None):
         peers.insert(peers.index("eager") + 1 if "eager" in peers else 0, "compile")
     args.impls = ["flce"] + [s for s in peers if s != "flce"]
     return args
+
+
+def configurations(args):
+    """One namespace per (dtype, shape) of ``args``, dtypes outermost."""
+    out = []
+    for dtype in args.dtype_list:
+        for n, v, d in args.shape_list:
+            cfg = copy.copy(args)
+            cfg.dtype, cfg.N, cfg.V, cfg.D = dtype, n, v, d
+            out.append(cfg)
+    return out
+
+
+def describe(args):
+    return f"{args.device} {args.dtype} N={args.N} V={args.V} D={args.D}"
 
 
 def skip_reason(name, args):
@@ -112,8 +157,9 @@ def _merge(results):
     return row
 
 
-def run(args, log=print):
-    """Measure every implementation of ``args``; returns one row dict per implementation."""
+def run(args, log=print, progress=None):
+    """Measure every implementation of ``args`` (one configuration); returns one row dict per
+    implementation. ``progress`` (a _progress.Progress) gets a step per child process."""
     rows = {}
     results = {name: [] for name in args.impls}
     for name in args.impls:
@@ -134,15 +180,22 @@ def run(args, log=print):
                 if rows[name].get("status", "").startswith("failed"):
                     continue
                 tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
-                log(f"  {name:8s}{tag} ...", end="", flush=True)
+                if progress is not None:
+                    progress.start(f"{describe(args)}: {name}{tag}")
+                else:
+                    log(f"  {name:8s}{tag} ...", end="", flush=True)
                 result = _peers.run_child(_spec(name, args), timeout=args.timeout)
                 if "error" in result:
                     rows[name]["status"] = f"failed: {result['error']}"
-                    log(f" {rows[name]['status']}")
-                    continue
-                results[name].append(result)
-                log(f" {result['time_median_s']:.3f} s (first {result['time_first_s']:.3f} s),"
-                    f" {result['peak_mem_bytes'] / 2 ** 20:.0f} MB")
+                    msg = rows[name]["status"]
+                else:
+                    results[name].append(result)
+                    msg = (f"{result['time_median_s']:.3f} s (first {result['time_first_s']:.3f}"
+                           f" s), {result['peak_mem_bytes'] / 2 ** 20:.0f} MB")
+                if progress is not None:
+                    progress.done(msg)
+                else:
+                    log(f" {msg}")
     after = os.getloadavg()[0]
     cpu = _peers.cpu_model() if args.device == "cpu" else ""
     for name in runnable:
@@ -221,16 +274,57 @@ def write_csv(rows, path):
             writer.writerow({k: r.get(k, "") for k in CSV_COLUMNS})
 
 
+def record(rows, args, argv=None):
+    """The configuration's ``op: "linear_cross_entropy"`` record: median forward + backward time
+    (``ms``) and peak memory growth (``peak_gib``, gradients included; not for the floor
+    ``gemm3``) per implementation that ran, the loss's relative error at the side batch's margin,
+    and how it was measured."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    rec = _records.base(args.device, "linear_cross_entropy")
+    rec.update(dtype=_records.DTYPE_NAMES[args.dtype], n=args.N, v=args.V, d=args.D,
+               repeats=args.repeats, rounds=args.rounds, load=args.load, isa=args.isa,
+               cpu_gemm=next((r.get("cpu_gemm") for r in ok if r.get("cpu_gemm")), None),
+               loadavg=[rows[0].get("loadavg_before"), rows[0].get("loadavg_after")],
+               ms={r["impl"]: round(r["time_median_s"] * 1e3, 3) for r in ok},
+               ms_range={r["impl"]: [round(r["time_min_s"] * 1e3, 3),
+                                     round(r["time_max_s"] * 1e3, 3)] for r in ok},
+               peak_gib={r["impl"]: round(r["peak_mem_mb"] / 1024, 5) for r in ok
+                         if r["impl"] != "gemm3"},
+               loss_rel_err_m40={r["impl"]: r["loss_rel_err"] for r in ok
+                                 if r.get("loss_rel_err") is not None},
+               source="benchmarks/run.py linear" + (f" {' '.join(argv)}" if argv else ""))
+    not_run = {r["impl"]: r["status"] for r in rows if r["status"] != "ok"}
+    if not_run:
+        rec["not_run"] = not_run
+    if args.device == "cpu":  # as the children ran
+        rec["threads"] = next((r["threads"] for r in ok if r.get("threads")), rec["threads"])
+    if args.margin != 40.0:  # the key names margin 40; say so where it is another
+        rec["loss_rel_err_margin"] = args.margin
+    return rec
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    print(f"flce benchmark: {', '.join(args.impls)}", flush=True)
-    rows = run(args)
-    print()
-    print(format_table(rows, args))
+    configs = configurations(args)
+    runnable = sum(1 for cfg in configs for n in args.impls if skip_reason(n, cfg) is None)
+    print(f"flce benchmark, the linear step: {', '.join(args.impls)}; {len(configs)} "
+          f"configuration(s), {runnable * args.rounds} child process(es)", flush=True)
+    progress = Progress(runnable * args.rounds)
+    all_rows = []
+    for cfg in configs:
+        rows = run(cfg, progress=progress)
+        print()
+        print(format_table(rows, cfg), flush=True)
+        print()
+        all_rows.extend(rows)
+        if args.record:
+            _records.append(args.record, record(rows, cfg, argv))
+        if args.csv:  # rewritten after each configuration: what is done so far
+            write_csv(all_rows, args.csv)
     if args.csv:
-        write_csv(rows, args.csv)
         print(f"wrote {args.csv}")
-    return rows
+    return all_rows
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""Benchmark cross-entropy on given logits (flce.cross_entropy) against its peers: forward +
-backward time, peak memory beyond the inputs, the bytes' floor, and the loss at a large margin.
+"""Cross-entropy on given logits (`python benchmarks/run.py ce`): flce.cross_entropy against its
+peers, forward + backward time, peak memory beyond the inputs, the bytes' floor, and the loss at
+a large margin.
 
-    python benchmarks/bench_ce.py                          # CPU: [4096, 32768] fp32 and bf16
-    python benchmarks/bench_ce.py --device cuda --shapes 16384x64128,16384x128256 --dtypes bf16 \\
+    python benchmarks/run.py ce                            # CPU: [4096, 32768] fp32 and bf16
+    python benchmarks/run.py ce --device cuda --shapes 16384x64128,16384x128256 --dtypes bf16 \\
         --record benchmarks/results/gpu.jsonl
+
+A progress line is printed as each (configuration, implementation) starts and ends; with
+--record, a configuration's record is appended as soon as it is done (and rewritten to
+--partial after each implementation before that).
 
 Implementations (each in a fresh process, every repeat on the same logits):
   flce          flce.cross_entropy(logits, target)
@@ -35,7 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_record  # noqa: E402
-from _peers import PeakMemory  # noqa: E402
+from _peers import PeakMemory, cpu_model  # noqa: E402
+from _progress import Progress  # noqa: E402
 
 IMPLS = ("flce", "flce_inplace", "eager", "compiled", "native", "composite", "liger")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -176,7 +182,8 @@ def run_child(spec, timeout):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="benchmarks/run.py ce",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=("cpu", "cuda"))
@@ -196,11 +203,18 @@ def main(argv=None):
         print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
         return 0
     shapes = [tuple(int(a) for a in s.lower().split("x")) for s in args.shapes.split(",")]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     partial = args.partial or f"{args.record}.partial"
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    bad = [d for d in dtypes if d not in DTYPES] + [i for i in impls if i not in IMPLS]
+    if bad or any(len(s) != 2 for s in shapes):
+        p.error(f"unknown {bad}; --shapes NxV,..., --dtypes from {tuple(DTYPES)}, --impls from "
+                f"{IMPLS}")
+    runnable = [i for i in impls if available(i, args.device) is None]
+    progress = Progress(len(shapes) * len(dtypes) * len(runnable))
     rows = []
     for n, v in shapes:
-        for dt in args.dtypes.split(","):
+        for dt in dtypes:
             dtype = DTYPES[dt]
             rate = copy_rate(n, v, dtype, args.device)
             floor_ms = 1e3 * 3 * n * v * torch.finfo(dtype).bits / 8 / rate
@@ -212,13 +226,18 @@ def main(argv=None):
                     continue
                 spec = dict(impl=name, device=args.device, dtype=dt, n=n, v=v,
                             repeats=args.repeats, warmup=args.warmup, threads=args.threads)
+                progress.start(f"{args.device} [{n}, {v}] {dt}: {name}")
                 res[name] = run_child(spec, args.timeout)
+                r = res[name]
+                progress.done(f"{r['ms']:.2f} ms, {r['peak_gib']:.3f} GiB" if "ms" in r
+                              else f"failed: {r.get('error')}")
                 if args.record:  # what is measured so far, should the run be cut
-                    gpu_record.write_partial(partial, make_record(n, v, dt, rate, floor_ms, res))
+                    gpu_record.write_partial(partial, make_record(n, v, dt, rate, floor_ms, res,
+                                                                  args.device))
             rows.append((n, v, dt, rate, floor_ms, res))
             print_table(rows[-1:], args.device)
             if args.record:
-                rec = make_record(n, v, dt, rate, floor_ms, res)
+                rec = make_record(n, v, dt, rate, floor_ms, res, args.device)
                 rec["complete"] = True
                 gpu_record.finish(args.record, partial, rec)
     return 0
@@ -240,9 +259,11 @@ def print_table(rows, device):
                   f"{r['peak_gib']:9.3f} {r['margin40_rel_err']:14.2e}")
 
 
-def make_record(n, v, dt, rate, floor_ms, res):
+def make_record(n, v, dt, rate, floor_ms, res, device="cuda"):
     """The (shape, dtype)'s record in gpu.jsonl's format ("complete": false until done)."""
     rec = gpu_record.environment()
+    if device == "cpu":  # the measured device, not the machine's GPU
+        rec.update(device=cpu_model(), threads=torch.get_num_threads())
     rec.update(op="cross_entropy", n=n, v=v,
                dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt],
                ms={k: round(r["ms"], 4) for k, r in res.items() if "ms" in r},

@@ -6,16 +6,23 @@ predicted logit, sum-exp). Both then all-reduce dE [N, D] in backward (the same 
 for scale). Each rank runs the collectives alone (no compute), median of repeats, in one process
 group per world size.
 
-    python benchmarks/bench_parallel.py [--world 2 4] [--tokens 4096 32768] [--dim 1024]
+    python benchmarks/run.py parallel [--world 2 4] [--tokens 4096 32768] [--dim 1024] \\
+        [--record benchmarks/results/cpu.jsonl]
+
+A progress line per world size; with --record, one record per world size (op:
+vocab_parallel_collectives) is appended as soon as that world size is done.
 """
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
 
 
 def _median_ms(fn, repeats):
@@ -62,6 +69,9 @@ def worker(tokens, dim, repeats):
         rows.append((n, min(t_f), min(t_m), t_e))
     dist.barrier()
     if rank == 0:
+        print("RESULT " + json.dumps({"world": world, "d": dim, "repeats": repeats, "rows": [
+            {"n": n, "flce_fwd_ms": tf, "megatron_fwd_ms": tm, "de_allreduce_ms": te}
+            for n, tf, tm, te in rows]}))
         # Payload bytes per rank and step: what each rank contributes to the collectives.
         print(f"world={world}  D={dim}  (gloo, CPU, 127.0.0.1; median of {repeats})")
         print("| N | flce fwd: 1 all-gather [N,4] fp32 | Megatron fwd: 3 all-reduce [N] fp32 |"
@@ -73,28 +83,51 @@ def worker(tokens, dim, repeats):
     dist.destroy_process_group()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="benchmarks/run.py parallel",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, nargs="+", default=[2, 4])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--record", help="append one record per world size to this JSON-lines file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker:
         worker(args.tokens, args.dim, args.repeats)
-        return
+        return 0
+    import _records
+    from _progress import Progress
     from dist_launch import launch
 
+    progress = Progress(len(args.world))
+    failed = 0
     for world in args.world:
+        progress.start(f"vocab-parallel collectives, world {world}, N in {args.tokens}")
         argv = ["--worker", "--tokens", *map(str, args.tokens), "--dim", str(args.dim),
                 "--repeats", str(args.repeats)]
         results = launch(os.path.abspath(__file__), world, args=argv, timeout=300)
+        result = None
         for rank, (rc, out) in enumerate(results):
+            lines = out.strip().splitlines()
+            if rank == 0:
+                result = next((json.loads(ln[len("RESULT "):]) for ln in lines
+                               if ln.startswith("RESULT ")), None)
+                lines = [ln for ln in lines if not ln.startswith("RESULT ")]
             if rank == 0 or rc != 0:
-                print(out.strip())
+                print("\n".join(lines))
+        ok = result is not None and all(rc == 0 for rc, _ in results)
+        failed += not ok
+        progress.done("ok" if ok else "failed")
+        if ok and args.record:
+            rec = _records.base("cpu", "vocab_parallel_collectives")
+            rec.update(result, backend="gloo", threads=1,
+                       source="benchmarks/run.py parallel: median ms per step of each rank's "
+                              "collectives alone")
+            _records.append(args.record, rec)
         print()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

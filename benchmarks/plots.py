@@ -1,15 +1,15 @@
-"""The README's pictures, drawn from the committed result records, and the CPU records behind them.
+"""The README's pictures, drawn from the committed result records (`python benchmarks/run.py
+plots`, or this file run alone).
 
     python benchmarks/plots.py                # draw docs/img/*.png from benchmarks/results/
     python benchmarks/plots.py --out /tmp/img # somewhere else
-    python benchmarks/plots.py collapse       # append a collapse record to results/cpu.jsonl
-    python benchmarks/plots.py cpu-speed      # append CPU time/memory records (bench.py's)
 
-Records are JSON lines. ``op: "linear_cross_entropy"`` records (GPU ones in gpu.jsonl, CPU ones
-in cpu.jsonl) hold one shape's forward + backward median times in ``ms`` and peak memory in
-``peak_gib`` per implementation, ``gemm3`` being the step's 3 GEMMs alone (the floor).
-``op: "collapse"`` records hold, per implementation, the mean loss's relative error against
-flce's float64 collapse-safe reference at each target margin. ``op: "train_lm"`` records are
+Records are JSON lines (benchmarks/_records.py). ``op: "linear_cross_entropy"`` records (GPU
+ones in gpu.jsonl, CPU ones in cpu.jsonl; `run.py linear --record`) hold one configuration's
+forward + backward median times in ``ms`` and peak memory in ``peak_gib`` per implementation,
+``gemm3`` being the step's 3 GEMMs alone (the floor). ``op: "collapse"`` records (`run.py
+collapse`) hold, per implementation, the mean loss's relative error against flce's float64
+collapse-safe reference at each target margin. ``op: "train_lm"`` records are
 examples/train_lm.py's runs. Every record names its date, device and commit.
 
 Pictures: ``collapse.png`` (loss error against the margin), ``speed_memory.png`` (time over the
@@ -17,11 +17,8 @@ Pictures: ``collapse.png`` (loss error against the margin), ``speed_memory.png``
 latest train_lm run's loss curves).
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
-import time
 
 import torch
 
@@ -31,6 +28,7 @@ RESULTS = os.path.join(HERE, "results")
 IMG = os.path.join(REPO, "docs", "img")
 sys.path.insert(0, HERE)
 import _peers  # noqa: E402
+import _records  # noqa: E402
 
 # The implementations as the pictures name them, in drawing order.
 LABELS = {"flce": "flce", "flce_recompute": "flce (recompute path)", "eager": "F.cross_entropy",
@@ -40,96 +38,38 @@ LABELS = {"flce": "flce", "flce_recompute": "flce (recompute path)", "eager": "F
 COLORS = {"flce": "C3", "flce_recompute": "C1", "eager": "C0", "compile": "C2", "chunked": "C4",
           "liger": "C5", "cce": "C6", "gemm3": "0.6"}
 COLLAPSE_MARGINS = tuple(range(0, 105, 5))
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def read_records(*paths):
-    out = []
-    for path in paths:
-        if not os.path.exists(path):
-            continue
-        with open(path) as fh:
-            out.extend(json.loads(line) for line in fh if line.strip())
-    return out
-
-
-def _commit():
-    try:
-        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True).stdout
-        return commit + ("+dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def _base_record(device):
-    name = _peers.cpu_model() if device == "cpu" else torch.cuda.get_device_name()
-    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "device": name,
-            "torch": torch.__version__, "commit": _commit(),
-            "threads": torch.get_num_threads() if device == "cpu" else None}
-
-
-def _append(path, records):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as fh:
-        for r in records:
-            fh.write(json.dumps(r) + "\n")
-    print(f"appended {len(records)} record(s) to {path}")
+    return _records.read(*paths)
 
 
 # ---- records -------------------------------------------------------------------------------
 
-def collapse_record(device="cpu", v=8192, d=64, n=16, margins=COLLAPSE_MARGINS):
+def collapse_record(device="cpu", v=8192, d=64, n=16, margins=COLLAPSE_MARGINS, progress=None):
     """The mean loss's relative error against the float64 collapse-safe reference, fp32 inputs,
     per implementation and target margin (rows built by _peers.margin_batch, the reference
-    computed from the same rounded tensors)."""
+    computed from the same rounded tensors). ``progress``: a step per margin."""
     impls = [i for i in ("flce", "eager", "compile", "chunked", "liger", "cce")
              if _peers.available(i) is None and not (i == "liger" and device == "cpu")]
     fns = {i: _peers.make_impl(i, device) for i in impls}
     rel = {i: [] for i in impls}
     got_margins = []
     for m in margins:
+        if progress is not None:
+            progress.start(f"collapse, margin {m}")
         for i in impls:
             err, mean_margin, _, _ = _peers.large_margin_error(fns[i], v, d, torch.float32,
                                                                device, float(m), n=n, seed=m)
             rel[i].append(err)
         got_margins.append(mean_margin)
-    rec = _base_record(device)
-    rec.update(op="collapse", dtype="float32", n=n, v=v, d=d, margins=list(margins),
+        if progress is not None:
+            progress.done(", ".join(f"{i} {rel[i][-1]:.1e}" for i in impls))
+    rec = _records.base(device, "collapse")
+    rec.update(dtype="float32", n=n, v=v, d=d, margins=list(margins),
                mean_margins=got_margins, rel_err=rel,
-               source="benchmarks/plots.py collapse: |mean loss - float64 reference| / reference")
+               source="benchmarks/run.py collapse: |mean loss - float64 reference| / reference")
     return rec
-
-
-def speed_records(dtypes=("fp32", "bf16"), n=4096, v=32768, d=512, repeats=5, peers=None):
-    """One ``linear_cross_entropy`` record per dtype from bench.py's measurement (a fresh process
-    per implementation, median of ``repeats`` forward + backward runs, peak = growth of the
-    resident set above the inputs, gradients included)."""
-    import bench
-
-    out = []
-    for dtype in dtypes:
-        argv = ["--device", "cpu", "--dtype", dtype, "-N", str(n), "-V", str(v), "-D", str(d),
-                "--repeats", str(repeats), "--peers", peers or "eager,chunked,gemm3"]
-        args = bench.parse_args(argv)
-        rows = bench.run(args)
-        print(bench.format_table(rows, args), flush=True)
-        ok = [r for r in rows if r["status"] == "ok"]
-        rec = _base_record("cpu")
-        rec.update(op="linear_cross_entropy", dtype=DTYPE_NAMES[dtype], n=n, v=v, d=d,
-                   repeats=repeats, cpu_gemm=next((r.get("cpu_gemm") for r in ok
-                                                   if r.get("cpu_gemm")), None),
-                   loadavg=[rows[0].get("loadavg_before"), rows[0].get("loadavg_after")],
-                   ms={r["impl"]: r["time_median_s"] * 1e3 for r in ok},
-                   peak_gib={r["impl"]: r["peak_mem_mb"] / 1024 for r in ok
-                             if r["impl"] != "gemm3"},
-                   loss_rel_err_m40={r["impl"]: r["loss_rel_err"] for r in ok
-                                     if r.get("loss_rel_err") is not None},
-                   source=f"benchmarks/plots.py cpu-speed (bench.py {' '.join(argv)})")
-        out.append(rec)
-    return out
 
 
 # ---- pictures ------------------------------------------------------------------------------
@@ -188,9 +128,19 @@ def plot_collapse(records, path):
     plt.close(fig)
 
 
+def config_label(r):
+    """The configuration's extras beyond device, dtype and shape ("" for a quiet native run)."""
+    extra = []
+    if r.get("load"):
+        extra.append(f"{r['load']} busy processes")
+    if r.get("isa") not in (None, "native"):
+        extra.append(f"isa {r['isa']}")
+    return ", ".join(extra)
+
+
 def _speed_sets(records):
     recs = [r for r in records if r.get("op") == "linear_cross_entropy" and r.get("ms")]
-    recs = _latest(recs, lambda r: (r["device"], r["dtype"], r["n"], r["v"], r["d"]))
+    recs = _latest(recs, _records.config_key)
     devices = []
     for r in recs:
         if r["device"] not in devices:
@@ -212,7 +162,8 @@ def plot_speed_memory(records, path):
         bars = [i for i in impls if i != "gemm3"]
         width = 0.8 / max(len(bars), 1)
         ax_t, ax_m = axes[row]
-        groups = [f"{r['dtype']}\nN={r['n']} V={r['v']} D={r['d']}" for r in recs]
+        groups = [f"{r['dtype']}\nN={r['n']} V={r['v']} D={r['d']}"
+                  + (f"\n{config_label(r)}" if config_label(r) else "") for r in recs]
         for k, impl in enumerate(bars):
             xs = [g + (k - (len(bars) - 1) / 2) * width for g in range(len(recs))]
             for x, r in zip(xs, recs):
@@ -290,29 +241,13 @@ def draw(out=IMG, results=RESULTS):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="benchmarks/run.py plots",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="draw", choices=("draw", "collapse", "cpu-speed"))
-    p.add_argument("--out", default=IMG, help="folder of the pictures (draw)")
+    p.add_argument("--out", default=IMG, help="folder of the pictures (default: docs/img)")
     p.add_argument("--results", default=RESULTS, help="folder of the records")
-    p.add_argument("--dtypes", default="fp32,bf16", help="cpu-speed: comma list")
-    p.add_argument("-N", type=int, default=4096)
-    p.add_argument("-V", type=int, default=32768)
-    p.add_argument("-D", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--peers", default="eager,chunked,gemm3", help="cpu-speed: bench.py --peers")
     args = p.parse_args(argv)
-    if args.what == "draw":
-        return draw(args.out, args.results)
-    path = os.path.join(args.results, "cpu.jsonl")
-    if args.what == "collapse":
-        rec = collapse_record()
-        _append(path, [rec])
-        return [rec]
-    recs = speed_records(tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
-                         args.N, args.V, args.D, args.repeats, args.peers)
-    _append(path, recs)
-    return recs
+    return draw(args.out, args.results)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A fixed number of warm-up and profiled steps of flce at a realistic shape, for profilers.
 
-    python benchmarks/profile_step.py --n 8192 --v 128256 --d 4096 --dtype bf16        # timing only
+    python benchmarks/run.py profile --n 8192 --v 128256 --d 4096 --dtype bf16     # timing only
     nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx \
         -o flce python benchmarks/profile_step.py ...                                   # profiled steps
     ncu --profile-from-start off --clock-control none --kernel-name-base demangled \
@@ -22,10 +22,7 @@ import statistics
 import sys
 import time
 
-# This file's name shadows the standard library's `profile`, which cProfile (imported by torch's
-# dynamo) imports: keep this directory off the import path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import torch  # noqa: E402
 
@@ -215,5 +212,9 @@ def run(args):
     return med
 
 
+def main(argv=None):
+    return run(parse_args(argv))
+
+
 if __name__ == "__main__":
-    run(parse_args())
+    main()

@@ -1,17 +1,24 @@
-"""Smoke tests of benchmarks/bench.py and benchmarks/demo.py at tiny shapes, so that they cannot
-rot. They check the output's structure and the collapse the demo shows, never speed."""
+"""Smoke tests of the benchmark entry point (benchmarks/run.py) and benchmarks/demo.py at tiny
+shapes, so that they cannot rot. They check the output's structure, the progress lines, the
+records and the collapse the demo shows, never speed."""
 import csv
+import io
+import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
 
-BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH_DIR)
 
 import bench  # noqa: E402
 import demo  # noqa: E402
+import run  # noqa: E402
+from _progress import Progress  # noqa: E402
 
 EXPECTED_COLUMNS = ["impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
                     "time_median_s", "time_min_s", "time_max_s", "peak_mem_mb", "peak_total_mb",
@@ -20,13 +27,35 @@ EXPECTED_COLUMNS = ["impl", "device", "dtype", "N", "V", "D", "threads", "repeat
                     "isa", "cpu_gemm", "cpu", "rounds"]
 
 
-def test_bench_csv(tmp_path, capsys):
-    path = tmp_path / "out.csv"
-    bench.main(["--device", "cpu", "-N", "64", "-V", "512", "-D", "32", "--repeats", "2",
-                "--peers", "chunked", "--acc-V", "512", "--acc-D", "16", "--csv",
-                str(path)])
-    assert "rel.err" in capsys.readouterr().out
-    with open(path, newline="") as fh:
+def test_run_linear_end_to_end(tmp_path):
+    """`run.py linear` as a user runs it: progress lines per child, the table, a CSV, and one
+    record per configuration appended to the --record file."""
+    csv_path, rec_path = tmp_path / "out.csv", tmp_path / "records.jsonl"
+    rec_path.write_text('{"op": "an older record", "date": "x"}\n')  # appended to, not replaced
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH_DIR, "run.py"), "linear", "--device", "cpu",
+         "--shapes", "64x512x32", "--repeats", "2", "--peers", "chunked", "--acc-V", "512",
+         "--acc-D", "16", "--csv", str(csv_path), "--record", str(rec_path)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    # A line as each child starts and ends, counted, with the elapsed time; an ETA while some
+    # are left.
+    assert "[1/2 0:00:" in out and "cpu fp32 N=64 V=512 D=32: flce ..." in out
+    assert "cpu fp32 N=64 V=512 D=32: chunked: " in out and "(ETA 0:" in out
+    assert "rel.err" in out and f"record appended to {rec_path}" in out
+    lines = rec_path.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0])["op"] == "an older record"
+    rec = json.loads(lines[1])
+    assert rec["op"] == "linear_cross_entropy" and rec["device"] and rec["date"]
+    assert "commit" in rec and rec["torch"] and rec["threads"] >= 1
+    assert (rec["dtype"], rec["n"], rec["v"], rec["d"]) == ("float32", 64, 512, 32)
+    assert set(rec["ms"]) == {"flce", "chunked"} and all(t > 0 for t in rec["ms"].values())
+    assert rec["loss_rel_err_m40"]["chunked"] == 1.0 and rec["loss_rel_err_m40"]["flce"] < 1e-3
+    assert rec["source"].startswith("benchmarks/run.py linear --device cpu")
+    with open(csv_path, newline="") as fh:
         reader = csv.DictReader(fh)
         assert reader.fieldnames == EXPECTED_COLUMNS
         rows = {r["impl"]: r for r in reader}
@@ -46,6 +75,47 @@ def test_bench_csv(tmp_path, capsys):
     # At margin 40 the usual formula returns exactly 0 (relative error 1); flce does not.
     assert float(rows["flce"]["loss_rel_err"]) < 1e-3
     assert float(rows["chunked"]["loss_rel_err"]) == 1.0
+
+
+def test_run_subcommands(capsys):
+    assert run.main([]) == 2 and "linear" in capsys.readouterr().out
+    assert run.main(["nope"]) == 2
+    assert "unknown subcommand 'nope'" in capsys.readouterr().err
+    assert set(run.COMMANDS) >= {"linear", "ce", "accuracy", "parallel", "gpu-check", "profile",
+                                 "plots", "report", "collapse", "demo"}
+
+
+def test_run_gpu_check_plan(capfd):
+    """`run.py gpu-check` hands its arguments to benchmarks/gpu_check.sh."""
+    assert run.main(["gpu-check", "headline", "--plan"]) == 0
+    assert "budget" in capfd.readouterr().out
+
+
+def test_progress_lines():
+    now = [0.0]
+    out = io.StringIO()
+    p = Progress(3, out=out, clock=lambda: now[0])
+    p.start("a")
+    now[0] = 10.0
+    p.done("1 s")
+    p.start("b")
+    now[0] = 30.0
+    p.done("2 s")
+    assert out.getvalue().splitlines() == [
+        "[1/3 0:00:00] a ...", "[1/3 0:00:10] a: 1 s (ETA 0:00:20)",
+        "[2/3 0:00:10] b ...", "[2/3 0:00:30] b: 2 s (ETA 0:00:15)"]
+
+
+def test_linear_configurations():
+    args = bench.parse_args(["--device", "cpu", "--dtype", "fp32,bf16", "--shapes",
+                             "8x16x4,32x64x8"])
+    cfgs = bench.configurations(args)
+    assert [(c.dtype, c.N, c.V, c.D) for c in cfgs] == [
+        ("fp32", 8, 16, 4), ("fp32", 32, 64, 8), ("bf16", 8, 16, 4), ("bf16", 32, 64, 8)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dtype", "fp33"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shapes", "8x16"])
 
 
 def test_bench_rejects_bad_arguments(capsys):

@@ -1,0 +1,330 @@
+"""The result tables of docs/benchmarks.md, generated from the committed records
+(`python benchmarks/run.py report`).
+
+    python benchmarks/run.py report            # rewrite the generated regions of the doc
+    python benchmarks/run.py report --check    # exit 1 if they differ from the records' tables
+
+A generated region is the text between ``<!-- generated:NAME:begin -->`` and
+``<!-- generated:NAME:end -->``; everything outside the markers is left as it is. Regions:
+
+  results   per device, the latest record of each configuration (benchmarks/results/gpu.jsonl,
+            cpu.jsonl): the linear step, cross-entropy on given logits, the loss collapse, the
+            GPU test runs
+  train_lm  examples/train_lm.py's latest runs (benchmarks/results/train_lm.jsonl)
+
+Every table names the date, device and commit of its numbers. tests/test_report.py regenerates
+the regions from the committed records and compares them with the committed doc, so the doc
+cannot drift from the records.
+"""
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _records  # noqa: E402
+
+DOC = os.path.join(_records.REPO, "docs", "benchmarks.md")
+# The floors (rows of their own, last in a table) and what a time is divided by.
+FLOORS = {"linear_cross_entropy": ("gemm3", "gemm4"), "cross_entropy": ("bytes",)}
+FLOOR_NAME = {"linear_cross_entropy": "gemm3", "cross_entropy": "bytes"}
+COLLAPSE_MARGINS = (0, 10, 15, 20, 40, 60, 80, 90, 100)
+LOAD_NOTE = 1.0  # a load average above this marks a table's timings as contended
+
+
+# ---- formatting ----------------------------------------------------------------------------
+
+def fmt_time(ms):
+    if ms >= 1e3:
+        return f"{ms / 1e3:.3f} s"
+    return f"{ms:.1f} ms" if ms >= 100 else f"{ms:.2f} ms"
+
+
+def fmt_mem(gib):
+    if gib is None:
+        return ""
+    return f"{gib * 1024:.0f} MB" if gib < 1 else f"{gib:.2f} GiB"
+
+
+def fmt_err(e):
+    if e is None:
+        return ""
+    return "1 (loss = 0)" if e == 1.0 else f"{e:.1e}"
+
+
+def fmt_ratio(x):
+    return f"{x:.2f}"
+
+
+def table(head, rows):
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _dtype(r):
+    return r.get("dtype", "")
+
+
+def _shape(r):
+    return f"N = {r['n']}, V = {r['v']}" + (f", D = {r['d']}" if r.get("d") else "")
+
+
+def _where(r):
+    """Date, commit and the conditions of a measurement, for a table's caption."""
+    bits = [str(r["date"]), f"commit {r.get('commit') or 'unknown'}"]
+    if r.get("torch"):
+        bits.append(f"torch {r['torch']}")
+    if r.get("threads"):
+        bits.append(f"{r['threads']} thread{'s' if r['threads'] != 1 else ''}")
+    if r.get("cpu_gemm"):
+        bits.append(f"cpu_gemm={r['cpu_gemm']}")
+    if r.get("repeats"):
+        bits.append(f"median of {r['repeats']}"
+                    + (f", {r['rounds']} rounds" if (r.get("rounds") or 1) > 1 else ""))
+    loads = [x for x in (r.get("loadavg") or []) if x is not None]
+    if loads:
+        bits.append(f"load average {min(loads):.1f}-{max(loads):.1f}"
+                    + (" (contended: the times are not a quiet machine's)"
+                       if max(loads) > LOAD_NOTE else ""))
+    if r.get("load"):
+        bits.append(f"{r['load']} busy processes competing")
+    if r.get("isa") not in (None, "native"):
+        bits.append(f"isa {r['isa']}")
+    return ", ".join(bits)
+
+
+# ---- the configurations --------------------------------------------------------------------
+
+def latest(records):
+    """The last record of each configuration, in the order the configurations first appear."""
+    out = {}
+    for r in records:
+        out[_records.config_key(r)] = r
+    return list(out.values())
+
+
+def step_table(r):
+    """One configuration of the linear step or of cross-entropy on logits."""
+    op = r["op"]
+    floor_key = FLOOR_NAME[op]
+    floor = r["ms"].get(floor_key)
+    base = r["ms"].get("flce")
+    err_key = "loss_rel_err_m40" if op == "linear_cross_entropy" else "margin40_rel_err"
+    errs = r.get(err_key) or {}
+    impls = [i for i in r["ms"] if i not in FLOORS[op]] + [i for i in FLOORS[op] if i in r["ms"]]
+    head = ["implementation", "time", f"x {floor_key}" if floor else None, "x flce",
+            "peak memory", "loss rel. err @ m=40" if errs else None]
+    keep = [k for k, h in enumerate(head) if h is not None]
+    rows = []
+    for i in impls:
+        ms = r["ms"][i]
+        row = [f"`{i}`", fmt_time(ms), fmt_ratio(ms / floor) if floor else None,
+               fmt_ratio(ms / base) if base and i not in FLOORS[op] else "",
+               fmt_mem((r.get("peak_gib") or {}).get(i)), fmt_err(errs.get(i))]
+        rows.append([row[k] for k in keep])
+    title = ("Linear cross-entropy, forward + backward" if op == "linear_cross_entropy"
+             else "Cross-entropy on given logits, forward + backward")
+    extra = ""
+    if op == "cross_entropy" and r.get("copy_gb_s"):
+        extra = (f"; `bytes`: the logits read twice and the gradient written once at the copy "
+                 f"rate of the same run, {r['copy_gb_s']:g} GB/s")
+    caption = (f"**{title}, {_dtype(r)}, {_shape(r)}** ({_where(r)}{extra}). "
+               f"Source: {r.get('source', 'unknown')}.")
+    not_run = r.get("not_run") or r.get("skipped") or {}
+    if not_run:
+        caption += " Not run: " + "; ".join(f"`{k}` ({v})" for k, v in not_run.items()) + "."
+    return caption + "\n\n" + table([head[k] for k in keep], rows)
+
+
+def collapse_table(r):
+    impls = list(r["rel_err"])
+    margins = [m for m in COLLAPSE_MARGINS if m in r["margins"]]
+    at = {m: k for k, m in enumerate(r["margins"])}
+    rows = [[str(m)] + [fmt_err(r["rel_err"][i][at[m]]) for i in impls] for m in margins]
+    caption = (f"**The loss at large target margins**: |mean loss - float64 reference| / "
+               f"reference for {r['n']} tokens whose target logit exceeds every other by the "
+               f"margin, {r['dtype']}, V = {r['v']}, D = {r['d']} ({_where(r)}). Source: "
+               f"{r.get('source', 'unknown')}.")
+    return caption + "\n\n" + table(["margin"] + [f"`{i}`" for i in impls], rows)
+
+
+def tests_line(r):
+    counts = ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "skipped")
+                       if r.get(k) is not None)
+    return (f"**Tests on the device** ({_where(r)}): {counts}. Source: "
+            f"{r.get('source', 'unknown')}.")
+
+
+def accumulation_table(recs):
+    """``run.py accuracy``'s records: one row per case."""
+    r0 = recs[0]
+    rows = [[r["dtype"], str(r["n"]), f"{r['groups']} of {r['group']}", r["across"],
+             f"{r['rel_err']['accumulated (fp32, beta=1)']:.2e}", f"{r['rel_err']['ideal']:.2e}",
+             f"{r['rel_err']['rounding floor']:.2e}",
+             fmt_ratio(r["rel_err"]["accumulated (fp32, beta=1)"] / r["rel_err"]["ideal"]),
+             f"{r['date']}, {r.get('commit')}"] for r in recs]
+    caption = (f"**dW accumulated over row groups** (the CUDA single pass's arithmetic on the "
+               f"CPU), relative error (norm) against float64, V = {r0['v']}, D = {r0['d']}. "
+               f"Source: {r0.get('source', 'unknown')}.")
+    return caption + "\n\n" + table(["dtype", "N", "groups", "across groups", "accumulated",
+                                     "ideal", "rounding floor", "x ideal", "date, commit"], rows)
+
+
+def parallel_table(recs):
+    rows = [[str(r["world"]), str(row["n"]), f"{row['flce_fwd_ms']:.3f} ms",
+             f"{row['megatron_fwd_ms']:.3f} ms",
+             fmt_ratio(row["megatron_fwd_ms"] / row["flce_fwd_ms"]),
+             f"{row['de_allreduce_ms']:.2f} ms", f"{r['date']}, {r.get('commit')}"]
+            for r in recs for row in r["rows"]]
+    caption = (f"**Vocab-parallel collectives per step** ({recs[0].get('backend')}, each rank's "
+               f"collectives alone, median of {recs[0].get('repeats')}, D = {recs[0]['d']}). "
+               f"Source: {recs[0].get('source', 'unknown')}.")
+    head = ["ranks", "N", "flce: 1 all-gather", "Megatron: 3 all-reduces", "Megatron / flce",
+            "dE all-reduce (both)", "date, commit"]
+    return caption + "\n\n" + table(head, rows)
+
+
+GROUPED = {"dw_accumulation": accumulation_table, "vocab_parallel_collectives": parallel_table}
+
+
+def other_line(r):
+    return (f"**`{r['op']}`** ({_where(r)}): see the record in `benchmarks/results/` "
+            f"(source: {r.get('source', 'unknown')}).")
+
+
+def results_region(records):
+    recs = latest(records)
+    devices = []
+    for r in recs:
+        if r["device"] not in devices:
+            devices.append(r["device"])
+    order = {"linear_cross_entropy": 0, "cross_entropy": 1, "collapse": 2, "gpu_tests": 3}
+    parts = []
+    for dev in devices:
+        parts.append(f"### {dev}")
+        mine = sorted((r for r in recs if r["device"] == dev),
+                      key=lambda r: order.get(r["op"], len(order)))
+        done = set()
+        for r in mine:
+            if r["op"] in GROUPED:  # one table for all of the op's records
+                if r["op"] not in done:
+                    done.add(r["op"])
+                    parts.append(GROUPED[r["op"]]([q for q in mine if q["op"] == r["op"]]))
+            elif r["op"] in FLOOR_NAME and r.get("ms"):
+                parts.append(step_table(r))
+            elif r["op"] == "collapse":
+                parts.append(collapse_table(r))
+            elif r["op"] == "gpu_tests":
+                parts.append(tests_line(r))
+            else:
+                parts.append(other_line(r))
+    return "\n\n".join(parts)
+
+
+# ---- examples/train_lm.py ------------------------------------------------------------------
+
+TRAIN_COLUMNS = (("fp32", "transformers", "fp32: stock"),
+                 ("fp32", "transformers-nudged", "fp32: stock, weights nudged (control)"),
+                 ("fp32", "flce", "fp32: flce"),
+                 ("bf16", "transformers", "bf16 autocast: stock"),
+                 ("bf16", "transformers-nudged", "bf16 autocast: stock, nudged (control)"),
+                 ("bf16", "flce", "bf16 autocast: flce"))
+
+
+def train_lm_region(records):
+    recs = [r for r in records if r.get("op") == "train_lm"]
+    if not recs:
+        return "(no train_lm records)"
+    config = recs[-1]["config"]
+    runs = {}
+    for r in recs:
+        if r["config"] == config:
+            runs[(r["dtype"], r["variant"])] = r
+    cols = [(d, v, name) for d, v, name in TRAIN_COLUMNS if (d, v) in runs]
+
+    def rel_max(dtype, variant):
+        stock = runs.get((dtype, "transformers"))
+        if stock is None or variant == "transformers":
+            return ""
+        a, b = stock["losses"], runs[(dtype, variant)]["losses"]
+        return f"{max(abs(x - y) / abs(x) for x, y in zip(a, b)):.1e}"
+
+    steps = config.get("steps")
+    rows = [
+        [f"loss at step 1 / {steps}"] + [f"{runs[(d, v)]['losses'][0]:.4f} / "
+                                         f"{runs[(d, v)]['losses'][-1]:.4f}" for d, v, _ in cols],
+        ["largest relative difference from the stock run's loss"] + [rel_max(d, v)
+                                                                     for d, v, _ in cols],
+        ["step peak memory"] + [f"{runs[(d, v)]['peak_mb']:.0f} MB" for d, v, _ in cols],
+        ["tokens/s (contended, see below)"] + [f"{runs[(d, v)]['tokens_per_s']:.0f}"
+                                               for d, v, _ in cols],
+        ["load average before the run"] + [f"{runs[(d, v)]['loadavg']:.1f}" for d, v, _ in cols],
+        ["date, commit"] + [f"{runs[(d, v)]['date']}, {runs[(d, v)]['commit']}"
+                            for d, v, _ in cols],
+    ]
+    first = runs[(cols[0][0], cols[0][1])]
+    caption = (f"Device: {first['device']}; torch {first['torch']}, transformers "
+               f"{first.get('transformers')}; model {config['layers']} layers, hidden "
+               f"{config['hidden']}, vocabulary {config['vocab']}, {steps} steps of "
+               f"{config['batch']} x {config['seq']} tokens, lr {config['lr']:g}, seed "
+               f"{config['seed']}.")
+    return caption + "\n\n" + table([""] + [name for _, _, name in cols], rows)
+
+
+# ---- the document --------------------------------------------------------------------------
+
+def regions(results=_records.RESULTS):
+    step = _records.read(os.path.join(results, "gpu.jsonl"), os.path.join(results, "cpu.jsonl"))
+    train = _records.read(os.path.join(results, "train_lm.jsonl"))
+    return {"results": results_region(step), "train_lm": train_lm_region(train)}
+
+
+def marker(name, end=False):
+    return f"<!-- generated:{name}:{'end' if end else 'begin'} -->"
+
+
+def render(text, generated):
+    """``text`` with each region's body replaced; every region must be in the text once."""
+    for name, body in generated.items():
+        begin, end = marker(name), marker(name, end=True)
+        if text.count(begin) != 1 or text.count(end) != 1:
+            raise ValueError(f"the doc needs exactly one {begin} and one {end}")
+        a = text.index(begin) + len(begin)
+        b = text.index(end)
+        if b < a:
+            raise ValueError(f"{end} before {begin}")
+        text = text[:a] + "\n" + body.strip() + "\n" + text[b:]
+    return text
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="benchmarks/run.py report",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--doc", default=DOC, help="the document (default: docs/benchmarks.md)")
+    p.add_argument("--results", default=_records.RESULTS, help="folder of the records")
+    p.add_argument("--check", action="store_true",
+                   help="change nothing; exit 1 if the doc's tables differ from the records'")
+    args = p.parse_args(argv)
+    with open(args.doc) as fh:
+        old = fh.read()
+    new = render(old, regions(args.results))
+    if args.check:
+        if new != old:
+            print(f"{args.doc}: the generated tables differ from the records; run "
+                  "`python benchmarks/run.py report`", file=sys.stderr)
+            return 1
+        print(f"{args.doc}: the generated tables match the records")
+        return 0
+    if new != old:
+        with open(args.doc, "w") as fh:
+            fh.write(new)
+        print(f"rewrote the generated tables of {args.doc}")
+    else:
+        print(f"{args.doc}: already up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
