@@ -32,13 +32,11 @@ def test_run_linear_end_to_end(tmp_path):
     record per configuration appended to the --record file."""
     csv_path, rec_path = tmp_path / "out.csv", tmp_path / "records.jsonl"
     rec_path.write_text('{"op": "an older record", "date": "x"}\n')  # appended to, not replaced
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, os.path.join(BENCH_DIR, "run.py"), "linear", "--device", "cpu",
          "--shapes", "64x512x32", "--repeats", "2", "--peers", "chunked", "--acc-V", "512",
          "--acc-D", "16", "--csv", str(csv_path), "--record", str(rec_path)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+        capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     # A line as each child starts and ends, counted, with the elapsed time; an ETA while some
