@@ -263,11 +263,43 @@ def _describe(field, values):
 # ---------------------------------------------------------------------------------------------
 # The fused vocab-parallel op.
 # ---------------------------------------------------------------------------------------------
-def _shard_operands(x, weight, bias, group, world, layout, sequence_parallel):
-    """The op's operands: all ranks' tokens under sequence parallelism, and the shard without
-    its vocabulary padding rows, which never enter the softmax (views, no copy)."""
+class _SumGradOverGroup(torch.autograd.Function):
+    """The tokens every rank's op reads: ``x`` itself forward, the sum over the group of the
+    ranks' gradients backward (each rank's op gives its shard's contribution to dE)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Sequence parallelism: every rank's tokens, in rank order, forward; this rank's block of
+    the sum over the group of the gradients backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, world):
+        ctx.group, ctx.world = group, world
+        return _all_gather(x, group, world)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.world), None, None
+
+
+def _shard_operands(x, weight, bias, group, world, layout, reduce_input_grad, sequence_parallel):
+    """The op's operands as differentiable functions of the caller's: all ranks' tokens under
+    sequence parallelism, the tokens' gradient summed over the group, and the shard without its
+    vocabulary padding rows (views: those rows never enter the softmax and get a zero gradient).
+    The op itself is the single-device one with the shard's place in the vocabulary."""
     if sequence_parallel:
-        x = _all_gather(x, group, world)
+        x = _GatherTokens.apply(x, group, world)
+    elif reduce_input_grad:
+        x = _SumGradOverGroup.apply(x, group)
     if layout.valid_rows < weight.shape[0]:
         weight = weight.narrow(0, 0, layout.valid_rows)
         bias = None if bias is None else bias.narrow(0, 0, layout.valid_rows)
@@ -275,36 +307,33 @@ def _shard_operands(x, weight, bias, group, world, layout, sequence_parallel):
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
-    """Inputs: x [N, D] (this rank's tokens under sequence parallelism), the local shard and
-    bias, full-vocabulary targets for all N (gathered) tokens. Outputs loss, lse, entropy [N]
-    fp32."""
+    """The recompute path over the shards: x [N, D] (every rank's op tokens), this rank's rows
+    w and b, full-vocabulary targets -> loss, lse, entropy [N] fp32. Forward: the shard's
+    partial statistics, ONE all-gather, combine; backward: the shard's gradients from the global
+    row statistics (flce::backward with the shard's vocab_start)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, group, rank, world, layout, options,
-                reduce_input_grad, sequence_parallel):
+    def forward(ctx, x, w, b, target, group, world, layout, options):
         ignore_index, label_smoothing, z_loss, softcap, temperature = options
-        x, w, b = _shard_operands(x, weight, bias, group, world, layout, sequence_parallel)
         partials = _ops.ops.partial_stats(x, w, target, b, layout.vocab_start, ignore_index,
                                           softcap, temperature)
         gathered = _all_gather(partials, group, world).view(world, x.shape[0], _ops.PARTIAL_COLS)
         loss, lse, stats, entropy = _ops.ops.combine(gathered, target, layout.vocab_size,
                                                      ignore_index, label_smoothing, z_loss)
         ctx.save_for_backward(x, w, b, target, stats)
-        ctx.setup = (group, world, layout, options, reduce_input_grad, sequence_parallel,
-                     weight.shape[0], bias is not None)
+        ctx.setup = (layout, options)
         return loss, lse, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse, grad_entropy):
         x, w, b, target, stats = ctx.saved_tensors
-        (group, world, layout, options, reduce_input_grad, sequence_parallel, rows,
-         has_bias) = ctx.setup
+        layout, options = ctx.setup
         ignore_index, label_smoothing, z_loss, softcap, temperature = options
         _ops.refuse_double_backward("the vocab-parallel path", "a single-device "
                                     "flce.linear_cross_entropy")
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                has_bias and ctx.needs_input_grad[2]]
-        none = (None,) * 8
+                b is not None and ctx.needs_input_grad[2]]
+        none = (None,) * 5
         if not any(mask):
             return (None, None, None) + none
         if grad_loss is None:
@@ -313,60 +342,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                                        layout.vocab_start, layout.vocab_size, ignore_index,
                                        label_smoothing, z_loss, softcap, mask, grad_entropy,
                                        temperature)
-        if mask[1] and gw.shape[0] < rows:
-            gw = torch.cat([gw, gw.new_zeros((rows - gw.shape[0], gw.shape[1]))])
-        if mask[2] and gb.shape[0] < rows:
-            gb = torch.cat([gb, gb.new_zeros((rows - gb.shape[0],))])
-        if mask[0]:
-            if sequence_parallel:
-                gi = _reduce_scatter(gi, group, world)
-            elif reduce_input_grad:
-                gi = _all_reduce(gi, group)
         return (gi if mask[0] else None, gw if mask[1] else None,
                 gb if mask[2] else None) + none
-
-
-class _VocabParallelSinglePass(torch.autograd.Function):
-    """The single pass (flce::sum_and_grad with the group: 3 GEMMs, the gradients computed in the
-    forward) over the vocabulary shards: per chunk of rows the [rows, 5] partial statistics are
-    all-gathered inside the op; the backward scales the deferred gradients and reduces the input
-    gradient over the group. Returns the reduced loss (identical on all ranks)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, target, group, world, layout, options, reduction,
-                reduce_input_grad, sequence_parallel):
-        ignore_index, label_smoothing, z_loss, softcap, temperature = options
-        x, w, b = _shard_operands(x, weight, bias, group, world, layout, sequence_parallel)
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                bias is not None and ctx.needs_input_grad[2]]
-        loss, divisor, gi, gw, gb = _ops.ops.sum_and_grad(
-            x, w, target, b, ignore_index, label_smoothing, z_loss, softcap, mask,
-            reduction == "mean", layout.vocab_start, layout.vocab_size, group.group_name, world,
-            temperature)
-        ctx.save_for_backward(divisor, gi, gw, gb)
-        ctx.setup = (group, world, reduce_input_grad, sequence_parallel, weight.shape[0],
-                     (x.dtype, weight.dtype, None if bias is None else bias.dtype), mask)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        _ops.refuse_double_backward("the vocab-parallel single pass", "a single-device "
-                                    "flce.linear_cross_entropy with single_pass=False")
-        divisor, *deferred = ctx.saved_tensors
-        group, world, reduce_input_grad, sequence_parallel, rows, dtypes, mask = ctx.setup
-        scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
-        gi, gw, gb = (_ops.ops.scale_grad(p, scale, dt) if need and p.dim() >= 2 else None
-                      for p, dt, need in zip(deferred, dtypes, mask))
-        if gw is not None and gw.shape[0] < rows:
-            gw = torch.cat([gw, gw.new_zeros((rows - gw.shape[0], gw.shape[1]))])
-        if gb is not None and gb.shape[0] < rows:
-            gb = torch.cat([gb, gb.new_zeros((rows - gb.shape[0],))])
-        if gi is not None:
-            if sequence_parallel:
-                gi = _reduce_scatter(gi, group, world)
-            elif reduce_input_grad:
-                gi = _all_reduce(gi, group)
-        return (gi, gw, gb) + (None,) * 8
 
 
 def _use_single_pass(single_pass, reduction, return_lse, x):
@@ -475,13 +452,16 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
     if sequence_parallel:
         t = _all_gather(t, group, world)
         lead = (world * lead[0],) + lead[1:]
+    x, w, b = _shard_operands(x, weight_local, bias_local, group, world, layout,
+                              bool(reduce_input_grad), bool(sequence_parallel))
     if use_single:
-        return _VocabParallelSinglePass.apply(x, weight_local, bias_local, t, group, world, layout,
-                                              options, reduction, bool(reduce_input_grad),
-                                              bool(sequence_parallel))
-    loss, lse, entropy = _VocabParallelLinearCE.apply(
-        x, weight_local, bias_local, t, group, rank, world, layout, options,
-        bool(reduce_input_grad), bool(sequence_parallel))
+        # The single pass's own op, with the group: every chunk of rows all-gathers its
+        # statistics inside it; its gradients come back through the op's registered autograd.
+        mask = [x.requires_grad, w.requires_grad, b is not None and b.requires_grad]
+        return _ops.ops.sum_and_grad(x, w, t, b, *opts.op_args(), mask, reduction == "mean",
+                                     layout.vocab_start, layout.vocab_size, group.group_name,
+                                     world, temperature=opts.temperature)[0]
+    loss, lse, entropy = _VocabParallelLinearCE.apply(x, w, b, t, group, world, layout, options)
     return _common.per_token_outputs(
         _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
         return_lse, return_entropy)
