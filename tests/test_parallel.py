@@ -617,6 +617,51 @@ def check_fused_compiled(rank, world, group):
     assert all(torch.equal(a, b) for a, b in zip(*out))
 
 
+def check_accuracy_and_shift(rank, world, group):
+    """return_accuracy and shift over the shards: the accuracy from the combined statistics
+    against the argmax of the full logits (every rank gets the same), and shift=True against the
+    single-process loss of the sliced hidden states and labels."""
+    import flce
+    import flce.parallel as P
+
+    g = torch.Generator().manual_seed(31)
+    b, t_len, d, rows = 3, 9, 16, 40
+    v = rows * world
+    x = torch.randn(b, t_len, d, generator=g)
+    w_full = torch.randn(v, d, generator=g) / d ** 0.5
+    t = torch.randint(0, v, (b, t_len), generator=g)
+    z = x @ w_full.T
+    pick = torch.rand(b, t_len, generator=g) < 0.5
+    t = torch.where(pick, z.argmax(-1), t)
+    t[0, 3] = -100
+    w = w_full[rank * rows:(rank + 1) * rows]
+    for reduction in ("mean", "sum", "none"):
+        loss, acc = P.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
+                                                          reduction=reduction,
+                                                          return_accuracy=True)
+        hit = ((z.argmax(-1) == t) & (t != -100)).float()
+        ref = {"mean": hit.sum() / (t != -100).sum(), "sum": hit.sum(), "none": hit}[reduction]
+        assert torch.equal(acc, ref), (reduction, acc, ref)
+    for logits_path in (False, True):
+        xs = x.clone().requires_grad_()
+        if logits_path:
+            shard = (xs @ w.T).reshape(-1, rows)
+            got = P.cross_entropy(shard, t.reshape(-1), group=group, reduction="sum",
+                                  return_accuracy=True)[1]
+            hit = ((z.argmax(-1) == t) & (t != -100)).float().sum()
+            assert torch.equal(got, hit), (got, hit)
+            continue
+        loss = P.vocab_parallel_linear_cross_entropy(xs, w, t, group=group, reduction="sum",
+                                                     shift=True)
+        loss.backward()
+        xr = x.clone().requires_grad_()
+        ref = flce.linear_cross_entropy(xr[:, :-1], w_full, t[:, 1:], reduction="sum")
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-5)
+        assert torch.all(xs.grad[:, -1] == 0)
+
+
 def run_checks(rank, world):
     import time
 
@@ -652,7 +697,7 @@ def run_checks(rank, world):
                   {k: round(v, 2) for k, v in ratios.items()}, flush=True)
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
                   check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
-                  check_dtensor, check_torchtitan_dropin):
+                  check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)

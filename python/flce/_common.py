@@ -11,7 +11,7 @@ import os
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import _ops
+from . import _composite, _ops
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 REDUCTIONS = ("mean", "sum", "none")
@@ -294,16 +294,45 @@ def check_single_pass(requested, reduction, per_token):
                             f"per-token outputs: {per_token}")
 
 
-def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy):
-    """``loss`` alone, or ``(loss, [lse], [entropy])`` shaped like the target."""
-    if not (return_lse or return_entropy):
+def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accuracy=None):
+    """``loss`` alone, or ``(loss, [lse], [entropy], [accuracy])`` shaped like the target
+    (``accuracy``: already reduced as the loss, or None when not asked for)."""
+    if not (return_lse or return_entropy or accuracy is not None):
         return loss
     out = (loss,)
     if return_lse:
         out += (lse.reshape(lead),)
     if return_entropy:
         out += (entropy.reshape(lead),)
+    if accuracy is not None:
+        out += (accuracy,)
     return out
+
+
+def shift_target(target, ignore_index):
+    """Causal-LM labels shifted inside the loss: the token at position i of a sequence is scored
+    against ``target[..., i + 1]`` and the last position is ignored. The hidden states are used
+    as they are (no ``[..., :-1, :]`` copy of them; the last position's logits cost one token in
+    T). ``target``: ``(..., T)``."""
+    if target.dim() == 0:
+        raise ArgumentError("flce: shift=True needs target of shape (..., T), got a 0-d tensor")
+    end = target.new_full(tuple(target.shape[:-1]) + (min(1, target.shape[-1]),), ignore_index)
+    return torch.cat([target[..., 1:], end], dim=-1)
+
+
+def accuracy_from_stats(stats, target, ignore_index):
+    """The per-token accuracy (_composite.token_accuracy) from the row statistics (m_x, s_x,
+    z_t, u_x): m_x is the largest non-target logit."""
+    return _composite.token_accuracy(stats[:, 2], stats[:, 0], target, ignore_index)
+
+
+def reduce_accuracy(accuracy, target, ignore_index, reduction, shape, wanted):
+    """The accuracy output reduced as the loss is (``"mean"``: the fraction of non-ignored
+    tokens whose argmax is the target; ``"sum"``: their count; ``"none"``: per token), or None
+    when not ``wanted``."""
+    if not wanted:
+        return None
+    return reduce_loss(accuracy, target, ignore_index, reduction, shape)
 
 
 def reduce_loss(loss, target, ignore_index, reduction, shape, row_weight=None):

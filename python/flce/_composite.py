@@ -42,6 +42,38 @@ def per_token(input, weight, target, bias, opts, vocab_size=None, class_weight=N
     return logits_per_token(logits, target, opts, vocab_size, class_weight)
 
 
+def token_accuracy(z_t, max_other, target, ignore_index):
+    """1.0 where the target's logit is above every other logit (the target is the argmax; a
+    tie counts as a miss), 0.0 elsewhere and for ignored tokens; float32, not differentiable.
+    The softcap and temperature are increasing maps: the raw logits give the same argmax."""
+    return ((z_t > max_other) & (target != ignore_index)).to(torch.float32).detach()
+
+
+def accuracy_from_logits(logits, target, ignore_index):
+    """token_accuracy of materialized logits [N, C]."""
+    with torch.no_grad():
+        n, c = logits.shape
+        if n == 0 or c == 0:
+            return torch.zeros(n, dtype=torch.float32, device=logits.device)
+        valid = (target >= 0) & (target < c)
+        safe = torch.where(valid, target, torch.zeros_like(target))[:, None]
+        z_t = logits.gather(1, safe)[:, 0]
+        others = logits.scatter(1, safe, float("-inf")).amax(1)
+        return token_accuracy(z_t, others, target, ignore_index) * valid
+
+
+def accuracy(input, weight, target, bias, ignore_index):
+    """The per-token accuracy of ``input @ weight.T + bias``, computed as per_token computes
+    the logits."""
+    with torch.no_grad():
+        cdt = compute_dtype(input.dtype)
+        w = weight.to(input.dtype) if weight.dtype != input.dtype else weight
+        logits = input.to(cdt) @ w.to(cdt).T
+        if bias is not None:
+            logits = logits + bias.to(cdt)
+        return accuracy_from_logits(logits, target, ignore_index)
+
+
 def logits_per_token(logits, target, opts, vocab_size=None, weight=None):
     """Per-token (loss, lse, entropy) of given logits ``[N, V]`` (in their dtype); with
     per-class ``weight``, the loss weighted as torch weights it (flce.reference)."""

@@ -15,8 +15,8 @@ __all__ = ["linear_cross_entropy", "LinearCrossEntropy", "cross_entropy"]
 def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_index=-100,
                           reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                           temperature=1.0, return_lse=False, return_entropy=False,
-                          single_pass=None, class_weight=None, linear_weight=None,
-                          linear_bias=None, options=None):
+                          return_accuracy=False, shift=False, single_pass=None,
+                          class_weight=None, linear_weight=None, linear_bias=None, options=None):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
@@ -58,6 +58,17 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             non-target mass where another class dominates (docs/numerics.md). The per-token
             log-probability of the target is ``-loss`` with ``reduction="none"`` (rollout
             scoring: call under ``torch.no_grad()``, which saves nothing for a backward).
+        return_accuracy: also return whether each token's target is the argmax of its logits
+            (1.0 or 0.0, float32, not differentiable; a tie counts as a miss; ignored tokens
+            0), reduced as the loss is: ``"mean"`` the fraction of non-ignored tokens predicted
+            right, ``"sum"`` their count, ``"none"`` per token. From the row statistics the
+            loss already has (the largest non-target logit against the target's): no extra
+            pass over the logits. Like ``return_lse`` it takes the recompute path.
+        shift: causal language modelling with unshifted labels: the token at position ``i``
+            of a sequence is scored against ``target[..., i + 1]`` and the last position is
+            ignored, so ``input`` ``(..., T, D)`` and ``target`` ``(..., T)`` are passed as the
+            model has them (no ``[..., :-1, :]`` copy of the hidden states; the last
+            position's logits are computed and ignored).
         class_weight: optional per-class weights ``(V,)`` with torch's semantics (``weight=`` in
             torch's calling convention, above): each token's loss (and z-loss) times its
             target's weight, ``"mean"`` divided by the sum of those weights. Fused (no ``[N,
@@ -79,7 +90,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
 
     Returns:
         The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
-        the entropy when ``return_entropy``.
+        the entropy when ``return_entropy``, then the accuracy when ``return_accuracy``.
     """
     weight = _alias("weight", weight, "linear_weight", linear_weight)
     bias = _alias("bias", bias, "linear_bias", linear_bias)
@@ -90,6 +101,9 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                            temperature)
     _common.validate_linear(input, weight, target, bias)
     _common.check_one_device((("input", input), ("class_weight", class_weight)))
+    for name, flag in (("return_accuracy", return_accuracy), ("shift", shift)):
+        if flag not in (True, False):
+            raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
     if input.is_cuda:
         _build.check_cuda_device(input.device)
 
@@ -105,8 +119,10 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                 input, weight, target, bias=bias, ignore_index=opts.ignore_index,
                 reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
                 softcap=softcap, temperature=opts.temperature, return_lse=return_lse,
-                return_entropy=return_entropy)
+                return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift)
 
+    if shift:
+        target = _common.shift_target(target, opts.ignore_index)
     lead = target.shape
     # (reshape(-1, D) cannot infer N when D = 0)
     x = input.reshape(target.numel(), input.shape[-1])
@@ -119,23 +135,29 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         # as torch's composition has them), and class weights with label smoothing: flce's
         # formulas in differentiable torch ops.
         loss, lse, entropy = _composite.per_token(x, weight, t, bias, opts, class_weight=cw)
+        acc = _common.reduce_accuracy(
+            _composite.accuracy(x, weight, t, bias, opts.ignore_index) if return_accuracy
+            else None, t, opts.ignore_index, reduction, lead, return_accuracy)
         return _common.per_token_outputs(
             _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-            entropy, lead, return_lse, return_entropy)
+            entropy, lead, return_lse, return_entropy, acc)
     args = (x, weight, t, bias) + opts.op_args()
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
-    per_token = return_lse or return_entropy
+    per_token = return_lse or return_entropy or return_accuracy
     if _common.single_pass(single_pass, reduction, per_token, x, weight) and any(mask) and \
             torch.is_grad_enabled() and row_weight is None:
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
                                      temperature=opts.temperature)[0]
-    loss, lse, _, entropy = _ops.ops.forward(*args, opts.temperature)
+    loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature)
     if row_weight is not None:
         loss = loss * row_weight
+    acc = _common.reduce_accuracy(
+        _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None,
+        t, opts.ignore_index, reduction, lead, return_accuracy)
     return _common.per_token_outputs(
         _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-        entropy, lead, return_lse, return_entropy)
+        entropy, lead, return_lse, return_entropy, acc)
 
 
 @functools.wraps(_linear_cross_entropy)
@@ -158,7 +180,7 @@ linear_cross_entropy.__signature__ = inspect.signature(_linear_cross_entropy)
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0, *, z_loss=0.0, softcap=None,
                   temperature=1.0, return_lse=False, return_entropy=False,
-                  inplace_backward=False):
+                  return_accuracy=False, inplace_backward=False):
     r"""Collapse-safe ``torch.nn.functional.cross_entropy`` on given logits.
 
     A drop-in for ``F.cross_entropy(input, target, weight, ignore_index=..., reduction=...,
@@ -185,9 +207,10 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         size_average, ignore_index, reduce, reduction, label_smoothing: as ``F.cross_entropy``,
             in its positional order (``size_average`` and ``reduce``: torch's deprecated
             spelling of ``reduction``, with its meaning and its warning).
-        z_loss, softcap, temperature, return_lse, return_entropy: as
+        z_loss, softcap, temperature, return_lse, return_entropy, return_accuracy: as
             :func:`linear_cross_entropy` (the softcap and temperature apply to ``input``; with
-            ``weight``, a token's z-loss is weighted like its loss).
+            ``weight``, a token's z-loss is weighted like its loss; the accuracy is not
+            weighted).
         inplace_backward: the backward writes the gradient over ``input``'s storage (as
             Megatron's and TorchTitan's eager losses do) instead of allocating one: pass it only
             when nothing else needs the logits afterwards (autograd raises if something saved
@@ -195,7 +218,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 
     Returns:
         The loss, then the per-token lse when ``return_lse`` and the per-token entropy when
-        ``return_entropy`` (shaped like ``target``).
+        ``return_entropy`` (shaped like ``target``), then the accuracy when ``return_accuracy``.
     """
     if size_average is not None or reduce is not None:
         reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
@@ -209,15 +232,17 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             input, target, weight=weight, ignore_index=opts.ignore_index, reduction=reduction,
             label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=softcap,
             temperature=opts.temperature, return_lse=return_lse, return_entropy=return_entropy,
-            inplace_backward=inplace_backward)
+            return_accuracy=return_accuracy, inplace_backward=inplace_backward)
     if input.dim() == 0:
         raise ArgumentError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a "
                             "0-d tensor")
     if input.dtype not in _common.FLOAT_DTYPES:
         raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
                         f"{input.dtype}")
-    if inplace_backward not in (True, False):
-        raise TypeError(f"flce: inplace_backward must be True or False, got {inplace_backward!r}")
+    for name, flag in (("inplace_backward", inplace_backward),
+                       ("return_accuracy", return_accuracy)):
+        if flag not in (True, False):
+            raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
     lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
     _common.check_target(target, lead, "input's shape without the class dimension 1")
@@ -239,15 +264,20 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(
             logits.to(cdt), t, opts, weight=cw)
+        acc = _composite.accuracy_from_logits(logits, t, opts.ignore_index) \
+            if return_accuracy else None
     else:
-        loss, lse, _, entropy = _ops.ops.logits_forward(
+        loss, lse, stats, entropy = _ops.ops.logits_forward(
             logits, t, opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
             opts.temperature, return_entropy, inplace_backward)
         if row_weight is not None:
             loss = loss * row_weight
+        acc = _common.accuracy_from_stats(stats, t, opts.ignore_index) \
+            if return_accuracy else None
     return _common.per_token_outputs(
         _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-        entropy, lead, return_lse, return_entropy)
+        entropy, lead, return_lse, return_entropy,
+        _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
 
 
 def _alias(name, value, torch_name, torch_value):
@@ -263,10 +293,14 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
                  softcap=None, temperature=1.0, return_lse=False, return_entropy=False,
-                 single_pass=None):
+                 return_accuracy=False, shift=False, single_pass=None):
         super().__init__()
         _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature)
-        _common.check_single_pass(single_pass, reduction, return_lse or return_entropy)
+        for name, flag in (("return_accuracy", return_accuracy), ("shift", shift)):
+            if flag not in (True, False):
+                raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
+        _common.check_single_pass(single_pass, reduction,
+                                  return_lse or return_entropy or return_accuracy)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -275,6 +309,8 @@ class LinearCrossEntropy(torch.nn.Module):
         self.temperature = temperature
         self.return_lse = return_lse
         self.return_entropy = return_entropy
+        self.return_accuracy = return_accuracy
+        self.shift = shift
         self.single_pass = single_pass
 
     def forward(self, input, weight, target, bias=None):
@@ -284,6 +320,7 @@ class LinearCrossEntropy(torch.nn.Module):
                                     softcap=self.softcap, temperature=self.temperature,
                                     return_lse=self.return_lse,
                                     return_entropy=self.return_entropy,
+                                    return_accuracy=self.return_accuracy, shift=self.shift,
                                     single_pass=self.single_pass)
 
     def extra_repr(self):

@@ -322,10 +322,11 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                                                      ignore_index, label_smoothing, z_loss)
         ctx.save_for_backward(x, w, b, target, stats)
         ctx.setup = (layout, options)
-        return loss, lse, entropy
+        ctx.mark_non_differentiable(stats)
+        return loss, lse, entropy, stats
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, grad_entropy):
+    def backward(ctx, grad_loss, grad_lse, grad_entropy, _grad_stats):
         x, w, b, target, stats = ctx.saved_tensors
         layout, options = ctx.setup
         ignore_index, label_smoothing, z_loss, softcap, temperature = options
@@ -361,6 +362,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                                         bias_local=None, ignore_index=-100, reduction="mean",
                                         label_smoothing=0.0, z_loss=0.0, softcap=None,
                                         temperature=1.0, return_lse=False, return_entropy=False,
+                                        return_accuracy=False, shift=False,
                                         vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
                                         check_ranks=True, single_pass=None):
@@ -397,13 +399,16 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             rank raising and the others hanging in a collective. False: once per group and
             shape (no sync), only safe while every rank makes identical calls
             (docs/parallel.md).
+        return_accuracy, shift: as for ``flce.linear_cross_entropy`` (the accuracy from the
+            combined statistics, the same on every rank; ``shift`` not with
+            ``sequence_parallel``, whose ranks hold pieces of the sequences).
         single_pass: as for ``flce.linear_cross_entropy``: by default the CUDA backend trains
             (mean/sum, no return_lse, gradients needed) with the single pass, whose chunks of
             rows all-gather their ``[rows, 4]`` statistics inside the op.
 
     Returns:
-        The loss in float32 (identical on all ranks), then the per-token lse when ``return_lse``
-        and the per-token entropy when ``return_entropy``.
+        The loss in float32 (identical on all ranks), then the per-token lse when ``return_lse``,
+        the per-token entropy when ``return_entropy`` and the accuracy when ``return_accuracy``.
         Every rank must backpropagate the same upstream gradient into it.
     """
     group, rank, world = _resolve_group(group)
@@ -421,19 +426,27 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         if sequence_parallel and not reduce_input_grad:
             raise ArgumentError("flce.parallel: sequence_parallel=True reduce-scatters input's "
                                 "gradient itself; reduce_input_grad=False is not supported with it")
+        for name, flag in (("return_accuracy", return_accuracy), ("shift", shift)):
+            if flag not in (True, False):
+                raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
+        if shift and sequence_parallel:
+            raise ArgumentError("flce.parallel: shift=True is not supported with "
+                                "sequence_parallel (each rank holds a piece of the sequences)")
         if sequence_parallel and input.dim() < 2:
             raise ArgumentError("flce.parallel: sequence_parallel needs input of shape "
                                 "(tokens, ..., D)")
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or weight_local.requires_grad
             or (bias_local is not None and bias_local.requires_grad))
-        use_single = needs_grad and _use_single_pass(single_pass, reduction,
-                                                     return_lse or return_entropy, input)
+        use_single = needs_grad and _use_single_pass(
+            single_pass, reduction, return_lse or return_entropy or return_accuracy, input)
         error = None
     except (TypeError, ValueError) as e:
         error = e
     if error is None:
         d = input.shape[-1]
+        if shift:
+            target = _common.shift_target(target, opts.ignore_index)
         lead = tuple(target.shape)
         x = input.reshape(target.numel(), d)
         t = target.reshape(-1).to(torch.int64)
@@ -461,10 +474,13 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         return _ops.ops.sum_and_grad(x, w, t, b, *opts.op_args(), mask, reduction == "mean",
                                      layout.vocab_start, layout.vocab_size, group.group_name,
                                      world, temperature=opts.temperature)[0]
-    loss, lse, entropy = _VocabParallelLinearCE.apply(x, w, b, t, group, world, layout, options)
+    loss, lse, entropy, stats = _VocabParallelLinearCE.apply(x, w, b, t, group, world, layout,
+                                                             options)
+    acc = _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None
     return _common.per_token_outputs(
         _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
-        return_lse, return_entropy)
+        return_lse, return_entropy,
+        _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
 
 
 def _check_local(*tensors):
@@ -490,7 +506,7 @@ def is_vocab_sharded(weight):
 def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_index=-100,
                                  reduction="mean", label_smoothing=0.0, z_loss=0.0,
                                  softcap=None, temperature=1.0, return_lse=False,
-                                 return_entropy=False):
+                                 return_entropy=False, return_accuracy=False, shift=False):
     """``flce.linear_cross_entropy`` for a ``DTensor`` weight ``Shard(0)`` on a 1-D mesh.
 
     ``input`` and ``target`` may be plain tensors (the same on every rank) or DTensors on the
@@ -526,7 +542,7 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
         group=mesh.get_group(), bias_local=local("bias", bias, (Shard(0),)),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
-        return_entropy=return_entropy)
+        return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,10 +570,10 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
         ctx.save_for_backward(logits, target, stats)
         ctx.setup = (layout, options, inplace)
         ctx.mark_non_differentiable(stats)
-        return loss, lse, entropy
+        return loss, lse, entropy, stats
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, grad_entropy):
+    def backward(ctx, grad_loss, grad_lse, grad_entropy, _grad_stats):
         _ops.refuse_double_backward("the vocab-parallel path", "a single-device flce.cross_entropy")
         logits, target, stats = ctx.saved_tensors
         layout, options, inplace = ctx.setup
@@ -577,8 +593,8 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
 
 def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
-                  return_lse=False, return_entropy=False, vocab_start=None,
-                  inplace_backward=False, check_ranks=True):
+                  return_lse=False, return_entropy=False, return_accuracy=False,
+                  vocab_start=None, inplace_backward=False, check_ranks=True):
     """Collapse-safe cross-entropy of logits sharded over the classes of ``group``.
 
     Every rank passes the same tokens' targets and its own logit columns; the result equals
@@ -605,9 +621,10 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
         _check_logits(logits, target, "logits")
-        if inplace_backward not in (True, False):
-            raise TypeError(f"flce: inplace_backward must be True or False, got "
-                            f"{inplace_backward!r}")
+        for name, flag in (("inplace_backward", inplace_backward),
+                           ("return_accuracy", return_accuracy)):
+            if flag not in (True, False):
+                raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
         _check_vocab_start(vocab_start)
         error = None
     except (TypeError, ValueError) as e:
@@ -625,12 +642,13 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
                      ignore_index=None if error else opts.ignore_index)
     options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
                opts.temperature)
-    loss, lse, entropy = _VocabParallelLogitsCE.apply(x, t, group, world, layout, options,
-                                                      bool(return_entropy),
-                                                      bool(inplace_backward))
+    loss, lse, entropy, stats = _VocabParallelLogitsCE.apply(
+        x, t, group, world, layout, options, bool(return_entropy), bool(inplace_backward))
+    acc = _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None
     return _common.per_token_outputs(
         _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
-        return_lse, return_entropy)
+        return_lse, return_entropy,
+        _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
 
 
 def _inplace_error(inplace, x, name):
@@ -732,7 +750,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
                             f"on every rank")
     v = layout.vocab_size
     eps = smoothing * v / (v - 1) if smoothing > 0 and v > 1 else 0.0
-    loss, _, _ = _VocabParallelLogitsCE.apply(logits, t, group, world, layout,
+    loss, _, _, _ = _VocabParallelLogitsCE.apply(logits, t, group, world, layout,
                                               (-100, eps, 0.0, 0.0, 1.0), False,
                                               bool(inplace_backward))
     return loss.reshape(lead)
@@ -740,7 +758,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
 
 def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
-                          return_lse=False, return_entropy=False, inplace_backward=False):
+                          return_lse=False, return_entropy=False, return_accuracy=False,
+                          inplace_backward=False):
     """``flce.cross_entropy`` of a ``DTensor`` of logits sharded over the classes: ``(N, C)``
     with placements ``(Shard(1),)`` (or ``Shard(-1)``) on a 1-D mesh, as TorchTitan's
     ``loss_parallel`` hands the loss its ``pred.flatten(0, 1)``. ``target`` may be a plain
@@ -766,4 +785,5 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
                          ignore_index=ignore_index, reduction=reduction,
                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                          temperature=temperature, return_lse=return_lse,
-                         return_entropy=return_entropy, inplace_backward=inplace_backward)
+                         return_entropy=return_entropy, return_accuracy=return_accuracy,
+                         inplace_backward=inplace_backward)
