@@ -165,12 +165,19 @@ def validate_linear(input, weight, target, bias):
     if input.dim() < 1:
         raise ArgumentError("flce: input must have shape (..., D), got a 0-d tensor")
     if weight.dim() != 2:
-        raise ArgumentError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}")
+        raise ArgumentError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}; "
+                            f"torch's K-dimensional classifier is not supported")
     if input.shape[-1] != weight.shape[1]:
         raise ArgumentError(f"flce: input's last dimension ({input.shape[-1]}) must equal weight's "
                             f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
                             f"{tuple(weight.shape)}")
-    check_target(target, input.shape[:-1], "input's leading dimensions")
+    lead = tuple(input.shape[:-1])
+    if isinstance(target, torch.Tensor) and target.dim() > len(lead) and \
+            tuple(target.shape[:len(lead)]) == lead and not target.dtype.is_floating_point:
+        raise ArgumentError(f"flce: target {tuple(target.shape)} has dimensions beyond input's "
+                            f"leading ones {lead}: torch's K-dimensional classifier "
+                            f"(out_features) is not supported")
+    check_target(target, lead, "input's leading dimensions")
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
                         f"{input.dtype}")
