@@ -318,8 +318,11 @@ def test_bad_targets(device):
 def test_bad_arguments():
     x = torch.randn(4, 10)
     t = torch.randint(0, 10, (4,))
-    with pytest.raises(TypeError, match="probability .*not supported"):
-        flce.cross_entropy(x, torch.softmax(x, 1))
+    with pytest.raises(ValueError, match="probability targets must have shape"):
+        flce.cross_entropy(x, torch.softmax(x, 1)[:, :9])
+    with pytest.raises(ValueError, match="inplace_backward=True takes class-index targets"):
+        flce.cross_entropy(x.clone().requires_grad_().mul(1), torch.softmax(x, 1),
+                           inplace_backward=True)
     with pytest.raises(ValueError, match="target must have shape"):
         flce.cross_entropy(x, t[:3])
     with pytest.raises(ValueError, match="weight must be a floating-point tensor of shape"):

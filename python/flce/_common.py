@@ -100,12 +100,47 @@ def check_tensor(name, t):
         raise TypeError(f"flce: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def is_soft(target):
+    """Probability (soft) targets: a floating-point target tensor."""
+    return isinstance(target, torch.Tensor) and target.dtype.is_floating_point
+
+
+def check_soft_target(target, shape, name):
+    """Probability targets: float32, bfloat16, float16 or float64, shaped like ``shape``."""
+    if target.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"flce: probability targets must be float32, bfloat16, float16 or "
+                        f"float64, got {target.dtype}")
+    if tuple(target.shape) != tuple(shape):
+        raise ArgumentError(f"flce: probability targets must have shape {tuple(shape)} ({name}), "
+                            f"got {tuple(target.shape)}")
+
+
+def soft_class_weights(weight, c, dtype):
+    """Per-class weights for probability targets, cast to the computation dtype, or None."""
+    if weight is None:
+        return None
+    check_tensor("weight", weight)
+    if tuple(weight.shape) != (c,) or not weight.dtype.is_floating_point:
+        raise ArgumentError(f"flce: weight must be a floating-point tensor of shape ({c},) "
+                            f"(per-class weights, one per class), got {weight.dtype} "
+                            f"{tuple(weight.shape)}")
+    return weight.to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def reduce_rows(loss, reduction, shape):
+    """Reduce per-row losses over every row (probability targets: torch's ``"mean"`` divides by
+    the number of rows, with class weights too)."""
+    if reduction == "none":
+        return loss.reshape(shape)
+    return loss.sum() if reduction == "sum" else loss.sum() / loss.shape[0]
+
+
 def check_target(target, lead, lead_name):
-    """Class-index targets shaped like ``lead``; probability targets are refused by name."""
+    """Class-index targets shaped like ``lead``."""
     check_tensor("target", target)
-    if target.dtype.is_floating_point or target.dtype.is_complex:
-        raise TypeError(f"flce: target must hold class indices (an integer tensor), got "
-                        f"{target.dtype}; probability (soft) targets are not supported")
+    if target.dtype.is_complex:
+        raise TypeError(f"flce: target must hold class indices (an integer tensor) or "
+                        f"probabilities (a floating tensor), got {target.dtype}")
     if target.dtype == torch.bool:
         raise TypeError("flce: target must hold class indices (an integer tensor), got "
                         "torch.bool")
@@ -172,12 +207,16 @@ def validate_linear(input, weight, target, bias):
                             f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
                             f"{tuple(weight.shape)}")
     lead = tuple(input.shape[:-1])
-    if isinstance(target, torch.Tensor) and target.dim() > len(lead) and \
-            tuple(target.shape[:len(lead)]) == lead and not target.dtype.is_floating_point:
+    extra = len(lead) + (1 if is_soft(target) else 0)  # a probability target's V
+    if isinstance(target, torch.Tensor) and target.dim() > extra and \
+            tuple(target.shape[:len(lead)]) == lead:
         raise ArgumentError(f"flce: target {tuple(target.shape)} has dimensions beyond input's "
                             f"leading ones {lead}: torch's K-dimensional classifier "
                             f"(out_features) is not supported")
-    check_target(target, lead, "input's leading dimensions")
+    if is_soft(target):
+        check_soft_target(target, lead + (weight.shape[0],), "input's leading dimensions, then V")
+    else:
+        check_target(target, lead, "input's leading dimensions")
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
                         f"{input.dtype}")

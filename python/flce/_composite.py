@@ -85,6 +85,30 @@ def logits_per_token(logits, target, opts, vocab_size=None, weight=None):
     return loss, lse, entropy
 
 
+def soft_per_token(logits, target, opts, class_weight=None):
+    """Per-row (loss, lse, entropy, accuracy) of ``logits [N, V]`` against probability targets
+    ``target [N, V]``, in the logits' dtype, differentiable in both (flce.reference
+    soft_cross_entropy: collapse-safe). accuracy: whether the logits' argmax is the target
+    distribution's."""
+    loss, lse, entropy = reference.soft_cross_entropy(
+        logits, target.to(logits.dtype), reduction="none", label_smoothing=opts.label_smoothing,
+        z_loss=opts.z_loss, softcap=opts.softcap or None, temperature=opts.temperature,
+        weight=class_weight)
+    n, v = logits.shape
+    accuracy = accuracy_from_logits(logits, target.detach().argmax(1), -1) if v else \
+        logits.new_zeros(n, dtype=torch.float32)
+    return loss, lse, entropy, accuracy
+
+
+def linear_logits(input, weight, bias):
+    """``input @ weight.T + bias`` as per_token computes it: the weight in the input's dtype,
+    then both widened to the computation dtype (float32, float64 for float64 inputs)."""
+    cdt = compute_dtype(input.dtype)
+    w = weight.to(input.dtype) if weight.dtype != input.dtype else weight
+    logits = input.to(cdt) @ w.to(cdt).T
+    return logits + bias.to(cdt) if bias is not None else logits
+
+
 def grads_with_graph(outputs, grad_outputs, inputs):
     """``torch.autograd.grad`` of the outputs that received a gradient, with create_graph: the
     gradients of ``inputs`` (None where an input is None or not needed), themselves

@@ -40,7 +40,9 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         weight: ``(V, D)`` classifier (``lm_head.weight``), input's dtype or float32 master
             weights (then the computation runs in input's dtype and ``weight.grad`` comes out in
             float32 straight from flce's float32 accumulators).
-        target: ``(...)`` class indices in ``[0, V)`` or ``ignore_index``.
+        target: ``(...)`` class indices in ``[0, V)`` or ``ignore_index``, or ``(..., V)``
+            probabilities (soft labels, torch's semantics; the composite path, which
+            materializes the logits: docs/api.md).
         bias: optional ``(V,)``.
         ignore_index: rows with this target contribute no loss and no gradient and are not
             counted by ``"mean"`` (``None`` means -100, as in torch).
@@ -112,6 +114,9 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         from . import parallel
 
         if parallel.is_vocab_sharded(weight):
+            if _common.is_soft(target):
+                raise TypeError("flce: probability (soft) targets are not supported with a "
+                                "vocab-sharded classifier")
             if class_weight is not None:
                 raise ArgumentError("flce: per-class weights are not supported with a "
                                     "vocab-sharded classifier")
@@ -121,6 +126,9 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                 softcap=softcap, temperature=opts.temperature, return_lse=return_lse,
                 return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift)
 
+    if _common.is_soft(target):
+        return _soft_linear(input, weight, target, bias, opts, reduction, class_weight,
+                            return_lse, return_entropy, return_accuracy, shift)
     if shift:
         target = _common.shift_target(target, opts.ignore_index)
     lead = target.shape
@@ -158,6 +166,24 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     return _common.per_token_outputs(
         _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
         entropy, lead, return_lse, return_entropy, acc)
+
+
+def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, return_lse,
+                 return_entropy, return_accuracy, shift):
+    """Probability targets ``(..., V)``: the composite path (flce.reference soft_cross_entropy,
+    collapse-safe; the ``[N, V]`` logits materialized in float32, float64 for float64 inputs)."""
+    if shift:
+        raise ArgumentError("flce: shift=True takes class-index targets; shift probability "
+                            "targets before the call")
+    v, d = weight.shape
+    lead = tuple(target.shape[:-1])
+    x = input.reshape(-1, d)
+    logits = _composite.linear_logits(x, weight, bias)
+    cw = _common.soft_class_weights(class_weight, v, input.dtype)
+    loss, lse, entropy, acc = _composite.soft_per_token(logits, target.reshape(-1, v), opts, cw)
+    return _common.per_token_outputs(
+        _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
+        return_entropy, _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
 
 
 @functools.wraps(_linear_cross_entropy)
@@ -199,7 +225,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 
     Args:
         input: the logits.
-        target: class indices in ``[0, C)`` or ``ignore_index``; probability targets raise.
+        target: class indices in ``[0, C)`` or ``ignore_index``, or probabilities shaped like
+            ``input`` (soft labels, torch's semantics; the composite path: docs/api.md).
         weight: optional per-class weights ``(C,)``, as torch defines them: each token's loss
             times its target's weight, ``"mean"`` divided by the sum of those weights, and with
             label smoothing the smoothing term ``sum_c w_c (-log p_c) / C`` (that combination
@@ -245,7 +272,14 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
     lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
-    _common.check_target(target, lead, "input's shape without the class dimension 1")
+    soft = _common.is_soft(target)
+    if soft:
+        _common.check_soft_target(target, input.shape, "input's shape")
+        if inplace_backward:
+            raise ArgumentError("flce: inplace_backward=True takes class-index targets "
+                                "(probability targets take the composite path)")
+    else:
+        _common.check_target(target, lead, "input's shape without the class dimension 1")
     _common.check_one_device((("input", input), ("target", target), ("weight", weight)))
     if input.is_cuda:
         _build.check_cuda_device(input.device)
@@ -256,6 +290,15 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         input.movedim(1, -1).reshape(rows, c)
     if logits.stride(1) != 1 and c > 1:
         logits = logits.contiguous()
+    if soft:
+        y = target.reshape(1, c) if input.dim() == 1 else target.movedim(1, -1).reshape(rows, c)
+        cdt = _composite.compute_dtype(input.dtype)
+        loss, lse, entropy, acc = _composite.soft_per_token(
+            logits.to(cdt), y, opts, _common.soft_class_weights(weight, c, input.dtype))
+        return _common.per_token_outputs(
+            _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
+            return_entropy,
+            _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
     if inplace_backward:
         _common.check_inplace_target(logits, "input")
     t = target.reshape(-1).to(torch.int64)

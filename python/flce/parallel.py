@@ -416,6 +416,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
     try:
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
+        _refuse_soft(target)
         _common.validate_linear(input, weight_local, target, bias_local)
         _check_local(input, weight_local, bias_local)
         _check_vocab_start(vocab_start)
@@ -481,6 +482,12 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
         return_lse, return_entropy,
         _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
+
+
+def _refuse_soft(target):
+    if _common.is_soft(target):
+        raise TypeError("flce.parallel: probability (soft) targets are not supported over "
+                        "vocabulary shards; pass class indices")
 
 
 def _check_local(*tensors):
@@ -667,6 +674,7 @@ def _check_logits(logits, target, name):
         raise TypeError(f"flce: {name} must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() < 1:
         raise ArgumentError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
+    _refuse_soft(target)
     _common.check_target(target, logits.shape[:-1], f"{name}'s leading dimensions")
     _check_local(logits)
 

@@ -8,7 +8,7 @@ Autograd through it gives the collapse-safe gradient: the target column's gradie
 """
 import torch
 
-__all__ = ["linear_cross_entropy", "logits_cross_entropy"]
+__all__ = ["linear_cross_entropy", "logits_cross_entropy", "soft_cross_entropy"]
 
 
 def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
@@ -89,6 +89,50 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
         ent = torch.sigmoid(-d) * _softplus(d) + torch.sigmoid(d) * (_softplus(-d) + h_x)
         out += (torch.where(valid, ent, torch.zeros_like(ent)),)
     return out if len(out) > 1 else loss
+
+
+def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0, z_loss=0.0,
+                       softcap=None, temperature=1.0, weight=None):
+    """Collapse-safe cross-entropy of ``logits`` ``[N, V]`` against probability targets
+    ``target`` ``[N, V]`` (soft labels), torch's semantics: ``loss_n = -sum_c w_c y_c log p_c``
+    with ``y = (1 - eps) target + eps / V`` under label smoothing, ``"mean"`` over the ``N``
+    rows (weights or not). Per row returns ``(loss, lse, entropy)`` with ``reduction="none"``.
+
+    Every ``-log p_c`` is taken from the row's dominant class ``a`` (its largest logit):
+    ``-log p_c = nll_a + (z_a - z_c)``, ``nll_a = softplus(lse_x - z_a)`` the collapse-safe
+    loss of class ``a`` (logits_cross_entropy with target ``a``): both terms are >= 0, so the
+    loss keeps its relative accuracy where a target concentrated on ``a`` makes it tiny, where
+    ``lse - sum_c y_c z_c`` rounds to 0. The z-loss is ``z_loss lse^2`` per row, times
+    ``sum_c w_c y_c`` with class weights (a one-hot target: its class's weight, as for class
+    indices)."""
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
+    n, v = logits.shape
+    y = target.to(logits.dtype)
+    if label_smoothing:
+        y = (1 - label_smoothing) * y + label_smoothing / v
+    if weight is not None:
+        y = y * weight.to(logits.dtype)
+    if v == 0:
+        zero = logits.new_zeros(n)
+        loss, lse, entropy = zero, logits.new_full((n,), float("-inf")), zero
+    else:
+        a = logits.detach().argmax(dim=1)
+        nll_a, lse, entropy = logits_cross_entropy(logits, a, reduction="none", return_lse=True,
+                                                   return_entropy=True, ignore_index=-1)
+        gap = logits.gather(1, a[:, None]) - logits  # z_a - z_c >= 0
+        loss = nll_a * y.sum(1) + (y * gap).sum(1)
+        if z_loss:
+            loss = loss + z_loss * lse * lse * (1.0 if weight is None else y.sum(1))
+    if reduction == "none":
+        return loss, lse, entropy
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / n
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
 def linear_cross_entropy(input, weight, target, *, bias=None, ignore_index=-100,

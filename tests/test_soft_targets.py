@@ -1,0 +1,112 @@
+"""Probability (soft) targets, torch's semantics, against float64: both entry points, every
+option, class weights, label smoothing, every reduction, the gradients of the logits, the
+classifier and the targets themselves; and collapse safety where torch's formula rounds the
+loss to a wrong value (a target concentrated on the dominant class at a large margin)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flce
+from flce import reference
+from helpers import DEVICES
+
+N, V, D = 24, 40, 16
+
+
+def _inputs(dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(V, D, generator=g) / D ** 0.5
+    b = torch.randn(V, generator=g) * 0.1
+    y = torch.softmax(torch.randn(N, V, generator=g) * 2, 1)
+    cw = torch.rand(V, generator=g) + 0.5
+    return (x.to(device, dtype), w.to(device, dtype), b.to(device, dtype), y.to(device, dtype),
+            cw.to(device))
+
+
+def _close(got, ref, dtype, what):
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-5, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(got.double().cpu(), ref.double().cpu(), rtol=tol, atol=tol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1}, {"class_weight": True},
+                                  {"class_weight": True, "label_smoothing": 0.2}],
+                         ids=["plain", "smoothing", "weights", "weights+smoothing"])
+def test_linear_matches_torch_in_float64(device, dtype, reduction, opts):
+    x, w, b, y, cw = _inputs(dtype, device)
+    kw = dict(opts)
+    weight = cw if kw.pop("class_weight", False) else None
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, y)]
+    got = flce.linear_cross_entropy(*leaves[:2], leaves[3], bias=leaves[2], reduction=reduction,
+                                    class_weight=weight, **kw)
+    wide = [t.detach().cpu().double().requires_grad_() for t in (x, w, b, y)]
+    ref = F.cross_entropy(wide[0] @ wide[1].T + wide[2], wide[3], reduction=reduction,
+                          weight=None if weight is None else weight.cpu().double(), **kw)
+    _close(got, ref, dtype, "loss")
+    cot = torch.rand(got.shape, generator=torch.Generator().manual_seed(1)).double() + 0.5
+    (got.double() * cot.to(got.device)).sum().backward()
+    (ref * cot).sum().backward()
+    for name, a, r in zip(("input", "weight", "bias", "target"), leaves, wide):
+        scale = r.grad.abs().max().item()
+        floor = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float64: 1e-12}[dtype]
+        torch.testing.assert_close(a.grad.double().cpu(), r.grad, rtol=0, atol=2 * floor * scale,
+                                   msg=lambda m: f"{name} gradient: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_layouts_and_outputs(device):
+    x, w, b, y, cw = _inputs(torch.float32, device, seed=2)
+    logits = (x @ w.T + b).reshape(4, 6, V).movedim(-1, 1).contiguous()  # (N, C, d1)
+    target = y.reshape(4, 6, V).movedim(-1, 1).contiguous()
+    loss, lse, ent, acc = flce.cross_entropy(logits, target, cw, reduction="none",
+                                             softcap=8.0, temperature=0.9, return_lse=True,
+                                             return_entropy=True, return_accuracy=True)
+    z = (logits.double().cpu().movedim(1, -1).reshape(-1, V))
+    z = 8.0 * torch.tanh(z / 8.0) / 0.9
+    yy = target.double().cpu().movedim(1, -1).reshape(-1, V)
+    ref = -(cw.double().cpu() * yy * torch.log_softmax(z, 1)).sum(1)
+    _close(loss.reshape(-1), ref, torch.float32, "loss")
+    _close(lse.reshape(-1), torch.logsumexp(z, 1), torch.float32, "lse")
+    p = torch.softmax(z, 1)
+    _close(ent.reshape(-1), -(p * torch.log(p)).sum(1), torch.float32, "entropy")
+    assert torch.equal(acc.reshape(-1).cpu(), (z.argmax(1) == yy.argmax(1)).float())
+    assert loss.shape == lse.shape == ent.shape == acc.shape == (4, 6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("margin", [20.0, 40.0, 80.0])
+def test_collapse_safe(device, margin):
+    """A target that puts all but 1e-30 of its mass on the dominant class, at margin m: the loss
+    is ~ (V - 1) e^-m + 1e-30 m, which torch's lse - sum_c y_c z_c (float32) gets wrong; flce
+    holds fp32's relative accuracy against float64."""
+    z = torch.zeros(3, V)
+    z[:, 5] = margin
+    z[1, 7] = margin / 2
+    y = torch.full((3, V), 1e-30 / (V - 1))
+    y[:, 5] = 1.0
+    ref = reference.soft_cross_entropy(z.double(), y.double(), reduction="none")[0]
+    got = flce.cross_entropy(z.to(device), y.to(device), reduction="none").cpu().double()
+    assert torch.all(ref > 0)
+    rel = ((got - ref).abs() / ref).max().item()
+    assert rel < 1e-5, rel
+    torch_rel = ((F.cross_entropy(z, y, reduction="none").double() - ref).abs() / ref).max()
+    if margin >= 40.0:
+        assert torch_rel > 0.1  # the peer's collapse this test guards against
+    # and through the classifier: the same logits from x @ w.T with an identity classifier
+    got_lin = flce.linear_cross_entropy(z.to(device), torch.eye(V, device=device), y.to(device),
+                                        reduction="none").cpu().double()
+    assert ((got_lin - ref).abs() / ref).max().item() < 1e-5
+
+
+def test_refusals():
+    x, w, b, y, cw = _inputs(torch.float32, "cpu")
+    with pytest.raises(ValueError, match="probability targets must have shape"):
+        flce.linear_cross_entropy(x, w, y[:, :-1])
+    with pytest.raises(ValueError, match="shift=True takes class-index targets"):
+        flce.linear_cross_entropy(x.reshape(4, 6, D), w, y.reshape(4, 6, V), shift=True)
+    with pytest.raises(TypeError, match="class indices .* or probabilities"):
+        flce.cross_entropy(x @ w.T, y.to(torch.complex64))
