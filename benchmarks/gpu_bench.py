@@ -17,6 +17,10 @@ Methods, measured in the order given (--methods; unknown names are refused):
                   importable
   torch_native    torch's F.linear_cross_entropy (torch >= 2.13), quack: where importable
   compiled        torch.compile of eager (slow to compile: put it last)
+  fwd_flce        the forward alone, no gradients (RL rollout scoring: reduction="none",
+                  temperature 0.7, under torch.no_grad()): one logits GEMM per row chunk plus the
+                  row kernels; its floor is gemm3's first part, the one logits GEMM ("gemm1_ms")
+  fwd_eager       the same with eager torch: the logits, then log_softmax's gather in fp32
 
 Each timing: --warmup steps, then --repeats steps timed with CUDA events; the record keeps the
 median ("ms"), the fastest and slowest ("ms_range"), and the peak memory beyond the inputs and
@@ -46,9 +50,10 @@ import gpu_record  # noqa: E402
 
 SHAPES = [(4096, 128256, 4096), (16384, 128256, 4096), (4096, 256000, 4096),
           (16384, 256000, 4096)]
-METHODS = ("gemm3", "flce", "flce_recompute", "flce_fused", "eager", "liger", "cce",
-           "torch_native", "quack", "compiled")
-DEFAULT_METHODS = "gemm3,flce,flce_recompute,flce_fused,eager,liger,cce,compiled"
+METHODS = ("gemm3", "flce", "flce_recompute", "flce_fused", "fwd_flce", "fwd_eager", "eager",
+           "liger", "cce", "torch_native", "quack", "compiled")
+DEFAULT_METHODS = "gemm3,flce,flce_recompute,flce_fused,fwd_flce,fwd_eager,eager,liger,cce,compiled"
+FORWARD_ONLY = ("fwd_flce", "fwd_eager")
 FLCE_PATHS = ("flce", "flce_recompute", "flce_fused")
 
 
@@ -82,6 +87,24 @@ def fused_loss(x, w, t):
             del os.environ["FLCE_CUDA_FUSED_LOGITS"]
         else:
             os.environ["FLCE_CUDA_FUSED_LOGITS"] = old
+
+
+def forward_fn(name):
+    """The forward-only method ``name``: per-token log-probabilities at temperature 0.7 under
+    no_grad (what an RL trainer's rollout scoring asks)."""
+    import torch
+
+    if name == "fwd_flce":
+        def run(x, w, t):
+            with torch.no_grad():
+                return _flce().linear_cross_entropy(x, w, t, reduction="none", temperature=0.7)
+        return run
+
+    def eager(x, w, t):
+        with torch.no_grad():
+            logp = torch.log_softmax((x @ w.T).float() / 0.7, dim=-1)
+            return -logp.gather(1, t[:, None])[:, 0]
+    return eager
 
 
 def loss_fn(name):
@@ -264,7 +287,13 @@ class Shape:
             parts = gemm3(self.x, self.w, a.warmup, a.repeats)
             ms = sum(p[0] for p in parts)
             return {"ms": ms, "range": [sum(p[1] for p in parts), sum(p[2] for p in parts)],
-                    "gemm4_ms": ms + parts[0][0], "parts_ms": [p[0] for p in parts]}, None
+                    "gemm4_ms": ms + parts[0][0], "gemm1_ms": parts[0][0],
+                    "parts_ms": [p[0] for p in parts]}, None
+        if name in FORWARD_ONLY:
+            fn = forward_fn(name)
+            x, w, t = self.x.detach(), self.w.detach(), self.t
+            ms, lo, hi, peak = timed(lambda: fn(x, w, t), a.warmup, a.repeats)
+            return {"ms": ms, "range": [lo, hi], "peak_gib": peak / 2 ** 30}, None
         fn = loss_fn(name)
         if isinstance(fn, str):
             return fn
@@ -302,7 +331,7 @@ class DryShape:
         ms = self.flops / 7e11 * (1.0 + 0.1 * METHODS.index(name))
         out = {"ms": ms, "range": [ms * 0.99, ms * 1.02], "peak_gib": 1.0}
         if name == "gemm3":
-            out.update(gemm4_ms=ms * 4 / 3, parts_ms=[ms / 3] * 3)
+            out.update(gemm4_ms=ms * 4 / 3, gemm1_ms=ms / 3, parts_ms=[ms / 3] * 3)
         agree = ({"vs_eager": {"loss": 1e-6, "dE": 1e-3, "dW": 1e-3},
                   "vs_fp64_slice": {"loss": 1e-6, "dE": 3e-3, "dW": 3e-3}}
                  if name in FLCE_PATHS else None)
@@ -340,6 +369,7 @@ def add(rec, name, result):
         rec["peak_gib"][name] = gpu_record.sig(out["peak_gib"], 4)
     if name == "gemm3":
         rec["ms"]["gemm4"] = gpu_record.sig(out["gemm4_ms"])
+        rec["ms"]["gemm1"] = gpu_record.sig(out["gemm1_ms"])  # the forward's floor
         rec["gemm3_parts_ms"] = [gpu_record.sig(m) for m in out["parts_ms"]]
     if agree:
         rec["agree"][name] = agree
@@ -352,13 +382,15 @@ def table(rec):
     floor = rec["ms"].get("gemm3")
     lines = [f"{n}x{v}x{d} bf16 (copy {rec.get('copy_gb_s')} GB/s, mm {rec.get('mm_tflops')} "
              f"TFLOP/s, {rec['repeats']} repeats{'' if rec['complete'] else ', INCOMPLETE'})",
-             f"  {'method':<15}{'ms':>9}{'min-max':>16}{'TFLOP/s':>9}{'+GiB':>7}{'x gemm3':>8}"
+             f"  {'method':<15}{'ms':>9}{'min-max':>16}{'TFLOP/s':>9}{'+GiB':>7}{'x floor':>8}"
              f"  agreement (vs eager; vs fp64 slice: dE dW)"]
     for name, ms in rec["ms"].items():
         lo, hi = rec["ms_range"].get(name, [None, None])
         spread = f"{lo:.2f}-{hi:.2f}" if lo is not None else "-"
         peak = rec["peak_gib"].get(name)
-        ratio = f"{ms / floor:8.2f}" if floor else f"{'-':>8}"
+        # forward-only methods against their floor, the one logits GEMM
+        base = rec["ms"].get("gemm1") if name in FORWARD_ONLY else floor
+        ratio = f"{ms / base:8.2f}" if base else f"{'-':>8}"
         agree = rec["agree"].get(name)
         note = ""
         if agree:

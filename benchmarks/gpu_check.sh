@@ -265,7 +265,7 @@ if [[ $PHASE == headline ]]; then
   step fused_probe "$PY" benchmarks/gpu_fused_check.py --small && FLCE_BENCH_FUSED=1
   export FLCE_BENCH_FUSED
   step bench "$PY" benchmarks/gpu_bench.py --shapes 4096,128256,4096 \
-    --methods gemm3,flce,flce_recompute,flce_fused,eager,liger,cce,compiled \
+    --methods gemm3,flce,flce_recompute,flce_fused,fwd_flce,fwd_eager,eager,liger,cce,compiled \
     --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
   step test_cuda "$PY" -m pytest -q -rfEs -p no:cacheprovider -k "not cuda-host" \
     --junitxml="$LOGS/junit_cuda.xml" tests/test_cuda.py tests/test_check_ptxas.py \
@@ -297,7 +297,7 @@ step test_fused env FLCE_CUDA_FUSED_LOGITS=1 "$PY" -m pytest -q -rfE -p no:cache
   -k "not cuda-host" --junitxml="$LOGS/junit_fused.xml" tests/test_fused_logits.py
 step bench_large env FLCE_BENCH_FUSED=$FUSED_OK "$PY" benchmarks/gpu_bench.py \
   --shapes "16384,128256,4096;4096,256000,4096;16384,256000,4096" --repeats 5 \
-  --methods gemm3,flce,flce_recompute,flce_fused,eager,liger,cce \
+  --methods gemm3,flce,flce_recompute,flce_fused,fwd_flce,fwd_eager,eager,liger,cce \
   --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
 step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --dtypes bf16 \
   --impls flce,eager,liger,flce_inplace,compiled --repeats 10 --timeout 60 --record "$RECORDS" \

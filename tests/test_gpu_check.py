@@ -141,8 +141,9 @@ def test_headline_dry_run(tmp_path):
     assert len(bench) == 1 and len(tests) == 1 and records[-1] is tests[0]
     rec = bench[0]
     assert (rec["n"], rec["v"], rec["d"], rec["complete"]) == (4096, 128256, 4096, True)
-    assert list(rec["ms"]) == ["gemm3", "gemm4", "flce", "flce_recompute", "flce_fused", "eager",
-                               "liger", "cce", "compiled"]  # torch.compile last
+    assert list(rec["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "flce_recompute", "flce_fused",
+                               "fwd_flce", "fwd_eager", "eager", "liger", "cce",
+                               "compiled"]  # torch.compile last
     assert set(rec["agree"]) == {"flce", "flce_recompute", "flce_fused"}
     for r in records:
         assert (r["commit"], r["run"]) == ("abc1234", "test-headline")
@@ -171,7 +172,8 @@ def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
     assert status["ptxas"][0] == status["record_tests"][0] == status["profile"][0] == 0
     bench = [r for r in records if r["op"] == "linear_cross_entropy"]
     assert len(bench) == 1 and bench[0]["complete"] is False
-    assert list(bench[0]["ms"]) == ["gemm3", "gemm4", "flce", "flce_recompute"]
+    assert list(bench[0]["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "flce_recompute",
+                                    "fwd_flce", "fwd_eager"]
     assert "flce_fused" in bench[0]["skipped"]  # its probe failed
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert tests[0]["failed"] == 1 and "no report" in tests[0]["failures"][0]
@@ -204,7 +206,7 @@ def test_rest_without_a_build_and_a_cut_shape(tmp_path):
     # the first shape complete the moment it was measured, the second cut after its GEMMs
     assert [(r["v"], r["n"], r["complete"]) for r in bench] == [(128256, 16384, True),
                                                                 (256000, 4096, False)]
-    assert list(bench[1]["ms"]) == ["gemm3", "gemm4"]
+    assert list(bench[1]["ms"]) == ["gemm3", "gemm4", "gemm1"]
     assert sum(r["op"] == "gpu_tests" for r in records) == 1
 
 
