@@ -662,6 +662,48 @@ def check_accuracy_and_shift(rank, world, group):
         assert torch.all(xs.grad[:, -1] == 0)
 
 
+def check_class_weights(rank, world, group):
+    """Per-class weights of the whole vocabulary, replicated, over the shards: the loss and the
+    gradients of the single-process call with the full classifier, both entry points; a wrong
+    length raises on every rank (the length travels in the exchange)."""
+    import flce
+    import flce.parallel as P
+
+    g = torch.Generator().manual_seed(41)
+    n, d, rows = 30, 12, 24
+    v = rows * world
+    x = torch.randn(n, d, generator=g)
+    w_full = torch.randn(v, d, generator=g) / d ** 0.5
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::7] = -100
+    cw = torch.rand(v, generator=g) + 0.25
+    sl = slice(rank * rows, (rank + 1) * rows)
+    for reduction in ("mean", "sum", "none"):
+        xs, ws = x.clone().requires_grad_(), w_full[sl].clone().requires_grad_()
+        loss = P.vocab_parallel_linear_cross_entropy(xs, ws, t, group=group, class_weight=cw,
+                                                     reduction=reduction, z_loss=1e-3)
+        loss.sum().backward()
+        xr, wr = x.clone().requires_grad_(), w_full.clone().requires_grad_()
+        ref = flce.linear_cross_entropy(xr, wr, t, class_weight=cw, reduction=reduction,
+                                        z_loss=1e-3)
+        ref.sum().backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ws.grad, wr.grad[sl], rtol=1e-4, atol=1e-6)
+        logits = (x @ w_full.T)[:, sl].contiguous()
+        got = P.cross_entropy(logits, t, group=group, class_weight=cw, reduction=reduction)
+        torch.testing.assert_close(got, flce.cross_entropy(x @ w_full.T, t, cw,
+                                                           reduction=reduction),
+                                   rtol=1e-5, atol=1e-6)
+    bad = cw[:-1] if rank == 0 else cw
+    try:
+        P.vocab_parallel_linear_cross_entropy(x, w_full[sl], t, group=group, class_weight=bad)
+    except ValueError as e:
+        assert "class weights" in str(e) or "class_weight" in str(e), e
+    else:
+        raise AssertionError("a class_weight of another length on rank 0 was accepted")
+
+
 def run_checks(rank, world):
     import time
 
@@ -697,7 +739,8 @@ def run_checks(rank, world):
                   {k: round(v, 2) for k, v in ratios.items()}, flush=True)
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
                   check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
-                  check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift):
+                  check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift,
+                  check_class_weights):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)

@@ -117,14 +117,12 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             if _common.is_soft(target):
                 raise TypeError("flce: probability (soft) targets are not supported with a "
                                 "vocab-sharded classifier")
-            if class_weight is not None:
-                raise ArgumentError("flce: per-class weights are not supported with a "
-                                    "vocab-sharded classifier")
             return parallel.linear_cross_entropy_dtensor(
                 input, weight, target, bias=bias, ignore_index=opts.ignore_index,
                 reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
                 softcap=softcap, temperature=opts.temperature, return_lse=return_lse,
-                return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift)
+                return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
+                class_weight=class_weight)
 
     if _common.is_soft(target):
         return _soft_linear(input, weight, target, bias, opts, reduction, class_weight,

@@ -117,8 +117,8 @@ _LAYOUT_CACHE_SIZE = 256
 # and "target max": the range of its non-ignored targets (ignored ones count as 0).
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
-                "sequence_parallel", "temperature", "single pass", "error", "target min",
-                "target max")
+                "sequence_parallel", "temperature", "single pass", "class weights", "error",
+                "target min", "target max")
 _AGREED = range(3, _META_FIELDS.index("error"))
 _ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
 
@@ -362,7 +362,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                                         bias_local=None, ignore_index=-100, reduction="mean",
                                         label_smoothing=0.0, z_loss=0.0, softcap=None,
                                         temperature=1.0, return_lse=False, return_entropy=False,
-                                        return_accuracy=False, shift=False,
+                                        return_accuracy=False, shift=False, class_weight=None,
                                         vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
                                         check_ranks=True, single_pass=None):
@@ -399,6 +399,9 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             rank raising and the others hanging in a collective. False: once per group and
             shape (no sync), only safe while every rank makes identical calls
             (docs/parallel.md).
+        class_weight: optional per-class weights of the whole vocabulary ``(vocab_size,)``,
+            the same on every rank, torch's semantics (each token's loss times its target's
+            weight, ``"mean"`` over those weights); not with label smoothing.
         return_accuracy, shift: as for ``flce.linear_cross_entropy`` (the accuracy from the
             combined statistics, the same on every rank; ``shift`` not with
             ``sequence_parallel``, whose ranks hold pieces of the sequences).
@@ -419,6 +422,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         _refuse_soft(target)
         _common.validate_linear(input, weight_local, target, bias_local)
         _check_local(input, weight_local, bias_local)
+        _check_class_weight(class_weight, opts.label_smoothing)
         _check_vocab_start(vocab_start)
         if vocab_size is not None and (not isinstance(vocab_size, int) or
                                        not 0 < vocab_size <= _common.INT64_MAX):
@@ -439,7 +443,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or weight_local.requires_grad
             or (bias_local is not None and bias_local.requires_grad))
-        use_single = needs_grad and _use_single_pass(
+        use_single = needs_grad and class_weight is None and _use_single_pass(
             single_pass, reduction, return_lse or return_entropy or return_accuracy, input)
         error = None
     except (TypeError, ValueError) as e:
@@ -458,7 +462,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                 _DTYPE_CODES[input.dtype], _DTYPE_CODES[weight_local.dtype],
                 int(bias_local is not None), opts.ignore_index, _float_bits(opts.label_smoothing),
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
-                int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single)]
+                int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
+                _weights_meta(class_weight)]
     else:
         t, meta = None, None
     layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
@@ -475,11 +480,15 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         return _ops.ops.sum_and_grad(x, w, t, b, *opts.op_args(), mask, reduction == "mean",
                                      layout.vocab_start, layout.vocab_size, group.group_name,
                                      world, temperature=opts.temperature)[0]
+    row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
     loss, lse, entropy, stats = _VocabParallelLinearCE.apply(x, w, b, t, group, world, layout,
                                                              options)
+    if row_weight is not None:
+        loss = loss * row_weight
     acc = _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None
     return _common.per_token_outputs(
-        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
+        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
+        entropy, lead,
         return_lse, return_entropy,
         _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
 
@@ -513,7 +522,8 @@ def is_vocab_sharded(weight):
 def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_index=-100,
                                  reduction="mean", label_smoothing=0.0, z_loss=0.0,
                                  softcap=None, temperature=1.0, return_lse=False,
-                                 return_entropy=False, return_accuracy=False, shift=False):
+                                 return_entropy=False, return_accuracy=False, shift=False,
+                                 class_weight=None):
     """``flce.linear_cross_entropy`` for a ``DTensor`` weight ``Shard(0)`` on a 1-D mesh.
 
     ``input`` and ``target`` may be plain tensors (the same on every rank) or DTensors on the
@@ -549,7 +559,8 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
         group=mesh.get_group(), bias_local=local("bias", bias, (Shard(0),)),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
-        return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift)
+        return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
+        class_weight=local("class_weight", class_weight, None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,7 +612,8 @@ class _VocabParallelLogitsCE(torch.autograd.Function):
 def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
                   return_lse=False, return_entropy=False, return_accuracy=False,
-                  vocab_start=None, inplace_backward=False, check_ranks=True):
+                  class_weight=None, vocab_start=None, inplace_backward=False,
+                  check_ranks=True):
     """Collapse-safe cross-entropy of logits sharded over the classes of ``group``.
 
     Every rank passes the same tokens' targets and its own logit columns; the result equals
@@ -633,6 +645,7 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
             if flag not in (True, False):
                 raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
         _check_vocab_start(vocab_start)
+        _check_class_weight(class_weight, opts.label_smoothing)
         error = None
     except (TypeError, ValueError) as e:
         error = e
@@ -644,16 +657,20 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
     if error is None:
         t = target.reshape(-1).to(torch.int64)
         meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
-                            opts.z_loss, opts.softcap, reduction, opts.temperature)
+                            opts.z_loss, opts.softcap, reduction, opts.temperature, class_weight)
     layout = _layout(group, rank, world, meta, False, check_ranks, error=error, target=t,
                      ignore_index=None if error else opts.ignore_index)
     options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
                opts.temperature)
+    row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
     loss, lse, entropy, stats = _VocabParallelLogitsCE.apply(
         x, t, group, world, layout, options, bool(return_entropy), bool(inplace_backward))
+    if row_weight is not None:
+        loss = loss * row_weight
     acc = _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None
     return _common.per_token_outputs(
-        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead), lse, entropy, lead,
+        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
+        entropy, lead,
         return_lse, return_entropy,
         _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
 
@@ -680,13 +697,47 @@ def _check_logits(logits, target, name):
 
 
 def _logits_meta(x, vocab_start, ignore_index, smoothing, z_loss, softcap, reduction,
-                 temperature):
+                 temperature, class_weight=None):
     """The fields of _META_FIELDS that a logits-level call has (no D, bias or weight):
     x [N, V_local] this rank's rows."""
     code = _DTYPE_CODES[x.dtype]
     return [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
             code, 0, ignore_index, _float_bits(smoothing), _float_bits(z_loss),
-            _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0]
+            _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0,
+            _weights_meta(class_weight)]
+
+
+def _weights_meta(class_weight):
+    """The class weights' field of the exchange: their length, or -1 without them."""
+    return -1 if class_weight is None else class_weight.numel()
+
+
+def _check_class_weight(class_weight, label_smoothing):
+    """This rank's checks of replicated per-class weights (the whole vocabulary's, every rank
+    the same); their length against the vocabulary comes after the exchange."""
+    if class_weight is None:
+        return
+    _common.check_tensor("class_weight", class_weight)
+    if class_weight.dim() != 1 or not class_weight.dtype.is_floating_point:
+        raise ArgumentError(f"flce.parallel: class_weight must be a 1-D floating-point tensor "
+                            f"(one weight per class of the whole vocabulary, the same on every "
+                            f"rank), got {class_weight.dtype} {tuple(class_weight.shape)}")
+    if label_smoothing:
+        raise ArgumentError("flce.parallel: class weights with label smoothing need every "
+                            "logit of a row in one place (flce's composite path): not over "
+                            "vocabulary shards")
+
+
+def _row_weights(class_weight, layout, t, ignore_index):
+    """Each row's target weight (0 where ignored), after the exchange: every rank holds the
+    same lengths, so all raise here or none does."""
+    if class_weight is None:
+        return None
+    if class_weight.numel() != layout.vocab_size:
+        raise ArgumentError(f"flce.parallel: class_weight must have one weight per class of the "
+                            f"vocabulary ({layout.vocab_size}), got {class_weight.numel()}")
+    return _common.class_weights(class_weight.to(t.device), layout.vocab_size, t, ignore_index,
+                                 torch.float32)[1]
 
 
 def _local_rows(logits, target):
@@ -783,8 +834,6 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
                             f"over the classes, placements (Shard(1),) on a 1-D mesh; got shape "
                             f"{tuple(input.shape)}, {tuple(input.placements)} on a {mesh.ndim}-D "
                             f"mesh")
-    if weight is not None:
-        raise ArgumentError("flce: per-class weights are not supported with vocab-parallel logits")
     if isinstance(target, DTensor):
         if target.device_mesh != mesh:
             raise ArgumentError("flce: target is a DTensor on a different mesh than input")
@@ -794,4 +843,4 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                          temperature=temperature, return_lse=return_lse,
                          return_entropy=return_entropy, return_accuracy=return_accuracy,
-                         inplace_backward=inplace_backward)
+                         class_weight=weight, inplace_backward=inplace_backward)
