@@ -37,7 +37,7 @@ After each method the shape's record so far is written to --partial (``"complete
 when the shape is done the record is appended to --record (``"complete": true``) and the partial
 file removed. gpu_check.sh appends a partial file left behind by a step it had to cut.
 FLCE_GPU_DRY_RUN=1 replaces every measurement with a stand-in (no torch; the control flow for
-tests/test_gpu_check.py); FLCE_GPU_DRY_HANG=NxVxD:method then hangs at that measurement.
+tests/tools/test_gpu_check.py); FLCE_GPU_DRY_HANG=NxVxD:method then hangs at that measurement.
 """
 import argparse
 import os

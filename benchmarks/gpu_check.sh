@@ -29,7 +29,7 @@
 #   bench at [4096 x 4096 x 128256] bf16 (the 3 cuBLAS GEMMs, the default path, the recompute
 #   path, the fused path, eager, Liger, CCE, torch.compile last; benchmarks/gpu_bench.py, with
 #   loss / dE / dW agreement with eager and with float64 on a slice), test_cuda
-#   (tests/test_cuda.py), record_tests (its gpu_tests record), profile (one profiled step and a
+#   (tests/cuda/test_cuda.py), record_tests (its gpu_tests record), profile (one profiled step and a
 #   memory snapshot).
 # rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
 #   .gpu_build/; without one it builds first, and the steps at the end are cut by the budget),
@@ -43,7 +43,7 @@
 # Every step runs in its own process under its own limit (cut to what is left of the budget),
 # with its output in its own log; a step that fails or times out is reported and the next one
 # runs. The limits of a phase's steps add up to at most its budget (--plan checks it;
-# tests/test_gpu_check.py runs both phases with every command stubbed). Files in $OUT (default
+# tests/tools/test_gpu_check.py runs both phases with every command stubbed). Files in $OUT (default
 # benchmarks/results/gpu-RUN, RUN = date-PHASE; the device tool returns at most 8):
 #   gpu_records.jsonl  records in benchmarks/results/gpu.jsonl's format, each appended the
 #                      moment it is measured (a shape cut mid-way: "complete": false); append
@@ -211,7 +211,7 @@ build() {
 export PYTHONUNBUFFERED=1
 # The image's default CXX (/opt/gcc) put libstdc++'s stream code into the extension, and the
 # first C++ error message holding a number crashed the process (2026-12-04): build with the
-# system compiler where there is one (tests/test_build_info.py checks the extension).
+# system compiler where there is one (tests/tools/test_build_info.py checks the extension).
 if [[ ${CXX:-} == /opt/gcc/* && -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
   export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 fi
@@ -268,8 +268,8 @@ if [[ $PHASE == headline ]]; then
     --methods gemm3,flce,flce_recompute,flce_fused,fwd_flce,fwd_eager,eager,liger,cce,compiled \
     --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
   step test_cuda "$PY" -m pytest -q -rfEs -p no:cacheprovider -k "not cuda-host" \
-    --junitxml="$LOGS/junit_cuda.xml" tests/test_cuda.py tests/test_check_ptxas.py \
-    tests/test_build_info.py::test_extension_uses_the_process_libstdcxx
+    --junitxml="$LOGS/junit_cuda.xml" tests/cuda/test_cuda.py tests/tools/test_check_ptxas.py \
+    tests/tools/test_build_info.py::test_extension_uses_the_process_libstdcxx
   step record_tests "$PY" benchmarks/gpu_tests_record.py "$RECORDS" "$LOGS/junit_cuda.xml"
   step profile "$PY" benchmarks/profile_step.py --n 4096 --v 128256 --d 4096 --warmup 2 \
     --steps 1 --torch-profiler "$LOGS/trace_4096x128256x4096.json" \
@@ -294,7 +294,7 @@ fi
 FUSED_OK=0
 step fused_check "$PY" benchmarks/gpu_fused_check.py && FUSED_OK=1
 step test_fused env FLCE_CUDA_FUSED_LOGITS=1 "$PY" -m pytest -q -rfE -p no:cacheprovider \
-  -k "not cuda-host" --junitxml="$LOGS/junit_fused.xml" tests/test_fused_logits.py
+  -k "not cuda-host" --junitxml="$LOGS/junit_fused.xml" tests/cuda/test_fused_logits.py
 step bench_large env FLCE_BENCH_FUSED=$FUSED_OK "$PY" benchmarks/gpu_bench.py \
   --shapes "16384,128256,4096;4096,256000,4096;16384,256000,4096" --repeats 5 \
   --methods gemm3,flce,flce_recompute,flce_fused,fwd_flce,fwd_eager,eager,liger,cce \
@@ -305,9 +305,10 @@ step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --
 step fp64_cost "$PY" benchmarks/gpu_fp64_cost.py --repeats 3 --record "$RECORDS"
 # The device-parametrized suites on "cuda", without the files that ran on their own above.
 step test_suite "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 tests \
-  -m "not cuda_host" -k cuda --ignore=tests/test_cuda.py --ignore=tests/test_fused_logits.py \
-  --ignore=tests/test_check_ptxas.py --ignore=tests/test_parallel_cuda.py \
-  --ignore=tests/test_gpu_check.py --junitxml="$LOGS/junit_suite.xml"
+  -m "not cuda_host" -k cuda --ignore=tests/cuda/test_cuda.py --ignore=tests/cuda/test_fused_logits.py \
+  --ignore=tests/tools/test_check_ptxas.py --ignore=tests/parallel/test_parallel_cuda.py \
+  --ignore=tests/tools/test_gpu_check.py --ignore=tests/cuda/test_driver_mutations.py \
+  --junitxml="$LOGS/junit_suite.xml"
 step record_tests "$PY" benchmarks/gpu_tests_record.py "$RECORDS" "$LOGS/junit_fused.xml" \
   "$LOGS/junit_suite.xml"
 # Training steps without a host sync: the default path, and the fused one once its check passed.

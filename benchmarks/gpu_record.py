@@ -10,7 +10,7 @@ cut. A measurement in progress lives in a partial file (`write_partial`): the co
 appended when it is done, and gpu_check.sh appends the partial one (``"complete": false``) when
 the step that was writing it dies.
 
-FLCE_GPU_DRY_RUN=1 (tests/test_gpu_check.py: the control flow of gpu_check.sh on a machine
+FLCE_GPU_DRY_RUN=1 (tests/tools/test_gpu_check.py: the control flow of gpu_check.sh on a machine
 without a GPU) leaves torch out: the environment is a stand-in that says so.
 """
 import datetime

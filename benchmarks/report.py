@@ -12,7 +12,7 @@ A generated region is the text between ``<!-- generated:NAME:begin -->`` and
             GPU test runs
   train_lm  examples/train_lm.py's latest runs (benchmarks/results/train_lm.jsonl)
 
-Every table names the date, device and commit of its numbers. tests/test_report.py regenerates
+Every table names the date, device and commit of its numbers. tests/tools/test_report.py regenerates
 the regions from the committed records and compares them with the committed doc, so the doc
 cannot drift from the records.
 """

@@ -12,7 +12,7 @@ builder, ninja) and registers its fake kernels and autograd. The build needs the
 (cuda_runtime.h, cuda_bf16.h), not a GPU; without them ``load()`` raises ``Unavailable``.
 FLCE_CUDA_HOST_RACECHECK=1 builds the kernels with the shared-memory race detector;
 FLCE_CUDA_HOST_MUTANT=PATH builds it with one launch-sequence file (csrc/cuda/NAME.cpp) replaced by
-PATH, a mutated copy (tests/test_driver_mutations.py).
+PATH, a mutated copy (tests/cuda/test_driver_mutations.py).
 """
 import functools
 import glob
@@ -78,7 +78,7 @@ def load():
     build_dir = os.path.join(ROOT, "build", "cuda_host", f"{config}-{_digest(sources)}")
     mutant = os.environ.get("FLCE_CUDA_HOST_MUTANT")
     if mutant:
-        # A planted bug (tests/test_driver_mutations.py): one launch-sequence file replaced by a
+        # A planted bug (tests/cuda/test_driver_mutations.py): one launch-sequence file replaced by a
         # mutated copy. The module is built in a copy of the clean build directory, so that
         # ninja recompiles that file alone.
         mutant = os.path.abspath(mutant)

@@ -26,7 +26,7 @@ first-order bound of an ideal implementation at the same precision (``bounds``):
   the gradient's dtype.
 
 A failing case shrinks itself (options off, sizes halved, layouts made plain, while it still
-fails) and prints a repro. The suite runs a short seeded run (tests/test_fuzz.py); a long one:
+fails) and prints a repro. The suite runs a short seeded run (tests/api/test_fuzz.py); a long one:
 
     python tests/fuzz.py --minutes 15 --backend cpu          # or cuda-host; --seed to vary
 

@@ -1,4 +1,4 @@
-"""One rank of tests/test_hf_distributed.py: FSDP2 and DTensor lm_head weights on gloo (CPU)."""
+"""One rank of tests/integrations/test_hf_distributed.py: FSDP2 and DTensor lm_head weights on gloo (CPU)."""
 import copy
 import os
 import sys

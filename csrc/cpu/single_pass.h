@@ -1,6 +1,6 @@
 // The sizes of the CPU single pass's row-block logits (flce_cpu.cpp, sum_and_grad_cpu), defined
 // here once. Python's model of the pass's memory (flce/_common.py, cpu_single_pass_bytes, which
-// picks the default path and which tests/test_cpu_memory.py holds the measured growth to) reads
+// picks the default path and which tests/cpu/test_cpu_memory.py holds the measured growth to) reads
 // them through the op flce::cpu_single_pass_layout (ops.cpp) instead of keeping copies.
 #pragma once
 

@@ -141,7 +141,7 @@ constexpr int64_t MB = 64;
 constexpr int64_t NB = 64;
 // The kernels accumulate k in registers, one FMA after another; over a long k (dE's k is the
 // vocab tile) that sequential fp32 sum loses accuracy (2.2x the ideal error at k = 2048 in
-// tests/test_accuracy.py). Chunks of KC are summed on their own and added to C: a two-level sum,
+// tests/api/test_accuracy.py). Chunks of KC are summed on their own and added to C: a two-level sum,
 // as blocked BLAS GEMMs do (1.2x).
 constexpr int64_t KC = 256;
 

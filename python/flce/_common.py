@@ -269,7 +269,7 @@ def cpu_single_pass_bytes(n, v, d, dtype, threads=None):
     compensation, a block of rows' logits and, for 16-bit inputs, the gradients in fp32 from
     the forward to the backward (scale_grad writes the 16-bit gradients beside them; fp32 ones
     are scaled in place and are the gradients) and the weight tiles packed for two GEMMs
-    (onednn; an upper bound on the blas path). tests/test_cpu_memory.py holds the measured
+    (onednn; an upper bound on the blas path). tests/cpu/test_cpu_memory.py holds the measured
     growth to it."""
     # The row-block logits: tiles of CPU_WIDE_TILE columns for at most CPU_FUSED_ROWS rows and
     # N rounded up to 16, within a workspace bound (the sizes: csrc/cpu/single_pass.h, read

@@ -17,7 +17,7 @@ import pytest
 
 import cuda_emulation
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, the suite's root
 CHUNKS = os.path.join(cuda_emulation.ROOT, "csrc", "cuda", "chunks.cpp")
 
 # (name, original snippet (exactly once in chunks.cpp), replacement, pytest selection)
@@ -25,17 +25,17 @@ MUTATIONS = [
     # fp16: the gradient tile's power-of-two scale left in dE.
     ("fp16_scale_left_in_dE",
      "      if (inv_scale.defined()) ge.mul_(inv_scale);\n", "\n",
-     ["test_cuda.py::test_recompute_chunked"]),
+     ["cuda/test_cuda.py::test_recompute_chunked"]),
     # Every group's target entries fixed with the first group's targets.
     ("target_fix_with_first_groups_targets",
      "    const at::Tensor tg = target.narrow(0, g0, gn);\n",
      "    const at::Tensor tg = target.narrow(0, 0, gn);\n",
-     ["test_cuda.py::test_recompute_chunked", "test_cuda.py::test_single_pass_chunked"]),
+     ["cuda/test_cuda.py::test_recompute_chunked", "cuda/test_cuda.py::test_single_pass_chunked"]),
     # The given coefficients of a sub-chunk taken relative to its group instead of to row 0.
     ("given_coefficients_group_relative",
      "      float* sub_coef = coef.data_ptr<float>() + (given ? s0 * 8 : 0);\n",
      "      float* sub_coef = coef.data_ptr<float>() + (given ? (s0 - g0) * 8 : 0);\n",
-     ["test_cuda.py::test_recompute_chunked"]),
+     ["cuda/test_cuda.py::test_recompute_chunked"]),
 ]
 
 

@@ -11,7 +11,8 @@ import torch
 
 import flce
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# (children run from the suite's root, tests/, so that the paths below name its files)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ("blas", "onednn")
 SMALL_CALL = ("import torch, flce; "
               "print(flce.linear_cross_entropy(torch.randn(2, 4), torch.randn(3, 4), "
@@ -74,8 +75,8 @@ def test_other_path_passes_option_and_accuracy_tests(path):
     if path == "onednn" and _path_in_child(path)[0] != "onednn":
         pytest.skip("oneDNN micro-kernels unavailable on this CPU / torch build")
     r = _child(path, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                      "test_options.py", "test_accuracy.py", "test_single_pass.py",
-                      "test_cpu_determinism.py",
+                      "api/test_options.py", "api/test_accuracy.py", "api/test_single_pass.py",
+                      "cpu/test_cpu_determinism.py",
                       "-k", "not cuda"])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
@@ -154,7 +155,7 @@ def test_bf16_without_amx_widens_and_passes_the_bf16_tests():
                        env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.split()[-1] == "False", r.stderr
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        "test_options.py", "test_accuracy.py", "test_single_pass.py",
+                        "api/test_options.py", "api/test_accuracy.py", "api/test_single_pass.py",
                         "-k", "(bfloat16 or bf16 or dtype1) and not cuda"],
                        env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

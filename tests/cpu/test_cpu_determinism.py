@@ -16,7 +16,7 @@ import torch
 import flce
 from helpers import rand_inputs
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 import _peers  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import plots  # noqa: E402

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "check_ptxas.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "check_ptxas.py")
 KERNEL = "_ZN4flce4cuda45_GLOBAL__N__a1b2c3d4_13_flce_grad_cu_5e8f0a1215row_coef_kernelENS0_13RowCoefParamsE"
 OTHER = "_ZN2at6native18elementwise_kernelILi128ELi4EEEviT1_"
 

@@ -2,7 +2,7 @@
 wrong. What else saved the logits raises torch's own "modified by an inplace operation" error
 (the backward bumps their version counter), a second backward through a retained graph raises,
 and leaves that require grad and rows that share memory are refused at the call.
-(Vocab-parallel entry points: tests/test_parallel.py, check_rank_disagreement.)"""
+(Vocab-parallel entry points: tests/parallel/test_parallel.py, check_rank_disagreement.)"""
 import pytest
 import torch
 

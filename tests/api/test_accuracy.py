@@ -161,7 +161,7 @@ LONG_N, LONG_V, LONG_D = 65536, 2048, 64
 # Not on "cuda-host": a module-scoped fixture is set up before the function-scoped routing to the
 # emulated backend (conftest.py), so that case ran the CPU backend under the emulation's name;
 # and 65536 rows through the emulated row kernels would be too slow for CI. The emulation's
-# accuracy at this length is the kernels' (the same code), which tests/test_cuda.py checks.
+# accuracy at this length is the kernels' (the same code), which tests/cuda/test_cuda.py checks.
 @pytest.fixture(scope="module", params=[
     pytest.param((dev.values[0], dt), id=f"{dev.id}-{name}", marks=dev.marks)
     for dev in DEVICES if dev.id != "cuda-host"

@@ -11,7 +11,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the worker
 CASES = ["fsdp-root", "fsdp-head", "dtensor-replicate", "dtensor-shard1", "dtensor-shard0"]
 
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_launch import flce_path, run_checked  # noqa: E402
 
 HERE = os.path.abspath(__file__)

@@ -128,7 +128,7 @@ def test_grpo_example_matches_materialized_logits(device):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
                         "grpo.py")
     spec = importlib.util.spec_from_file_location("grpo_example", path)
     grpo = importlib.util.module_from_spec(spec)

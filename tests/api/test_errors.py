@@ -114,7 +114,7 @@ def test_target_out_of_range_with_custom_ignore_index(device):
 
 def test_cpp_error_message_with_numbers(device):
     """A check of the C++ backend whose message formats numbers raises a clean Python error (on
-    the first GPU run such a message crashed the process: tests/test_build_info.py)."""
+    the first GPU run such a message crashed the process: tests/tools/test_build_info.py)."""
     from flce import _ops
 
     deferred = torch.zeros(3, 4, device=device)

@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -156,7 +156,7 @@ def test_headline_dry_run(tmp_path):
 def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
     proc, summary, records, calls = _run(
         tmp_path, "headline", GPU_CHECK_MAX_LIMIT="1",
-        FAKE_FAIL="build_ext*FLCE_CUTLASS=1 gpu_fused_check.py", FAKE_HANG="tests/test_cuda.py",
+        FAKE_FAIL="build_ext*FLCE_CUTLASS=1 gpu_fused_check.py", FAKE_HANG="tests/cuda/test_cuda.py",
         FLCE_GPU_DRY_HANG="4096x128256x4096:eager")
     assert proc.returncode == 1
     status = _status(summary)
@@ -188,7 +188,7 @@ def test_rest_dry_run(tmp_path):
     assert list(status) == list(steps) and all(rc == 0 for rc, _ in status.values()), summary
     shapes = [(r["n"], r["v"], r["d"]) for r in records if r["op"] == "linear_cross_entropy"]
     assert shapes == [(16384, 128256, 4096), (4096, 256000, 4096), (16384, 256000, 4096)]
-    assert "tests/test_fused_logits.py" in calls and "--ignore=tests/test_fused_logits.py" in calls
+    assert "tests/cuda/test_fused_logits.py" in calls and "--ignore=tests/cuda/test_fused_logits.py" in calls
     assert "setup.py" not in calls  # the build was found: not rebuilt
 
 

@@ -40,7 +40,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 spec = importlib.util.spec_from_file_location("train_lm", os.path.join(EXAMPLES, "train_lm.py"))
 train_lm = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(train_lm)
