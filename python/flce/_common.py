@@ -117,14 +117,7 @@ def check_soft_target(target, shape, name):
 
 def soft_class_weights(weight, c, dtype):
     """Per-class weights for probability targets, cast to the computation dtype, or None."""
-    if weight is None:
-        return None
-    check_tensor("weight", weight)
-    if tuple(weight.shape) != (c,) or not weight.dtype.is_floating_point:
-        raise ArgumentError(f"flce: weight must be a floating-point tensor of shape ({c},) "
-                            f"(per-class weights, one per class), got {weight.dtype} "
-                            f"{tuple(weight.shape)}")
-    return weight.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return None if weight is None else _cast_class_weights(weight, c, dtype)
 
 
 def reduce_rows(loss, reduction, shape):
@@ -170,17 +163,23 @@ def check_inplace_target(logits, name):
                             f"gradients into one); pass inplace_backward=False")
 
 
-def class_weights(weight, c, target, ignore_index, dtype):
-    """Per-class weights as torch takes them: ``(weight cast to the computation dtype, each row's
-    target weight (0 where ignored))``; ``(None, None)`` without weights."""
-    if weight is None:
-        return None, None
+def _cast_class_weights(weight, c, dtype):
+    """Per-class weights ``(c,)``, checked, in the computation dtype (float64 for float64 inputs,
+    else float32)."""
     check_tensor("weight", weight)
     if tuple(weight.shape) != (c,) or not weight.dtype.is_floating_point:
         raise ArgumentError(f"flce: weight must be a floating-point tensor of shape ({c},) "
                             f"(per-class weights, one per class), got {weight.dtype} "
                             f"{tuple(weight.shape)}")
-    w = weight.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return weight.to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def class_weights(weight, c, target, ignore_index, dtype):
+    """Per-class weights as torch takes them: ``(weight cast to the computation dtype, each row's
+    target weight (0 where ignored))``; ``(None, None)`` without weights."""
+    if weight is None:
+        return None, None
+    w = _cast_class_weights(weight, c, dtype)
     valid = target != ignore_index
     row = torch.where(valid, w[torch.where(valid, target, 0).clamp(0, max(c - 1, 0))], 0.0)
     return w, row
