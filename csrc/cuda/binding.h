@@ -166,8 +166,7 @@ struct GradOut {
 GradOut grad_chunks(const LinearJob& job, const GradJob& grads, const ChunkPlan& plan);
 
 // Statistics of fp32 or 16-bit logits rows (rs without partials / splits) into out [rs.n, 5]:
-// column splits through split_buffer ([max_row_splits(v), n, 5]) merged in order, or one split
-// where split_buffer is null.
+// column splits through split_buffer ([max_row_splits(v), n, 5]) merged in order.
 void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer);
 int64_t max_row_splits(int64_t v);
 // [n, 5] partials of an empty shard: the empty state per row.

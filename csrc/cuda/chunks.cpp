@@ -74,8 +74,7 @@ cuda::RowOperands chunk_operands(const LinearJob& job, const float* lp, int64_t 
 }  // namespace
 
 void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer) {
-  rs.splits = split_buffer != nullptr ? cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()))
-                                      : 1;
+  rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
   rs.partials = rs.splits > 1 ? split_buffer : out;
   check_launch(cuda::launch_row_stats(rs, dev::stream()), "row_stats");
   if (rs.splits > 1) merge_partials(split_buffer, rs.splits, rs.n, out);

@@ -34,12 +34,8 @@ def per_token(input, weight, target, bias, opts, vocab_size=None, class_weight=N
     are taken in the input's dtype first, as the fused path computes with them (fp32 master
     weights), then widened exactly. ``class_weight``: per-class weights, as torch's, in the
     computation dtype (``_common.class_weights``)."""
-    cdt = compute_dtype(input.dtype)
-    w = weight.to(input.dtype) if weight.dtype != input.dtype else weight
-    logits = input.to(cdt) @ w.to(cdt).T
-    if bias is not None:
-        logits = logits + bias.to(cdt)
-    return logits_per_token(logits, target, opts, vocab_size, class_weight)
+    return logits_per_token(linear_logits(input, weight, bias), target, opts, vocab_size,
+                            class_weight)
 
 
 def token_accuracy(z_t, max_other, target, ignore_index):
@@ -60,18 +56,6 @@ def accuracy_from_logits(logits, target, ignore_index):
         z_t = logits.gather(1, safe)[:, 0]
         others = logits.scatter(1, safe, float("-inf")).amax(1)
         return token_accuracy(z_t, others, target, ignore_index) * valid
-
-
-def accuracy(input, weight, target, bias, ignore_index):
-    """The per-token accuracy of ``input @ weight.T + bias``, computed as per_token computes
-    the logits."""
-    with torch.no_grad():
-        cdt = compute_dtype(input.dtype)
-        w = weight.to(input.dtype) if weight.dtype != input.dtype else weight
-        logits = input.to(cdt) @ w.to(cdt).T
-        if bias is not None:
-            logits = logits + bias.to(cdt)
-        return accuracy_from_logits(logits, target, ignore_index)
 
 
 def logits_per_token(logits, target, opts, vocab_size=None, weight=None):

@@ -140,9 +140,10 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         # float64, functorch transforms, forward-mode AD, D = 0 (the logits are the bias, or 0,
         # as torch's composition has them), and class weights with label smoothing: flce's
         # formulas in differentiable torch ops.
-        loss, lse, entropy = _composite.per_token(x, weight, t, bias, opts, class_weight=cw)
+        logits = _composite.linear_logits(x, weight, bias)
+        loss, lse, entropy = _composite.logits_per_token(logits, t, opts, weight=cw)
         acc = _common.reduce_accuracy(
-            _composite.accuracy(x, weight, t, bias, opts.ignore_index) if return_accuracy
+            _composite.accuracy_from_logits(logits, t, opts.ignore_index) if return_accuracy
             else None, t, opts.ignore_index, reduction, lead, return_accuracy)
         return _common.per_token_outputs(
             _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
