@@ -13,6 +13,7 @@ namespace flce {
 
 using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Tensor5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // Row layouts of the ops: kPartialCols, kStatsCols (flce/layout.h).
 
@@ -31,11 +32,36 @@ using BackwardFn = Tensor3(const at::Tensor& grad_loss, const std::optional<at::
                            double softcap, std::array<bool, 3> output_mask,
                            const std::optional<at::Tensor>& grad_entropy, double temperature);
 
+using SoftPartialStatsFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& class_weight,
+    int64_t vocab_start, int64_t vocab_size, int64_t ignore_index, double label_smoothing,
+    double softcap, double temperature);
+using SoftCombineFn = Tensor5(const at::Tensor& partials, const at::Tensor& pivot,
+                              const std::optional<at::Tensor>& z_weight, double z_loss);
+
 // Checks shared by all backends. Python validates first with argument names; these keep a
 // direct torch.ops.flce call from reaching a kernel with inconsistent arguments.
+void check_linear_operands(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias);
 void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
                        const std::optional<at::Tensor>& bias);
 void check_combine_args(const at::Tensor& partials, const at::Tensor& target);
+void check_soft_backward_args(const at::Tensor& grad_loss,
+                              const std::optional<at::Tensor>& grad_lse,
+                              const std::optional<at::Tensor>& grad_entropy,
+                              const at::Tensor& input, const at::Tensor& weight,
+                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& class_weight,
+                              const at::Tensor& stats, const at::Tensor& pivot,
+                              const std::optional<at::Tensor>& z_weight);
+// A target distribution's target: float [N, v_local] probabilities or int64 [N] class ids;
+// class_weight [v_local] fp32 or none; on input's device.
+void check_soft_target_args(const at::Tensor& input, const at::Tensor& target,
+                            const std::optional<at::Tensor>& class_weight, int64_t v_local);
+// soft partials [R, N, kSoftCols] fp32 and pivots [R, N] int64; z_weight [N] fp32 or none.
+void check_soft_combine_args(const at::Tensor& partials, const at::Tensor& pivot,
+                             const std::optional<at::Tensor>& z_weight);
 void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                          const at::Tensor& input, const at::Tensor& weight,
                          const at::Tensor& target, const std::optional<at::Tensor>& bias,

@@ -327,6 +327,13 @@ def single_pass(requested, reduction, per_token, x, weight=None):
     return requested
 
 
+def fused_distribution(x):
+    """Whether the fused target-distribution ops (flce::soft_forward: probability targets, class
+    weights with label smoothing) serve ``x``'s backend: the CPU backend. The CUDA backend takes
+    the composite path for them."""
+    return not _ops.is_cuda_backend(x)
+
+
 def check_single_pass(requested, reduction, per_token):
     """A single_pass argument that the options allow (None: flce's choice)."""
     if requested is None:
