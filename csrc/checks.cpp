@@ -116,7 +116,8 @@ void check_row_grads(int64_t n, const at::Tensor& grad_loss,
                      int64_t stats_cols = kStatsCols);
 }  // namespace
 
-void check_logits_args(const at::Tensor& logits, const at::Tensor& target) {
+namespace {
+void check_logits_tensor(const at::Tensor& logits) {
   TORCH_CHECK_VALUE(logits.dim() == 2, "flce: logits must be [N, V], got ", logits.sizes());
   TORCH_CHECK_TYPE(is_float_kind(logits.scalar_type()),
                    "flce: logits must be float32, bfloat16 or float16, got ",
@@ -125,6 +126,11 @@ void check_logits_args(const at::Tensor& logits, const at::Tensor& target) {
   TORCH_CHECK_VALUE(logits.stride(1) == 1 || logits.size(1) <= 1 || logits.numel() == 0,
                     "flce: logits must have a unit column stride, got strides ",
                     logits.strides());
+}
+}  // namespace
+
+void check_logits_args(const at::Tensor& logits, const at::Tensor& target) {
+  check_logits_tensor(logits);
   TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == logits.size(0),
                     "flce: target must be [N] with N=", logits.size(0), ", got ", target.sizes());
   TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "flce: target must be int64, got ",
@@ -153,7 +159,19 @@ void check_soft_backward_args(const at::Tensor& grad_loss,
                               const std::optional<at::Tensor>& z_weight) {
   check_linear_operands(input, weight, bias);
   check_soft_target_args(input, target, class_weight, weight.size(0));
-  const int64_t n = input.size(0);
+  check_soft_rows(input.size(0), grad_loss, grad_lse, grad_entropy, stats, pivot, z_weight);
+}
+
+void check_soft_logits_args(const at::Tensor& logits, const at::Tensor& target,
+                            const std::optional<at::Tensor>& class_weight) {
+  check_logits_tensor(logits);
+  check_soft_target_args(logits, target, class_weight, logits.size(1));
+}
+
+void check_soft_rows(int64_t n, const at::Tensor& grad_loss,
+                     const std::optional<at::Tensor>& grad_lse,
+                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats,
+                     const at::Tensor& pivot, const std::optional<at::Tensor>& z_weight) {
   check_row_grads(n, grad_loss, grad_lse, grad_entropy, stats, kSoftCols);
   TORCH_CHECK_VALUE(pivot.dim() == 1 && pivot.size(0) == n && pivot.scalar_type() == at::kLong,
                     "flce: pivot must be int64 [N], got ", pivot.sizes());

@@ -37,6 +37,10 @@ using SoftPartialStatsFn = std::tuple<at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& class_weight,
     int64_t vocab_start, int64_t vocab_size, int64_t ignore_index, double label_smoothing,
     double softcap, double temperature);
+using SoftLogitsStatsFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& logits, const at::Tensor& target,
+    const std::optional<at::Tensor>& class_weight, int64_t vocab_start, int64_t vocab_size,
+    int64_t ignore_index, double label_smoothing, double softcap, double temperature);
 using SoftCombineFn = Tensor5(const at::Tensor& partials, const at::Tensor& pivot,
                               const std::optional<at::Tensor>& z_weight, double z_loss);
 
@@ -67,6 +71,14 @@ void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Te
                          const at::Tensor& target, const std::optional<at::Tensor>& bias,
                          const at::Tensor& stats,
                          const std::optional<at::Tensor>& grad_entropy = std::nullopt);
+// A target distribution's logits and target (check_soft_target_args), and its backward's rows:
+// upstream gradients, stats [N, kSoftCols], pivot [N] int64, z_weight [N] fp32 or none.
+void check_soft_logits_args(const at::Tensor& logits, const at::Tensor& target,
+                            const std::optional<at::Tensor>& class_weight);
+void check_soft_rows(int64_t n, const at::Tensor& grad_loss,
+                     const std::optional<at::Tensor>& grad_lse,
+                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats,
+                     const at::Tensor& pivot, const std::optional<at::Tensor>& z_weight);
 // logits [N, V] float32/bfloat16/float16 with unit column stride, target [N] int64, one device;
 // stats [N, kStatsCols] fp32 and the upstream gradients [N] fp32 when given.
 void check_logits_args(const at::Tensor& logits, const at::Tensor& target);

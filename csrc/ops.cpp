@@ -51,6 +51,23 @@ Tensor5 soft_forward_composite(const at::Tensor& input, const at::Tensor& weight
   return combine_op.call(partials.unsqueeze(0), pivot.unsqueeze(0), z_weight, z_loss);
 }
 
+// soft_logits_forward = soft_combine(soft_logits_stats(...)) on one device.
+Tensor5 soft_logits_forward_composite(const at::Tensor& logits, const at::Tensor& target,
+                                      const std::optional<at::Tensor>& class_weight,
+                                      const std::optional<at::Tensor>& z_weight,
+                                      int64_t ignore_index, double label_smoothing,
+                                      double z_loss, double softcap, double temperature) {
+  static auto stats_op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flce::soft_logits_stats", "")
+                             .typed<SoftLogitsStatsFn>();
+  static auto combine_op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("flce::soft_combine", "")
+                               .typed<SoftCombineFn>();
+  auto [partials, pivot] = stats_op.call(logits, target, class_weight, 0, logits.size(1),
+                                         ignore_index, label_smoothing, softcap, temperature);
+  return combine_op.call(partials.unsqueeze(0), pivot.unsqueeze(0), z_weight, z_loss);
+}
+
 TORCH_LIBRARY(flce, m) {
   define_ops(m);
   // The CPU backend's tile GEMM path in this process, "onednn" or "blas" (csrc/cpu/tile_gemm.h);
@@ -79,6 +96,7 @@ TORCH_LIBRARY(flce, m) {
 TORCH_LIBRARY_IMPL(flce, CompositeExplicitAutograd, m) {
   m.impl("forward", &forward_composite);
   m.impl("soft_forward", &soft_forward_composite);
+  m.impl("soft_logits_forward", &soft_logits_forward_composite);
 }
 
 }  // namespace flce

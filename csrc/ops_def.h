@@ -129,6 +129,23 @@ inline void define_ops(torch::Library& m) {
       "logits_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, Tensor logits, "
       "Tensor target, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, float temperature) -> Tensor");
+  // Target distributions on given logits (soft_partial_stats' formats and target weights).
+  m.def(
+      "soft_logits_stats(Tensor logits, Tensor target, Tensor? class_weight, int vocab_start, "
+      "int vocab_size, int ignore_index, float label_smoothing, float softcap, "
+      "float temperature) -> (Tensor, Tensor)");
+  // One device: soft_combine(soft_logits_stats(...)).
+  m.def(
+      "soft_logits_forward(Tensor logits, Tensor target, Tensor? class_weight, "
+      "Tensor? z_weight, int ignore_index, float label_smoothing, float z_loss, float softcap, "
+      "float temperature) -> (Tensor loss, Tensor lse, Tensor stats, Tensor pivot, "
+      "Tensor entropy)");
+  // d objective / d logits in the logits' dtype from soft_combine's stats and pivot.
+  m.def(
+      "soft_logits_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, "
+      "Tensor logits, Tensor target, Tensor? class_weight, Tensor stats, Tensor pivot, "
+      "Tensor? z_weight, int vocab_start, int vocab_size, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap, float temperature) -> Tensor");
   // The same gradient written over the logits, which must not be needed afterwards (each
   // element is read before its gradient replaces it).
   m.def(

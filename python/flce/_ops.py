@@ -317,5 +317,60 @@ def register(namespace, cuda_format):
     torch.library.register_autograd(name("logits_forward"), logits_backward,
                                     setup_context=logits_setup_context)
 
+    # Target distributions on given logits.
+    @torch.library.register_fake(name("soft_logits_stats"))
+    def _soft_logits_stats_fake(logits, target, class_weight, vocab_start, vocab_size,
+                                ignore_index, label_smoothing, softcap, temperature):
+        n = logits.shape[0]
+        return (logits.new_empty((n, SOFT_COLS), dtype=torch.float32),
+                logits.new_empty((n,), dtype=torch.int64))
+
+    @torch.library.register_fake(name("soft_logits_forward"))
+    def _soft_logits_forward_fake(logits, target, class_weight, z_weight, ignore_index,
+                                  label_smoothing, z_loss, softcap, temperature):
+        n = logits.shape[0]
+        f32 = dict(dtype=torch.float32)
+        return (logits.new_empty((n,), **f32), logits.new_empty((n,), **f32),
+                logits.new_empty((n, SOFT_COLS), **f32), logits.new_empty((n,), dtype=torch.int64),
+                logits.new_empty((n,), **f32))
+
+    @torch.library.register_fake(name("soft_logits_backward"))
+    def _soft_logits_backward_fake(grad_loss, grad_lse, grad_entropy, logits, *_):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    def soft_logits_setup_context(ctx, inputs, output):
+        (logits, target, class_weight, z_weight, ignore_index, label_smoothing, z_loss, softcap,
+         temperature) = inputs
+        _, _, stats, pivot, _ = output
+        ctx.save_for_backward(logits, target, class_weight, z_weight, stats, pivot)
+        ctx.options = _composite.OpOptions(ignore_index, label_smoothing, z_loss, softcap,
+                                           temperature)
+        ctx.mark_non_differentiable(stats, pivot)
+
+    def soft_logits_backward(ctx, grad_loss, grad_lse, grad_stats, grad_pivot, grad_entropy):
+        logits, target, class_weight, z_weight, stats, pivot = ctx.saved_tensors
+        none = (None,) * 8
+        if not ctx.needs_input_grad[0]:
+            return (None,) + none
+        o = ctx.options
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, as above
+            with torch.enable_grad():
+                z = logits.to(_composite.compute_dtype(logits.dtype))
+                outs = (_composite.soft_per_token(z, target, o, class_weight)[:3]
+                        if target.dtype.is_floating_point else
+                        _composite.logits_per_token(z, target, o, weight=class_weight))
+                grad, = _composite.grads_with_graph(outs, (grad_loss, grad_lse, grad_entropy),
+                                                    [logits])
+            return (grad,) + none
+        if grad_loss is None:
+            grad_loss = stats.new_zeros(()).expand(stats.shape[0])
+        return (nsops.soft_logits_backward(
+            grad_loss, grad_lse, grad_entropy, logits, target, class_weight, stats, pivot,
+            z_weight, 0, logits.shape[1], o.ignore_index, o.label_smoothing, o.z_loss, o.softcap,
+            o.temperature),) + none
+
+    torch.library.register_autograd(name("soft_logits_forward"), soft_logits_backward,
+                                    setup_context=soft_logits_setup_context)
+
 
 register("flce", lambda t: t.device.type == "cuda")

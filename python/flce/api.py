@@ -247,7 +247,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     Args:
         input: the logits.
         target: class indices in ``[0, C)`` or ``ignore_index``, or probabilities shaped like
-            ``input`` (soft labels, torch's semantics; the composite path: docs/api.md).
+            ``input`` (soft labels, torch's semantics; fused on the CPU backend: docs/api.md).
         weight: optional per-class weights ``(C,)``, as torch defines them: each token's loss
             times its target's weight, ``"mean"`` divided by the sum of those weights, and with
             label smoothing the smoothing term ``sum_c w_c (-log p_c) / C`` (that combination
@@ -297,8 +297,9 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     if soft:
         _common.check_soft_target(target, input.shape, "input's shape")
         if inplace_backward:
-            raise ArgumentError("flce: inplace_backward=True takes class-index targets "
-                                "(probability targets take the composite path)")
+            raise ArgumentError("flce: inplace_backward=True takes class-index targets (the "
+                                "gradient of probability targets is not written over the "
+                                "logits)")
     else:
         _common.check_target(target, lead, "input's shape without the class dimension 1")
     _common.check_one_device((("input", input), ("target", target), ("weight", weight)))
@@ -313,9 +314,17 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         logits = logits.contiguous()
     if soft:
         y = target.reshape(1, c) if input.dim() == 1 else target.movedim(1, -1).reshape(rows, c)
+        cw = _common.soft_class_weights(weight, c, input.dtype)
+        if not return_accuracy and not y.requires_grad and c > 0 and \
+                not _common.needs_composite(logits, y) and _common.fused_distribution(logits):
+            # Fused: the target rows read chunk by chunk beside the logits.
+            loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
+                logits, y, cw, None, *opts.op_args(), opts.temperature)
+            return _common.per_token_outputs(_common.reduce_rows(loss, reduction, lead), lse,
+                                             entropy, lead, return_lse, return_entropy)
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy, acc = _composite.soft_per_token(
-            logits.to(cdt), y, opts, _common.soft_class_weights(weight, c, input.dtype))
+            logits.to(cdt), y, opts, cw)
         return _common.per_token_outputs(
             _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
             return_entropy,
@@ -324,7 +333,18 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         _common.check_inplace_target(logits, "input")
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(weight, c, t, opts.ignore_index, input.dtype)
-    if _common.needs_composite(logits, weight) or (weight is not None and opts.label_smoothing):
+    composite = _common.needs_composite(logits, weight)
+    if not composite and cw is not None and opts.label_smoothing and not return_accuracy and \
+            c > 0 and not inplace_backward and _common.fused_distribution(logits):
+        # Class weights with label smoothing: a target distribution (linear_cross_entropy's).
+        loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
+            logits, t, cw, row_weight, *opts.op_args(), opts.temperature)
+        if return_entropy:
+            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
+        return _common.per_token_outputs(
+            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
+            entropy, lead, return_lse, return_entropy)
+    if composite or (weight is not None and opts.label_smoothing):
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(
             logits.to(cdt), t, opts, weight=cw)

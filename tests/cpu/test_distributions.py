@@ -225,3 +225,43 @@ def test_bad_arguments():
         flce.ops.soft_forward(x, w, q, b, cw[1:], None, -100, 0.0, 0.0, 0.0, 1.0)
     with pytest.raises(IndexError, match="out of range"):
         flce.ops.soft_forward(x, w, t.clamp(min=0) + V, b, cw, None, -100, 0.1, 0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(5, 7), (4, 300, 3), (6, 5000)], ids=["NC", "NCd", "wide"])
+@pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
+def test_cross_entropy_fused(monkeypatch, dtype, shape, opts):
+    """flce.cross_entropy on given logits, torch's layouts (the class dimension 1), probability
+    targets fused: no composite (soft_per_token refuses), every output and the logits'
+    gradient against float64. 'wide' spans two chunks of the CPU's row loop (4096 columns)."""
+    def refuse(*_):
+        raise AssertionError("the composite path was taken")
+    monkeypatch.setattr(_composite, "soft_per_token", refuse)
+    kw = dict(opts)
+    g = torch.Generator().manual_seed(17)
+    c = shape[1]
+    cw = torch.rand(c, generator=g) + 0.5 if kw.pop("class_weight", False) else None
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).requires_grad_()
+    q = torch.softmax(torch.randn(*shape, generator=g) * 2, 1)
+    loss, lse, ent = flce.cross_entropy(x, q, weight=cw, reduction="none", return_lse=True,
+                                        return_entropy=True, **kw)
+    xd = x.detach().double().requires_grad_()
+    rows = (lambda a: a.movedim(1, -1).reshape(-1, c))
+    ref = reference.soft_cross_entropy(rows(xd), rows(q).double(), reduction="none",
+                                       weight=None if cw is None else cw.double(), **kw)
+    for name, got, r in zip(("loss", "lse", "entropy"), (loss, lse, ent), ref):
+        assert rel_err(got.reshape(-1), r) < 2e-6, name
+    k = torch.rand(ref[0].shape, generator=g).double() + 0.5
+    (loss.double().reshape(-1) * k).sum().backward()
+    (ref[0] * k).sum().backward()
+    # dz_j = k (Y p_j - y_j): one rounding to the dtype, relative to the row's largest element,
+    # plus the fp32 sums of the row's target weights (Y, Y_rest: c non-negative terms, Higham's
+    # gamma_c relative to k Y) that the pivot's gradient holds.
+    u = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}[dtype]
+    y = rows(q).double() * (1 if cw is None else cw.double())
+    mass = k * ((1 - kw.get("label_smoothing", 0.0)) * y.sum(1) + kw.get("label_smoothing", 0.0)
+                * (1 if cw is None else cw.double().mean()))
+    gd, got = rows(xd.grad), rows(x.grad.double())
+    bound = u * gd.abs().amax(1, keepdim=True) + (8 + c) * 2.0 ** -24 * mass[:, None]
+    assert ((got - gd).abs() <= bound).all()
