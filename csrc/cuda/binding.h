@@ -124,6 +124,40 @@ struct Shard {
   int64_t group_size = 1;
 };
 
+// A target distribution's targets (the soft ops; opt-in, docs/cuda.md "Target distributions"):
+// y_c = w_c (alpha q_c + beta) with q the probabilities or the one-hot of the class ids t.
+struct SoftJob {
+  at::Tensor q;  // [n, v] probabilities with a unit column stride, or undefined: class ids t
+  at::Tensor t;  // [n] int64 global class ids (q undefined)
+  at::Tensor w;  // [v] fp32 class weights, or undefined
+  int64_t ignore_index = -100;  // of t
+  float alpha = 1.f, beta = 0.f;
+};
+// The SoftJob of a soft op's (checked) target and class weights over n rows of a shard of
+// v_local columns (label smoothing over vocab_size); class ids are checked against vocab_size
+// without a host sync (check_targets).
+SoftJob soft_job(const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+                 int64_t n, int64_t v_local, int64_t vocab_size, int64_t ignore_index,
+                 double label_smoothing);
+// The row kernels' view of rows [s0, ...) of a SoftJob.
+cuda::SoftTargetParams soft_rows(const SoftJob& job, int64_t s0);
+// Merge [ranks, n, kSoftCols] states and [ranks, n] pivots in rank order into stats and pivot;
+// finalize: also loss, lse and entropy (z_weight [n] fp32 or undefined: each row's mass).
+void launch_soft_merge(const float* parts, const int64_t* pivots, int64_t ranks, int64_t n,
+                       float* stats, int64_t* pivot, bool finalize = false,
+                       const float* z_weight = nullptr, double z_loss = 0, float* loss = nullptr,
+                       float* lse = nullptr, float* entropy = nullptr);
+// soft_combine of checked [ranks, n, kSoftCols] partials and [ranks, n] pivots: loss, lse, stats,
+// pivot, entropy.
+Tensor5 soft_combine_impl(const at::Tensor& partials, const at::Tensor& pivot,
+                          const std::optional<at::Tensor>& z_weight, double z_loss);
+// The soft coefficients (math.h soft_row_grad, u slot = g) and |dz| bounds of n rows.
+void launch_soft_coef(int64_t n, const at::Tensor& stats, const at::Tensor& grad_loss,
+                      const std::optional<at::Tensor>& grad_lse,
+                      const std::optional<at::Tensor>& grad_entropy,
+                      const std::optional<at::Tensor>& z_weight, double z_loss,
+                      double temperature, float* coef, float* bound);
+
 // The operands and options of one linear op call (already checked).
 struct LinearJob {
   at::Tensor input, weight, target;  // [n, d], [v, d], [n]
@@ -131,6 +165,10 @@ struct LinearJob {
   Shard shard;
   int64_t ignore_index = -100;
   double label_smoothing = 0, z_loss = 0, softcap = 0, temperature = 1;
+  // Soft mode (the soft ops): the target weights of every row. stats_chunks then returns the
+  // rows' SoftRow states [n, kSoftCols] (target unused) and their pivots; grad_chunks reads
+  // given soft statistics, its target being the rows' pivots (ignore_index -1: none).
+  const SoftJob* soft = nullptr;
 };
 
 // Rows per group (the gradient buffer [G, V]) and per logits sub-chunk (fp32 [S, V]) within the
@@ -145,8 +183,10 @@ ChunkPlan plan_chunks(int64_t n, int64_t v, at::ScalarType compute, bool split, 
 bool split_grad(const LinearJob& job, bool need_c);
 
 // The merged [n, 5] partial statistics (m, s, z_t, sum_z, u) of the shard's columns; need_sum /
-// need_u: compute sum_z / u (else 0).
-at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u);
+// need_u: compute sum_z / u (else 0). Soft mode: [n, kSoftCols] states and their pivots [n]
+// into *pivot.
+at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u,
+                        at::Tensor* pivot = nullptr);
 
 struct GradJob {
   // The forward's row statistics [n, kStatsCols] (the recompute backward), or undefined: each
@@ -155,6 +195,7 @@ struct GradJob {
   at::Tensor stats;
   at::Tensor grad_loss;  // [n] fp32 dL/dloss_row, stride 0 for one value
   std::optional<at::Tensor> grad_lse, grad_entropy;  // [n] fp32
+  std::optional<at::Tensor> z_weight;                 // soft mode: [n] fp32, or each row's mass
   std::array<bool, 3> mask{};                         // dE, dW, db
 };
 struct GradOut {
@@ -166,11 +207,16 @@ struct GradOut {
 GradOut grad_chunks(const LinearJob& job, const GradJob& grads, const ChunkPlan& plan);
 
 // Statistics of fp32 or 16-bit logits rows (rs without partials / splits) into out [rs.n, 5]:
-// column splits through split_buffer ([max_row_splits(v), n, 5]) merged in order.
-void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer);
+// column splits through split_buffer ([max_row_splits(v), n, 5]) merged in order. Soft mode
+// (rs.soft): [rs.n, kSoftCols] states and pivots into out and pivot, through split_buffer
+// ([max_row_splits(v), n, kSoftCols]) and split_pivots ([max_row_splits(v), n]).
+void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer,
+                    int64_t* pivot = nullptr, int64_t* split_pivots = nullptr);
 int64_t max_row_splits(int64_t v);
 // [n, 5] partials of an empty shard: the empty state per row.
 at::Tensor empty_partials(int64_t n, const at::TensorOptions& f32);
+// The same for a target distribution: [n, kSoftCols] empty states, and pivots -1 into *pivot.
+at::Tensor empty_soft_partials(int64_t n, const at::TensorOptions& f32, at::Tensor* pivot);
 // Every rank's [n, 5] partials of the same rows, [ranks, n, 5] in rank order (functional
 // all-gather over the shard's group; the wait is the current stream's, not the host's).
 at::Tensor gather_partials(const at::Tensor& partials, const Shard& shard);

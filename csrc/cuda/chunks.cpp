@@ -54,7 +54,8 @@ at::Tensor gemm_weight(const at::Tensor& weight, at::ScalarType compute) {
 // The row kernels' view of sub-chunk [s0, s0 + sn) of the fp32 logits at lp (row stride ld).
 cuda::RowOperands chunk_operands(const LinearJob& job, const float* lp, int64_t s0, int64_t sn,
                                  int64_t ld, const at::Tensor& bias32) {
-  const at::Tensor ts = job.target.narrow(0, s0, sn);
+  // (soft statistics have no target: their rows' weights come from job.soft)
+  const at::Tensor ts = job.target.defined() ? job.target.narrow(0, s0, sn) : at::Tensor();
   cuda::RowOperands r{};
   r.logits = lp;
   r.logits_dtype = DType::kFloat32;
@@ -64,20 +65,32 @@ cuda::RowOperands chunk_operands(const LinearJob& job, const float* lp, int64_t 
   r.bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   r.softcap = static_cast<float>(job.softcap);
   r.temperature = static_cast<float>(job.temperature);
-  r.target = ts.data_ptr<int64_t>();
-  r.target_stride = ts.stride(0);
+  r.target = ts.defined() ? ts.data_ptr<int64_t>() : nullptr;
+  r.target_stride = ts.defined() ? ts.stride(0) : 0;
   r.col_offset = job.shard.vocab_start;
   r.ignore_index = job.ignore_index;
+  if (job.soft) {
+    r.soft = true;
+    r.y = soft_rows(*job.soft, s0);
+  }
   return r;
 }
 
 }  // namespace
 
-void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer) {
+void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer, int64_t* pivot,
+                    int64_t* split_pivots) {
+  TORCH_CHECK(!rs.soft || (pivot != nullptr && split_pivots != nullptr),
+              "flce: soft row_stats needs pivot buffers");
   rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
   rs.partials = rs.splits > 1 ? split_buffer : out;
+  rs.pivots = rs.soft ? (rs.splits > 1 ? split_pivots : pivot) : nullptr;
   check_launch(cuda::launch_row_stats(rs, dev::stream()), "row_stats");
-  if (rs.splits > 1) merge_partials(split_buffer, rs.splits, rs.n, out);
+  if (rs.splits > 1 && rs.soft) {
+    launch_soft_merge(split_buffer, split_pivots, rs.splits, rs.n, out, pivot);
+  } else if (rs.splits > 1) {
+    merge_partials(split_buffer, rs.splits, rs.n, out);
+  }
 }
 
 int64_t max_row_splits(int64_t v) { return std::max<int64_t>(ceil_div(v, cuda::kRowTileCols), 1); }
@@ -85,6 +98,14 @@ int64_t max_row_splits(int64_t v) { return std::max<int64_t>(ceil_div(v, cuda::k
 at::Tensor empty_partials(int64_t n, const at::TensorOptions& f32) {
   const float inf = std::numeric_limits<float>::infinity();
   return at::tensor({-inf, 0.f, -inf, 0.f, 0.f}, f32).expand({n, cuda::kPartialCols}).contiguous();
+}
+
+at::Tensor empty_soft_partials(int64_t n, const at::TensorOptions& f32, at::Tensor* pivot) {
+  const float inf = std::numeric_limits<float>::infinity();
+  *pivot = at::full({n}, -1, f32.dtype(at::kLong));
+  return at::tensor({-inf, 0.f, -inf, 0.f, 0.f, 0.f, 0.f}, f32)
+      .expand({n, cuda::kSoftCols})
+      .contiguous();
 }
 
 at::Tensor gather_partials(const at::Tensor& partials, const Shard& shard) {
@@ -135,9 +156,13 @@ bool split_grad(const LinearJob& job, bool need_c) {
 // ---------------------------------------------------------------------------------------------
 // stats_chunks: the merged [n, 5] partial statistics of the shard's columns.
 // ---------------------------------------------------------------------------------------------
-at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u) {
+at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u, at::Tensor* pivot) {
   const int64_t n = job.input.size(0), v = job.weight.size(0);
   const auto f32 = f32_of(job.input);
+  TORCH_CHECK(!job.soft || pivot != nullptr, "flce: soft stats_chunks needs a pivot output");
+  // (soft mode: SoftRow states and their pivots)
+  const int64_t cols = job.soft ? cuda::kSoftCols : cuda::kPartialCols;
+  if (job.soft && (n == 0 || v == 0)) return empty_soft_partials(n, f32, pivot);
   if (n == 0) return dev::empty({0, cuda::kPartialCols}, f32);
   if (v == 0) return empty_partials(n, f32);  // an empty shard: the empty state per row
   const at::Tensor x = gemm_input(job.input);
@@ -151,8 +176,13 @@ at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u) {
   int64_t S = ceil_div(n, chunks);
   if (S > kMinRows) S = std::min(fit, ceil_div(S, kMinRows) * kMinRows);
   at::Tensor logits = dev::empty({S * ld}, f32);
-  at::Tensor split_buffer = dev::empty({max_row_splits(v) * S * cuda::kPartialCols}, f32);
-  at::Tensor out = dev::empty({n, cuda::kPartialCols}, f32);
+  at::Tensor split_buffer = dev::empty({max_row_splits(v) * S * cols}, f32);
+  at::Tensor out = dev::empty({n, cols}, f32);
+  at::Tensor split_pivots;
+  if (job.soft) {
+    *pivot = dev::empty({n}, job.input.options().dtype(at::kLong));
+    split_pivots = dev::empty({max_row_splits(v) * S}, job.input.options().dtype(at::kLong));
+  }
   for (int64_t s0 = 0; s0 < n; s0 += S) {
     const int64_t sn = std::min(S, n - s0);
     gemm_into(at::from_blob(logits.data_ptr<float>(), {sn, v}, {ld, 1}, f32),
@@ -162,8 +192,9 @@ at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u) {
         chunk_operands(job, logits.data_ptr<float>(), s0, sn, ld, bias32);
     rs.need_sum = need_sum;
     rs.need_u = need_u;
-    row_stats_into(rs, out.data_ptr<float>() + s0 * cuda::kPartialCols,
-                   split_buffer.data_ptr<float>());
+    row_stats_into(rs, out.data_ptr<float>() + s0 * cols, split_buffer.data_ptr<float>(),
+                   job.soft ? pivot->data_ptr<int64_t>() + s0 : nullptr,
+                   job.soft ? split_pivots.data_ptr<int64_t>() : nullptr);
   }
   return out;
 }
@@ -202,6 +233,7 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& gj, const ChunkPlan& pl
   const cudaStream_t stream = dev::stream();
   TORCH_CHECK(given || (!gj.grad_lse && !gj.grad_entropy && compute != at::kHalf),
               "flce: grad_chunks computes the statistics only for a plain loss gradient");
+  TORCH_CHECK(given || !job.soft, "flce: soft grad_chunks reads given statistics");
   const bool split = split_grad(job, need_c);
   const int64_t G = plan.group_rows;
 
@@ -214,7 +246,7 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& gj, const ChunkPlan& pl
   // bf16 where the group's dz will be, with a partial per (row, tile), and dz is computed over
   // it in place. For bf16 inputs and weight whose gradient meets its bound from the stored
   // values (tile_epilogue.h): no label smoothing (cancellation); statistics computed here.
-  const bool fused = !given && env_flag("FLCE_CUDA_FUSED_LOGITS", false) &&
+  const bool fused = !given && !job.soft && env_flag("FLCE_CUDA_FUSED_LOGITS", false) &&
                      compute == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
                      job.label_smoothing == 0.0 && v > 0;
   // Its GEMM (CUTLASS, sm_90a or sm_100a) where it takes the operands: x row-major (TMA; a
@@ -285,7 +317,10 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& gj, const ChunkPlan& pl
   // The row coefficients: every row's at once from given statistics, else a sub-chunk's.
   at::Tensor coef = dev::empty({given ? n : S, 8}, f32), bound = dev::empty({given ? n : S}, f32);
   at::Tensor scale, inv_scale;
-  if (given) {
+  if (given && job.soft) {
+    launch_soft_coef(n, gj.stats, gj.grad_loss, gj.grad_lse, gj.grad_entropy, gj.z_weight,
+                     job.z_loss, job.temperature, coef.data_ptr<float>(), bound.data_ptr<float>());
+  } else if (given) {
     launch_coef(target, gj.stats, gj.grad_loss.data_ptr<float>(), gj.grad_loss.stride(0),
                 gj.grad_lse ? gj.grad_lse->data_ptr<float>() : nullptr,
                 gj.grad_lse ? gj.grad_lse->stride(0) : 0,

@@ -45,6 +45,34 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
                   ent_bound) / p.temperature;
 }
 
+// A target distribution's row (math.h soft_row_grad) from its state (m_x, s_x, p, u_x, y_a,
+// y_rest, g): the coefficients with the upstream g in the u slot (soft_row_grad's u is 0; the
+// soft row_grad subtracts u y_c per column), and the bound of |dz|: a non-pivot column's
+// A p_c - g y_c is at most |A| p_max + |g| max_c |y_c| <= |A| p_max + |g| (|y_a| + |y_rest|)
+// (target weights of one sign: probabilities, class weights >= 0; conservative otherwise only
+// where they cancel), the pivot's |dz_t|, and the entropy's term as row_coef_kernel's.
+__global__ void soft_coef_kernel(const RowCoefParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= p.n) return;
+  const float* st = p.stats + row * p.stats_row_stride;
+  const int64_t c = p.stats_col_stride;
+  const OnlineLse x{st[0], st[c], st[3 * c]};
+  const float piv = st[2 * c], y_a = st[4 * c], y_rest = st[5 * c];
+  const float zw = p.z_weight != nullptr ? p.z_weight[row * p.z_weight_stride] : y_a + y_rest;
+  const float g = p.grad_loss[row * p.grad_loss_stride];
+  const float g_lse = p.grad_lse != nullptr ? p.grad_lse[row * p.grad_lse_stride] : 0.f;
+  const float g_ent =
+      p.grad_entropy != nullptr ? p.grad_entropy[row * p.grad_entropy_stride] : 0.f;
+  const RowGrad rg = soft_row_grad(x, piv, y_a, y_rest, zw, g, g_lse, p.z_loss, g_ent);
+  *reinterpret_cast<float4*>(p.coef + row * 8) = make_float4(rg.ref, rg.a, g, rg.dz_t);
+  *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, rg.h, rg.k, rg.rdiv);
+  const float lse = logaddexp(lse_value(x), piv);
+  const float p_max = x.m == neg_inf() ? 0.f : fminf(expf(x.m - lse), 1.f);
+  const float ent_bound = rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(lse - rg.k)) : 0.f;
+  p.bound[row] = (fabsf(rg.a) * p_max + fabsf(g) * (fabsf(y_a) + fabsf(y_rest)) +
+                  fabsf(rg.dz_t) + ent_bound) / p.temperature;
+}
+
 // One CTA per row; rows without their target in the block return at once.
 template <typename T>
 __global__ void target_fix_kernel(const TargetFixParams p) {
@@ -85,7 +113,12 @@ cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream) {
   constexpr int kThreads = 256;
   const int64_t blocks = (p.n + kThreads - 1) / kThreads;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  launch_kernel<row_coef_kernel>(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p);
+  if (p.soft) {
+    launch_kernel<soft_coef_kernel>(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
+                                    p);
+  } else {
+    launch_kernel<row_coef_kernel>(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p);
+  }
   return cudaGetLastError();
 }
 

@@ -55,6 +55,28 @@ __global__ void combine_kernel(const CombineParams p) {
   }
 }
 
+// A target distribution's states, merged in rank order (soft_merge keeps the earlier pivot on
+// ties: a fixed order gives a fixed pivot).
+template <bool kFinalize>
+__global__ void soft_combine_kernel(const SoftCombineParams p) {
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < p.n;
+       row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    SoftRow st = soft_empty();
+    for (int64_t r = 0; r < p.ranks; ++r) {
+      st = soft_merge(st, load_soft(p.partials + (r * p.n + row) * kSoftCols,
+                                    p.pivots[r * p.n + row]));
+    }
+    store_soft(p.stats + row * kSoftCols, st);
+    p.pivot[row] = st.a;
+    if (!kFinalize) continue;
+    const SoftLoss sl =
+        soft_row_loss(st, p.z_weight != nullptr ? p.z_weight[row] : st.y_a + st.y_rest, p.z_loss);
+    p.loss[row] = sl.loss;
+    p.lse[row] = sl.lse;
+    if (p.entropy != nullptr) p.entropy[row] = row_entropy(st.x, st.p, st.a < 0);
+  }
+}
+
 __global__ void column_sum_kernel(const float* __restrict__ x, int64_t rows, int64_t cols,
                                   float* __restrict__ out) {
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
@@ -104,6 +126,15 @@ cudaError_t launch_combine(const CombineParams& p, bool finalize, cudaStream_t s
   if (p.n == 0) return cudaSuccess;
   BOOL_SWITCH(finalize, kFinalize, [&] {
     launch_kernel<combine_kernel<kFinalize>>(dim3(grid_for(p.n)), dim3(kThreads), 0, stream, p);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_soft_combine(const SoftCombineParams& p, bool finalize, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  BOOL_SWITCH(finalize, kFinalize, [&] {
+    launch_kernel<soft_combine_kernel<kFinalize>>(dim3(grid_for(p.n)), dim3(kThreads), 0, stream,
+                                                  p);
   });
   return cudaGetLastError();
 }

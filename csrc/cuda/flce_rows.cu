@@ -378,6 +378,156 @@ __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsPa
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Soft mode (target distributions, math.h SoftRow; opt-in, never run on a GPU): each column's
+// target weight y_c = w_c (alpha q_c + beta) (params.h SoftTargetParams) read beside its logit,
+// one element at a time (the dense q in its own dtype, or the row's class column).
+// ---------------------------------------------------------------------------------------------
+// A row's source of target weights: its probabilities (bytes of its column 0), or its class.
+struct SoftRowY {
+  const char* q;  // nullptr: class targets
+  int64_t tcol;   // the class's column here, or -1
+  bool none;      // class targets: an ignored row (every y_c = 0)
+};
+
+__device__ __forceinline__ SoftRowY soft_row_y(const SoftTargetParams& s, int64_t row,
+                                               int64_t col_offset, int64_t v) {
+  if (s.q != nullptr) {
+    const int64_t size = s.q_dtype == DType::kFloat32 ? 4 : 2;
+    return SoftRowY{static_cast<const char*>(s.q) + row * s.ldq * size, -1, false};
+  }
+  const int64_t t = s.t[row * s.t_stride];
+  return SoftRowY{nullptr, target_column(t, s.ignore_index, col_offset, v), t == s.ignore_index};
+}
+
+// y_c of column col (in the row) of the row r.
+__device__ __forceinline__ float soft_y(const SoftTargetParams& s, const SoftRowY& r,
+                                        int64_t col) {
+  float y;
+  if (r.q != nullptr) {
+    float q;
+    switch (s.q_dtype) {
+      case DType::kBFloat16:
+        q = to_float<__nv_bfloat16>(reinterpret_cast<const __nv_bfloat16*>(r.q)[col]);
+        break;
+      case DType::kFloat16:
+        q = to_float<__half>(reinterpret_cast<const __half*>(r.q)[col]);
+        break;
+      default:
+        q = reinterpret_cast<const float*>(r.q)[col];
+    }
+    y = q * s.alpha + s.beta;
+  } else {
+    y = r.none ? 0.f : (col == r.tcol ? s.beta + s.alpha : s.beta);
+  }
+  return s.w != nullptr ? y * s.w[col] : y;
+}
+
+// The logit of soft mode: xform_logit, except that an infinite u' (a -inf bias: a masked
+// column, which target distributions must leave out) stays infinite, where kAffine's correction
+// takes inf - inf = NaN (the plain instances share that NaN: not changed here, to keep their
+// cost; kCap maps it to -cap / T as tanh does).
+template <Xf kXf>
+__device__ __forceinline__ float soft_logit(float u, const Xform& c) {
+  const float z = xform_logit<kXf>(u, c);
+  if constexpr (kXf == Xf::kAffine) return fabsf(u) == INFINITY ? u : z;
+  return z;
+}
+
+// r merged with lane + off's state (a tree over the warp: lane 0 ends with the warp's states
+// merged in a fixed order, the lower lanes' states first).
+__device__ __forceinline__ SoftRow soft_merge_down(const SoftRow& r, int off) {
+  SoftRow o;
+  o.p = __shfl_down_sync(0xffffffffu, r.p, off);
+  o.a = __shfl_down_sync(0xffffffffu, r.a, off);
+  o.y_a = __shfl_down_sync(0xffffffffu, r.y_a, off);
+  o.x.m = __shfl_down_sync(0xffffffffu, r.x.m, off);
+  o.x.s = __shfl_down_sync(0xffffffffu, r.x.s, off);
+  o.x.u = __shfl_down_sync(0xffffffffu, r.x.u, off);
+  o.y_rest = __shfl_down_sync(0xffffffffu, r.y_rest, off);
+  o.g = __shfl_down_sync(0xffffffffu, r.g, off);
+  return soft_merge(r, o);
+}
+
+// row_stats in soft mode: one CTA per (row, column split), each thread folding its columns of
+// every tile as the CPU's fold_soft_row folds a tile (the thread tile's largest logit, the first
+// of equals, is its pivot; the others' online logsumexp with the entropy's u, y_rest and G via
+// soft_gap_term), its tiles merged in column order (soft_merge), then the warp's lanes (a tree)
+// and the CTA's warps in order. Columns past the row's end are -inf with y = 0, and a thread
+// without a column in the row folds nothing (its pivot would be no column).
+template <typename TIn, Xf kXf>
+__global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const RowStatsParams p) {
+  FLCE_DYNAMIC_SHARED(smem);
+  SoftRow* warp_state = reinterpret_cast<SoftRow*>(smem);  // [kWarps]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const TIn* logits = static_cast<const TIn*>(p.logits);
+  const Xform xf = make_xform(p.bias, p.softcap, p.temperature);
+  const bool aligned = vec_aligned<TIn>(logits, p.ld) &&
+                       (kXf == Xf::kNone || p.bias == nullptr || pack_aligned<float>(p.bias));
+  const ColRange cols = split_cols(p.v, p.splits);
+  for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
+    const SoftRowY ry = soft_row_y(p.y, row, p.col_offset, p.v);
+    SoftRow st = soft_empty();
+    for_tiles(logits + row * p.ld, cols, p.v, aligned,
+              [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
+      if (!kFull && local_col(0) >= left) return;
+      if constexpr (kXf != Xf::kNone) add_bias<kFull>(x, xf.bias, c0, left);
+      float y[kPerThread];
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        const int j = local_col(e);
+        const bool in = kFull || j < left;
+        x[e] = in ? soft_logit<kXf>(x[e], xf) : neg_inf();
+        y[e] = in ? soft_y(p.y, ry, c0 + j) : 0.f;
+      }
+      float mx = x[0];
+#pragma unroll
+      for (int e = 1; e < kPerThread; ++e) mx = fmaxf(mx, x[e]);
+      int a = 0;  // the first of equals; 0 where every column is NaN (fmaxf skips NaN)
+#pragma unroll
+      for (int e = kPerThread - 1; e >= 0; --e) a = x[e] == mx ? e : a;
+      float piv = 0.f, y_a = 0.f;
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        if (e == a) {
+          piv = x[e];
+          y_a = y[e];
+          x[e] = neg_inf();
+          y[e] = 0.f;
+        }
+      }
+      // The others as row_stats_kernel's two passes (against 0 where all are -inf).
+      float m = x[0];
+#pragma unroll
+      for (int e = 1; e < kPerThread; ++e) m = fmaxf(m, x[e]);
+      const float ref = m == neg_inf() ? 0.f : m;
+      float ts = 0.f, tu = 0.f, yr = 0.f, g = 0.f;
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        const float ex = expf(x[e] - ref);
+        ts += ex;
+        tu += ex == 0.f ? 0.f : ex * (ref - x[e]);
+        yr += y[e];
+        g += soft_gap_term(y[e], piv, x[e]);
+      }
+      st = soft_merge(st, SoftRow{piv, p.col_offset + c0 + local_col(a), y_a,
+                                  OnlineLse{m, ts, tu}, yr, g});
+    });
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) st = soft_merge_down(st, off);
+    if (lane == 0) warp_state[warp] = st;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      SoftRow all = soft_empty();
+      for (int w = 0; w < kWarps; ++w) all = soft_merge(all, warp_state[w]);
+      const int64_t k = blockIdx.y * p.n + row;
+      store_soft(p.partials + k * kSoftCols, all);
+      p.pivots[k] = all.a;
+    }
+    __syncthreads();  // warp_state is reused by the next row
+  }
+}
+
 // kXf != kNone: bias, softcap (kCap), temperature or the entropy's term in the coefficients
 // (xform_logit, xform_grad, logit_grad); kNone: none of them, dz_j = A exp(z_j - ref) / S - U
 // straight (logit_grad_plain). kExtras: the master weights' residual tile (grad_lo) or the
@@ -387,9 +537,13 @@ __global__ void __launch_bounds__(kThreads, 2) row_stats_kernel(const RowStatsPa
 // tile. Two CTAs per SM (at most 128 registers a thread; ptxas reports no spill): with one, a
 // transform instance (118-157 registers unbounded) left 8 warps per SM to cover the memory
 // latency. The 16-bit-logits instances with extras keep one (they would spill 8 bytes).
-template <typename TIn, typename T, Xf kXf, bool kExtras>
-__global__ void __launch_bounds__(kThreads, kExtras && sizeof(TIn) == 2 ? 1 : 2)
-row_grad_kernel(const RowGradParams p) {
+// kSoft: soft mode (row_grad_kernel's body for soft_grad_kernel, below): the target is the row's
+// pivot, and every other column subtracts g y_c (g from the coefficients' u slot; the p term
+// is logit_grad's with u = 0: math.h soft_logit_grad). Only with a transform instance (kXf !=
+// kNone: logit_grad).
+template <typename TIn, typename T, Xf kXf, bool kExtras, bool kSoft>
+__device__ __forceinline__ void row_grad_rows(const RowGradParams& p) {
+  static_assert(!kSoft || kXf != Xf::kNone, "soft mode takes logit_grad (a transform instance)");
   const int64_t rows = p.rows_per_cta;
   const int64_t blocks = (p.n + rows - 1) / rows;
   const TIn* logits = static_cast<const TIn*>(p.logits);
@@ -406,7 +560,14 @@ row_grad_kernel(const RowGradParams p) {
       T* lo = kExtras && p.grad_lo != nullptr ? static_cast<T*>(p.grad_lo) + row * p.grad_lo_ld
                                               : nullptr;
       float* colsum = kExtras && p.col_partials != nullptr ? p.col_partials + b * p.v : nullptr;
-      const RowGrad rg = load_row_grad(p.coef, row);
+      RowGrad rg = load_row_grad(p.coef, row);
+      float gy = 0.f;  // soft mode: the upstream g of the target weights
+      SoftRowY ry{};
+      if constexpr (kSoft) {
+        gy = rg.u;
+        rg.u = 0.f;
+        ry = soft_row_y(p.y, row, p.col_offset, p.v);
+      }
       const int64_t tcol =
           target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
       if (p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0 && blockIdx.y == 0) {
@@ -438,7 +599,13 @@ row_grad_kernel(const RowGradParams p) {
         float g[kPerThread];
 #pragma unroll
         for (int e = 0; e < kPerThread; ++e) {
-          if constexpr (kXf != Xf::kNone) {
+          if constexpr (kSoft) {
+            // (past the row's end: no target weight read, nothing stored)
+            const int j = local_col(e);
+            const float y = kFull || j < left ? soft_y(p.y, ry, c0 + j) : 0.f;
+            x[e] = soft_logit<kXf>(x[e], xf);
+            g[e] = soft_logit_grad(rg, x[e], gy, y) * xform_grad<kXf>(x[e], xf);
+          } else if constexpr (kXf != Xf::kNone) {
             // (columns past the row's end hold 0: their gradient is computed and not stored)
             x[e] = xform_logit<kXf>(x[e], xf);
             g[e] = logit_grad(rg, x[e]) * xform_grad<kXf>(x[e], xf);
@@ -483,6 +650,19 @@ row_grad_kernel(const RowGradParams p) {
       });
     }
   }
+}
+
+template <typename TIn, typename T, Xf kXf, bool kExtras>
+__global__ void __launch_bounds__(kThreads, kExtras && sizeof(TIn) == 2 ? 1 : 2)
+row_grad_kernel(const RowGradParams p) {
+  row_grad_rows<TIn, T, kXf, kExtras, false>(p);
+}
+
+// row_grad in soft mode (p.soft; instances for fp32 logits, and 16-bit logits without extras).
+template <typename TIn, typename T, Xf kXf, bool kExtras>
+__global__ void __launch_bounds__(kThreads, kExtras && sizeof(TIn) == 2 ? 1 : 2)
+soft_grad_kernel(const RowGradParams p) {
+  row_grad_rows<TIn, T, kXf, kExtras, true>(p);
 }
 
 // Packs of kVec elements where every slice allows them (count a multiple of kVec, aligned
@@ -603,6 +783,10 @@ void with_stats_kernel(const RowStatsParams& p, F&& fn) {
   auto pick = [&](auto tin) {
     using TIn = decltype(tin);
     XF_SWITCH(xf, kXf, [&] {
+      if (p.soft) {
+        fn.template operator()<soft_stats_kernel<TIn, kXf>>();
+        return;
+      }
       BOOL_SWITCH(p.need_sum, kSum, [&] {
         BOOL_SWITCH(p.need_u, kU, [&] { fn.template operator()<row_stats_kernel<TIn, kXf, kSum, kU>>(); });
       });
@@ -626,16 +810,27 @@ void with_stats_kernel(const RowStatsParams& p, F&& fn) {
 template <typename F>
 bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
   // (the entropy's term alone goes through kAffine's logit_grad, at T = 1 without a bias)
+  // (soft mode: a transform instance, whose logit_grad soft_logit_grad takes)
   const Xf xf = p.softcap > 0.f ? Xf::kCap
-                : p.bias != nullptr || p.temperature != 1.f || p.entropy ? Xf::kAffine
-                                                                         : Xf::kNone;
+                : p.bias != nullptr || p.temperature != 1.f || p.entropy || p.soft
+                    ? Xf::kAffine
+                    : Xf::kNone;
   // (the target's residual is one store per row, by the target's owner: not an extra)
   const bool extras = p.grad_lo != nullptr || p.col_partials != nullptr;
+  bool served = true;
   auto pick = [&](auto tin, auto tout) {
     using TIn = decltype(tin);
     using T = decltype(tout);
     XF_SWITCH(xf, kXf, [&] {
-      BOOL_SWITCH(extras, kExtras, [&] { fn.template operator()<row_grad_kernel<TIn, T, kXf, kExtras>>(); });
+      BOOL_SWITCH(extras, kExtras, [&] {
+        if (!p.soft) {
+          fn.template operator()<row_grad_kernel<TIn, T, kXf, kExtras>>();
+        } else if constexpr (kXf != Xf::kNone && (sizeof(TIn) == 4 || !kExtras)) {
+          fn.template operator()<soft_grad_kernel<TIn, T, kXf, kExtras>>();
+        } else {
+          served = false;  // (no caller: the logits ops have no extras)
+        }
+      });
     });
   };
   const bool f32_in = p.logits_dtype == DType::kFloat32;
@@ -659,7 +854,12 @@ bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
       }
       break;
   }
-  return true;
+  return served;
+}
+
+// Dynamic shared memory of a row_stats instance: a merged state per warp.
+size_t stats_smem(const RowStatsParams& p) {
+  return kWarps * (p.soft ? sizeof(SoftRow) : sizeof(RowPartial));
 }
 
 // CTAs per split for `ctas` row CTAs on the device: at least two waves of the resident CTAs
@@ -689,7 +889,7 @@ int splits_for(int64_t ctas, int64_t v, int per_sm, int sm_count) {
 int row_stats_splits(const RowStatsParams& p, int sm_count) {
   int per_sm = 1;
   with_stats_kernel(p, [&]<auto kKernel>() {
-    per_sm = max_active_ctas<kKernel>(kThreads, kWarps * sizeof(RowPartial));
+    per_sm = max_active_ctas<kKernel>(kThreads, stats_smem(p));
   });
   return splits_for(p.n, p.v, per_sm, sm_count);
 }
@@ -704,9 +904,10 @@ int row_grad_splits(const RowGradParams& p, DType dtype, int sm_count) {
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > 65535) return cudaErrorInvalidValue;
+  if (p.soft && p.pivots == nullptr) return cudaErrorInvalidValue;
   with_stats_kernel(p, [&]<auto kKernel>() {
-    launch_kernel<kKernel>(dim3(grid_rows(p.n), p.splits), dim3(kThreads),
-                           kWarps * sizeof(RowPartial), stream, p);
+    launch_kernel<kKernel>(dim3(grid_rows(p.n), p.splits), dim3(kThreads), stats_smem(p), stream,
+                           p);
   });
   return cudaGetLastError();
 }

@@ -10,6 +10,10 @@
 //                    (one read and one write)
 // Memory beyond the gradient: [splits, N, 5] partials and [N, 8] coefficients. Deterministic:
 // fixed splits, merged in order, no atomics.
+//
+//   soft_logits_stats, soft_logits_forward, soft_logits_backward: the same in the row kernels'
+//   soft mode (target distributions, read beside the logits; opt-in, docs/cuda.md "Target
+//   distributions"): [splits, N, 7] states and pivots merged in order (soft_combine).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -33,7 +37,8 @@ void check_logits_device(const at::Tensor& logits, const at::Tensor& target) {
 // Row stride of the logits in elements (any, for one row).
 int64_t row_stride(const at::Tensor& z) { return z.size(0) > 1 ? z.stride(0) : z.size(1); }
 
-// The caller's logits as the row kernels read them (no bias).
+// The caller's logits as the row kernels read them (no bias; target undefined: none, soft
+// statistics).
 cuda::RowOperands row_operands(const at::Tensor& logits, const at::Tensor& target,
                                int64_t vocab_start, int64_t ignore_index, double softcap,
                                double temperature) {
@@ -45,8 +50,8 @@ cuda::RowOperands row_operands(const at::Tensor& logits, const at::Tensor& targe
   r.ld = row_stride(logits);
   r.softcap = static_cast<float>(softcap);
   r.temperature = static_cast<float>(temperature);
-  r.target = target.data_ptr<int64_t>();
-  r.target_stride = target.stride(0);
+  r.target = target.defined() ? target.data_ptr<int64_t>() : nullptr;
+  r.target_stride = target.defined() ? target.stride(0) : 0;
   r.col_offset = vocab_start;
   r.ignore_index = ignore_index;
   return r;
@@ -150,10 +155,99 @@ void logits_backward_inplace_cuda(const at::Tensor& grad_loss,
               ignore_index, label_smoothing, z_loss, softcap, temperature, logits);
 }
 
+std::tuple<at::Tensor, at::Tensor> soft_logits_stats_cuda(
+    const at::Tensor& logits, const at::Tensor& target,
+    const std::optional<at::Tensor>& class_weight, int64_t vocab_start, int64_t vocab_size,
+    int64_t ignore_index, double label_smoothing, double softcap, double temperature) {
+  check_soft_logits_args(logits, target, class_weight);
+  check_device_tensor(logits, logits, "logits");
+  const dev::Guard guard(logits);
+  const NvtxRange range("flce::soft_logits_stats");
+  poll_target_checks();
+  const int64_t n = logits.size(0), v = logits.size(1);
+  const auto f32 = f32_of(logits);
+  at::Tensor pivot;
+  if (n == 0 || v == 0) return {empty_soft_partials(n, f32, &pivot), pivot};
+  const SoftJob soft =
+      soft_job(target, class_weight, n, v, vocab_size, ignore_index, label_smoothing);
+  cuda::RowStatsParams rs{};
+  static_cast<cuda::RowOperands&>(rs) =
+      row_operands(logits, at::Tensor(), vocab_start, ignore_index, softcap, temperature);
+  rs.soft = true;  // (no target: the rows' target weights rs.y)
+  rs.y = soft_rows(soft, 0);
+  at::Tensor merged = dev::empty({n, cuda::kSoftCols}, f32);
+  pivot = dev::empty({n}, logits.options().dtype(at::kLong));
+  at::Tensor splits = dev::empty({max_row_splits(v) * n * cuda::kSoftCols}, f32);
+  at::Tensor split_pivots = dev::empty({max_row_splits(v) * n}, logits.options().dtype(at::kLong));
+  row_stats_into(rs, merged.data_ptr<float>(), splits.data_ptr<float>(),
+                 pivot.data_ptr<int64_t>(), split_pivots.data_ptr<int64_t>());
+  return {merged, pivot};
+}
+
+Tensor5 soft_logits_forward_cuda(const at::Tensor& logits, const at::Tensor& target,
+                                 const std::optional<at::Tensor>& class_weight,
+                                 const std::optional<at::Tensor>& z_weight, int64_t ignore_index,
+                                 double label_smoothing, double z_loss, double softcap,
+                                 double temperature) {
+  auto [partials, pivot] =
+      soft_logits_stats_cuda(logits, target, class_weight, 0, logits.size(1), ignore_index,
+                             label_smoothing, softcap, temperature);
+  if (z_weight) check_device_tensor(*z_weight, logits, "z_weight");
+  check_soft_combine_args(partials.unsqueeze(0), pivot.unsqueeze(0), z_weight);
+  return soft_combine_impl(partials.unsqueeze(0), pivot.unsqueeze(0), z_weight, z_loss);
+}
+
+at::Tensor soft_logits_backward_cuda(
+    const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+    const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+    const at::Tensor& stats, const at::Tensor& pivot, const std::optional<at::Tensor>& z_weight,
+    int64_t vocab_start, int64_t vocab_size, int64_t ignore_index, double label_smoothing,
+    double z_loss, double softcap, double temperature) {
+  check_soft_logits_args(logits, target, class_weight);
+  check_soft_rows(logits.size(0), grad_loss, grad_lse, grad_entropy, stats, pivot, z_weight);
+  check_device_tensor(logits, logits, "logits");
+  check_device_tensor(grad_loss, logits, "grad_loss");
+  check_device_tensor(stats, logits, "stats");
+  check_device_tensor(pivot, logits, "pivot");
+  const dev::Guard guard(logits);
+  const NvtxRange range("flce::soft_logits_backward");
+  poll_target_checks();
+  const int64_t n = logits.size(0), v = logits.size(1);
+  at::Tensor out = dev::empty(logits.sizes(), logits.options());
+  if (n == 0 || v == 0) return out;
+  const SoftJob soft =
+      soft_job(target, class_weight, n, v, vocab_size, ignore_index, label_smoothing);
+  const auto f32 = f32_of(logits);
+  const at::Tensor st = stats.contiguous();
+  at::Tensor coef = dev::empty({n, 8}, f32), bound = dev::empty({n}, f32);
+  launch_soft_coef(n, st, grad_loss, grad_lse, grad_entropy, z_weight, z_loss, temperature,
+                   coef.data_ptr<float>(), bound.data_ptr<float>());
+  const DType dtype = to_dtype(logits.scalar_type());
+  // The pivots are the rows' targets (ignore_index -1: a row without one).
+  const at::Tensor pv = pivot.contiguous();
+  cuda::RowGradParams rg{};
+  static_cast<cuda::RowOperands&>(rg) =
+      row_operands(logits, pv, vocab_start, /*ignore_index=*/-1, softcap, temperature);
+  rg.soft = true;
+  rg.y = soft_rows(soft, 0);
+  rg.coef = coef.data_ptr<float>();
+  rg.grad = out.data_ptr();
+  rg.grad_ld = row_stride(out);
+  rg.rows_per_cta = 1;
+  rg.entropy = grad_entropy.has_value();
+  rg.col_splits = cuda::row_grad_splits(rg, dtype, static_cast<int>(dev::sm_count()));
+  check_launch(cuda::launch_row_grad(rg, dtype, dev::stream()), "soft_row_grad");
+  return out;
+}
+
 }  // namespace
 }  // namespace binding
 
 FLCE_CUDA_IMPL(m) {
+  m.impl("soft_logits_stats", &binding::soft_logits_stats_cuda);
+  m.impl("soft_logits_forward", &binding::soft_logits_forward_cuda);
+  m.impl("soft_logits_backward", &binding::soft_logits_backward_cuda);
   m.impl("logits_stats", &binding::logits_stats_cuda);
   m.impl("logits_forward", &binding::logits_forward_cuda);
   m.impl("logits_backward", &binding::logits_backward_cuda);

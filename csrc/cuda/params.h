@@ -20,6 +20,7 @@ namespace cuda {
 // Row layouts: partial statistics [kPartialCols] = (m, s, z_t, sum_z, u), row statistics
 // [kStatsCols] = (m_x, s_x, z_t, u_x) (flce/layout.h).
 using ::flce::kPartialCols;
+using ::flce::kSoftCols;
 using ::flce::kStatsCols;
 
 // Storage dtype of a kernel's operands (logits, gradient tile, weight rows).
@@ -42,6 +43,13 @@ struct RowCoefParams {
   float label_smoothing, z_loss, softcap;
   float temperature = 1.f;  // the stored dz carries its 1/T (bound only; the coef do not)
   int64_t vocab_size;
+  // A target distribution's rows (math.h soft_row_grad): stats [n, kSoftCols] = (m_x, s_x, p,
+  // u_x, y_a, y_rest, g), target unused, z_weight [n] (stride z_weight_stride) or nullptr (each
+  // row's target mass); the coefficients' u slot then holds the upstream g that multiplies each
+  // column's target weight (launch_row_grad with soft targets).
+  bool soft = false;
+  const float* z_weight = nullptr;
+  int64_t z_weight_stride = 1;
   float* coef;   // [n, 8] = RowGrad (ref, a, u, dz_t), (div, h, k, rdiv)
   float* bound;  // [n] >= max_j |dz_j| of the row, chain rule (softcap', 1/T) included
 };
@@ -84,6 +92,24 @@ struct CombineParams {
 };
 cudaError_t launch_combine(const CombineParams& p, bool finalize, cudaStream_t stream);
 
+// The same for a target distribution's states (math.h soft_merge): R blocks [R, n, kSoftCols] and
+// pivots [R, n] merged in rank order. finalize = false: the merged state into stats and pivot;
+// true: also loss, lse and entropy (soft_row_loss with z_weight [n] or each row's target mass,
+// row_entropy pivoted on the merged pivot).
+struct SoftCombineParams {
+  const float* partials;  // [ranks, n, kSoftCols] contiguous
+  const int64_t* pivots;  // [ranks, n] contiguous
+  int64_t ranks, n;
+  const float* z_weight;  // [n] or nullptr
+  float z_loss;
+  float* stats;           // [n, kSoftCols]
+  int64_t* pivot;         // [n]
+  float* loss;            // finalize: [n] each
+  float* lse;
+  float* entropy;
+};
+cudaError_t launch_soft_combine(const SoftCombineParams& p, bool finalize, cudaStream_t stream);
+
 // out[c] = sum over rows r (in order, compensated) of x[r, c]; x is [rows, cols] contiguous.
 cudaError_t launch_column_sum(const float* x, int64_t rows, int64_t cols, float* out,
                               cudaStream_t stream);
@@ -112,6 +138,22 @@ cudaError_t launch_scale_store(void* out, DType dtype, const float* x, int64_t c
 // Columns of one tile of the row kernels (flce_rows.cu): the unit of their column splits.
 constexpr int64_t kRowTileCols = 4096;
 
+// A target distribution's target weights on a row kernel's columns (math.h SoftRow):
+//   y_c = w_c (alpha q_c + beta)
+// with q a row of probabilities (q: [n, v] of q_dtype, row stride ldq elements, unit column
+// stride) or, q = nullptr, the one-hot of the row's class id (t: global ids, stride t_stride;
+// a row of ignore_index has y = 0), w the shard's class weights [v] fp32 or nullptr (1).
+struct SoftTargetParams {
+  const void* q = nullptr;
+  DType q_dtype = DType::kFloat32;
+  int64_t ldq = 0;
+  const int64_t* t = nullptr;
+  int64_t t_stride = 1;
+  int64_t ignore_index = -100;
+  const float* w = nullptr;
+  float alpha = 1.f, beta = 0.f;
+};
+
 // The logits a row kernel reads, and what it needs of them (both row kernels' parameters).
 struct RowOperands {
   // [n, v] raw logits (x . w from the single pass' GEMM, or a caller's: flce::logits_stats),
@@ -127,6 +169,13 @@ struct RowOperands {
   int64_t target_stride;
   int64_t col_offset;   // vocabulary id of column 0
   int64_t ignore_index;
+  // Soft mode (a target distribution): the target weights of the row's columns. row_stats then
+  // folds the rows into math.h SoftRow states (target unused); row_grad takes the rows' pivots
+  // as their targets (the pivot column's whole gradient dz_t; ignore_index -1 for a row without
+  // one) and subtracts u y_c from every other column, u from the coefficients' u slot
+  // (launch_row_coef with soft = true). Never run on a GPU: opt-in (FLCE_CUDA_DISTRIBUTIONS=1).
+  bool soft = false;
+  SoftTargetParams y;
 };
 
 struct RowStatsParams : RowOperands {
@@ -138,6 +187,10 @@ struct RowStatsParams : RowOperands {
   // More CTAs in flight than one per row: a sub-chunk of a few hundred rows alone leaves the
   // memory system mostly idle.
   int splits = 1;
+  // Soft mode: partials are [splits, n, kSoftCols] SoftRow states and pivots [splits, n] their
+  // pivot ids (launch_soft_combine merges them in order); need_sum and need_u are ignored (the
+  // entropy's u is always kept).
+  int64_t* pivots = nullptr;
 };
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
 // Column splits for launch_row_stats at these parameters (splits ignored) on a device of

@@ -329,9 +329,11 @@ def single_pass(requested, reduction, per_token, x, weight=None):
 
 def fused_distribution(x):
     """Whether the fused target-distribution ops (flce::soft_forward: probability targets, class
-    weights with label smoothing) serve ``x``'s backend: the CPU backend. The CUDA backend takes
-    the composite path for them."""
-    return not _ops.is_cuda_backend(x)
+    weights with label smoothing) serve ``x``'s backend: the CPU backend, and the CUDA backend
+    with FLCE_CUDA_DISTRIBUTIONS=1 (read at every call; opt-in until its kernels have run on a
+    GPU, docs/cuda.md "Target distributions"). Otherwise the CUDA backend takes the composite
+    path for them."""
+    return not _ops.is_cuda_backend(x) or os.environ.get("FLCE_CUDA_DISTRIBUTIONS") == "1"
 
 
 def check_single_pass(requested, reduction, per_token):

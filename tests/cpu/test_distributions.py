@@ -1,14 +1,15 @@
-"""The fused target distributions of the CPU backend (flce::soft_*: probability targets, and
-class targets with per-class weights and label smoothing) against float64 ``flce.reference``:
-that the API takes them (no ``[N, V]`` logits), every option and output, the merge of vocabulary
-shards (what vocab-parallel runs), collapse safety at margins 0-200, -inf and NaN logits, and
-opcheck of the ops."""
+"""The fused target distributions (flce::soft_*: probability targets, and class targets with
+per-class weights and label smoothing) against float64 ``flce.reference``: that the API takes them
+(no ``[N, V]`` logits), every option and output, the merge of vocabulary shards (what
+vocab-parallel runs), collapse safety at margins 0-200, -inf and NaN logits, and opcheck of the
+ops. The CPU backend, and the CUDA backend's soft mode (opt-in: FLCE_CUDA_DISTRIBUTIONS=1, set
+here; "cuda-host" runs it on the host emulation of its kernels)."""
 import pytest
 import torch
 
 import flce
-from flce import _composite, reference
-from helpers import rel_err, round_floor
+from flce import _composite, _ops, reference
+from helpers import CUDA_DEVICES, DEVICES, rel_err, round_floor
 
 N, V, D = 37, 300, 24
 OPTIONS = [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0, "temperature": 0.7},
@@ -26,6 +27,16 @@ def _inputs(dtype, seed, v=V, bias=True):
     t = torch.randint(0, v, (N,), generator=g)
     t[::7] = -100
     return x, w, b, q, cw, t
+
+
+@pytest.fixture(autouse=True)
+def cuda_distributions(monkeypatch):
+    """The CUDA backend's fused target distributions are opt-in (never run on a GPU yet)."""
+    monkeypatch.setenv("FLCE_CUDA_DISTRIBUTIONS", "1")
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
 
 
 @pytest.fixture
@@ -50,7 +61,7 @@ def _check_grads(leaves, wide, dz, dtype):
     n, v = dz.shape
     terms = ((8 + v) * (dz.abs() @ w), (8 + n) * (dz.abs().T @ x), (8 + n) * dz.abs().sum(0))
     for name, a, r, t in zip(("input", "weight", "bias"), leaves, wide, terms):
-        err = (a.grad.double() - r.grad).abs()
+        err = (a.grad.cpu().double() - r.grad).abs()
         bound = 2 * u * r.grad.abs() + u_tile * t
         worst = (err / bound).max().item()
         assert worst <= 1, f"{name} gradient: {worst:.2f}x its bound"
@@ -59,7 +70,8 @@ def _check_grads(leaves, wide, dz, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
 @pytest.mark.parametrize("kind", ["probabilities", "classes"])
-def test_fused_against_float64(no_logits, dtype, opts, kind):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_against_float64(no_logits, device, dtype, opts, kind):
     kw = dict(opts)
     weighted = kw.pop("class_weight", False)
     if kind == "classes" and not (weighted and kw.get("label_smoothing")):
@@ -67,10 +79,11 @@ def test_fused_against_float64(no_logits, dtype, opts, kind):
     x, w, b, q, cw, t = _inputs(dtype, seed=len(IDS[OPTIONS.index(opts)]))
     cw = cw if weighted else None
     target = q if kind == "probabilities" else t
-    leaves = [a.clone().requires_grad_() for a in (x, w, b)]
+    leaves = [a.clone().to(device).requires_grad_() for a in (x, w, b)]
+    target, cw_d = _on(device, target, cw)
     loss, lse, ent = flce.linear_cross_entropy(*leaves[:2], target, bias=leaves[2],
                                                reduction="none", return_lse=True,
-                                               return_entropy=True, class_weight=cw, **kw)
+                                               return_entropy=True, class_weight=cw_d, **kw)
     wide = [a.double().requires_grad_() for a in (x, w, b)]
     z = wide[0] @ wide[1].T + wide[2]
     z.retain_grad()
@@ -80,19 +93,20 @@ def test_fused_against_float64(no_logits, dtype, opts, kind):
     else:
         ref = reference.logits_cross_entropy(z, t, reduction="none", return_lse=True,
                                              return_entropy=True, weight=cw.double(), **kw)
-    for name, got, r in zip(("loss", "lse", "entropy"), (loss, lse, ent), ref):
+    for name, got, r in zip(("loss", "lse", "entropy"), (loss.cpu(), lse.cpu(), ent.cpu()), ref):
         # fp32 row statistics of exactly computed logits: a few fp32 roundings of the value
         assert rel_err(got, r) < 2e-6, name
     gl, glse, gent = (torch.rand(N, generator=torch.Generator().manual_seed(k)).double() + 0.5
                       for k in range(3))
-    ((loss.double() * gl).sum() + (lse.double() * glse).sum() + (ent.double() * gent).sum()
-     ).backward()
+    ((loss.double() * gl.to(device)).sum() + (lse.double() * glse.to(device)).sum() +
+     (ent.double() * gent.to(device)).sum()).backward()
     ((ref[0] * gl).sum() + (ref[1] * glse).sum() + (ref[2] * gent).sum()).backward()
     _check_grads(leaves, wide, z.grad, dtype)
 
 
 @pytest.mark.parametrize("margin", [0.0, 20.0, 40.0, 80.0, 200.0])
-def test_collapse_safe(no_logits, margin):
+@pytest.mark.parametrize("device", DEVICES)
+def test_collapse_safe(no_logits, device, margin):
     """A target concentrated on the dominant class (1 - 1e-7) at a margin: the loss is
     ~1e-7 * margin, which lse - sum_c y_c z_c loses to rounding from margin ~17; flce keeps it
     to fp32's relative accuracy, and its gradients too."""
@@ -103,8 +117,9 @@ def test_collapse_safe(no_logits, margin):
     b[5] = margin
     q = torch.full((N, V), 1e-7 / (V - 1))
     q[:, 5] = 1 - 1e-7
-    leaves = [a.clone().requires_grad_() for a in (x, w, b)]
-    loss = flce.linear_cross_entropy(*leaves[:2], q, bias=leaves[2], reduction="none")
+    leaves = [a.clone().to(device).requires_grad_() for a in (x, w, b)]
+    loss = flce.linear_cross_entropy(*leaves[:2], q.to(device), bias=leaves[2],
+                                     reduction="none").cpu()
     wide = [a.double().requires_grad_() for a in (x, w, b)]
     z = wide[0] @ wide[1].T + wide[2]
     z.retain_grad()
@@ -118,26 +133,28 @@ def test_collapse_safe(no_logits, margin):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
-def test_shards_merge_to_one_device(dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_shards_merge_to_one_device(device, dtype):
     """Three vocabulary shards' partials, merged by soft_combine, give soft_forward's loss on
     one device, and their backward the same gradients: dW and db shard by shard, dE summed.
     The shards cut through the tiles, and the pivot lies in a later shard for some rows."""
-    x, w, b, q, cw, _ = _inputs(dtype, seed=3)
+    x, w, b, q, cw, _ = _on(device, *_inputs(dtype, seed=3))
+    ops = _ops.ops  # (the namespace the tests route to: flce_cuda_host on cuda-host)
     cuts = [0, 70, 211, V]
     args = (0.1, 5.0, 1.0)  # label_smoothing, softcap, temperature
-    one = flce.ops.soft_forward(x, w, q.to(dtype), b, cw, None, -100, 0.1, 1e-3, 5.0, 1.0)
-    parts = [flce.ops.soft_partial_stats(x, w[s:e], q[:, s:e].to(dtype), b[s:e], cw[s:e], s, V,
+    one = ops.soft_forward(x, w, q.to(dtype), b, cw, None, -100, 0.1, 1e-3, 5.0, 1.0)
+    parts = [ops.soft_partial_stats(x, w[s:e], q[:, s:e].to(dtype), b[s:e], cw[s:e], s, V,
                                          -100, *args) for s, e in zip(cuts, cuts[1:])]
-    merged = flce.ops.soft_combine(torch.stack([p for p, _ in parts]),
+    merged = ops.soft_combine(torch.stack([p for p, _ in parts]),
                                    torch.stack([a for _, a in parts]), None, 1e-3)
     for name, a, m in zip(("loss", "lse", "stats", "pivot", "entropy"), one, merged):
         assert torch.equal(a, m) if name == "pivot" else rel_err(a, m) < 1e-6, name
     assert (merged[3] >= cuts[1]).any() and (merged[3] < cuts[1]).any()
-    gl = torch.rand(N) + 0.5
+    gl = (torch.rand(N) + 0.5).to(device)
     mask = [True, True, True]
-    whole = flce.ops.soft_backward(gl, None, None, x, w, q.to(dtype), b, cw, one[2], one[3],
+    whole = ops.soft_backward(gl, None, None, x, w, q.to(dtype), b, cw, one[2], one[3],
                                    None, 0, V, -100, 0.1, 1e-3, 5.0, 1.0, mask)
-    shards = [flce.ops.soft_backward(gl, None, None, x, w[s:e], q[:, s:e].to(dtype), b[s:e],
+    shards = [ops.soft_backward(gl, None, None, x, w[s:e], q[:, s:e].to(dtype), b[s:e],
                                      cw[s:e], one[2], one[3], None, s, V, -100, 0.1, 1e-3, 5.0,
                                      1.0, mask) for s, e in zip(cuts, cuts[1:])]
     tol = 4 * {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[
@@ -147,23 +164,24 @@ def test_shards_merge_to_one_device(dtype):
     assert rel_err(torch.cat([s[2] for s in shards]), whole[2]) < tol
 
 
-def test_masked_columns_and_nan():
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_columns_and_nan(device):
     """A -inf bias (a padded vocabulary) where the target has no weight adds nothing; target
     weight on a -inf logit gives an infinite loss; a NaN logit gives a NaN loss, row by row."""
-    x, w, b, q, _, _ = _inputs(torch.float32, seed=5)
+    x, w, b, q, _, _ = _on(device, *_inputs(torch.float32, seed=5))
     b = b.clone()
     b[-20:] = float("-inf")
     q = q.clone()
     q[:, -20:] = 0
     q = q / q.sum(1, keepdim=True)
-    loss = flce.linear_cross_entropy(x, w, q, bias=b, reduction="none")
+    loss = flce.linear_cross_entropy(x, w, q, bias=b, reduction="none").cpu()
     ref = reference.soft_cross_entropy(x.double() @ w.double().T + b.double(), q.double(),
-                                       reduction="none")[0]
+                                       reduction="none")[0].cpu()
     assert torch.isfinite(loss).all() and rel_err(loss, ref) < 2e-6
     q[3, -1] = 0.5
     x = x.clone()
     x[6, 0] = float("nan")
-    loss = flce.linear_cross_entropy(x, w, q, bias=b, reduction="none")
+    loss = flce.linear_cross_entropy(x, w, q, bias=b, reduction="none").cpu()
     assert loss[3] == float("inf") and torch.isnan(loss[6])
     keep = torch.ones(N, dtype=torch.bool)
     keep[[3, 6]] = False
@@ -217,21 +235,36 @@ def test_opcheck():
                            None, 1e-3))
 
 
-def test_bad_arguments():
-    x, w, b, q, cw, t = _inputs(torch.float32, seed=13)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments(device):
+    x, w, b, q, cw, t = _on(device, *_inputs(torch.float32, seed=13))
+    ops = _ops.ops
     with pytest.raises(ValueError, match="probability targets must be"):
-        flce.ops.soft_forward(x, w, q[:, 1:], b, None, None, -100, 0.0, 0.0, 0.0, 1.0)
+        ops.soft_forward(x, w, q[:, 1:], b, None, None, -100, 0.0, 0.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="class_weight must be"):
-        flce.ops.soft_forward(x, w, q, b, cw[1:], None, -100, 0.0, 0.0, 0.0, 1.0)
+        ops.soft_forward(x, w, q, b, cw[1:], None, -100, 0.0, 0.0, 0.0, 1.0)
+    # (the CUDA backend checks class ids without a host sync: at this call or the next)
     with pytest.raises(IndexError, match="out of range"):
-        flce.ops.soft_forward(x, w, t.clamp(min=0) + V, b, cw, None, -100, 0.1, 0.0, 0.0, 1.0)
+        for _ in range(2):
+            ops.soft_forward(x, w, t.clamp(min=0) + V, b, cw, None, -100, 0.1, 0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+def test_cuda_opt_in(no_logits, monkeypatch, device):
+    """Without FLCE_CUDA_DISTRIBUTIONS=1 the CUDA backend takes the composite path (the [N, V]
+    logits in torch ops): its soft mode has not run on a GPU yet."""
+    monkeypatch.delenv("FLCE_CUDA_DISTRIBUTIONS")
+    x, w, b, q, _, _ = _on(device, *_inputs(torch.float32, seed=15))
+    with pytest.raises(AssertionError, match="materialized the logits"):
+        flce.linear_cross_entropy(x, w, q, bias=b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(5, 7), (4, 300, 3), (6, 5000)], ids=["NC", "NCd", "wide"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=IDS)
-def test_cross_entropy_fused(monkeypatch, dtype, shape, opts):
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_fused(monkeypatch, device, dtype, shape, opts):
     """flce.cross_entropy on given logits, torch's layouts (the class dimension 1), probability
     targets fused: no composite (soft_per_token refuses), every output and the logits'
     gradient against float64. 'wide' spans two chunks of the CPU's row loop (4096 columns)."""
@@ -242,18 +275,19 @@ def test_cross_entropy_fused(monkeypatch, dtype, shape, opts):
     g = torch.Generator().manual_seed(17)
     c = shape[1]
     cw = torch.rand(c, generator=g) + 0.5 if kw.pop("class_weight", False) else None
-    x = (torch.randn(*shape, generator=g) * 3).to(dtype).requires_grad_()
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(device).requires_grad_()
     q = torch.softmax(torch.randn(*shape, generator=g) * 2, 1)
-    loss, lse, ent = flce.cross_entropy(x, q, weight=cw, reduction="none", return_lse=True,
+    loss, lse, ent = flce.cross_entropy(x, q.to(device), weight=None if cw is None else
+                                        cw.to(device), reduction="none", return_lse=True,
                                         return_entropy=True, **kw)
-    xd = x.detach().double().requires_grad_()
+    xd = x.detach().cpu().double().requires_grad_()
     rows = (lambda a: a.movedim(1, -1).reshape(-1, c))
     ref = reference.soft_cross_entropy(rows(xd), rows(q).double(), reduction="none",
                                        weight=None if cw is None else cw.double(), **kw)
     for name, got, r in zip(("loss", "lse", "entropy"), (loss, lse, ent), ref):
-        assert rel_err(got.reshape(-1), r) < 2e-6, name
+        assert rel_err(got.cpu().reshape(-1), r) < 2e-6, name
     k = torch.rand(ref[0].shape, generator=g).double() + 0.5
-    (loss.double().reshape(-1) * k).sum().backward()
+    (loss.double().reshape(-1) * k.to(device)).sum().backward()
     (ref[0] * k).sum().backward()
     # dz_j = k (Y p_j - y_j): one rounding to the dtype, relative to the row's largest element,
     # plus the fp32 sums of the row's target weights (Y, Y_rest: c non-negative terms, Higham's
@@ -262,6 +296,6 @@ def test_cross_entropy_fused(monkeypatch, dtype, shape, opts):
     y = rows(q).double() * (1 if cw is None else cw.double())
     mass = k * ((1 - kw.get("label_smoothing", 0.0)) * y.sum(1) + kw.get("label_smoothing", 0.0)
                 * (1 if cw is None else cw.double().mean()))
-    gd, got = rows(xd.grad), rows(x.grad.double())
+    gd, got = rows(xd.grad), rows(x.grad.cpu().double())
     bound = u * gd.abs().amax(1, keepdim=True) + (8 + c) * 2.0 ** -24 * mass[:, None]
     assert ((got - gd).abs() <= bound).all()

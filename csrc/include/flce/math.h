@@ -344,8 +344,12 @@ struct SoftRow {
 FLCE_HD SoftRow soft_empty() { return SoftRow{neg_inf(), -1, 0.f, lse_empty(), 0.f, 0.f}; }
 
 // One term y (p - z) of G: 0 where y = 0 (a column without target weight, e.g. masked by a -inf
-// bias, adds nothing rather than 0 * inf = NaN).
-FLCE_HD float soft_gap_term(float y, float p, float z) { return y == 0.f ? 0.f : y * (p - z); }
+// bias, adds nothing rather than 0 * inf = NaN), and 0 against a -inf pivot p (then z = -inf
+// too: a set of masked columns, such as a GPU thread's columns of a tile, whose weights go with
+// its pivot into the gap that a finite pivot takes in soft_merge, +inf, rather than NaN).
+FLCE_HD float soft_gap_term(float y, float p, float z) {
+  return y == 0.f || p == neg_inf() ? 0.f : y * (p - z);
+}
 
 // Merge the states of two disjoint sets of columns. The larger pivot stays (a's on ties, so that
 // a fixed merge order gives a fixed pivot); the other pivot joins its set's logits.
