@@ -299,3 +299,47 @@ def test_cross_entropy_fused(monkeypatch, device, dtype, shape, opts):
     gd, got = rows(xd.grad), rows(x.grad.cpu().double())
     bound = u * gd.abs().amax(1, keepdim=True) + (8 + c) * 2.0 ** -24 * mass[:, None]
     assert ((got - gd).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["probabilities", "classes"])
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+def test_cuda_chunked(monkeypatch, device, dtype, kind):
+    """The CUDA backend's soft mode through several sub-chunks and groups of rows of its chunk
+    driver (a 0.1 MB workspace: 86-row logits chunks, 64-row groups): each chunk's target rows,
+    fp16's scale, the pivots' target fixes, against float64."""
+    monkeypatch.setenv("FLCE_CUDA_WORKSPACE_MB", "0.1")
+    n = 150
+    g = torch.Generator().manual_seed(19)
+    x = torch.randn(n, D, generator=g).to(dtype)
+    w = (torch.randn(V, D, generator=g) / D ** 0.5).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype)
+    q = torch.softmax(torch.randn(n, V, generator=g) * 3, 1)
+    cw = torch.rand(V, generator=g) + 0.5
+    t = torch.randint(0, V, (n,), generator=g)
+    t[::5] = -100
+    target = q if kind == "probabilities" else t
+    kw = dict(label_smoothing=0.1, z_loss=1e-3)
+    leaves = [a.clone().to(device).requires_grad_() for a in (x, w, b)]
+    # (with the lse's gradient: an ignored row's gradient is not all 0, which the bound's
+    # relative form cannot take)
+    loss, lse = flce.linear_cross_entropy(*leaves[:2], target.to(device), bias=leaves[2],
+                                          class_weight=cw.to(device), reduction="none",
+                                          return_lse=True, **kw)
+    wide = [a.double().requires_grad_() for a in (x, w, b)]
+    z = wide[0] @ wide[1].T + wide[2]
+    z.retain_grad()
+    if kind == "probabilities":
+        ref = reference.soft_cross_entropy(z, q.double(), reduction="none", weight=cw.double(),
+                                           **kw)
+    else:
+        ref = reference.logits_cross_entropy(z, t, reduction="none", weight=cw.double(),
+                                             return_lse=True, **kw)
+    assert rel_err(loss.cpu(), ref[0]) < 2e-6 and rel_err(lse.cpu(), ref[1]) < 2e-6
+    cot = torch.rand(n, generator=g).double() + 0.5
+    ((loss.double() + 0.1 * lse.double()) * cot.to(device)).sum().backward()
+    ((ref[0] + 0.1 * ref[1]) * cot).sum().backward()
+    # (fp16: the tile is scaled to fp16's range, then rounded once, as bf16's is: bf16's bound
+    # holds it with 3 more bits to spare)
+    _check_grads(leaves, wide, z.grad, torch.bfloat16 if dtype == torch.float16 else dtype)

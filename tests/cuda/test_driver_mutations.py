@@ -36,6 +36,11 @@ MUTATIONS = [
      "      float* sub_coef = coef.data_ptr<float>() + (given ? s0 * 8 : 0);\n",
      "      float* sub_coef = coef.data_ptr<float>() + (given ? (s0 - g0) * 8 : 0);\n",
      ["cuda/test_cuda.py::test_recompute_chunked"]),
+    # Soft mode: every sub-chunk reads the first sub-chunk's target rows.
+    ("soft_targets_of_first_chunk",
+     "    r.y = soft_rows(*job.soft, s0);\n",
+     "    r.y = soft_rows(*job.soft, 0);\n",
+     ["cpu/test_distributions.py::test_cuda_chunked"]),
 ]
 
 
