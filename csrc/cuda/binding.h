@@ -208,7 +208,7 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& grads, const ChunkPlan&
 
 // Statistics of fp32 or 16-bit logits rows (rs without partials / splits) into out [rs.n, 5]:
 // column splits through split_buffer ([max_row_splits(v), n, 5]) merged in order. Soft mode
-// (rs.soft): [rs.n, kSoftCols] states and pivots into out and pivot, through split_buffer
+// (rs.mode.soft): [rs.n, kSoftCols] states and pivots into out and pivot, through split_buffer
 // ([max_row_splits(v), n, kSoftCols]) and split_pivots ([max_row_splits(v), n]).
 void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer,
                     int64_t* pivot = nullptr, int64_t* split_pivots = nullptr);

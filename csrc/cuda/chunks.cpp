@@ -69,24 +69,30 @@ cuda::RowOperands chunk_operands(const LinearJob& job, const float* lp, int64_t 
   r.target_stride = ts.defined() ? ts.stride(0) : 0;
   r.col_offset = job.shard.vocab_start;
   r.ignore_index = job.ignore_index;
-  if (job.soft) {
-    r.soft = true;
-    r.y = soft_rows(*job.soft, s0);
-  }
   return r;
+}
+
+// The soft mode of a row kernel's parameters for rows [s0, ...) of the job (none: plain).
+cuda::SoftMode soft_mode(const LinearJob& job, int64_t s0) {
+  cuda::SoftMode m;
+  if (job.soft) {
+    m.soft = true;
+    m.y = soft_rows(*job.soft, s0);
+  }
+  return m;
 }
 
 }  // namespace
 
 void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer, int64_t* pivot,
                     int64_t* split_pivots) {
-  TORCH_CHECK(!rs.soft || (pivot != nullptr && split_pivots != nullptr),
+  TORCH_CHECK(!rs.mode.soft || (pivot != nullptr && split_pivots != nullptr),
               "flce: soft row_stats needs pivot buffers");
   rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
   rs.partials = rs.splits > 1 ? split_buffer : out;
-  rs.pivots = rs.soft ? (rs.splits > 1 ? split_pivots : pivot) : nullptr;
+  rs.pivots = rs.mode.soft ? (rs.splits > 1 ? split_pivots : pivot) : nullptr;
   check_launch(cuda::launch_row_stats(rs, dev::stream()), "row_stats");
-  if (rs.splits > 1 && rs.soft) {
+  if (rs.splits > 1 && rs.mode.soft) {
     launch_soft_merge(split_buffer, split_pivots, rs.splits, rs.n, out, pivot);
   } else if (rs.splits > 1) {
     merge_partials(split_buffer, rs.splits, rs.n, out);
@@ -192,6 +198,7 @@ at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u, at::Te
         chunk_operands(job, logits.data_ptr<float>(), s0, sn, ld, bias32);
     rs.need_sum = need_sum;
     rs.need_u = need_u;
+    rs.mode = soft_mode(job, s0);
     row_stats_into(rs, out.data_ptr<float>() + s0 * cols, split_buffer.data_ptr<float>(),
                    job.soft ? pivot->data_ptr<int64_t>() + s0 : nullptr,
                    job.soft ? split_pivots.data_ptr<int64_t>() : nullptr);
@@ -461,6 +468,7 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& gj, const ChunkPlan& pl
       } else {
         cuda::RowGradParams rg{};
         static_cast<cuda::RowOperands&>(rg) = ops;
+        rg.mode = soft_mode(job, s0);
         rg.coef = sub_coef;
         rg.grad = dz_rows;
         rg.grad_ld = gld;

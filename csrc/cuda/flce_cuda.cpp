@@ -389,6 +389,29 @@ void add_target_rows(const at::Tensor& out, int64_t col_offset, const at::Tensor
 // ---------------------------------------------------------------------------------------------
 // Backward with recomputed logit tiles.
 // ---------------------------------------------------------------------------------------------
+// The gradients where there is nothing to compute (none asked, N = 0 or V = 0: zeros), else none.
+std::optional<Tensor3> nothing_to_compute(const at::Tensor& input, const at::Tensor& weight,
+                                          const std::optional<at::Tensor>& bias,
+                                          std::array<bool, 3> need) {
+  const int64_t n = input.size(0), v = weight.size(0), d = input.size(1);
+  if ((need[0] || need[1] || need[2]) && n > 0 && v > 0) return std::nullopt;
+  return Tensor3{need[0] ? at::zeros({n, d}, input.options()) : input.new_empty({0}),
+                 need[1] ? at::zeros({v, d}, weight.options()) : weight.new_empty({0}),
+                 need[2] ? at::zeros({v}, bias->options()) : weight.new_empty({0})};
+}
+
+// grad_chunks over the whole job with the given statistics (grads.stats), the gradients in the
+// ops' dtypes (grads.mask: the ones asked, bias included only where there is one).
+Tensor3 recompute_grads(const LinearJob& job, const GradJob& grads) {
+  const at::Tensor& input = job.input;
+  const ChunkPlan plan = plan_chunks(input.size(0), job.weight.size(0), input.scalar_type(),
+                                     split_grad(job, grads.mask[1]), /*must=*/true);
+  const GradOut g = grad_chunks(job, grads, plan);
+  return {grads.mask[0] ? g.ge.to(input.scalar_type()) : input.new_empty({0}),
+          grads.mask[1] ? g.gw : job.weight.new_empty({0}),
+          grads.mask[2] ? g.gb.to(job.bias->scalar_type()) : job.weight.new_empty({0})};
+}
+
 Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                       const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
                       const std::optional<at::Tensor>& bias, const at::Tensor& stats,
@@ -406,12 +429,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   const NvtxRange range("flce::backward");
   poll_target_checks();
   const bool need_e = output_mask[0], need_c = output_mask[1], need_b = output_mask[2] && bias;
-  const int64_t n = input.size(0), v = weight.size(0), d = input.size(1);
-  if ((!need_e && !need_c && !need_b) || n == 0 || v == 0) {
-    return {need_e ? at::zeros({n, d}, input.options()) : input.new_empty({0}),
-            need_c ? at::zeros({v, d}, weight.options()) : weight.new_empty({0}),
-            need_b ? at::zeros({v}, bias->options()) : weight.new_empty({0})};
-  }
+  if (auto none = nothing_to_compute(input, weight, bias, {need_e, need_c, need_b})) return *none;
   LinearJob job{input, weight, target, bias};
   job.shard.vocab_start = vocab_start;
   job.shard.vocab_size = vocab_size;
@@ -426,12 +444,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   grads.grad_lse = grad_lse;
   grads.grad_entropy = grad_entropy;
   grads.mask = {need_e, need_c, need_b};
-  const ChunkPlan plan = plan_chunks(n, v, input.scalar_type(), split_grad(job, need_c),
-                                     /*must=*/true);
-  const GradOut g = grad_chunks(job, grads, plan);
-  return {need_e ? g.ge.to(input.scalar_type()) : input.new_empty({0}),
-          need_c ? g.gw : weight.new_empty({0}),
-          need_b ? g.gb.to(bias->scalar_type()) : weight.new_empty({0})};
+  return recompute_grads(job, grads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -603,14 +616,9 @@ Tensor3 soft_backward_cuda(const at::Tensor& grad_loss, const std::optional<at::
   const NvtxRange range("flce::soft_backward");
   poll_target_checks();
   const bool need_e = output_mask[0], need_c = output_mask[1], need_b = output_mask[2] && bias;
-  const int64_t n = input.size(0), v = weight.size(0), d = input.size(1);
-  if ((!need_e && !need_c && !need_b) || n == 0 || v == 0) {
-    return {need_e ? at::zeros({n, d}, input.options()) : input.new_empty({0}),
-            need_c ? at::zeros({v, d}, weight.options()) : weight.new_empty({0}),
-            need_b ? at::zeros({v}, bias->options()) : weight.new_empty({0})};
-  }
-  const SoftJob soft =
-      soft_job(target, class_weight, n, v, vocab_size, ignore_index, label_smoothing);
+  if (auto none = nothing_to_compute(input, weight, bias, {need_e, need_c, need_b})) return *none;
+  const SoftJob soft = soft_job(target, class_weight, input.size(0), weight.size(0), vocab_size,
+                                ignore_index, label_smoothing);
   // The pivots are the rows' targets (ignore_index -1: a row without one).
   LinearJob job{input, weight, pivot.contiguous(), bias};
   job.shard.vocab_start = vocab_start;
@@ -627,12 +635,7 @@ Tensor3 soft_backward_cuda(const at::Tensor& grad_loss, const std::optional<at::
   grads.grad_entropy = grad_entropy;
   grads.z_weight = z_weight;
   grads.mask = {need_e, need_c, need_b};
-  const ChunkPlan plan = plan_chunks(n, v, input.scalar_type(), split_grad(job, need_c),
-                                     /*must=*/true);
-  const GradOut g = grad_chunks(job, grads, plan);
-  return {need_e ? g.ge.to(input.scalar_type()) : input.new_empty({0}),
-          need_c ? g.gw : weight.new_empty({0}),
-          need_b ? g.gb.to(bias->scalar_type()) : weight.new_empty({0})};
+  return recompute_grads(job, grads);
 }
 
 at::Tensor scale_grad_cuda(const at::Tensor& deferred, const at::Tensor& scale,

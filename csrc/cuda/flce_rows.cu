@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const RowStatsP
                        (kXf == Xf::kNone || p.bias == nullptr || pack_aligned<float>(p.bias));
   const ColRange cols = split_cols(p.v, p.splits);
   for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
-    const SoftRowY ry = soft_row_y(p.y, row, p.col_offset, p.v);
+    const SoftRowY ry = soft_row_y(p.mode.y, row, p.col_offset, p.v);
     SoftRow st = soft_empty();
     for_tiles(logits + row * p.ld, cols, p.v, aligned,
               [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const RowStatsP
         const int j = local_col(e);
         const bool in = kFull || j < left;
         x[e] = in ? soft_logit<kXf>(x[e], xf) : neg_inf();
-        y[e] = in ? soft_y(p.y, ry, c0 + j) : 0.f;
+        y[e] = in ? soft_y(p.mode.y, ry, c0 + j) : 0.f;
       }
       float mx = x[0];
 #pragma unroll
@@ -566,7 +566,7 @@ __device__ __forceinline__ void row_grad_rows(const RowGradParams& p) {
       if constexpr (kSoft) {
         gy = rg.u;
         rg.u = 0.f;
-        ry = soft_row_y(p.y, row, p.col_offset, p.v);
+        ry = soft_row_y(p.mode.y, row, p.col_offset, p.v);
       }
       const int64_t tcol =
           target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
@@ -602,7 +602,7 @@ __device__ __forceinline__ void row_grad_rows(const RowGradParams& p) {
           if constexpr (kSoft) {
             // (past the row's end: no target weight read, nothing stored)
             const int j = local_col(e);
-            const float y = kFull || j < left ? soft_y(p.y, ry, c0 + j) : 0.f;
+            const float y = kFull || j < left ? soft_y(p.mode.y, ry, c0 + j) : 0.f;
             x[e] = soft_logit<kXf>(x[e], xf);
             g[e] = soft_logit_grad(rg, x[e], gy, y) * xform_grad<kXf>(x[e], xf);
           } else if constexpr (kXf != Xf::kNone) {
@@ -658,7 +658,8 @@ row_grad_kernel(const RowGradParams p) {
   row_grad_rows<TIn, T, kXf, kExtras, false>(p);
 }
 
-// row_grad in soft mode (p.soft; instances for fp32 logits, and 16-bit logits without extras).
+// row_grad in soft mode (p.mode.soft; instances for fp32 logits, and 16-bit logits without
+// extras).
 template <typename TIn, typename T, Xf kXf, bool kExtras>
 __global__ void __launch_bounds__(kThreads, kExtras && sizeof(TIn) == 2 ? 1 : 2)
 soft_grad_kernel(const RowGradParams p) {
@@ -783,7 +784,7 @@ void with_stats_kernel(const RowStatsParams& p, F&& fn) {
   auto pick = [&](auto tin) {
     using TIn = decltype(tin);
     XF_SWITCH(xf, kXf, [&] {
-      if (p.soft) {
+      if (p.mode.soft) {
         fn.template operator()<soft_stats_kernel<TIn, kXf>>();
         return;
       }
@@ -812,7 +813,7 @@ bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
   // (the entropy's term alone goes through kAffine's logit_grad, at T = 1 without a bias)
   // (soft mode: a transform instance, whose logit_grad soft_logit_grad takes)
   const Xf xf = p.softcap > 0.f ? Xf::kCap
-                : p.bias != nullptr || p.temperature != 1.f || p.entropy || p.soft
+                : p.bias != nullptr || p.temperature != 1.f || p.entropy || p.mode.soft
                     ? Xf::kAffine
                     : Xf::kNone;
   // (the target's residual is one store per row, by the target's owner: not an extra)
@@ -823,7 +824,7 @@ bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
     using T = decltype(tout);
     XF_SWITCH(xf, kXf, [&] {
       BOOL_SWITCH(extras, kExtras, [&] {
-        if (!p.soft) {
+        if (!p.mode.soft) {
           fn.template operator()<row_grad_kernel<TIn, T, kXf, kExtras>>();
         } else if constexpr (kXf != Xf::kNone && (sizeof(TIn) == 4 || !kExtras)) {
           fn.template operator()<soft_grad_kernel<TIn, T, kXf, kExtras>>();
@@ -859,7 +860,7 @@ bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
 
 // Dynamic shared memory of a row_stats instance: a merged state per warp.
 size_t stats_smem(const RowStatsParams& p) {
-  return kWarps * (p.soft ? sizeof(SoftRow) : sizeof(RowPartial));
+  return kWarps * (p.mode.soft ? sizeof(SoftRow) : sizeof(RowPartial));
 }
 
 // CTAs per split for `ctas` row CTAs on the device: at least two waves of the resident CTAs
@@ -904,7 +905,7 @@ int row_grad_splits(const RowGradParams& p, DType dtype, int sm_count) {
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > 65535) return cudaErrorInvalidValue;
-  if (p.soft && p.pivots == nullptr) return cudaErrorInvalidValue;
+  if (p.mode.soft && p.pivots == nullptr) return cudaErrorInvalidValue;
   with_stats_kernel(p, [&]<auto kKernel>() {
     launch_kernel<kKernel>(dim3(grid_rows(p.n), p.splits), dim3(kThreads), stats_smem(p), stream,
                            p);

@@ -173,8 +173,8 @@ std::tuple<at::Tensor, at::Tensor> soft_logits_stats_cuda(
   cuda::RowStatsParams rs{};
   static_cast<cuda::RowOperands&>(rs) =
       row_operands(logits, at::Tensor(), vocab_start, ignore_index, softcap, temperature);
-  rs.soft = true;  // (no target: the rows' target weights rs.y)
-  rs.y = soft_rows(soft, 0);
+  rs.mode.soft = true;  // (no target: the rows' target weights rs.mode.y)
+  rs.mode.y = soft_rows(soft, 0);
   at::Tensor merged = dev::empty({n, cuda::kSoftCols}, f32);
   pivot = dev::empty({n}, logits.options().dtype(at::kLong));
   at::Tensor splits = dev::empty({max_row_splits(v) * n * cuda::kSoftCols}, f32);
@@ -229,8 +229,8 @@ at::Tensor soft_logits_backward_cuda(
   cuda::RowGradParams rg{};
   static_cast<cuda::RowOperands&>(rg) =
       row_operands(logits, pv, vocab_start, /*ignore_index=*/-1, softcap, temperature);
-  rg.soft = true;
-  rg.y = soft_rows(soft, 0);
+  rg.mode.soft = true;
+  rg.mode.y = soft_rows(soft, 0);
   rg.coef = coef.data_ptr<float>();
   rg.grad = out.data_ptr();
   rg.grad_ld = row_stride(out);

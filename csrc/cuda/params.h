@@ -169,11 +169,16 @@ struct RowOperands {
   int64_t target_stride;
   int64_t col_offset;   // vocabulary id of column 0
   int64_t ignore_index;
-  // Soft mode (a target distribution): the target weights of the row's columns. row_stats then
-  // folds the rows into math.h SoftRow states (target unused); row_grad takes the rows' pivots
-  // as their targets (the pivot column's whole gradient dz_t; ignore_index -1 for a row without
-  // one) and subtracts u y_c from every other column, u from the coefficients' u slot
-  // (launch_row_coef with soft = true). Never run on a GPU: opt-in (FLCE_CUDA_DISTRIBUTIONS=1).
+};
+
+// Soft mode of the row kernels (a target distribution): the target weights of the row's
+// columns. row_stats then folds the rows into math.h SoftRow states (target unused); row_grad
+// takes the rows' pivots as their targets (the pivot column's whole gradient dz_t;
+// ignore_index -1 for a row without one) and subtracts u y_c from every other column, u from
+// the coefficients' u slot (launch_row_coef with soft = true). Never run on a GPU: opt-in
+// (FLCE_CUDA_DISTRIBUTIONS=1). The last members of RowStatsParams and RowGradParams, so that the
+// plain kernels' parameters keep their offsets (and ptxas its schedule of them).
+struct SoftMode {
   bool soft = false;
   SoftTargetParams y;
 };
@@ -191,6 +196,7 @@ struct RowStatsParams : RowOperands {
   // pivot ids (launch_soft_combine merges them in order); need_sum and need_u are ignored (the
   // entropy's u is always kept).
   int64_t* pivots = nullptr;
+  SoftMode mode;
 };
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
 // Column splits for launch_row_stats at these parameters (splits ignored) on a device of
@@ -220,6 +226,7 @@ struct RowGradParams : RowOperands {
   // may not have read yet): launch_row_grad refuses that. A same-width alias (a caller's 16-bit
   // logits, flce::logits_backward in place) rewrites each thread's own columns only.
   int col_splits = 1;
+  SoftMode mode;
 };
 // dtype: the gradient's; fp32 logits give an fp32, bf16 or fp16 gradient, 16-bit logits one in
 // their own dtype (anything else: cudaErrorInvalidValue).

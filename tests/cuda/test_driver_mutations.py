@@ -38,8 +38,8 @@ MUTATIONS = [
      ["cuda/test_cuda.py::test_recompute_chunked"]),
     # Soft mode: every sub-chunk reads the first sub-chunk's target rows.
     ("soft_targets_of_first_chunk",
-     "    r.y = soft_rows(*job.soft, s0);\n",
-     "    r.y = soft_rows(*job.soft, 0);\n",
+     "    m.y = soft_rows(*job.soft, s0);\n",
+     "    m.y = soft_rows(*job.soft, 0);\n",
      ["cpu/test_distributions.py::test_cuda_chunked"]),
 ]
 
