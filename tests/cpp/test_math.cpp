@@ -977,4 +977,18 @@ TEST(soft_merge_skips_masked_columns_without_weight) {
          "a +inf pivot gives NaN");
 }
 
+TEST(soft_merge_of_masked_columns_with_weight_is_infinite) {
+  // Target weight on -inf logits (masked columns) makes the loss +inf, also where they are a
+  // set of their own first (a GPU thread's columns of a tile: merged with each other under a
+  // -inf pivot, -inf - -inf must not turn their gap into NaN), in either merge order.
+  const flce::SoftRow a = flce::soft_merge(soft_one(1.f, 0.5f, 0), soft_one(0.f, 0.f, 1));
+  const flce::SoftRow masked = flce::soft_merge(soft_one(-kInf, 0.f, 2), soft_one(-kInf, 0.5f, 3));
+  EXPECT(masked.g == 0.f && masked.y_rest == 0.5f, "masked set: g %g, y_rest %g", masked.g,
+         masked.y_rest);
+  for (const auto& st : {flce::soft_merge(a, masked), flce::soft_merge(masked, a)}) {
+    const float got = flce::soft_row_loss(st, 1.f, 0.f).loss;
+    EXPECT(got == kInf, "target weight on a -inf logit: loss %.9g, want +inf", got);
+  }
+}
+
 int main(int argc, char** argv) { return check::run_all(argc, argv); }
