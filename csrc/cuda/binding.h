@@ -208,10 +208,12 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& grads, const ChunkPlan&
 
 // Statistics of fp32 or 16-bit logits rows (rs without partials / splits) into out [rs.n, 5]:
 // column splits through split_buffer ([max_row_splits(v), n, 5]) merged in order. Soft mode
-// (rs.mode.soft): [rs.n, kSoftCols] states and pivots into out and pivot, through split_buffer
-// ([max_row_splits(v), n, kSoftCols]) and split_pivots ([max_row_splits(v), n]).
+// (soft: the rows' target weights): [rs.n, kSoftCols] states and pivots into out and pivot,
+// through split_buffer ([max_row_splits(v), n, kSoftCols]) and split_pivots
+// ([max_row_splits(v), n]).
 void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer,
-                    int64_t* pivot = nullptr, int64_t* split_pivots = nullptr);
+                    const cuda::SoftTargetParams* soft = nullptr, int64_t* pivot = nullptr,
+                    int64_t* split_pivots = nullptr);
 int64_t max_row_splits(int64_t v);
 // [n, 5] partials of an empty shard: the empty state per row.
 at::Tensor empty_partials(int64_t n, const at::TensorOptions& f32);

@@ -84,19 +84,25 @@ cuda::SoftMode soft_mode(const LinearJob& job, int64_t s0) {
 
 }  // namespace
 
-void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer, int64_t* pivot,
-                    int64_t* split_pivots) {
-  TORCH_CHECK(!rs.mode.soft || (pivot != nullptr && split_pivots != nullptr),
-              "flce: soft row_stats needs pivot buffers");
+void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer,
+                    const cuda::SoftTargetParams* soft, int64_t* pivot, int64_t* split_pivots) {
+  if (soft != nullptr) {
+    TORCH_CHECK(pivot != nullptr && split_pivots != nullptr,
+                "flce: soft row_stats needs pivot buffers");
+    cuda::SoftStatsParams ss{};
+    static_cast<cuda::RowStatsParams&>(ss) = rs;
+    ss.y = *soft;
+    ss.splits = cuda::soft_stats_splits(ss, static_cast<int>(dev::sm_count()));
+    ss.partials = ss.splits > 1 ? split_buffer : out;
+    ss.pivots = ss.splits > 1 ? split_pivots : pivot;
+    check_launch(cuda::launch_soft_stats(ss, dev::stream()), "soft_stats");
+    if (ss.splits > 1) launch_soft_merge(split_buffer, split_pivots, ss.splits, ss.n, out, pivot);
+    return;
+  }
   rs.splits = cuda::row_stats_splits(rs, static_cast<int>(dev::sm_count()));
   rs.partials = rs.splits > 1 ? split_buffer : out;
-  rs.pivots = rs.mode.soft ? (rs.splits > 1 ? split_pivots : pivot) : nullptr;
   check_launch(cuda::launch_row_stats(rs, dev::stream()), "row_stats");
-  if (rs.splits > 1 && rs.mode.soft) {
-    launch_soft_merge(split_buffer, split_pivots, rs.splits, rs.n, out, pivot);
-  } else if (rs.splits > 1) {
-    merge_partials(split_buffer, rs.splits, rs.n, out);
-  }
+  if (rs.splits > 1) merge_partials(split_buffer, rs.splits, rs.n, out);
 }
 
 int64_t max_row_splits(int64_t v) { return std::max<int64_t>(ceil_div(v, cuda::kRowTileCols), 1); }
@@ -198,8 +204,9 @@ at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u, at::Te
         chunk_operands(job, logits.data_ptr<float>(), s0, sn, ld, bias32);
     rs.need_sum = need_sum;
     rs.need_u = need_u;
-    rs.mode = soft_mode(job, s0);
+    const cuda::SoftMode mode = soft_mode(job, s0);
     row_stats_into(rs, out.data_ptr<float>() + s0 * cols, split_buffer.data_ptr<float>(),
+                   mode.soft ? &mode.y : nullptr,
                    job.soft ? pivot->data_ptr<int64_t>() + s0 : nullptr,
                    job.soft ? split_pivots.data_ptr<int64_t>() : nullptr);
   }

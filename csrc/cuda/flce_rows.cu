@@ -456,7 +456,7 @@ __device__ __forceinline__ SoftRow soft_merge_down(const SoftRow& r, int off) {
 // and the CTA's warps in order. Columns past the row's end are -inf with y = 0, and a thread
 // without a column in the row folds nothing (its pivot would be no column).
 template <typename TIn, Xf kXf>
-__global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const RowStatsParams p) {
+__global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const SoftStatsParams p) {
   FLCE_DYNAMIC_SHARED(smem);
   SoftRow* warp_state = reinterpret_cast<SoftRow*>(smem);  // [kWarps]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const RowStatsP
                        (kXf == Xf::kNone || p.bias == nullptr || pack_aligned<float>(p.bias));
   const ColRange cols = split_cols(p.v, p.splits);
   for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
-    const SoftRowY ry = soft_row_y(p.mode.y, row, p.col_offset, p.v);
+    const SoftRowY ry = soft_row_y(p.y, row, p.col_offset, p.v);
     SoftRow st = soft_empty();
     for_tiles(logits + row * p.ld, cols, p.v, aligned,
               [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const RowStatsP
         const int j = local_col(e);
         const bool in = kFull || j < left;
         x[e] = in ? soft_logit<kXf>(x[e], xf) : neg_inf();
-        y[e] = in ? soft_y(p.mode.y, ry, c0 + j) : 0.f;
+        y[e] = in ? soft_y(p.y, ry, c0 + j) : 0.f;
       }
       float mx = x[0];
 #pragma unroll
@@ -775,25 +775,10 @@ int elt_bytes(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16 ? 
     }                                                   \
   }()
 
-// The row_stats_kernel instance of these parameters: fn(kernel pointer's template).
+// pick(a value of the logits' type).
 template <typename F>
-void with_stats_kernel(const RowStatsParams& p, F&& fn) {
-  const Xf xf = p.softcap > 0.f ? Xf::kCap
-                : p.bias != nullptr || p.temperature != 1.f ? Xf::kAffine
-                                                            : Xf::kNone;
-  auto pick = [&](auto tin) {
-    using TIn = decltype(tin);
-    XF_SWITCH(xf, kXf, [&] {
-      if (p.mode.soft) {
-        fn.template operator()<soft_stats_kernel<TIn, kXf>>();
-        return;
-      }
-      BOOL_SWITCH(p.need_sum, kSum, [&] {
-        BOOL_SWITCH(p.need_u, kU, [&] { fn.template operator()<row_stats_kernel<TIn, kXf, kSum, kU>>(); });
-      });
-    });
-  };
-  switch (p.logits_dtype) {
+void with_logits_type(DType dtype, F&& pick) {
+  switch (dtype) {
     case DType::kFloat32:
       pick(float{});
       break;
@@ -804,6 +789,34 @@ void with_stats_kernel(const RowStatsParams& p, F&& fn) {
       pick(__half{});
       break;
   }
+}
+
+Xf stats_xf(const RowStatsParams& p) {
+  return p.softcap > 0.f                                ? Xf::kCap
+         : p.bias != nullptr || p.temperature != 1.f ? Xf::kAffine
+                                                        : Xf::kNone;
+}
+
+// The row_stats_kernel instance of these parameters: fn(kernel pointer's template).
+template <typename F>
+void with_stats_kernel(const RowStatsParams& p, F&& fn) {
+  with_logits_type(p.logits_dtype, [&](auto tin) {
+    using TIn = decltype(tin);
+    XF_SWITCH(stats_xf(p), kXf, [&] {
+      BOOL_SWITCH(p.need_sum, kSum, [&] {
+        BOOL_SWITCH(p.need_u, kU, [&] { fn.template operator()<row_stats_kernel<TIn, kXf, kSum, kU>>(); });
+      });
+    });
+  });
+}
+
+// The same for soft_stats_kernel.
+template <typename F>
+void with_soft_stats_kernel(const SoftStatsParams& p, F&& fn) {
+  with_logits_type(p.logits_dtype, [&](auto tin) {
+    using TIn = decltype(tin);
+    XF_SWITCH(stats_xf(p), kXf, [&] { fn.template operator()<soft_stats_kernel<TIn, kXf>>(); });
+  });
 }
 
 // The row_grad_kernel instance of these parameters (gradient type `dtype`); false when that
@@ -858,11 +871,6 @@ bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
   return served;
 }
 
-// Dynamic shared memory of a row_stats instance: a merged state per warp.
-size_t stats_smem(const RowStatsParams& p) {
-  return kWarps * (p.mode.soft ? sizeof(SoftRow) : sizeof(RowPartial));
-}
-
 // CTAs per split for `ctas` row CTAs on the device: at least two waves of the resident CTAs
 // (per_sm from the occupancy of the kernel instance), at most one split per tile, and among
 // those the count whose last wave is fullest (a short last wave idles the rest of the GPU).
@@ -890,7 +898,15 @@ int splits_for(int64_t ctas, int64_t v, int per_sm, int sm_count) {
 int row_stats_splits(const RowStatsParams& p, int sm_count) {
   int per_sm = 1;
   with_stats_kernel(p, [&]<auto kKernel>() {
-    per_sm = max_active_ctas<kKernel>(kThreads, stats_smem(p));
+    per_sm = max_active_ctas<kKernel>(kThreads, kWarps * sizeof(RowPartial));
+  });
+  return splits_for(p.n, p.v, per_sm, sm_count);
+}
+
+int soft_stats_splits(const SoftStatsParams& p, int sm_count) {
+  int per_sm = 1;
+  with_soft_stats_kernel(p, [&]<auto kKernel>() {
+    per_sm = max_active_ctas<kKernel>(kThreads, kWarps * sizeof(SoftRow));
   });
   return splits_for(p.n, p.v, per_sm, sm_count);
 }
@@ -905,10 +921,19 @@ int row_grad_splits(const RowGradParams& p, DType dtype, int sm_count) {
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   if (p.splits < 1 || p.splits > 65535) return cudaErrorInvalidValue;
-  if (p.mode.soft && p.pivots == nullptr) return cudaErrorInvalidValue;
   with_stats_kernel(p, [&]<auto kKernel>() {
-    launch_kernel<kKernel>(dim3(grid_rows(p.n), p.splits), dim3(kThreads), stats_smem(p), stream,
-                           p);
+    launch_kernel<kKernel>(dim3(grid_rows(p.n), p.splits), dim3(kThreads),
+                           kWarps * sizeof(RowPartial), stream, p);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_soft_stats(const SoftStatsParams& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  if (p.splits < 1 || p.splits > 65535 || p.pivots == nullptr) return cudaErrorInvalidValue;
+  with_soft_stats_kernel(p, [&]<auto kKernel>() {
+    launch_kernel<kKernel>(dim3(grid_rows(p.n), p.splits), dim3(kThreads),
+                           kWarps * sizeof(SoftRow), stream, p);
   });
   return cudaGetLastError();
 }

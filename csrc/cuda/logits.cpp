@@ -173,13 +173,12 @@ std::tuple<at::Tensor, at::Tensor> soft_logits_stats_cuda(
   cuda::RowStatsParams rs{};
   static_cast<cuda::RowOperands&>(rs) =
       row_operands(logits, at::Tensor(), vocab_start, ignore_index, softcap, temperature);
-  rs.mode.soft = true;  // (no target: the rows' target weights rs.mode.y)
-  rs.mode.y = soft_rows(soft, 0);
+  const cuda::SoftTargetParams y = soft_rows(soft, 0);  // (no target: the rows' weights)
   at::Tensor merged = dev::empty({n, cuda::kSoftCols}, f32);
   pivot = dev::empty({n}, logits.options().dtype(at::kLong));
   at::Tensor splits = dev::empty({max_row_splits(v) * n * cuda::kSoftCols}, f32);
   at::Tensor split_pivots = dev::empty({max_row_splits(v) * n}, logits.options().dtype(at::kLong));
-  row_stats_into(rs, merged.data_ptr<float>(), splits.data_ptr<float>(),
+  row_stats_into(rs, merged.data_ptr<float>(), splits.data_ptr<float>(), &y,
                  pivot.data_ptr<int64_t>(), split_pivots.data_ptr<int64_t>());
   return {merged, pivot};
 }

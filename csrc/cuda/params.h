@@ -176,8 +176,8 @@ struct RowOperands {
 // takes the rows' pivots as their targets (the pivot column's whole gradient dz_t;
 // ignore_index -1 for a row without one) and subtracts u y_c from every other column, u from
 // the coefficients' u slot (launch_row_coef with soft = true). Never run on a GPU: opt-in
-// (FLCE_CUDA_DISTRIBUTIONS=1). The last members of RowStatsParams and RowGradParams, so that the
-// plain kernels' parameters keep their offsets (and ptxas its schedule of them).
+// (FLCE_CUDA_DISTRIBUTIONS=1). The last member of RowGradParams (its plain kernels' parameters
+// keep their offsets); row_stats' soft kernel takes SoftStatsParams (below).
 struct SoftMode {
   bool soft = false;
   SoftTargetParams y;
@@ -192,13 +192,21 @@ struct RowStatsParams : RowOperands {
   // More CTAs in flight than one per row: a sub-chunk of a few hundred rows alone leaves the
   // memory system mostly idle.
   int splits = 1;
-  // Soft mode: partials are [splits, n, kSoftCols] SoftRow states and pivots [splits, n] their
-  // pivot ids (launch_soft_combine merges them in order); need_sum and need_u are ignored (the
-  // entropy's u is always kept).
-  int64_t* pivots = nullptr;
-  SoftMode mode;
 };
 cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream);
+
+// row_stats in soft mode (SoftMode): partials are [splits, n, kSoftCols] SoftRow states and
+// pivots [splits, n] their pivot ids (launch_soft_combine merges them in order); need_sum and
+// need_u are ignored (the entropy's u is always kept). A struct of its own: RowStatsParams
+// grown by these fields (104 -> 184 bytes) made NVVM read every plain row_stats instance's
+// parameter through a param-space pointer, and ptxas schedule their tile loops differently
+// (-7..+6 instructions).
+struct SoftStatsParams : RowStatsParams {
+  int64_t* pivots = nullptr;
+  SoftTargetParams y;
+};
+cudaError_t launch_soft_stats(const SoftStatsParams& p, cudaStream_t stream);
+int soft_stats_splits(const SoftStatsParams& p, int sm_count);
 // Column splits for launch_row_stats at these parameters (splits ignored) on a device of
 // sm_count SMs: at least two waves of the kernel instance's resident CTAs (the occupancy API;
 // the host emulation assumes 2 per SM), at most one per tile, the last wave as full as can be.
