@@ -92,6 +92,24 @@ Tensor4 logits_forward_cuda(const at::Tensor& logits, const at::Tensor& target,
                       label_smoothing, z_loss);
 }
 
+// row_grad over the logits of ops into out (the logits' dtype; out may be the logits
+// themselves) from the coefficients coef [n, 8]; entropy: they hold the entropy's term.
+void launch_logits_grad(const cuda::RowOperands& ops, const float* coef, bool entropy,
+                        const cuda::SoftMode& mode, const at::Tensor& out) {
+  const DType dtype = ops.logits_dtype;
+  cuda::RowGradParams rg{};
+  static_cast<cuda::RowOperands&>(rg) = ops;
+  rg.mode = mode;
+  rg.coef = coef;
+  rg.grad = out.data_ptr();
+  rg.grad_ld = row_stride(out);
+  rg.rows_per_cta = 1;
+  rg.entropy = entropy;
+  // In place, the gradient has the logits' width: each thread rewrites the columns it read.
+  rg.col_splits = cuda::row_grad_splits(rg, dtype, static_cast<int>(dev::sm_count()));
+  check_launch(cuda::launch_row_grad(rg, dtype, dev::stream()), "row_grad");
+}
+
 // The gradient into out (the logits' dtype; out may be the logits themselves).
 void logits_grad(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                  const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
@@ -116,18 +134,9 @@ void logits_grad(const at::Tensor& grad_loss, const std::optional<at::Tensor>& g
               grad_entropy ? grad_entropy->data_ptr<float>() : nullptr,
               grad_entropy ? grad_entropy->stride(0) : 0, ignore_index, label_smoothing, z_loss,
               softcap, temperature, vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
-  const DType dtype = to_dtype(logits.scalar_type());
-  cuda::RowGradParams rg{};
-  static_cast<cuda::RowOperands&>(rg) =
-      row_operands(logits, target, vocab_start, ignore_index, softcap, temperature);
-  rg.coef = coef.data_ptr<float>();
-  rg.grad = out.data_ptr();
-  rg.grad_ld = row_stride(out);
-  rg.rows_per_cta = 1;
-  rg.entropy = grad_entropy.has_value();
-  // In place, the gradient has the logits' width: each thread rewrites the columns it read.
-  rg.col_splits = cuda::row_grad_splits(rg, dtype, static_cast<int>(dev::sm_count()));
-  check_launch(cuda::launch_row_grad(rg, dtype, dev::stream()), "row_grad");
+  launch_logits_grad(
+      row_operands(logits, target, vocab_start, ignore_index, softcap, temperature),
+      coef.data_ptr<float>(), grad_entropy.has_value(), cuda::SoftMode{}, out);
 }
 
 at::Tensor logits_backward_cuda(const at::Tensor& grad_loss,
@@ -222,21 +231,14 @@ at::Tensor soft_logits_backward_cuda(
   at::Tensor coef = dev::empty({n, 8}, f32), bound = dev::empty({n}, f32);
   launch_soft_coef(n, st, grad_loss, grad_lse, grad_entropy, z_weight, z_loss, temperature,
                    coef.data_ptr<float>(), bound.data_ptr<float>());
-  const DType dtype = to_dtype(logits.scalar_type());
   // The pivots are the rows' targets (ignore_index -1: a row without one).
   const at::Tensor pv = pivot.contiguous();
-  cuda::RowGradParams rg{};
-  static_cast<cuda::RowOperands&>(rg) =
-      row_operands(logits, pv, vocab_start, /*ignore_index=*/-1, softcap, temperature);
-  rg.mode.soft = true;
-  rg.mode.y = soft_rows(soft, 0);
-  rg.coef = coef.data_ptr<float>();
-  rg.grad = out.data_ptr();
-  rg.grad_ld = row_stride(out);
-  rg.rows_per_cta = 1;
-  rg.entropy = grad_entropy.has_value();
-  rg.col_splits = cuda::row_grad_splits(rg, dtype, static_cast<int>(dev::sm_count()));
-  check_launch(cuda::launch_row_grad(rg, dtype, dev::stream()), "soft_row_grad");
+  cuda::SoftMode mode;
+  mode.soft = true;
+  mode.y = soft_rows(soft, 0);
+  launch_logits_grad(row_operands(logits, pv, vocab_start, /*ignore_index=*/-1, softcap,
+                                  temperature),
+                     coef.data_ptr<float>(), grad_entropy.has_value(), mode, out);
   return out;
 }
 
