@@ -117,7 +117,8 @@ cudaError_t launch_row_coef(const RowCoefParams& p, cudaStream_t stream) {
     launch_kernel<soft_coef_kernel>(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
                                     p);
   } else {
-    launch_kernel<row_coef_kernel>(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p);
+    launch_kernel<row_coef_kernel>(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
+                                   p);
   }
   return cudaGetLastError();
 }

@@ -804,7 +804,9 @@ void with_stats_kernel(const RowStatsParams& p, F&& fn) {
     using TIn = decltype(tin);
     XF_SWITCH(stats_xf(p), kXf, [&] {
       BOOL_SWITCH(p.need_sum, kSum, [&] {
-        BOOL_SWITCH(p.need_u, kU, [&] { fn.template operator()<row_stats_kernel<TIn, kXf, kSum, kU>>(); });
+        BOOL_SWITCH(p.need_u, kU, [&] {
+          fn.template operator()<row_stats_kernel<TIn, kXf, kSum, kU>>();
+        });
       });
     });
   });
