@@ -69,8 +69,9 @@ __global__ void soft_coef_kernel(const RowCoefParams p) {
   const float lse = logaddexp(lse_value(x), piv);
   const float p_max = x.m == neg_inf() ? 0.f : fminf(expf(x.m - lse), 1.f);
   const float ent_bound = rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(lse - rg.k)) : 0.f;
-  p.bound[row] = (fabsf(rg.a) * p_max + fabsf(g) * (fabsf(y_a) + fabsf(y_rest)) +
-                  fabsf(rg.dz_t) + ent_bound) / p.temperature;
+  const float dz_max = fabsf(rg.a) * p_max + fabsf(g) * (fabsf(y_a) + fabsf(y_rest)) +
+                       fabsf(rg.dz_t) + ent_bound;
+  p.bound[row] = dz_max / p.temperature;
 }
 
 // One CTA per row; rows without their target in the block return at once.
