@@ -70,7 +70,7 @@ class Case:
     dtype: str = "fp32"
     master: bool = False          # linear, 16-bit: fp32 weight (master weights)
     bias: bool = False            # linear
-    class_weight: bool = False    # logits
+    class_weight: bool = False
     ignore: float = 0.0           # fraction of ignored rows
     reduction: str = "mean"
     label_smoothing: float = 0.0
@@ -106,7 +106,7 @@ def draw(rng, backend):
     c.dtype = rng.choice(list(DTYPES))
     c.master = c.dtype != "fp32" and rng.random() < 0.3
     c.bias = rng.random() < 0.4
-    c.class_weight = c.entry == "logits" and rng.random() < 0.3
+    c.class_weight = rng.random() < 0.3
     c.ignore = rng.choice([0.0, 0.0, 0.2, 1.0])
     c.reduction = rng.choice(["mean", "sum", "none"])
     c.label_smoothing = rng.choice([0.0, 0.0, 0.1, 0.5])
@@ -199,8 +199,8 @@ def make_inputs(c):
         elif len(c.lead) == 2:
             logits = logits.movedim(-1, 1)  # (N, C, d1)
         out["input"] = logits
-        if c.class_weight:
-            out["class_weight"] = (torch.rand(c.v, generator=g, dtype=torch.float64) + 0.25).float()
+    if c.class_weight:
+        out["class_weight"] = (torch.rand(c.v, generator=g, dtype=torch.float64) + 0.25).float()
     out["target"] = _view(out["target"], c.t_layout)
     return out
 
@@ -226,7 +226,7 @@ def run_flce(c, inputs):
         res = flce.linear_cross_entropy(leaves["input"], leaves["weight"], inputs["target"],
                                         bias=leaves.get("bias"), return_lse=c.lse,
                                         return_entropy=c.entropy, single_pass=c.single_pass,
-                                        **opts)
+                                        class_weight=inputs.get("class_weight"), **opts)
     else:
         res = flce.cross_entropy(leaves["input"], inputs["target"],
                                  weight=inputs.get("class_weight"), return_lse=c.lse,

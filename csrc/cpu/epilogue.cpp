@@ -73,10 +73,10 @@ FLCE_CLONES void row_soft_sums(const float* z, const float* y, int64_t n, float 
 }
 
 FLCE_CLONES void row_soft_grad_fill(float* z, const float* y, int64_t n, const RowGrad& rg,
-                                    float gy, float cap, float temp) {
+                                    float cap, float temp) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    z[j] = soft_logit_grad(rg, z[j], gy, y[j]) * logit_transform_grad(z[j], cap, temp);
+    z[j] = soft_logit_grad(rg, z[j], y[j]) * logit_transform_grad(z[j], cap, temp);
   }
 }
 

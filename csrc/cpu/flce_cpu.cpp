@@ -304,8 +304,7 @@ struct TileWork {
   std::vector<float> t_grad;        // per tile row: the target column's gradient
   std::vector<float> row_max;       // per tile row: max |gradient| (bf16 split scale)
   std::vector<float> prod, colsum;  // a scaled operand row; the tile's column sums (bias)
-  std::vector<float> y, gy;         // target distributions: a row's target weights; per tile
-                                    // row the upstream gradient that multiplies them
+  std::vector<float> y;             // target distributions: a row's target weights
   // 16-bit inputs multiplied in fp32: the tile's weight rows and input rows widened, and which
   // rows they hold (the operand's address).
   std::vector<float> w32, x32;
@@ -331,7 +330,6 @@ struct TileWork {
     prod.resize(d);
     colsum.resize(bv);
     y.resize(bv);
-    gy.resize(rows);
   }
 };
 
@@ -359,8 +357,8 @@ class GradPass {
   }
 
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
-  // A target distribution's backward: each row's column gradients subtract g y_c (tw.gy), and
-  // the target column is the row's pivot.
+  // A target distribution's backward: each row's column gradients subtract u y_c (math.h
+  // soft_logit_grad), and the target column is the row's pivot.
   void set_soft(const cpu::SoftTargets* soft) { soft_ = soft; }
   // own_tile: a tile buffer of its own (the single pass' tiles are in its row block's logits)
   TileWork tile_work(int64_t rows, bool own_tile = true) const {
@@ -396,7 +394,7 @@ class GradPass {
       const float z_target = has_t ? row[tl] : 0.f;
       if (soft_) {
         soft_->fill(n0 + r, v0, bv, tw.y.data());
-        cpu::row_soft_grad_fill(row, tw.y.data(), bv, tw.rg[r], tw.gy[r], cap_, temp_);
+        cpu::row_soft_grad_fill(row, tw.y.data(), bv, tw.rg[r], cap_, temp_);
       } else {
         cpu::row_grad_fill(row, bv, tw.rg[r], cap_, temp_);
       }
@@ -606,7 +604,6 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
             tw.rg[r] = soft_row_grad(OnlineLse{si[0], si[1], si[3]}, si[2], si[4], si[5], zw,
                                      g[i], glse ? glse[i] : 0.f, opt.z_loss,
                                      gent ? gent[i] : 0.f);
-            tw.gy[r] = g[i];
             tw.ts[r] = soft->pivot[i] < 0 ? -1 : soft->pivot[i] - vocab_start;
             continue;
           }

@@ -244,7 +244,7 @@ at::Tensor soft_logits_backward_cpu(
       const int64_t ac = al - c0;
       const bool has_a = al >= 0 && ac >= 0 && ac < cn;
       const float z_pivot = has_a ? buf[ac] : 0.f;
-      row_soft_grad_fill(buf, yb.data(), cn, rg, gp[i], z.cap, z.temp);
+      row_soft_grad_fill(buf, yb.data(), cn, rg, z.cap, z.temp);
       if (has_a) buf[ac] = rg.dz_t * logit_transform_grad(z_pivot, z.cap, z.temp);
       row_store(buf, ob + (i * out_ld + c0) * z.es, z.dtype, cn);
     }
