@@ -155,7 +155,7 @@ def _worker():
     sizes = SHARDS[world]
     start = sum(sizes[:rank])
     calls = []
-    with flce._ops.routed_to(cuda_emulation.NAMESPACE) as ops:
+    with cuda_emulation.routed() as ops:
         real_sum_and_grad = ops.sum_and_grad
 
         class Spy:
