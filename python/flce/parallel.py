@@ -26,6 +26,7 @@ Entry points:
 
 Importing this module is cheap: ``torch.distributed`` is used only inside the functions.
 """
+import hashlib
 import struct
 import sys
 from typing import Callable, NamedTuple
@@ -84,6 +85,9 @@ def _reduce_scatter(x, group, world):
 
 
 def _resolve_group(group):
+    """(group, this rank in it, its size) for a ``group=`` argument, checked on this rank alone
+    before any collective: a rank whose group is wrong cannot meet the others in one (see
+    docs/parallel.md for what that leaves uncaught)."""
     dist = _dist()
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("flce.parallel: torch.distributed is not initialized "
@@ -96,7 +100,22 @@ def _resolve_group(group):
         group = group.get_group()
     if group is None:
         group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ArgumentError(f"flce.parallel: global rank {dist.get_rank()} is not a member of "
+                            f"group (torch.distributed.new_group returned NON_GROUP_MEMBER "
+                            f"here); pass the group of the ranks that hold the vocabulary shards")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"flce.parallel: group must be a torch.distributed ProcessGroup, a 1-D "
+                        f"DeviceMesh or None (WORLD), got {type(group).__name__} {group!r}")
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _group_fingerprint(group):
+    """The group's size and a hash of its members' global ranks in group-rank order, for the
+    exchange: ranks whose collectives met over groups that differ raise."""
+    members = _dist().get_process_group_ranks(group)
+    digest = hashlib.sha256(repr(list(members)).encode()).digest()
+    return [len(members), int.from_bytes(digest[:7], "little")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +140,8 @@ _LAYOUT_CACHE_SIZE = 256
 # and "target max": the range of its non-ignored targets (ignored ones count as 0).
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
-                "sequence_parallel", "temperature", "single pass", "class weights", "error",
-                "target min", "target max")
+                "sequence_parallel", "temperature", "single pass", "class weights", "group size",
+                "group members", "error", "target min", "target max")
 _AGREED = range(3, _META_FIELDS.index("error"))
 _ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
 
@@ -159,9 +178,10 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     metadata row (``_META_FIELDS``), after which every rank raises the same error or none does.
 
     ``meta``: this rank's row up to "class weights" (ignored when ``error`` is set: the
-    exception this rank's own argument checks raised). The exchange all-gathers one int64 row
-    per rank, with this rank's target range, and every rank checks every row: a rank with bad
-    arguments, ranks that disagree on a shape or an option, shards that do not tile the vocabulary, or a target out of range on any
+    exception this rank's own argument checks raised); the group's fingerprint follows it. The
+    exchange all-gathers one int64 row per rank, with this rank's target range, and every rank
+    checks every row: a rank with bad arguments, ranks that disagree on a shape, an option or
+    the group's members, shards that do not tile the vocabulary, or a target out of range on any
     rank raise the same exception on all ranks, before any collective that could hang. It costs
     one small all-gather and reads it on the host (a device sync under NCCL) per call;
     ``check_ranks=False`` makes it once per group and row instead, skipped by a rank whose row
@@ -173,7 +193,7 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     """
     if world == 1 and error is not None:
         raise error
-    meta = [0] * _ERROR if error is not None else meta
+    meta = [0] * _ERROR if error is not None else meta + _group_fingerprint(group)
     key = (id(group), rank, world) + tuple(meta)
     hit = _LAYOUTS.get(key)
     if hit is not None and hit[0] is group and not check_ranks and error is None:
@@ -267,6 +287,9 @@ def _describe(field, values):
     if name == "reduction":
         codes = {v: k for k, v in _REDUCTION_CODES.items()}
         return str([codes[v] for v in values])
+    if name == "group members":
+        return (f"hashes {values} of their group's global ranks: the ranks passed different "
+                f"groups as group=")
     return str(values)
 
 

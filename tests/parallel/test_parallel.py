@@ -558,12 +558,42 @@ def check_one_rank(group):
         restore()
 
 
-def check_group_of_one(rank, world, group):
+def check_group_errors(rank, world, group):
+    """A wrong group= is refused before any collective where this rank can tell; groups whose
+    members differ across ranks that met in the exchange raise on every rank."""
     import torch.distributed as dist
 
-    solo = dist.new_group([0])  # (on every rank)
+    import flce.parallel as fp
+
+    x, w = torch.randn(5, 4), torch.randn(3, 4)
+    t = torch.zeros(5, dtype=torch.int64)
+    for bad in ("tp", 0, dist):
+        _expect(TypeError, "group must be a torch.distributed ProcessGroup",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=bad))
+        _expect(TypeError, "group must be a torch.distributed ProcessGroup",
+                lambda: fp.cross_entropy(w, t[:3], group=bad))
+    # new_group on every rank; rank 0 alone is in it: a world of one rank there, no collective
+    solo = dist.new_group([0])
     if rank == 0:
         check_one_rank(solo)
+    else:
+        _expect(ValueError, f"global rank {rank} is not a member of group",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=solo))
+        _expect(ValueError, f"global rank {rank} is not a member of group",
+                lambda: fp.vocab_parallel_cross_entropy(w[None], t[None, :3], tp_group=solo))
+    # One rank's group has other members than the others' (the exchange met over it): every
+    # rank raises. (Standing in for a group object whose members a rank sees otherwise.)
+    real = fp._group_fingerprint
+    if rank == world - 1:
+        fp._group_fingerprint = lambda grp: [real(grp)[0], real(grp)[1] + 1]
+    try:
+        _expect(ValueError, "disagree on group members",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group))
+        _expect(ValueError, "disagree on group members",
+                lambda: fp.cross_entropy(w, t[:3], group=group))
+    finally:
+        fp._group_fingerprint = real
+    fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group)  # the group still works
 
 
 def check_megatron_dropin(rank, world, group):
@@ -854,7 +884,7 @@ def run_checks(rank, world):
             print(f"{time.perf_counter() - t0:.1f}s", cfg,
                   {k: round(v, 2) for k, v in ratios.items()}, flush=True)
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
-                  check_group_of_one, check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
+                  check_group_errors, check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
                   check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift,
                   check_class_weights):
         check(rank, world, group)
