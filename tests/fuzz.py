@@ -432,7 +432,7 @@ def check(c):
             cuda_emulation.load()
         inputs = make_inputs(c)
         if c.backend == "cuda-host":
-            with flce._ops.routed_to(cuda_emulation.NAMESPACE):
+            with cuda_emulation.routed():
                 got = run_flce(c, inputs)
         else:
             got = run_flce(c, inputs)

@@ -361,6 +361,21 @@ def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accu
     return out
 
 
+def outputs_from_stats(loss, lse, stats, entropy, target, opts, lead, row_weight, return_lse,
+                       return_entropy, return_accuracy):
+    """An entry point's return value from an op's per-token ``(loss, lse, stats, entropy)``:
+    the loss times ``row_weight`` (per-class weights, or None) and reduced as
+    ``opts.reduction``, then the per-token outputs asked for (per_token_outputs), the accuracy
+    from the row statistics."""
+    if row_weight is not None:
+        loss = loss * row_weight
+    acc = accuracy_from_stats(stats, target, opts.ignore_index) if return_accuracy else None
+    return per_token_outputs(
+        reduce_loss(loss, target, opts.ignore_index, opts.reduction, lead, row_weight), lse,
+        entropy, lead, return_lse, return_entropy,
+        reduce_accuracy(acc, target, opts.ignore_index, opts.reduction, lead, return_accuracy))
+
+
 def shift_target(target, ignore_index):
     """Causal-LM labels shifted inside the loss: the token at position i of a sequence is scored
     against ``target[..., i + 1]`` and the last position is ignored. The hidden states are used

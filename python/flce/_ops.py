@@ -2,12 +2,8 @@
 
 ``register(namespace, cuda_format)`` attaches them to a namespace with those schemas: ``flce``
 (the library), and in the tests ``flce_cuda_host``, the CUDA binding built against the host
-emulation of its kernels (tests/cuda_host.py), which serves CPU tensors with the CUDA
-backend's launch sequence and output formats. ``ops`` is the namespace the API calls;
-``routed_to`` points it elsewhere for a test.
+emulation of its kernels (tests/cuda_emulation.py). ``ops`` is the namespace the API calls.
 """
-import contextlib
-
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.flce.*)
@@ -29,20 +25,9 @@ PARTIAL_COLS, STATS_COLS, SOFT_COLS = (int(x) for x in torch.ops.flce.row_layout
 
 
 def is_cuda_backend(t):
-    """Whether ``t`` is served by the CUDA backend: a CUDA tensor, or any tensor while the ops
-    are routed to the host emulation of the CUDA backend."""
-    return t.device.type == "cuda" or ops is not torch.ops.flce
-
-
-@contextlib.contextmanager
-def routed_to(namespace):
-    """Send every flce op the API calls to ``torch.ops.<namespace>`` (tests only)."""
-    global ops
-    previous, ops = ops, getattr(torch.ops, namespace)
-    try:
-        yield ops
-    finally:
-        ops = previous
+    """Whether ``t`` is served by the CUDA backend (a CUDA tensor): the path choices that
+    depend on the backend ask this."""
+    return t.device.type == "cuda"
 
 
 def refuse_double_backward(what, remedy):

@@ -169,14 +169,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
                                      temperature=opts.temperature)[0]
     loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature)
-    if row_weight is not None:
-        loss = loss * row_weight
-    acc = _common.reduce_accuracy(
-        _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None,
-        t, opts.ignore_index, reduction, lead, return_accuracy)
-    return _common.per_token_outputs(
-        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-        entropy, lead, return_lse, return_entropy, acc)
+    return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
+                                      return_lse, return_entropy, return_accuracy)
 
 
 def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, return_lse,
