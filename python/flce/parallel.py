@@ -140,7 +140,8 @@ _LAYOUT_CACHE_SIZE = 256
 # and "target max": the range of its non-ignored targets (ignored ones count as 0).
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
-                "sequence_parallel", "temperature", "single pass", "class weights", "group size",
+                "sequence_parallel", "temperature", "single pass", "class weights", "targets",
+                "group size",
                 "group members", "error", "target min", "target max")
 _AGREED = range(3, _META_FIELDS.index("error"))
 _ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
@@ -452,6 +453,101 @@ def _logits_ops(layout, options, with_entropy, inplace):
     return _ShardOps(one_device, partial, combine, backward)
 
 
+def _pack(state, pivot):
+    """A target distribution's [..., 7] fp32 state and int64 pivot as one fp32 tensor [..., 9]
+    (the pivot's bits in two columns), so that one all-gather carries both."""
+    return torch.cat([state, pivot.contiguous().view(torch.float32).view(*pivot.shape, 2)], -1)
+
+
+def _unpack(packed):
+    """_pack's inverse: (state [..., 7], pivot [...])."""
+    return (packed[..., :_ops.SOFT_COLS],
+            packed[..., _ops.SOFT_COLS:].contiguous().view(torch.int64).squeeze(-1))
+
+
+def _distribution_ops(layout, opts, logits_level=False):
+    """The target distributions (probability targets; class targets with class weights and label
+    smoothing) over tensors (operands..., target, cw, z_weight): flce::soft_partial_stats,
+    soft_combine, soft_backward, one device soft_forward; or on given logits (logits_level:
+    operands (logits,)) soft_logits_stats / soft_logits_backward / soft_logits_forward.
+    target: this shard's probabilities [N, V_local] or global class ids [N]; cw: this shard's
+    class weights (fp32) or None; z_weight: the rows' z-loss weights or None (their target
+    mass). stats carry the pivot (_pack)."""
+    ii, ls, z, sc, temp = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
+                           opts.temperature)
+    start, size = layout.vocab_start, layout.vocab_size
+    ops = _ops.ops
+
+    def one_device(*tensors):
+        *operands, y, cw, zw = tensors
+        if logits_level:
+            out = ops.soft_logits_forward(operands[0], y, cw, zw, ii, ls, z, sc, temp)
+        else:
+            x, w, b = operands
+            out = ops.soft_forward(x, w, y, b, cw, zw, ii, ls, z, sc, temp)
+        loss, lse, stats, pivot, entropy = out
+        return loss, lse, _pack(stats, pivot), entropy
+
+    def partial(*tensors):
+        *operands, y, cw, zw = tensors
+        if logits_level:
+            return _pack(*ops.soft_logits_stats(operands[0], y, cw, start, size, ii, ls, sc, temp))
+        x, w, b = operands
+        return _pack(*ops.soft_partial_stats(x, w, y, b, cw, start, size, ii, ls, sc, temp))
+
+    def combine(gathered, *tensors):
+        zw = tensors[-1]
+        loss, lse, stats, pivot, entropy = ops.soft_combine(*_unpack(gathered), zw, z)
+        return loss, lse, _pack(stats, pivot), entropy
+
+    def backward(needs, grads, stats, *tensors):
+        *operands, y, cw, zw = tensors
+        state, pivot = _unpack(stats)
+        if logits_level:
+            g = ops.soft_logits_backward(*grads, operands[0], y, cw, state, pivot, zw, start, size,
+                                         ii, ls, z, sc, temp)
+            return g, None, None, None
+        x, w, b = operands
+        gi, gw, gb = ops.soft_backward(*grads, x, w, y, b, cw, state, pivot, zw, start, size, ii,
+                                       ls, z, sc, temp, list(needs[:3]))
+        return gi, gw, gb, None, None, None
+
+    return _ShardOps(one_device, partial, combine, backward)
+
+
+def _distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight, return_lse,
+                          return_entropy):
+    """An entry point's return value from a target distribution's per-token outputs:
+    probability targets (t None) reduced over every row, class targets as torch weights them
+    (an ignored token's entropy 0)."""
+    if t is None:
+        loss = _common.reduce_rows(loss, opts.reduction, lead)
+    else:
+        if return_entropy:
+            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
+        loss = _common.reduce_loss(loss, t, opts.ignore_index, opts.reduction, lead, row_weight)
+    return _common.per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy)
+
+
+def _check_distribution(soft, class_weight, opts, x, shift=False, sequence_parallel=False,
+                        return_accuracy=False):
+    """This rank's checks of a target distribution over the shards (probability targets, or
+    class weights with label smoothing); whether the call is one."""
+    if not (soft or (class_weight is not None and opts.label_smoothing)):
+        return False
+    what = "probability targets" if soft else "class weights with label smoothing"
+    if not _common.fused_distribution(x):
+        raise TypeError(f"flce.parallel: {what} over vocabulary shards need the fused target "
+                        f"distributions, which the CUDA backend runs only with "
+                        f"FLCE_CUDA_DISTRIBUTIONS=1 (docs/api.md)")
+    for name, flag in (("shift", shift), ("sequence_parallel", sequence_parallel),
+                       ("return_accuracy", return_accuracy)):
+        if flag:
+            raise ArgumentError(f"flce.parallel: {name}=True is not supported with {what} over "
+                                f"vocabulary shards")
+    return True
+
+
 def _use_single_pass(single_pass, reduction, per_token, x, world):
     """The single pass for training over several ranks: on the CUDA backend, as
     flce.linear_cross_entropy decides (its op all-gathers each chunk of rows' statistics; the
@@ -487,7 +583,9 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         weight_local: ``(V_local, D)`` this rank's classifier rows; shards may be uneven
             (also empty) and sit in rank order unless ``vocab_start`` says otherwise.
         target: ``(...)`` global vocabulary ids or ``ignore_index``, shaped like input's leading
-            dimensions (this rank's token shard when ``sequence_parallel``).
+            dimensions (this rank's token shard when ``sequence_parallel``); or probabilities
+            ``(..., V_local)``: this rank's shard of them, beside its classifier rows
+            (docs/parallel.md).
         group: the tensor-parallel ``ProcessGroup`` or a 1-D ``DeviceMesh`` (default: WORLD).
         bias_local: optional ``(V_local,)``.
         vocab_start: this rank's first global row; default: the ranks' shards in rank order
@@ -509,7 +607,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             (docs/parallel.md).
         class_weight: optional per-class weights of the whole vocabulary ``(vocab_size,)``,
             the same on every rank, torch's semantics (each token's loss times its target's
-            weight, ``"mean"`` over those weights); not with label smoothing.
+            weight, ``"mean"`` over those weights; with label smoothing or probability targets,
+            the target distributions of docs/parallel.md).
         return_accuracy, shift: as for ``flce.linear_cross_entropy`` (the accuracy from the
             combined statistics, the same on every rank; ``shift`` not with
             ``sequence_parallel``, whose ranks hold pieces of the sequences).
@@ -527,10 +626,12 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
     try:
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
-        _refuse_soft(target)
+        soft = _common.is_soft(target)
         _common.validate_linear(input, weight_local, target, bias_local)
-        _check_local(input, weight_local, bias_local)
-        _check_class_weight(class_weight, opts.label_smoothing)
+        _check_local(input, weight_local, bias_local, target if soft else None)
+        _check_class_weight(class_weight)
+        distribution = _check_distribution(soft, class_weight, opts, input, shift,
+                                           sequence_parallel, return_accuracy)
         _check_vocab_start(vocab_start)
         if vocab_size is not None and (not isinstance(vocab_size, int) or
                                        not 0 < vocab_size <= _common.INT64_MAX):
@@ -552,8 +653,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             input.requires_grad or weight_local.requires_grad
             or (bias_local is not None and bias_local.requires_grad))
         per_token = return_lse or return_entropy or return_accuracy
-        use_single = needs_grad and class_weight is None and _use_single_pass(
-            single_pass, reduction, per_token, input, world)
+        use_single = needs_grad and class_weight is None and not distribution and \
+            _use_single_pass(single_pass, reduction, per_token, input, world)
         error = None
     except (TypeError, ValueError) as e:
         error = e
@@ -561,16 +662,22 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         d = input.shape[-1]
         if shift:
             target = _common.shift_target(target, opts.ignore_index)
-        lead = tuple(target.shape)
-        x = input.reshape(target.numel(), d)
-        t = target.reshape(-1).to(torch.int64)
+        if soft:
+            lead = tuple(target.shape[:-1])
+            q = target.reshape(-1, weight_local.shape[0])
+            x = input.reshape(q.shape[0], d)
+            t = None
+        else:
+            lead = tuple(target.shape)
+            x = input.reshape(target.numel(), d)
+            t = target.reshape(-1).to(torch.int64)
         meta = [weight_local.shape[0], -1 if vocab_start is None else vocab_start,
                 -1 if vocab_size is None else vocab_size, x.shape[0], d,
                 _DTYPE_CODES[input.dtype], _DTYPE_CODES[weight_local.dtype],
                 int(bias_local is not None), opts.ignore_index, _float_bits(opts.label_smoothing),
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
                 int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
-                _weights_meta(class_weight)]
+                _weights_meta(class_weight), int(soft)]
     else:
         t, meta = None, None
     layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
@@ -582,8 +689,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                               bool(reduce_input_grad), bool(sequence_parallel))
     if world == 1:
         # flce.linear_cross_entropy's choice, which on the CPU depends on the shapes
-        use_single = needs_grad and class_weight is None and _common.single_pass(
-            single_pass, reduction, per_token, x, w)
+        use_single = needs_grad and class_weight is None and not distribution and \
+            _common.single_pass(single_pass, reduction, per_token, x, w)
     if use_single:
         # The single pass's own op, with the group: every chunk of rows all-gathers its
         # statistics inside it; its gradients come back through the op's registered autograd.
@@ -592,16 +699,16 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                                      layout.vocab_start, layout.vocab_size,
                                      group.group_name if world > 1 else None, world,
                                      temperature=opts.temperature)[0]
-    row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
+    row_weight = None if soft else _row_weights(class_weight, layout, t, opts.ignore_index)
+    if distribution:
+        y = q.narrow(1, 0, w.shape[0]) if soft else t
+        tensors = (x, w, b, y, _shard_class_weight(class_weight, layout, w.shape[0]), row_weight)
+        loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts), tensors, group, world)
+        return _distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight, return_lse,
+                                     return_entropy)
     loss, lse, stats, entropy = _per_token(_linear_ops(layout, opts), (x, w, b, t), group, world)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
                                       return_lse, return_entropy, return_accuracy)
-
-
-def _refuse_soft(target):
-    if _common.is_soft(target):
-        raise TypeError("flce.parallel: probability (soft) targets are not supported over "
-                        "vocabulary shards; pass class indices")
 
 
 def _check_local(*tensors):
@@ -687,7 +794,8 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         logits: ``(..., V_local)`` this rank's columns (float32, bfloat16 or float16; read in
             their dtype, never copied); shards in rank order unless ``vocab_start`` says
             otherwise (sizes may differ).
-        target: ``(...)`` global class ids or ``ignore_index``.
+        target: ``(...)`` global class ids or ``ignore_index``; or probabilities shaped like
+            ``logits``: this rank's columns of them.
         group: the process group or a 1-D DeviceMesh (default: WORLD).
         vocab_start: this rank's first global column (on every rank, or on none).
         inplace_backward: write the gradient over this rank's logits (as Megatron does).
@@ -702,27 +810,41 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
     try:
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
-        _check_logits(logits, target, "logits")
+        soft = _check_logits(logits, target, "logits")
         for name, flag in (("inplace_backward", inplace_backward),
                            ("return_accuracy", return_accuracy)):
             if flag not in (True, False):
                 raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
         _check_vocab_start(vocab_start)
-        _check_class_weight(class_weight, opts.label_smoothing)
+        _check_class_weight(class_weight)
+        distribution = _check_distribution(soft, class_weight, opts, logits,
+                                           return_accuracy=return_accuracy)
+        if distribution and inplace_backward:
+            raise ArgumentError("flce.parallel: inplace_backward=True takes class-index targets "
+                                "without class weights and label smoothing together")
         error = None
     except (TypeError, ValueError) as e:
         error = e
     meta, t = None, None
     if error is None:
-        lead = tuple(target.shape)
-        x = _local_rows(logits, target)
+        lead = tuple(target.shape[:-1] if soft else target.shape)
+        x = _local_rows(logits, logits[..., 0] if soft else target)
         error = _inplace_error(inplace_backward, x, "logits")
     if error is None:
-        t = target.reshape(-1).to(torch.int64)
+        t = None if soft else target.reshape(-1).to(torch.int64)
         meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
-                            opts.z_loss, opts.softcap, reduction, opts.temperature, class_weight)
+                            opts.z_loss, opts.softcap, reduction, opts.temperature, class_weight,
+                            soft)
     layout = _layout(group, rank, world, meta, False, check_ranks, error=error, target=t,
                      ignore_index=None if error else opts.ignore_index)
+    if distribution:
+        y = _local_rows(target, logits[..., 0]) if soft else t
+        row_weight = None if soft else _row_weights(class_weight, layout, t, opts.ignore_index)
+        tensors = (x, y, _shard_class_weight(class_weight, layout, x.shape[1]), row_weight)
+        loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts, logits_level=True),
+                                           tensors, group, world)
+        return _distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight, return_lse,
+                                     return_entropy)
     options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
                opts.temperature)
     row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
@@ -748,20 +870,25 @@ def _check_logits(logits, target, name):
         raise TypeError(f"flce: {name} must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() < 1:
         raise ArgumentError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
-    _refuse_soft(target)
-    _common.check_target(target, logits.shape[:-1], f"{name}'s leading dimensions")
-    _check_local(logits)
+    _common.check_tensor("target", target)
+    soft = _common.is_soft(target)
+    if soft:
+        _common.check_soft_target(target, logits.shape, f"{name}'s shape: this shard's columns")
+    else:
+        _common.check_target(target, logits.shape[:-1], f"{name}'s leading dimensions")
+    _check_local(logits, target if soft else None)
+    return soft
 
 
 def _logits_meta(x, vocab_start, ignore_index, smoothing, z_loss, softcap, reduction,
-                 temperature, class_weight=None):
+                 temperature, class_weight=None, soft=False):
     """The fields of _META_FIELDS that a logits-level call has (no D, bias or weight):
     x [N, V_local] this rank's rows."""
     code = _DTYPE_CODES[x.dtype]
     return [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
             code, 0, ignore_index, _float_bits(smoothing), _float_bits(z_loss),
             _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0,
-            _weights_meta(class_weight)]
+            _weights_meta(class_weight), int(soft)]
 
 
 def _weights_meta(class_weight):
@@ -769,7 +896,7 @@ def _weights_meta(class_weight):
     return -1 if class_weight is None else class_weight.numel()
 
 
-def _check_class_weight(class_weight, label_smoothing):
+def _check_class_weight(class_weight):
     """This rank's checks of replicated per-class weights (the whole vocabulary's, every rank
     the same); their length against the vocabulary comes after the exchange."""
     if class_weight is None:
@@ -779,10 +906,17 @@ def _check_class_weight(class_weight, label_smoothing):
         raise ArgumentError(f"flce.parallel: class_weight must be a 1-D floating-point tensor "
                             f"(one weight per class of the whole vocabulary, the same on every "
                             f"rank), got {class_weight.dtype} {tuple(class_weight.shape)}")
-    if label_smoothing:
-        raise ArgumentError("flce.parallel: class weights with label smoothing need every "
-                            "logit of a row in one place (flce's composite path): not over "
-                            "vocabulary shards")
+
+
+def _shard_class_weight(class_weight, layout, rows):
+    """This shard's classes' weights (fp32), or None: the whole vocabulary's weights after the
+    exchange checked their length (_row_weights)."""
+    if class_weight is None:
+        return None
+    if class_weight.numel() != layout.vocab_size:
+        raise ArgumentError(f"flce.parallel: class_weight must have one weight per class of the "
+                            f"vocabulary ({layout.vocab_size}), got {class_weight.numel()}")
+    return class_weight.narrow(0, layout.vocab_start, rows).to(torch.float32).contiguous()
 
 
 def _row_weights(class_weight, layout, t, ignore_index):
@@ -837,7 +971,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     group, rank, world = _resolve_group(tp_group)
     # This rank's own checks; their failure goes into the exchange, so that every rank raises it.
     try:
-        _check_logits(vocab_parallel_logits, target, "vocab_parallel_logits")
+        if _check_logits(vocab_parallel_logits, target, "vocab_parallel_logits"):
+            raise TypeError("flce.parallel: vocab_parallel_cross_entropy takes class ids (as "
+                            "Megatron's); probability targets: flce.parallel.cross_entropy")
         smoothing = _common.number("label_smoothing", label_smoothing)
         if not 0.0 <= smoothing < 1.0:
             raise ArgumentError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")

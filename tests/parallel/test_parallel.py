@@ -849,6 +849,60 @@ def check_class_weights(rank, world, group):
     else:
         raise AssertionError("a class_weight of another length on rank 0 was accepted")
 
+def check_distributions(rank, world, group):
+    """Probability targets (this shard's columns of them) and class weights with label smoothing
+    over the shards, both entry points: the loss, lse, entropy and gradients of the
+    single-process call, every reduction; the pivot (the row's largest logit) in any shard."""
+    import flce
+    import flce.parallel as P
+
+    g = torch.Generator().manual_seed(43)
+    n, d, rows = 30, 12, 40
+    v = rows * world
+    x = torch.randn(n, d, generator=g)
+    w_full = torch.randn(v, d, generator=g) / d ** 0.5
+    b_full = torch.randn(v, generator=g) * 0.1
+    q = torch.softmax(torch.randn(n, v, generator=g) * 3, 1)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::7] = -100
+    cw = torch.rand(v, generator=g) + 0.25
+    sl = slice(rank * rows, (rank + 1) * rows)
+    cases = [dict(target=q, local=q[:, sl].contiguous(), opts=dict(z_loss=1e-3)),
+             dict(target=q, local=q[:, sl].contiguous(),
+                  opts=dict(label_smoothing=0.1, class_weight=cw, softcap=5.0)),
+             dict(target=t, local=t, opts=dict(label_smoothing=0.2, class_weight=cw,
+                                               z_loss=1e-3))]
+    for case in cases:
+        for reduction in ("mean", "sum", "none"):
+            kw = dict(case["opts"], reduction=reduction, return_lse=True, return_entropy=True)
+            xs = x.clone().requires_grad_()
+            ws, bs = w_full[sl].clone().requires_grad_(), b_full[sl].clone().requires_grad_()
+            got = P.vocab_parallel_linear_cross_entropy(xs, ws, case["local"], group=group,
+                                                        bias_local=bs, **kw)
+            sum(o.sum() for o in got).backward()
+            xr, wr, br = (a.clone().requires_grad_() for a in (x, w_full, b_full))
+            ref = flce.linear_cross_entropy(xr, wr, case["target"], bias=br, **kw)
+            sum(o.sum() for o in ref).backward()
+            for a, r in zip(got, ref):
+                torch.testing.assert_close(a, r, rtol=2e-5, atol=1e-6)
+            torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(ws.grad, wr.grad[sl], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(bs.grad, br.grad[sl], rtol=1e-4, atol=1e-6)
+            z = (x @ w_full.T + b_full).detach()
+            zl = z[:, sl].contiguous().requires_grad_()
+            ce_kw = {k: v for k, v in kw.items() if k != "class_weight"}
+            got = P.cross_entropy(zl, case["local"], group=group,
+                                  class_weight=case["opts"].get("class_weight"), **ce_kw)
+            sum(o.sum() for o in got).backward()
+            zr = z.clone().requires_grad_()
+            ref = flce.cross_entropy(zr, case["target"], case["opts"].get("class_weight"),
+                                     **ce_kw)
+            sum(o.sum() for o in ref).backward()
+            for a, r in zip(got, ref):
+                torch.testing.assert_close(a, r, rtol=2e-5, atol=1e-6)
+            torch.testing.assert_close(zl.grad, zr.grad[:, sl], rtol=1e-4, atol=1e-7)
+
+
 
 def run_checks(rank, world):
     import time
@@ -886,7 +940,7 @@ def run_checks(rank, world):
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
                   check_group_errors, check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
                   check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift,
-                  check_class_weights):
+                  check_class_weights, check_distributions):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)
@@ -910,3 +964,4 @@ def _worker_main():
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker_main()
+
