@@ -691,16 +691,8 @@ std::tuple<at::Tensor, at::Tensor> soft_partial_stats_cpu(
       });
     });
     for (int64_t i = rows.begin; i < rows.end; ++i) {
-      const SoftRow& sr = state[i - rows.begin];
-      float* q = st + i * kSoftCols;
-      q[0] = sr.x.m;
-      q[1] = sr.x.s;
-      q[2] = sr.p;
-      q[3] = sr.x.u;
-      q[4] = sr.y_a;
-      q[5] = sr.y_rest;
-      q[6] = sr.g;
-      pv[i] = sr.a;
+      soft_store(state[i - rows.begin], st + i * kSoftCols);
+      pv[i] = state[i - rows.begin].a;
     }
   });
   return {out, pivot};
@@ -1021,22 +1013,13 @@ Tensor5 soft_combine_cpu(const at::Tensor& partials, const at::Tensor& pivot,
     for (int64_t i = i0; i < i1; ++i) {
       SoftRow st = soft_empty();
       for (int64_t r = 0; r < ranks; ++r) {  // fixed rank order: deterministic
-        const float* q = pp + (r * n + i) * kSoftCols;
-        st = soft_merge(st, SoftRow{q[2], pa[r * n + i], q[4], OnlineLse{q[0], q[1], q[3]},
-                                    q[5], q[6]});
+        st = soft_merge(st, soft_load(pp + (r * n + i) * kSoftCols, pa[r * n + i]));
       }
       const SoftLoss sl = soft_row_loss(st, zp ? zp[i] : st.y_a + st.y_rest, zl);
       lo[i] = sl.loss;
       ls[i] = sl.lse;
       ep[i] = row_entropy(st.x, st.p, st.a < 0);
-      float* out = sp + kSoftCols * i;
-      out[0] = st.x.m;
-      out[1] = st.x.s;
-      out[2] = st.p;
-      out[3] = st.x.u;
-      out[4] = st.y_a;
-      out[5] = st.y_rest;
-      out[6] = st.g;
+      soft_store(st, sp + kSoftCols * i);
       po[i] = st.a;
     }
   });

@@ -189,14 +189,7 @@ std::tuple<at::Tensor, at::Tensor> soft_logits_stats_cpu(
       y.fill(i, c0, cn, yb.data());
       fold_soft_row(buf, yb.data(), cn, vocab_start + c0, row);
     }
-    float* q = st + i * kSoftCols;
-    q[0] = row.x.m;
-    q[1] = row.x.s;
-    q[2] = row.p;
-    q[3] = row.x.u;
-    q[4] = row.y_a;
-    q[5] = row.y_rest;
-    q[6] = row.g;
+    soft_store(row, st + i * kSoftCols);
     pv[i] = row.a;
   });
   return {out, pivot};

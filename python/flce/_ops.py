@@ -44,6 +44,16 @@ def _grad_like(t, wanted):
     return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else t.new_empty((0,))
 
 
+def _soft_outputs(rows):
+    """soft_forward's outputs for the rows of ``rows``: loss, lse [N], stats [N, SOFT_COLS] fp32,
+    pivot [N] int64, entropy [N]."""
+    n = rows.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return (rows.new_empty((n,), **f32), rows.new_empty((n,), **f32),
+            rows.new_empty((n, SOFT_COLS), **f32), rows.new_empty((n,), dtype=torch.int64),
+            rows.new_empty((n,), **f32))
+
+
 def register(namespace, cuda_format):
     """Fake kernels and autograd for the ops of ``torch.ops.<namespace>``. ``cuda_format(input)``
     says whether the backend serving ``input`` returns sum_and_grad's grad_weight in the
@@ -130,13 +140,8 @@ def register(namespace, cuda_format):
                 partials.new_empty((n, SOFT_COLS)), pivot.new_empty((n,)), partials.new_empty((n,)))
 
     @torch.library.register_fake(name("soft_forward"))
-    def _soft_forward_fake(input, weight, target, bias, class_weight, z_weight, ignore_index,
-                           label_smoothing, z_loss, softcap, temperature):
-        n = input.shape[0]
-        f32 = dict(dtype=torch.float32)
-        return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
-                input.new_empty((n, SOFT_COLS), **f32), input.new_empty((n,), dtype=torch.int64),
-                input.new_empty((n,), **f32))
+    def _soft_forward_fake(input, *_):
+        return _soft_outputs(input)
 
     @torch.library.register_fake(name("soft_backward"))
     def _soft_backward_fake(grad_loss, grad_lse, grad_entropy, input, weight, target, bias, *rest):
@@ -311,13 +316,8 @@ def register(namespace, cuda_format):
                 logits.new_empty((n,), dtype=torch.int64))
 
     @torch.library.register_fake(name("soft_logits_forward"))
-    def _soft_logits_forward_fake(logits, target, class_weight, z_weight, ignore_index,
-                                  label_smoothing, z_loss, softcap, temperature):
-        n = logits.shape[0]
-        f32 = dict(dtype=torch.float32)
-        return (logits.new_empty((n,), **f32), logits.new_empty((n,), **f32),
-                logits.new_empty((n, SOFT_COLS), **f32), logits.new_empty((n,), dtype=torch.int64),
-                logits.new_empty((n,), **f32))
+    def _soft_logits_forward_fake(logits, *_):
+        return _soft_outputs(logits)
 
     @torch.library.register_fake(name("soft_logits_backward"))
     def _soft_logits_backward_fake(grad_loss, grad_lse, grad_entropy, logits, *_):

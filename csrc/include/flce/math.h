@@ -343,6 +343,22 @@ struct SoftRow {
 
 FLCE_HD SoftRow soft_empty() { return SoftRow{neg_inf(), -1, 0.f, lse_empty(), 0.f, 0.f}; }
 
+// The state as the ops exchange it (flce/layout.h): a row of kSoftCols = 7 floats (m_x, s_x, p,
+// u_x, y_a, y_rest, g) and the pivot a apart.
+FLCE_HD void soft_store(const SoftRow& r, float* q) {
+  q[0] = r.x.m;
+  q[1] = r.x.s;
+  q[2] = r.p;
+  q[3] = r.x.u;
+  q[4] = r.y_a;
+  q[5] = r.y_rest;
+  q[6] = r.g;
+}
+
+FLCE_HD SoftRow soft_load(const float* q, int64_t a) {
+  return SoftRow{q[2], a, q[4], OnlineLse{q[0], q[1], q[3]}, q[5], q[6]};
+}
+
 // One term y (p - z) of G: 0 where y = 0 (a column without target weight, e.g. masked by a -inf
 // bias, adds nothing rather than 0 * inf = NaN).
 FLCE_HD float soft_gap_term(float y, float p, float z) { return y == 0.f ? 0.f : y * (p - z); }
