@@ -97,6 +97,14 @@ inline void define_ops(torch::Library& m) {
       "Tensor pivot, Tensor? z_weight, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, float temperature, "
       "bool[3] output_mask) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // The single pass of a target distribution (one device), as sum_and_grad: the reduced loss
+  // and the deferred gradients. mean: over the rows for probability targets; for class targets
+  // over z_weight's sum (torch's class weights of the targets) or the non-ignored rows.
+  m.def(
+      "soft_sum_and_grad(Tensor input, Tensor weight, Tensor target, Tensor? bias, "
+      "Tensor? class_weight, Tensor? z_weight, int ignore_index, float label_smoothing, "
+      "float z_loss, float softcap, float temperature, bool[3] output_mask, bool mean) -> "
+      "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
   m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");
   // The same for one slice [1, ...] already in the gradient's dtype, in place: the gradient is

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -752,61 +753,53 @@ int64_t fused_block_rows(const Operands& o, int64_t workers) {
 // Rows are the outer loop, so each worker keeps its 16-bit weight tiles packed for the GEMMs
 // over the whole pass: 2 V * D 16-bit values (W^T and W) more scratch on the onednn path, none
 // on the blas path.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
-    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-    double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean,
-    int64_t vocab_start, int64_t vocab_size, const std::optional<std::string>& group_name,
-    int64_t group_size, double temperature) {
-  check_linear_args(input, weight, target, bias);
-  TORCH_CHECK_VALUE(!group_name && vocab_start == 0 && (vocab_size < 0 || vocab_size ==
-                                                        weight.size(0)),
-                    "flce: the CPU backend's single pass is single-device; vocab-parallel CPU "
-                    "training takes the recompute path (single_pass=False)");
+// The single pass's rows: class targets (t), or a target distribution (soft: its target weights
+// and z-loss row weights, SoftBackward's; t then the class ids or null).
+struct SinglePassRows {
+  const int64_t* t;
+  int64_t ignore_index;
+  const SoftBackward* soft;
+};
+
+using Tensor5Out = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The single pass's outputs (ops_def.h): the loss sum / divisor, the divisor 1 (already
+// applied), the gradients deferred as [1, ...] (an unrequested one stays the empty [0]).
+Tensor5Out deferred_result(const at::Tensor& input, double sum, double divisor, Tensor3 grads) {
+  auto deferred = [](const at::Tensor& g) { return g.numel() || g.dim() > 1 ? g.unsqueeze(0) : g; };
+  return std::make_tuple(at::full({}, static_cast<float>(sum / divisor),
+                                  input.options().dtype(at::kFloat)),
+                         at::ones({}, input.options().dtype(at::kDouble)),
+                         deferred(std::get<0>(grads)), deferred(std::get<1>(grads)),
+                         deferred(std::get<2>(grads)));
+}
+
+// The single pass of sum_and_grad_cpu and soft_sum_and_grad_cpu: `divisor` the mean's (1 for a
+// sum), whose inverse is every row's upstream gradient (0 for divisor 0: zero gradients, not
+// 0 * inf).
+Tensor5Out single_pass_cpu(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias, const SinglePassRows& rows_in,
+                           const LossOptions& opt, std::array<bool, 3> output_mask,
+                           double divisor, const std::function<Tensor5Out(float)>& fallback) {
   const Operands o = prepare(input, weight, bias, /*wide=*/true);
-  const at::Tensor tgt = target.contiguous();
-  const int64_t* t = tgt.data_ptr<int64_t>();
-  check_targets(t, o.n, o.v, ignore_index);
-  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, o.v, temperature);
-  at::Tensor loss_sum = at::empty({}, input.options().dtype(at::kFloat));
-  int64_t count = 0;
-  for (int64_t i = 0; i < o.n; ++i) count += !row_ignored(t[i], ignore_index);
-  // mean: divided in double, rounded once (0/0 = NaN, as torch); every row's upstream gradient
-  // is 1 / count (0 when every row is ignored: zero gradients, not 0 * inf).
-  const double divisor = mean ? static_cast<double>(count) : 1.0;
-  const float g_row = mean ? (count > 0 ? static_cast<float>(1.0 / divisor) : 0.f) : 1.f;
-  auto result = [&](double sum, Tensor3 grads) {
-    loss_sum.fill_(static_cast<float>(sum / divisor));
-    // [1, ...]; an unrequested gradient stays the empty [0]
-    auto deferred = [](const at::Tensor& g) {
-      return g.numel() || g.dim() > 1 ? g.unsqueeze(0) : g;
-    };
-    return std::make_tuple(loss_sum, at::ones({}, input.options().dtype(at::kDouble)),
-                           deferred(std::get<0>(grads)), deferred(std::get<1>(grads)),
-                           deferred(std::get<2>(grads)));
-  };
+  const cpu::SoftTargets* soft = rows_in.soft ? &rows_in.soft->y : nullptr;
+  const float* z_weight = rows_in.soft ? rows_in.soft->z_weight : nullptr;
+  const float g_row = divisor > 0 ? static_cast<float>(1.0 / divisor) : 0.f;
   const int64_t workers = cpu::num_workers(ceil_div(o.v, ALIGN));
   const int64_t bn_f = fused_block_rows(o, workers);
-  if (bn_f == 0) {
-    // The vocabulary is too large to keep a row block's logits: forward, then the recompute
-    // backward.
-    const at::Tensor partial =
-        partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap, temperature);
-    auto [loss, lse, stats, ent] = combine_cpu(partial.unsqueeze(0), target, o.v, ignore_index,
-                                               label_smoothing, z_loss);
-    const double total = loss.to(at::kDouble).sum().item<double>();
-    const at::Tensor g = at::full({o.n}, g_row, loss.options());
-    return result(total, run_backward(o, bias, t, g.data_ptr<float>(), nullptr, nullptr,
-                                      stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
-                                      output_mask, /*deferred=*/true));
-  }
-  const GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap,
-                      opt.temperature, /*deferred=*/true);
+  // The vocabulary is too large to keep a row block's logits: forward, then the recompute
+  // backward.
+  if (bn_f == 0) return fallback(g_row);
+  GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap, opt.temperature,
+                /*deferred=*/true);
+  if (soft) pass.set_soft(soft);
   // The pass returns the loss alone: the rows' entropy terms are not needed, nor, without
   // label smoothing, the sums of their logits.
   const bool loss_only = opt.label_smoothing == 0.f;
   const int64_t ld = o.ld_tile();
-  std::vector<RowState> parts(workers * bn_f);  // per worker: its columns' row statistics
+  // per worker: its columns' row statistics (class targets, or a target distribution's)
+  std::vector<RowState> parts(soft ? 0 : workers * bn_f);
+  std::vector<SoftRow> soft_parts(soft ? workers * bn_f : 0);
   float ls = 0.f, lc = 0.f;  // worker 0's Kahan sum of the row losses, in row order
   cpu::Barrier barrier(workers);
   cpu::run_workers(workers, [&](int64_t w) {
@@ -823,28 +816,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     // an fp32 weight in place, and a kept W^T would cost V * D * 4 bytes for 2% of the time
     // (bf16: 5%; at N=4096, V=32768, D=512 on the Zen 4 of docs/benchmarks.md).
     std::vector<Rhs> w_rhs(tiles.count()), wt(o.dtype == at::kFloat ? 1 : tiles.count());
-    RowState* mine = parts.data() + w * bn_f;
+    RowState* mine = soft ? nullptr : parts.data() + w * bn_f;
+    SoftRow* soft_mine = soft ? soft_parts.data() + w * bn_f : nullptr;
     pass.begin_split(w, own);
     Tiles({0, o.n}, bn_f, ALIGN).each([&](int64_t n0, int64_t bn) {
-      std::fill(mine, mine + bn_f, RowState{});
-      for (int64_t r = 0; r < bn; ++r) tw.ts[r] = shard_col(t[n0 + r], 0, ignore_index);
+      if (soft) {
+        std::fill(soft_mine, soft_mine + bn_f, soft_empty());
+      } else {
+        std::fill(mine, mine + bn_f, RowState{});
+        for (int64_t r = 0; r < bn; ++r) {
+          tw.ts[r] = shard_col(rows_in.t[n0 + r], 0, rows_in.ignore_index);
+        }
+      }
       tiles.each([&](int64_t v0, int64_t bv) {
         float* zt = tile_z(v0);
         logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, zt, ld,
                    wt[wt.size() > 1 ? tiles.index(v0) : 0], tw.lhs);
         for (int64_t r = 0; r < bn; ++r) {
-          fold_row(zt + r * ld, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r], loss_only);
+          if (soft) {
+            cpu::fold_soft_row(zt + r * ld, soft->row(n0 + r, v0, bv, tw.y.data()), bv, v0,
+                               soft_mine[r]);
+          } else {
+            fold_row(zt + r * ld, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r], loss_only);
+          }
         }
       });
       barrier.wait();  // every worker's statistics of the block are complete
       for (int64_t r = 0; r < bn; ++r) {
-        RowState row = parts[r];
-        for (int64_t p = 1; p < workers; ++p) row.merge(parts[p * bn_f + r]);
-        const bool ign = tw.ts[r] < 0;
-        if (w == 0) {  // as combine_cpu with one shard
-          kahan_add(ls, lc, row_loss(lse_value(row.lse), row.z_t, row.sum(), ign, opt).loss);
+        float loss;
+        if (soft) {
+          SoftRow row = soft_parts[r];
+          for (int64_t p = 1; p < workers; ++p) row = soft_merge(row, soft_parts[p * bn_f + r]);
+          const float zw = z_weight ? z_weight[n0 + r] : row.y_a + row.y_rest;
+          loss = soft_row_loss(row, zw, opt.z_loss).loss;
+          tw.rg[r] = soft_row_grad(row.x, row.p, row.y_a, row.y_rest, zw, g_row, 0.f, opt.z_loss);
+          tw.ts[r] = row.a;
+        } else {
+          RowState row = parts[r];
+          for (int64_t p = 1; p < workers; ++p) row.merge(parts[p * bn_f + r]);
+          const bool ign = tw.ts[r] < 0;
+          loss = row_loss(lse_value(row.lse), row.z_t, row.sum(), ign, opt).loss;
+          tw.rg[r] = row_grad(row.lse, row.z_t, ign, g_row, 0.f, opt);
         }
-        tw.rg[r] = row_grad(row.lse, row.z_t, ign, g_row, 0.f, opt);
+        if (w == 0) kahan_add(ls, lc, loss);  // as combine with one shard
       }
       if (!pass.needs_any()) {
         barrier.wait();  // statistics read: they may be overwritten
@@ -863,7 +877,110 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     });
     pass.end_split(own);
   }, &barrier);
-  return result(static_cast<double>(ls) + static_cast<double>(lc), pass.outputs());
+  return deferred_result(input, static_cast<double>(ls) + static_cast<double>(lc), divisor,
+                         pass.outputs());
+}
+
+// The reduced loss (sum or mean) and its gradients, in one pass: each row block's logits are
+// computed once, folded into the row statistics, then turned into the gradient tile (3 GEMMs
+// instead of the 4 of forward + recompute backward). Gradients come back deferred (ops_def.h):
+// [1, ...] fp32, each the result of its Kahan accumulator, of the reduced loss (the mean's
+// 1 / count is in every row's gradient coefficient); scale_grad multiplies them by the upstream
+// gradient and rounds once to the gradient's dtype (a 16-bit dW held in fp32 costs no more
+// than rounding it in the pass would: its fp32 sum lives until the end of the pass anyway).
+// Workers split the vocabulary; per row block they fold their columns' statistics, merge them
+// (barrier), turn their columns into gradients, and add up the block's dE partials (barrier).
+// Rows are the outer loop, so each worker keeps its 16-bit weight tiles packed for the GEMMs
+// over the whole pass: 2 V * D 16-bit values (W^T and W) more scratch on the onednn path, none
+// on the blas path.
+Tensor5Out sum_and_grad_cpu(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+    double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean,
+    int64_t vocab_start, int64_t vocab_size, const std::optional<std::string>& group_name,
+    int64_t group_size, double temperature) {
+  check_linear_args(input, weight, target, bias);
+  TORCH_CHECK_VALUE(!group_name && vocab_start == 0 && (vocab_size < 0 || vocab_size ==
+                                                        weight.size(0)),
+                    "flce: the CPU backend's single pass is single-device; vocab-parallel CPU "
+                    "training takes the recompute path (single_pass=False)");
+  const at::Tensor tgt = target.contiguous();
+  const int64_t* t = tgt.data_ptr<int64_t>();
+  const int64_t v = weight.size(0);
+  check_targets(t, input.size(0), v, ignore_index);
+  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, v, temperature);
+  int64_t count = 0;
+  for (int64_t i = 0; i < input.size(0); ++i) count += !row_ignored(t[i], ignore_index);
+  // mean: divided in double, rounded once (0/0 = NaN, as torch)
+  const double divisor = mean ? static_cast<double>(count) : 1.0;
+  auto fallback = [&](float g_row) {
+    const at::Tensor partial =
+        partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap, temperature);
+    auto [loss, lse, stats, ent] = combine_cpu(partial.unsqueeze(0), target, v, ignore_index,
+                                               label_smoothing, z_loss);
+    const double total = loss.to(at::kDouble).sum().item<double>();
+    const at::Tensor g = at::full({input.size(0)}, g_row, loss.options());
+    const Operands o = prepare(input, weight, bias, /*wide=*/true);
+    Tensor3 grads = run_backward(o, bias, t, g.data_ptr<float>(), nullptr, nullptr,
+                                 stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
+                                 output_mask, /*deferred=*/true);
+    return deferred_result(input, total, divisor, grads);
+  };
+  return single_pass_cpu(input, weight, bias, SinglePassRows{t, ignore_index, nullptr}, opt,
+                         output_mask, divisor, fallback);
+}
+
+// The single pass of a target distribution (ops_def.h soft_sum_and_grad): as sum_and_grad_cpu,
+// each row block's states (SoftRow) and gradient tiles from its logits computed once. mean:
+// over the rows for probability targets, over the rows' z-loss weights (torch's class
+// weights of their targets) or the non-ignored rows for class targets.
+Tensor5Out soft_sum_and_grad_cpu(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& class_weight,
+    const std::optional<at::Tensor>& z_weight, int64_t ignore_index, double label_smoothing,
+    double z_loss, double softcap, double temperature, std::array<bool, 3> output_mask,
+    bool mean) {
+  check_linear_operands(input, weight, bias);
+  check_soft_target_args(input, target, class_weight, weight.size(0));
+  const int64_t n = input.size(0), v = weight.size(0);
+  if (z_weight) {
+    TORCH_CHECK_VALUE(z_weight->dim() == 1 && z_weight->size(0) == n &&
+                          z_weight->scalar_type() == at::kFloat,
+                      "flce: z_weight must be float32 [N]");
+  }
+  std::vector<at::Tensor> keep;
+  const at::Tensor zw = z_weight ? z_weight->contiguous() : at::Tensor();
+  const SoftBackward soft{cpu::soft_targets(target, class_weight, n, v, 0, v, ignore_index,
+                                            label_smoothing, keep),
+                          nullptr, zw.defined() ? zw.data_ptr<float>() : nullptr};
+  double divisor = 1.0;
+  if (mean && target.scalar_type() != at::kLong) {
+    divisor = static_cast<double>(n);
+  } else if (mean) {
+    divisor = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!row_ignored(soft.y.t[i], ignore_index)) divisor += soft.z_weight ? soft.z_weight[i] : 1.0;
+    }
+  }
+  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, v, temperature);
+  auto fallback = [&](float g_row) {
+    auto [partial, pivot] = soft_partial_stats_cpu(input, weight, target, bias, class_weight, 0,
+                                                   v, ignore_index, label_smoothing, softcap,
+                                                   temperature);
+    auto [loss, lse, stats, piv, ent] =
+        cpu::soft_combine_cpu(partial.unsqueeze(0), pivot.unsqueeze(0), z_weight, z_loss);
+    const double total = loss.to(at::kDouble).sum().item<double>();
+    const at::Tensor g = at::full({n}, g_row, loss.options());
+    const at::Tensor st = stats.contiguous(), pv = piv.contiguous();
+    const SoftBackward rows{soft.y, pv.data_ptr<int64_t>(), soft.z_weight};
+    const Operands o = prepare(input, weight, bias, /*wide=*/true);
+    Tensor3 grads = run_backward(o, bias, nullptr, g.data_ptr<float>(), nullptr, nullptr,
+                                 st.data_ptr<float>(), 0, ignore_index, opt, output_mask,
+                                 /*deferred=*/true, &rows);
+    return deferred_result(input, total, divisor, grads);
+  };
+  return single_pass_cpu(input, weight, bias, SinglePassRows{nullptr, ignore_index, &soft}, opt,
+                         output_mask, divisor, fallback);
 }
 
 // grad = dtype((sum of the k slices of deferred [k, ...]) * scale), in double, rounded once.
@@ -1034,6 +1151,7 @@ TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("soft_partial_stats", &soft_partial_stats_cpu);
   m.impl("soft_combine", &cpu::soft_combine_cpu);
   m.impl("soft_backward", &soft_backward_cpu);
+  m.impl("soft_sum_and_grad", &soft_sum_and_grad_cpu);
   m.impl("partial_stats", &partial_stats_cpu);
   m.impl("combine", &cpu::combine_cpu);
   m.impl("backward", &backward_cpu);

@@ -376,6 +376,21 @@ def outputs_from_stats(loss, lse, stats, entropy, target, opts, lead, row_weight
         reduce_accuracy(acc, target, opts.ignore_index, opts.reduction, lead, return_accuracy))
 
 
+def distribution_outputs(loss, lse, entropy, target, opts, lead, row_weight, return_lse,
+                         return_entropy):
+    """An entry point's return value from a target distribution's per-token outputs (flce::soft_*):
+    probability targets (``target`` None or floating) reduced over every row, class targets as
+    torch weights them (``row_weight``), an ignored token's entropy 0 as on the class-target
+    path."""
+    if target is None or target.dtype.is_floating_point:
+        loss = reduce_rows(loss, opts.reduction, lead)
+    else:
+        if return_entropy:
+            entropy = torch.where(target != opts.ignore_index, entropy, 0.0)
+        loss = reduce_loss(loss, target, opts.ignore_index, opts.reduction, lead, row_weight)
+    return per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy)
+
+
 def shift_target(target, ignore_index):
     """Causal-LM labels shifted inside the loss: the token at position i of a sequence is scored
     against ``target[..., i + 1]`` and the last position is ignored. The hidden states are used

@@ -208,11 +208,19 @@ def register(namespace, cuda_format):
     def _scale_grad_inplace_fake(deferred, scale):
         return None
 
+    @torch.library.register_fake(name("soft_sum_and_grad"))
+    def _soft_sum_and_grad_fake(input, weight, target, bias, class_weight, z_weight,
+                                ignore_index, label_smoothing, z_loss, softcap, temperature,
+                                output_mask, mean):
+        return _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing,
+                                  z_loss, softcap, output_mask, mean)
+
     def sum_setup_context(ctx, inputs, output):
         input, weight, target, bias = inputs[:4]
         _, divisor, gi, gw, gb = output
         ctx.save_for_backward(divisor, gi, gw, gb)
         ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.inputs = len(inputs)
         ctx.mark_non_differentiable(divisor, gi, gw, gb)
 
     def sum_backward(ctx, grad_loss, *_):
@@ -244,9 +252,11 @@ def register(namespace, cuda_format):
             else:
                 grads.append(nsops.scale_grad(p, scale, dt))
         gi, gw, gb = grads
-        return (gi, gw, None, gb) + (None,) * 11
+        return (gi, gw, None, gb) + (None,) * (ctx.inputs - 4)
 
     torch.library.register_autograd(name("sum_and_grad"), sum_backward,
+                                    setup_context=sum_setup_context)
+    torch.library.register_autograd(name("soft_sum_and_grad"), sum_backward,
                                     setup_context=sum_setup_context)
 
     # Cross-entropy on given logits.

@@ -127,7 +127,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
 
     if _common.is_soft(target):
         return _soft_linear(input, weight, target, bias, opts, reduction, class_weight,
-                            return_lse, return_entropy, return_accuracy, shift)
+                            return_lse, return_entropy, return_accuracy, shift, single_pass)
     if shift:
         target = _common.shift_target(target, opts.ignore_index)
     lead = target.shape
@@ -141,13 +141,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             _common.fused_distribution(x):
         # Class weights with label smoothing: a target distribution (y_c = w_c ((1 - eps)
         # [c = t] + eps / V)), its z-loss weighted by the row's weight as torch weights the nll.
-        loss, lse, _, _, entropy = _ops.ops.soft_forward(x, weight, t, bias, cw, row_weight,
-                                                         *opts.op_args(), opts.temperature)
-        if return_entropy:  # an ignored token's entropy is 0, as on the class-target path
-            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
-        return _common.per_token_outputs(
-            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-            entropy, lead, return_lse, return_entropy)
+        return _distribution(x, weight, t, bias, cw, row_weight, opts, lead, single_pass,
+                             return_lse, return_entropy)
     if composite or (cw is not None and opts.label_smoothing):
         # float64, functorch transforms, forward-mode AD, D = 0 (the logits are the bias, or 0,
         # as torch's composition has them), and class weights with label smoothing where the
@@ -175,7 +170,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
 
 
 def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, return_lse,
-                 return_entropy, return_accuracy, shift):
+                 return_entropy, return_accuracy, shift, single_pass):
     """Probability targets ``(..., V)``: fused (flce::soft_forward: the target rows read tile by
     tile beside the logits, collapse-safe), or the composite path (flce.reference
     soft_cross_entropy; the ``[N, V]`` logits materialized in float32, float64 for float64
@@ -191,15 +186,30 @@ def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, ret
     cw = _common.soft_class_weights(class_weight, v, input.dtype)
     if d > 0 and not return_accuracy and not q.requires_grad and \
             not _common.needs_composite(x, weight, bias, q) and _common.fused_distribution(x):
-        loss, lse, _, _, entropy = _ops.ops.soft_forward(x, weight, q, bias, cw, None,
-                                                         *opts.op_args(), opts.temperature)
-        return _common.per_token_outputs(_common.reduce_rows(loss, reduction, lead), lse,
-                                         entropy, lead, return_lse, return_entropy)
+        return _distribution(x, weight, q, bias, cw, None, opts, lead, single_pass, return_lse,
+                             return_entropy)
     logits = _composite.linear_logits(x, weight, bias)
     loss, lse, entropy, acc = _composite.soft_per_token(logits, q, opts, cw)
     return _common.per_token_outputs(
         _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
         return_entropy, _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
+
+
+def _distribution(x, weight, target, bias, cw, row_weight, opts, lead, single_pass, return_lse,
+                  return_entropy):
+    """A target distribution on the fused ops (flce::soft_*): probability targets ``[N, V]``, or
+    class ids with class weights (``row_weight``: their targets' weights) and label smoothing;
+    the single pass (soft_sum_and_grad) where flce.linear_cross_entropy's rule takes it."""
+    mask = [x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
+    if _common.single_pass(single_pass, opts.reduction, return_lse or return_entropy, x,
+                           weight) and any(mask) and torch.is_grad_enabled():
+        return _ops.ops.soft_sum_and_grad(x, weight, target, bias, cw, row_weight,
+                                          *opts.op_args(), opts.temperature, mask,
+                                          opts.reduction == "mean")[0]
+    loss, lse, _, _, entropy = _ops.ops.soft_forward(x, weight, target, bias, cw, row_weight,
+                                                     *opts.op_args(), opts.temperature)
+    return _common.distribution_outputs(loss, lse, entropy, target, opts, lead, row_weight,
+                                        return_lse, return_entropy)
 
 
 @functools.wraps(_linear_cross_entropy)
@@ -315,8 +325,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             # Fused: the target rows read chunk by chunk beside the logits.
             loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
                 logits, y, cw, None, *opts.op_args(), opts.temperature)
-            return _common.per_token_outputs(_common.reduce_rows(loss, reduction, lead), lse,
-                                             entropy, lead, return_lse, return_entropy)
+            return _common.distribution_outputs(loss, lse, entropy, None, opts, lead, None,
+                                                return_lse, return_entropy)
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy, acc = _composite.soft_per_token(
             logits.to(cdt), y, opts, cw)
@@ -334,11 +344,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         # Class weights with label smoothing: a target distribution (linear_cross_entropy's).
         loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
             logits, t, cw, row_weight, *opts.op_args(), opts.temperature)
-        if return_entropy:
-            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
-        return _common.per_token_outputs(
-            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-            entropy, lead, return_lse, return_entropy)
+        return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
+                                            return_lse, return_entropy)
     if composite or (weight is not None and opts.label_smoothing):
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(

@@ -515,20 +515,6 @@ def _distribution_ops(layout, opts, logits_level=False):
     return _ShardOps(one_device, partial, combine, backward)
 
 
-def _distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight, return_lse,
-                          return_entropy):
-    """An entry point's return value from a target distribution's per-token outputs:
-    probability targets (t None) reduced over every row, class targets as torch weights them
-    (an ignored token's entropy 0)."""
-    if t is None:
-        loss = _common.reduce_rows(loss, opts.reduction, lead)
-    else:
-        if return_entropy:
-            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
-        loss = _common.reduce_loss(loss, t, opts.ignore_index, opts.reduction, lead, row_weight)
-    return _common.per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy)
-
-
 def _check_distribution(soft, class_weight, opts, x, shift=False, sequence_parallel=False,
                         return_accuracy=False):
     """This rank's checks of a target distribution over the shards (probability targets, or
@@ -704,8 +690,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         y = q.narrow(1, 0, w.shape[0]) if soft else t
         tensors = (x, w, b, y, _shard_class_weight(class_weight, layout, w.shape[0]), row_weight)
         loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts), tensors, group, world)
-        return _distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight, return_lse,
-                                     return_entropy)
+        return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
+                                            return_lse, return_entropy)
     loss, lse, stats, entropy = _per_token(_linear_ops(layout, opts), (x, w, b, t), group, world)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
                                       return_lse, return_entropy, return_accuracy)
@@ -843,8 +829,8 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         tensors = (x, y, _shard_class_weight(class_weight, layout, x.shape[1]), row_weight)
         loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts, logits_level=True),
                                            tensors, group, world)
-        return _distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight, return_lse,
-                                     return_entropy)
+        return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
+                                            return_lse, return_entropy)
     options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
                opts.temperature)
     row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
