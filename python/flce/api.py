@@ -199,10 +199,12 @@ def _distribution(x, weight, target, bias, cw, row_weight, opts, lead, single_pa
                   return_entropy):
     """A target distribution on the fused ops (flce::soft_*): probability targets ``[N, V]``, or
     class ids with class weights (``row_weight``: their targets' weights) and label smoothing;
-    the single pass (soft_sum_and_grad) where flce.linear_cross_entropy's rule takes it."""
+    the single pass (soft_sum_and_grad, the CPU backend's) where flce.linear_cross_entropy's
+    rule takes it."""
     mask = [x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
     if _common.single_pass(single_pass, opts.reduction, return_lse or return_entropy, x,
-                           weight) and any(mask) and torch.is_grad_enabled():
+                           weight) and any(mask) and torch.is_grad_enabled() and \
+            not _ops.is_cuda_backend(x):
         return _ops.ops.soft_sum_and_grad(x, weight, target, bias, cw, row_weight,
                                           *opts.op_args(), opts.temperature, mask,
                                           opts.reduction == "mean")[0]
