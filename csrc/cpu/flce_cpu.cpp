@@ -294,7 +294,8 @@ class Grad {
 // A worker's scratch for the backward's tiles.
 struct TileWork {
   std::vector<float> tile;          // [rows, ld_tile]: logits, then the gradient
-  std::vector<uint16_t> hi, lo;     // bf16 inputs: the gradient tile split, same layout
+  std::vector<uint16_t> hi, lo;     // bf16 inputs: the gradient tile rounded (hi) or split
+                                    // (hi + lo), same layout
   Rhs wt, w_rhs, x_rhs;  // the tile GEMMs' right operands: W tile^T (logits), W tile (dE),
                          // input rows (dC)
   LhsScratch lhs;
@@ -310,13 +311,12 @@ struct TileWork {
   const void* w32_of = nullptr;
   const void* x32_of = nullptr;
 
-  TileWork(int64_t rows, int64_t ld, bool own_tile, bool split, bool widen, int64_t d,
+  // bf16_tiles: the bf16 tiles the gradient tile becomes (GradPass::bf16_tiles_).
+  TileWork(int64_t rows, int64_t ld, bool own_tile, int bf16_tiles, bool widen, int64_t d,
            int64_t bv) {
     if (own_tile) tile.resize(rows * ld);
-    if (split) {
-      hi.resize(rows * ld);
-      lo.resize(rows * ld);
-    }
+    if (bf16_tiles > 0) hi.resize(rows * ld);
+    if (bf16_tiles > 1) lo.resize(rows * ld);
     if (widen) {
       w32.resize(bv * d);
       x32.resize(rows * d);
@@ -337,13 +337,15 @@ class GradPass {
  public:
   // split: the axis the workers split (its gradients are global); block: the other axis's
   // block size. deferred: the single pass' gradients, which scale_grad multiplies by the
-  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h).
+  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h). exact_bf16_grad:
+  // the caller's choice for bf16 inputs (cpu::bf16_grad).
   GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
-           Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred)
+           Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred,
+           std::optional<bool> exact_bf16_grad)
       : o_(o), cap_(cap), temp_(temp),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
-        split_(o.dtype == at::kBFloat16 && cpu::bf16_gemm_amx()),
-        widen_(o.dtype != at::kFloat && !split_) {
+        bf16_tiles_(bf16_tiles(o.dtype, exact_bf16_grad)),
+        widen_(o.dtype != at::kFloat && bf16_tiles_ == 0) {
     const auto opts = o.x.options();
     auto make = [&](std::optional<Grad>& g, at::ScalarType dt, int64_t total, int64_t width,
                     Axis axis) {
@@ -357,7 +359,7 @@ class GradPass {
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
   // own_tile: a tile buffer of its own (the single pass' tiles are in its row block's logits)
   TileWork tile_work(int64_t rows, bool own_tile = true) const {
-    return TileWork(rows, o_.ld_tile(), own_tile, split_, widen_, o_.d, o_.block_v);
+    return TileWork(rows, o_.ld_tile(), own_tile, bf16_tiles_, widen_, o_.d, o_.block_v);
   }
 
   // Worker w's rows [s0, s0 + sn) of the split axis: zeroed before, written out after the pass.
@@ -394,31 +396,34 @@ class GradPass {
       tw.t_col[r] = has_t ? tl : -1;
       tw.t_grad[r] = has_t ? tw.rg[r].dz_t * logit_transform_grad(z_target, cap_, temp_) : 0.f;
       if (has_t) row[tl] = 0.f;
-      if (split_) tw.row_max[r] = cpu::row_absmax(row, bv);
+      if (bf16_tiles_ > 0) tw.row_max[r] = cpu::row_absmax(row, bv);
     }
-    // bf16 inputs: where bf16 GEMMs run on AMX (cpu::bf16_gemm_amx, ~6x an fp32 GEMM) the fp32
-    // gradient tile is split G = hi + lo into two bf16 tiles, so that the tile products run on
-    // them at ~16 mantissa bits, far below bf16's rounding. Elsewhere two bf16 GEMMs cost at
-    // least one fp32 GEMM (AVX512-BF16 alone: on the Xeon of docs/benchmarks.md with AMX held
-    // off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per core against 170 in fp32, and the bf16
-    // single pass took 4.06 s split, 2.14 s widened), and where bf16 is widened, twice one:
-    // G multiplies fp32 copies of the tile's weight and input rows (widen_), as fp16 inputs
-    // always do (fp16 tiles would underflow small gradients).
+    // bf16 inputs (cpu::bf16_grad): where bf16 GEMMs run on AMX (cpu::bf16_gemm_amx, ~6x an
+    // fp32 GEMM) the fp32 gradient tile G is by default rounded once to bf16 (hi), the CUDA
+    // backend's contract; asked for exact gradients there, it is split G = hi + lo into two
+    // bf16 tiles, so that the tile products run on them at ~16 mantissa bits, far below bf16's
+    // rounding. Elsewhere two bf16 GEMMs cost at least one fp32 GEMM (AVX512-BF16 alone: on the
+    // Xeon of docs/benchmarks.md with AMX held off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per
+    // core against 170 in fp32, and the bf16 single pass took 4.06 s split, 2.14 s widened), and
+    // where bf16 is widened, twice one: G multiplies fp32 copies of the tile's weight and input
+    // rows (widen_), as fp16 inputs always do (fp16 tiles would underflow small gradients).
+    // The target column is left out of the bf16 tiles either way and added in fp32 below.
     //
     // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary
     // (margins ~80) a row's gradients are ~1e-35 with most of its columns below FLT_MIN: the
-    // split tile is scaled by a power of two that puts its largest entry near 1, and the GEMMs
-    // take the inverse as alpha (both exact).
+    // bf16 tiles are scaled by a power of two that puts their largest entry near 1, and the
+    // GEMMs take the inverse as alpha (both exact).
     float alpha = 1.f;
     const int64_t ls = o_.ld_tile();
-    if (split_) {
+    if (bf16_tiles_ > 0) {
       float mx = 0.f;
       for (int64_t r = 0; r < bn; ++r) mx = std::max(mx, tw.row_max[r]);
       const int k = (mx > 0.f && std::isfinite(mx)) ? std::clamp(-std::ilogb(mx), -126, 126) : 0;
       const float scale = std::ldexp(1.f, k);
       alpha = std::ldexp(1.f, -k);
       for (int64_t r = 0; r < bn; ++r) {
-        cpu::row_split_bf16(tile + r * ld, &tw.hi[r * ls], &tw.lo[r * ls], bv, scale);
+        cpu::row_split_bf16(tile + r * ld, &tw.hi[r * ls],
+                            bf16_tiles_ > 1 ? &tw.lo[r * ls] : nullptr, bv, scale);
       }
     }
     if (need_b_) {
@@ -437,7 +442,7 @@ class GradPass {
     const int64_t es = o_.x.element_size();
     const char* xp = static_cast<const char*>(o_.x.data_ptr()) + n0 * d * es;
     const char* wp = static_cast<const char*>(o_.w.data_ptr()) + v0 * d * es;
-    // The tile products go straight into the Kahan accumulators; the split tile's are scaled
+    // The tile products go straight into the Kahan accumulators; the bf16 tiles' are scaled
     // back by alpha (a power of two: exact).
     const GemmOperand split_rows[2] = {{tw.hi.data(), ls, false}, {tw.lo.data(), ls, false}};
     const GemmOperand split_cols[2] = {{tw.hi.data(), ls, true}, {tw.lo.data(), ls, true}};
@@ -446,9 +451,10 @@ class GradPass {
       const KahanAcc eacc = ge_->at(w, x0, n0);
       const cpu::KahanOut eout{eacc.sum, eacc.comp, d,
                                ge_->global() ? first_block : first_tile};
-      if (split_) {
+      if (bf16_tiles_ > 0) {
         w_rhs.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
-        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, w_rhs, alpha, eout, tw.lhs);
+        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, bf16_tiles_, w_rhs, alpha,
+                             eout, tw.lhs);
       } else {
         const void* wt = widen_ ? static_cast<const void*>(widened(tw.w32, tw.w32_of, wp, bv)) : wp;
         const GemmOperand g{tile, ld, false};
@@ -468,10 +474,10 @@ class GradPass {
       const KahanAcc cacc = gc_->at(w, x0, v0);
       const cpu::KahanOut cout{cacc.sum, cacc.comp, d,
                                gc_->global() ? first_block : first_tile};
-      if (split_) {
+      if (bf16_tiles_ > 0) {
         tw.x_rhs.prepare(at::kBFloat16, GemmOperand{xp, d, false}, bn, d);
-        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, 2, tw.x_rhs, alpha, cout,
-                             tw.lhs);
+        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, bf16_tiles_, tw.x_rhs, alpha,
+                             cout, tw.lhs);
       } else {
         const void* xr = widen_ ? static_cast<const void*>(widened(tw.x32, tw.x32_of, xp, bn)) : xp;
         const GemmOperand gt{tile, ld, true};
@@ -526,7 +532,21 @@ class GradPass {
     return buf.data();
   }
 
-  bool need_e_, need_c_, need_b_, split_, widen_;
+  // The bf16 tiles the gradient tile is multiplied as: 1 rounded, 2 split (hi + lo), 0 none
+  // (fp32 GEMMs, widen_ for 16-bit inputs).
+  static int bf16_tiles(at::ScalarType dtype, std::optional<bool> exact) {
+    if (dtype != at::kBFloat16) return 0;
+    switch (cpu::bf16_grad(exact)) {
+      case cpu::Bf16Grad::rounded: return 1;
+      case cpu::Bf16Grad::split: return 2;
+      case cpu::Bf16Grad::widened: return 0;
+    }
+    return 0;
+  }
+
+  bool need_e_, need_c_, need_b_;
+  int bf16_tiles_;
+  bool widen_;
   std::optional<Grad> ge_, gc_, gb_;
 };
 
@@ -556,10 +576,11 @@ BackwardPlan backward_plan(const Operands& o) {
 Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, const int64_t* t,
                      const float* g, const float* glse, const float* gent, const float* st,
                      int64_t vocab_start, int64_t ignore_index, const LossOptions& opt,
-                     std::array<bool, 3> mask, bool deferred) {
+                     std::array<bool, 3> mask, bool deferred,
+                     std::optional<bool> exact_bf16_grad) {
   const BackwardPlan plan = backward_plan(o);
   const GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap,
-                      opt.temperature, deferred);
+                      opt.temperature, deferred, exact_bf16_grad);
   if (!pass.needs_any()) return pass.outputs();
   const bool rows_split = plan.split == Axis::rows;
   const int64_t split_extent = rows_split ? o.n : o.v, other_extent = rows_split ? o.v : o.n;
@@ -609,7 +630,7 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                      int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                      double label_smoothing, double z_loss, double softcap,
                      std::array<bool, 3> output_mask, const std::optional<at::Tensor>& grad_entropy,
-                     double temperature) {
+                     double temperature, std::optional<bool> exact_bf16_grad) {
   check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats, grad_entropy);
   const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
@@ -622,7 +643,7 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                       gent.defined() ? gent.data_ptr<float>() : nullptr, st.data_ptr<float>(),
                       vocab_start, ignore_index,
                       loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
-                      output_mask, /*deferred=*/false);
+                      output_mask, /*deferred=*/false, exact_bf16_grad);
 }
 
 // Rows per block of the fused forward+backward (FUSED_BLOCK_N and the workspace bounds of
@@ -653,7 +674,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
     double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean,
     int64_t vocab_start, int64_t vocab_size, const std::optional<std::string>& group_name,
-    int64_t group_size, double temperature) {
+    int64_t group_size, double temperature, std::optional<bool> exact_bf16_grad) {
   check_linear_args(input, weight, target, bias);
   TORCH_CHECK_VALUE(!group_name && vocab_start == 0 && (vocab_size < 0 || vocab_size ==
                                                         weight.size(0)),
@@ -694,10 +715,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     const at::Tensor g = at::full({o.n}, g_row, loss.options());
     return result(total, run_backward(o, bias, t, g.data_ptr<float>(), nullptr, nullptr,
                                       stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
-                                      output_mask, /*deferred=*/true));
+                                      output_mask, /*deferred=*/true, exact_bf16_grad));
   }
   const GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap,
-                      opt.temperature, /*deferred=*/true);
+                      opt.temperature, /*deferred=*/true, exact_bf16_grad);
   // The pass returns the loss alone: the rows' entropy terms are not needed, nor, without
   // label smoothing, the sums of their logits.
   const bool loss_only = opt.label_smoothing == 0.f;

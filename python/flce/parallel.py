@@ -117,7 +117,8 @@ _LAYOUT_CACHE_SIZE = 256
 # and "target max": the range of its non-ignored targets (ignored ones count as 0).
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
-                "sequence_parallel", "temperature", "single pass", "class weights", "error",
+                "sequence_parallel", "temperature", "single pass", "class weights",
+                "exact_bf16_grad", "error",
                 "target min", "target max")
 _AGREED = range(3, _META_FIELDS.index("error"))
 _ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
@@ -314,7 +315,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, target, group, world, layout, options):
-        ignore_index, label_smoothing, z_loss, softcap, temperature = options
+        ignore_index, label_smoothing, z_loss, softcap, temperature, _ = options
         partials = _ops.ops.partial_stats(x, w, target, b, layout.vocab_start, ignore_index,
                                           softcap, temperature)
         gathered = _all_gather(partials, group, world).view(world, x.shape[0], _ops.PARTIAL_COLS)
@@ -329,7 +330,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse, grad_entropy, _grad_stats):
         x, w, b, target, stats = ctx.saved_tensors
         layout, options = ctx.setup
-        ignore_index, label_smoothing, z_loss, softcap, temperature = options
+        ignore_index, label_smoothing, z_loss, softcap, temperature, exact = options
         _ops.refuse_double_backward("the vocab-parallel path", "a single-device "
                                     "flce.linear_cross_entropy")
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
@@ -342,7 +343,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         gi, gw, gb = _ops.ops.backward(grad_loss, grad_lse, x, w, target, b, stats,
                                        layout.vocab_start, layout.vocab_size, ignore_index,
                                        label_smoothing, z_loss, softcap, mask, grad_entropy,
-                                       temperature)
+                                       temperature, exact)
         return (gi if mask[0] else None, gw if mask[1] else None,
                 gb if mask[2] else None) + none
 
@@ -365,7 +366,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                                         return_accuracy=False, shift=False, class_weight=None,
                                         vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
-                                        check_ranks=True, single_pass=None):
+                                        check_ranks=True, single_pass=None,
+                                        exact_bf16_grad=None):
     r"""Fused, collapse-safe linear cross-entropy with the vocabulary sharded over ``group``.
 
     Every rank passes the same tokens (``input``, ``target``) and its own rows of the
@@ -408,6 +410,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         single_pass: as for ``flce.linear_cross_entropy``: by default the CUDA backend trains
             (mean/sum, no return_lse, gradients needed) with the single pass, whose chunks of
             rows all-gather their ``[rows, 4]`` statistics inside the op.
+        exact_bf16_grad: as for ``flce.linear_cross_entropy`` (the CPU backend's recompute
+            backward and the CUDA backend's single pass take it).
 
     Returns:
         The loss in float32 (identical on all ranks), then the per-token lse when ``return_lse``,
@@ -424,6 +428,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         _check_local(input, weight_local, bias_local)
         _check_class_weight(class_weight, opts.label_smoothing)
         _check_vocab_start(vocab_start)
+        exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
         if vocab_size is not None and (not isinstance(vocab_size, int) or
                                        not 0 < vocab_size <= _common.INT64_MAX):
             raise ArgumentError(f"flce.parallel: vocab_size must be a positive int64, got "
@@ -456,14 +461,15 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         x = input.reshape(target.numel(), d)
         t = target.reshape(-1).to(torch.int64)
         options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
-                   opts.temperature)
+                   opts.temperature, exact_bf16_grad)
         meta = [weight_local.shape[0], -1 if vocab_start is None else vocab_start,
                 -1 if vocab_size is None else vocab_size, x.shape[0], d,
                 _DTYPE_CODES[input.dtype], _DTYPE_CODES[weight_local.dtype],
                 int(bias_local is not None), opts.ignore_index, _float_bits(opts.label_smoothing),
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
                 int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
-                _weights_meta(class_weight)]
+                _weights_meta(class_weight),
+                -1 if exact_bf16_grad is None else int(exact_bf16_grad)]
     else:
         t, meta = None, None
     layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
@@ -479,7 +485,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         mask = [x.requires_grad, w.requires_grad, b is not None and b.requires_grad]
         return _ops.ops.sum_and_grad(x, w, t, b, *opts.op_args(), mask, reduction == "mean",
                                      layout.vocab_start, layout.vocab_size, group.group_name,
-                                     world, temperature=opts.temperature)[0]
+                                     world, temperature=opts.temperature,
+                                     exact_bf16_grad=exact_bf16_grad)[0]
     row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
     loss, lse, entropy, stats = _VocabParallelLinearCE.apply(x, w, b, t, group, world, layout,
                                                              options)
@@ -523,7 +530,7 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
                                  reduction="mean", label_smoothing=0.0, z_loss=0.0,
                                  softcap=None, temperature=1.0, return_lse=False,
                                  return_entropy=False, return_accuracy=False, shift=False,
-                                 class_weight=None):
+                                 class_weight=None, exact_bf16_grad=None):
     """``flce.linear_cross_entropy`` for a ``DTensor`` weight ``Shard(0)`` on a 1-D mesh.
 
     ``input`` and ``target`` may be plain tensors (the same on every rank) or DTensors on the
@@ -560,7 +567,7 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
         return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-        class_weight=local("class_weight", class_weight, None))
+        class_weight=local("class_weight", class_weight, None), exact_bf16_grad=exact_bf16_grad)
 
 
 # ---------------------------------------------------------------------------------------------
