@@ -711,7 +711,7 @@ def _logits_meta(x, vocab_start, ignore_index, smoothing, z_loss, softcap, reduc
     return [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
             code, 0, ignore_index, _float_bits(smoothing), _float_bits(z_loss),
             _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0,
-            _weights_meta(class_weight)]
+            _weights_meta(class_weight), -1]
 
 
 def _weights_meta(class_weight):
