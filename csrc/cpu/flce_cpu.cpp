@@ -344,8 +344,10 @@ class GradPass {
            std::optional<bool> exact_bf16_grad)
       : o_(o), cap_(cap), temp_(temp),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
-        bf16_tiles_(bf16_tiles(o.dtype, exact_bf16_grad)),
-        widen_(o.dtype != at::kFloat && bf16_tiles_ == 0) {
+        e_tiles_(bf16_tiles(o, exact_bf16_grad, /*dw=*/false)),
+        c_tiles_(bf16_tiles(o, exact_bf16_grad, /*dw=*/true)),
+        bf16_tiles_(std::max(need_e_ ? e_tiles_ : 0, need_c_ ? c_tiles_ : 0)),
+        widen_(o.dtype != at::kFloat && e_tiles_ == 0) {
     const auto opts = o.x.options();
     auto make = [&](std::optional<Grad>& g, at::ScalarType dt, int64_t total, int64_t width,
                     Axis axis) {
@@ -451,10 +453,10 @@ class GradPass {
       const KahanAcc eacc = ge_->at(w, x0, n0);
       const cpu::KahanOut eout{eacc.sum, eacc.comp, d,
                                ge_->global() ? first_block : first_tile};
-      if (bf16_tiles_ > 0) {
+      if (e_tiles_ > 0) {
         w_rhs.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
-        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, bf16_tiles_, w_rhs, alpha,
-                             eout, tw.lhs);
+        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, e_tiles_, w_rhs, alpha, eout,
+                             tw.lhs);
       } else {
         const void* wt = widen_ ? static_cast<const void*>(widened(tw.w32, tw.w32_of, wp, bv)) : wp;
         const GemmOperand g{tile, ld, false};
@@ -474,9 +476,9 @@ class GradPass {
       const KahanAcc cacc = gc_->at(w, x0, v0);
       const cpu::KahanOut cout{cacc.sum, cacc.comp, d,
                                gc_->global() ? first_block : first_tile};
-      if (bf16_tiles_ > 0) {
+      if (c_tiles_ > 0) {
         tw.x_rhs.prepare(at::kBFloat16, GemmOperand{xp, d, false}, bn, d);
-        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, bf16_tiles_, tw.x_rhs, alpha,
+        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, c_tiles_, tw.x_rhs, alpha,
                              cout, tw.lhs);
       } else {
         const void* xr = widen_ ? static_cast<const void*>(widened(tw.x32, tw.x32_of, xp, bn)) : xp;
@@ -532,12 +534,15 @@ class GradPass {
     return buf.data();
   }
 
-  // The bf16 tiles the gradient tile is multiplied as: 1 rounded, 2 split (hi + lo), 0 none
-  // (fp32 GEMMs, widen_ for 16-bit inputs).
-  static int bf16_tiles(at::ScalarType dtype, std::optional<bool> exact) {
-    if (dtype != at::kBFloat16) return 0;
+  // The bf16 tiles the dE (dw false) or dW GEMM multiplies: 1 (hi, the gradient tile rounded
+  // once), 2 (hi + lo, split) or 0 (fp32 GEMMs, widen_ for 16-bit inputs). An fp32 dW of bf16
+  // operands (master weights) takes hi + lo in the rounded mode too, as the CUDA backend does:
+  // a tile rounded to 8 bits would fall far below an fp32 gradient's precision, and the fix
+  // costs one GEMM, dW's, not dE's.
+  static int bf16_tiles(const Operands& o, std::optional<bool> exact, bool dw) {
+    if (o.dtype != at::kBFloat16) return 0;
     switch (cpu::bf16_grad(exact)) {
-      case cpu::Bf16Grad::rounded: return 1;
+      case cpu::Bf16Grad::rounded: return dw && o.w_dtype == at::kFloat ? 2 : 1;
       case cpu::Bf16Grad::split: return 2;
       case cpu::Bf16Grad::widened: return 0;
     }
@@ -545,7 +550,8 @@ class GradPass {
   }
 
   bool need_e_, need_c_, need_b_;
-  int bf16_tiles_;
+  int e_tiles_, c_tiles_;  // bf16_tiles of the dE and dW GEMMs
+  int bf16_tiles_;         // the tiles computed: hi, and lo where a GEMM takes it
   bool widen_;
   std::optional<Grad> ge_, gc_, gb_;
 };

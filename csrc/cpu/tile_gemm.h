@@ -59,7 +59,8 @@ bool bf16_gemm_amx();
 // How the backward multiplies a bf16 gradient tile G (fp32, from fp32 logits) by its operands
 // (docs/numerics.md):
 //   rounded  G rounded once to bf16, bf16 GEMMs with fp32 accumulation, as the CUDA backend
-//            does: dE and dW within 1.5x bf16's rounding floor (norm-wise), 2 GEMMs per tile;
+//            does: dE and dW within 1.5x bf16's rounding floor (norm-wise), 2 GEMMs per tile
+//            (an fp32 dW of master weights takes hi + lo, as CUDA's: flce_cpu.cpp GradPass);
 //   split    G = hi + lo, two bf16 tiles (~16 mantissa bits), 4 bf16 GEMMs: at the floor;
 //   widened  fp32 GEMMs on fp32 copies of the bf16 operands: at the floor, at fp32's cost.
 // `exact` is the caller's exact_bf16_grad. Unset: rounded where bf16 GEMMs run on AMX (there

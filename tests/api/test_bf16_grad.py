@@ -60,6 +60,9 @@ OPTS = {
     "plain": dict(),
     "options": dict(bias=True, softcap=20.0, label_smoothing=0.1, z_loss=1e-3, ignore=0.2,
                     temperature=0.7),
+    # fp32 master weights: an fp32 dW, held to fp32's bound in every mode (the rounded mode
+    # multiplies hi + lo for dW, as the CUDA backend does)
+    "master": dict(weight_dtype=torch.float32, bias=True),
 }
 
 
@@ -73,8 +76,9 @@ def test_each_mode_against_float64(mode, shape, opts, single_pass):
     name, exact = mode
     n, v, d = SHAPES[shape]
     o = dict(OPTS[opts])
-    x, w, t, b = rand_inputs(n, v, d, BF, seed=len(name) + n, scale=6.0, bias=o.pop("bias", False),
-                             ignore_frac=o.pop("ignore", 0.0))
+    x, w, t, b = rand_inputs(n, v, d, BF, seed=len(name) + n, scale=6.0,
+                             bias=o.pop("bias", False), ignore_frac=o.pop("ignore", 0.0),
+                             weight_dtype=o.pop("weight_dtype", None))
     if single_pass:
         check_flce(x, w, t, b, single_pass=True, exact_bf16_grad=exact, **o)
     else:
