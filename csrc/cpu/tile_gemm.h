@@ -64,10 +64,10 @@ bool bf16_gemm_amx();
 //   split    G = hi + lo, two bf16 tiles (~16 mantissa bits), 4 bf16 GEMMs: at the floor;
 //   widened  fp32 GEMMs on fp32 copies of the bf16 operands: at the floor, at fp32's cost.
 // `exact` is the caller's exact_bf16_grad. Unset: rounded where bf16 GEMMs run on AMX (there
-// the split's 2 extra GEMMs keep the step above eager's time), widened elsewhere (where bf16
-// GEMMs are no faster than fp32 ones, exact costs nothing). true: split on AMX, widened
-// elsewhere; FLCE_CPU_BF16_EXACT=split|widened picks either on any CPU (read at every call).
-// false: rounded on any CPU. The one place this rule lives: the backward, the single pass and
+// the split's 2 extra GEMMs keep the step above eager's time), widened elsewhere (where the
+// exact step already runs at about the time of its 3 GEMMs in torch). true: split on AMX,
+// widened elsewhere; FLCE_CPU_BF16_EXACT=split|widened picks either on any CPU (read at every
+// call). false: rounded on any CPU. The one place this rule lives: the backward, the single pass and
 // flce.build_info() ask here.
 enum class Bf16Grad { rounded, split, widened };
 Bf16Grad bf16_grad(std::optional<bool> exact);
