@@ -13,16 +13,12 @@ bool is_float_kind(at::ScalarType t) {
 }
 }  // namespace
 
-void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
-                       const std::optional<at::Tensor>& bias) {
+void check_linear_operands(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(input.dim() == 2, "flce: input must be [N, D], got ", input.sizes());
   TORCH_CHECK_VALUE(weight.dim() == 2, "flce: weight must be [V, D], got ", weight.sizes());
   TORCH_CHECK_VALUE(input.size(1) == weight.size(1), "flce: input has D=", input.size(1),
                     " but weight has D=", weight.size(1));
-  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == input.size(0),
-                    "flce: target must be [N] with N=", input.size(0), ", got ", target.sizes());
-  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "flce: target must be int64, got ",
-                   target.scalar_type());
   TORCH_CHECK_TYPE(is_float_kind(input.scalar_type()),
                    "flce: input must be float32, bfloat16 or float16, got ", input.scalar_type());
   TORCH_CHECK_TYPE(is_float_kind(weight.scalar_type()),
@@ -30,9 +26,9 @@ void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const 
   TORCH_CHECK_TYPE(weight.scalar_type() == input.scalar_type() || weight.scalar_type() == at::kFloat,
                    "flce: weight must have the input's dtype (", input.scalar_type(),
                    ") or be float32 master weights, got ", weight.scalar_type());
-  TORCH_CHECK_VALUE(input.device() == weight.device() && input.device() == target.device(),
-                    "flce: input, weight and target must be on one device, got ", input.device(),
-                    ", ", weight.device(), ", ", target.device());
+  TORCH_CHECK_VALUE(input.device() == weight.device(),
+                    "flce: input and weight must be on one device, got ", input.device(), ", ",
+                    weight.device());
   if (bias) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
                       "flce: bias must be [V] with V=", weight.size(0), ", got ", bias->sizes());
@@ -51,6 +47,63 @@ void check_rounded_grad(const at::Tensor& input, std::optional<bool> exact_bf16_
                     "pass None or False, or run the exact mode on the CPU backend");
 }
 
+void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+                       const std::optional<at::Tensor>& bias) {
+  check_linear_operands(input, weight, bias);
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == input.size(0),
+                    "flce: target must be [N] with N=", input.size(0), ", got ", target.sizes());
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "flce: target must be int64, got ",
+                   target.scalar_type());
+  TORCH_CHECK_VALUE(input.device() == target.device(),
+                    "flce: input and target must be on one device, got ", input.device(), ", ",
+                    target.device());
+}
+
+void check_soft_target_args(const at::Tensor& input, const at::Tensor& target,
+                            const std::optional<at::Tensor>& class_weight, int64_t v_local) {
+  const int64_t n = input.size(0);
+  if (target.scalar_type() == at::kLong) {
+    TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == n,
+                      "flce: class targets must be [N] with N=", n, ", got ", target.sizes());
+  } else {
+    TORCH_CHECK_TYPE(is_float_kind(target.scalar_type()),
+                     "flce: target must be int64 class ids or float32/bfloat16/float16 "
+                     "probabilities, got ", target.scalar_type());
+    TORCH_CHECK_VALUE(target.dim() == 2 && target.size(0) == n && target.size(1) == v_local,
+                      "flce: probability targets must be [N, V] with N=", n, ", V=", v_local,
+                      ", got ", target.sizes());
+  }
+  TORCH_CHECK_VALUE(target.device() == input.device(), "flce: target must be on ",
+                    input.device(), ", got ", target.device());
+  if (class_weight) {
+    TORCH_CHECK_VALUE(class_weight->dim() == 1 && class_weight->size(0) == v_local &&
+                          class_weight->scalar_type() == at::kFloat &&
+                          class_weight->device() == input.device(),
+                      "flce: class_weight must be float32 [V] with V=", v_local, " on ",
+                      input.device(), ", got ", class_weight->scalar_type(), " ",
+                      class_weight->sizes());
+  }
+}
+
+void check_soft_combine_args(const at::Tensor& partials, const at::Tensor& pivot,
+                             const std::optional<at::Tensor>& z_weight) {
+  TORCH_CHECK_VALUE(partials.dim() == 3 && partials.size(2) == kSoftCols &&
+                        partials.scalar_type() == at::kFloat,
+                    "flce: soft partials must be float32 [R, N, ", kSoftCols, "], got ",
+                    partials.sizes());
+  TORCH_CHECK_VALUE(pivot.dim() == 2 && pivot.size(0) == partials.size(0) &&
+                        pivot.size(1) == partials.size(1) && pivot.scalar_type() == at::kLong &&
+                        pivot.device() == partials.device(),
+                    "flce: pivot must be int64 [R, N] beside partials ", partials.sizes(),
+                    ", got ", pivot.sizes());
+  if (z_weight) {
+    TORCH_CHECK_VALUE(z_weight->dim() == 1 && z_weight->size(0) == partials.size(1) &&
+                          z_weight->scalar_type() == at::kFloat &&
+                          z_weight->device() == partials.device(),
+                      "flce: z_weight must be float32 [N]");
+  }
+}
+
 void check_combine_args(const at::Tensor& partials, const at::Tensor& target) {
   TORCH_CHECK_VALUE(partials.dim() == 3 && partials.size(2) == kPartialCols &&
                         partials.size(1) == target.size(0),
@@ -66,10 +119,12 @@ namespace {
 // The per-row upstream gradients and statistics of a backward over n rows.
 void check_row_grads(int64_t n, const at::Tensor& grad_loss,
                      const std::optional<at::Tensor>& grad_lse,
-                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats);
+                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats,
+                     int64_t stats_cols = kStatsCols);
 }  // namespace
 
-void check_logits_args(const at::Tensor& logits, const at::Tensor& target) {
+namespace {
+void check_logits_tensor(const at::Tensor& logits) {
   TORCH_CHECK_VALUE(logits.dim() == 2, "flce: logits must be [N, V], got ", logits.sizes());
   TORCH_CHECK_TYPE(is_float_kind(logits.scalar_type()),
                    "flce: logits must be float32, bfloat16 or float16, got ",
@@ -78,6 +133,11 @@ void check_logits_args(const at::Tensor& logits, const at::Tensor& target) {
   TORCH_CHECK_VALUE(logits.stride(1) == 1 || logits.size(1) <= 1 || logits.numel() == 0,
                     "flce: logits must have a unit column stride, got strides ",
                     logits.strides());
+}
+}  // namespace
+
+void check_logits_args(const at::Tensor& logits, const at::Tensor& target) {
+  check_logits_tensor(logits);
   TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == logits.size(0),
                     "flce: target must be [N] with N=", logits.size(0), ", got ", target.sizes());
   TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "flce: target must be int64, got ",
@@ -96,6 +156,39 @@ void check_logits_backward_args(const at::Tensor& grad_loss,
   check_row_grads(logits.size(0), grad_loss, grad_lse, grad_entropy, stats);
 }
 
+void check_soft_backward_args(const at::Tensor& grad_loss,
+                              const std::optional<at::Tensor>& grad_lse,
+                              const std::optional<at::Tensor>& grad_entropy,
+                              const at::Tensor& input, const at::Tensor& weight,
+                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& class_weight,
+                              const at::Tensor& stats, const at::Tensor& pivot,
+                              const std::optional<at::Tensor>& z_weight) {
+  check_linear_operands(input, weight, bias);
+  check_soft_target_args(input, target, class_weight, weight.size(0));
+  check_soft_rows(input.size(0), grad_loss, grad_lse, grad_entropy, stats, pivot, z_weight);
+}
+
+void check_soft_logits_args(const at::Tensor& logits, const at::Tensor& target,
+                            const std::optional<at::Tensor>& class_weight) {
+  check_logits_tensor(logits);
+  check_soft_target_args(logits, target, class_weight, logits.size(1));
+}
+
+void check_soft_rows(int64_t n, const at::Tensor& grad_loss,
+                     const std::optional<at::Tensor>& grad_lse,
+                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats,
+                     const at::Tensor& pivot, const std::optional<at::Tensor>& z_weight) {
+  check_row_grads(n, grad_loss, grad_lse, grad_entropy, stats, kSoftCols);
+  TORCH_CHECK_VALUE(pivot.dim() == 1 && pivot.size(0) == n && pivot.scalar_type() == at::kLong,
+                    "flce: pivot must be int64 [N], got ", pivot.sizes());
+  if (z_weight) {
+    TORCH_CHECK_VALUE(z_weight->dim() == 1 && z_weight->size(0) == n &&
+                          z_weight->scalar_type() == at::kFloat,
+                      "flce: z_weight must be float32 [N]");
+  }
+}
+
 void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
                          const at::Tensor& input, const at::Tensor& weight,
                          const at::Tensor& target, const std::optional<at::Tensor>& bias,
@@ -107,7 +200,8 @@ void check_backward_args(const at::Tensor& grad_loss, const std::optional<at::Te
 namespace {
 void check_row_grads(int64_t n, const at::Tensor& grad_loss,
                      const std::optional<at::Tensor>& grad_lse,
-                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats) {
+                     const std::optional<at::Tensor>& grad_entropy, const at::Tensor& stats,
+                     int64_t stats_cols) {
   TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == n &&
                         grad_loss.scalar_type() == at::kFloat,
                     "flce: grad_loss must be float32 [N], got ", grad_loss.sizes(), " ",
@@ -122,9 +216,9 @@ void check_row_grads(int64_t n, const at::Tensor& grad_loss,
                           grad_entropy->scalar_type() == at::kFloat,
                       "flce: grad_entropy must be float32 [N]");
   }
-  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(0) == n && stats.size(1) == kStatsCols &&
+  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(0) == n && stats.size(1) == stats_cols &&
                         stats.scalar_type() == at::kFloat,
-                    "flce: stats must be float32 [N, ", kStatsCols, "], got ", stats.sizes());
+                    "flce: stats must be float32 [N, ", stats_cols, "], got ", stats.sizes());
 }
 }  // namespace
 

@@ -33,6 +33,42 @@ Tensor4 forward_composite(const at::Tensor& input, const at::Tensor& weight,
                          label_smoothing, z_loss);
 }
 
+// soft_forward = soft_combine(soft_partial_stats(...)) on one device, composite as forward.
+Tensor5 soft_forward_composite(const at::Tensor& input, const at::Tensor& weight,
+                               const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& class_weight,
+                               const std::optional<at::Tensor>& z_weight, int64_t ignore_index,
+                               double label_smoothing, double z_loss, double softcap,
+                               double temperature) {
+  static auto partial_op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("flce::soft_partial_stats", "")
+                               .typed<SoftPartialStatsFn>();
+  static auto combine_op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("flce::soft_combine", "")
+                               .typed<SoftCombineFn>();
+  auto [partials, pivot] =
+      partial_op.call(input, weight, target, bias, class_weight, 0, weight.size(0), ignore_index,
+                      label_smoothing, softcap, temperature);
+  return combine_op.call(partials.unsqueeze(0), pivot.unsqueeze(0), z_weight, z_loss);
+}
+
+// soft_logits_forward = soft_combine(soft_logits_stats(...)) on one device.
+Tensor5 soft_logits_forward_composite(const at::Tensor& logits, const at::Tensor& target,
+                                      const std::optional<at::Tensor>& class_weight,
+                                      const std::optional<at::Tensor>& z_weight,
+                                      int64_t ignore_index, double label_smoothing,
+                                      double z_loss, double softcap, double temperature) {
+  static auto stats_op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flce::soft_logits_stats", "")
+                             .typed<SoftLogitsStatsFn>();
+  static auto combine_op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("flce::soft_combine", "")
+                               .typed<SoftCombineFn>();
+  auto [partials, pivot] = stats_op.call(logits, target, class_weight, 0, logits.size(1),
+                                         ignore_index, label_smoothing, softcap, temperature);
+  return combine_op.call(partials.unsqueeze(0), pivot.unsqueeze(0), z_weight, z_loss);
+}
+
 TORCH_LIBRARY(flce, m) {
   define_ops(m);
   // The CPU backend's tile GEMM path in this process, "onednn" or "blas" (csrc/cpu/tile_gemm.h);
@@ -54,16 +90,20 @@ TORCH_LIBRARY(flce, m) {
   // The sizes of the CPU single pass's logits (cpu/single_pass.h), for Python's model of the
   // pass's memory (flce/_common.py, cpu_single_pass_bytes): [rows per block, logits bytes for
   // fp32 inputs, for 16-bit inputs, columns per tile, tile row padding in floats].
-  // The row layouts of partials and stats (flce/layout.h): [kPartialCols, kStatsCols].
+  // The row layouts (flce/layout.h): [kPartialCols, kStatsCols, kSoftCols].
   m.def("row_layout() -> int[]",
-        [] { return std::vector<int64_t>{kPartialCols, kStatsCols}; });
+        [] { return std::vector<int64_t>{kPartialCols, kStatsCols, kSoftCols}; });
   m.def("cpu_single_pass_layout() -> int[]", [] {
     return std::vector<int64_t>{cpu::FUSED_BLOCK_N, cpu::kFusedWorkspaceBytes,
                                 cpu::kFusedWorkspaceBytes16, cpu::BLOCK_V_WIDE, cpu::TILE_PAD};
   });
 }
 
-TORCH_LIBRARY_IMPL(flce, CompositeExplicitAutograd, m) { m.impl("forward", &forward_composite); }
+TORCH_LIBRARY_IMPL(flce, CompositeExplicitAutograd, m) {
+  m.impl("forward", &forward_composite);
+  m.impl("soft_forward", &soft_forward_composite);
+  m.impl("soft_logits_forward", &soft_logits_forward_composite);
+}
 
 }  // namespace flce
 

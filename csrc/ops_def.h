@@ -75,6 +75,37 @@ inline void define_ops(torch::Library& m) {
       "int vocab_start=0, int vocab_size=-1, str? group_name=None, int group_size=1, "
       "float temperature=1.0, bool? exact_bf16_grad=None) -> "
       "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // Target distributions (math.h SoftRow): probability targets (soft labels), and class
+  // targets with per-class weights and label smoothing, every term of the loss taken from the
+  // row's largest logit (collapse-safe). target: this shard's probabilities [N, V_local] (any
+  // float dtype) or class ids [N] int64 (global; ignore_index rows have no target weight);
+  // class_weight: this shard's per-class weights [V_local] fp32, or None. The target weights are
+  // y_c = w_c ((1 - label_smoothing) q_c + label_smoothing / vocab_size).
+  // Returns [N, 7] fp32 = (m_x, s_x, p, u_x, y_a, y_rest, g) and the pivot a [N] int64 (the
+  // global class id of the shard's largest logit; -1 for an empty shard).
+  m.def(
+      "soft_partial_stats(Tensor input, Tensor weight, Tensor target, Tensor? bias, "
+      "Tensor? class_weight, int vocab_start, int vocab_size, int ignore_index, "
+      "float label_smoothing, float softcap, float temperature) -> (Tensor, Tensor)");
+  // Merge R shards' partials [R, N, 7] and pivots [R, N] in rank order: the unreduced loss [N],
+  // lse [N], the merged state [N, 7] and pivot [N] (the backward's stats) and the entropy [N].
+  // z_weight: the z-loss's row weights [N] fp32; None: each row's target mass sum_c y_c.
+  m.def(
+      "soft_combine(Tensor partials, Tensor pivot, Tensor? z_weight, float z_loss) -> "
+      "(Tensor loss, Tensor lse, Tensor stats, Tensor pivot_out, Tensor entropy)");
+  // One device: soft_combine(soft_partial_stats(...)).
+  m.def(
+      "soft_forward(Tensor input, Tensor weight, Tensor target, Tensor? bias, "
+      "Tensor? class_weight, Tensor? z_weight, int ignore_index, float label_smoothing, "
+      "float z_loss, float softcap, float temperature) -> "
+      "(Tensor loss, Tensor lse, Tensor stats, Tensor pivot, Tensor entropy)");
+  // Gradients from recomputed logit tiles and soft_combine's stats and pivot, as backward's.
+  m.def(
+      "soft_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, Tensor input, "
+      "Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, Tensor stats, "
+      "Tensor pivot, Tensor? z_weight, int vocab_start, int vocab_size, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap, float temperature, "
+      "bool[3] output_mask) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
   m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");
   // The same for one slice [1, ...] already in the gradient's dtype, in place: the gradient is
@@ -106,6 +137,23 @@ inline void define_ops(torch::Library& m) {
   m.def(
       "logits_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, Tensor logits, "
       "Tensor target, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap, float temperature) -> Tensor");
+  // Target distributions on given logits (soft_partial_stats' formats and target weights).
+  m.def(
+      "soft_logits_stats(Tensor logits, Tensor target, Tensor? class_weight, int vocab_start, "
+      "int vocab_size, int ignore_index, float label_smoothing, float softcap, "
+      "float temperature) -> (Tensor, Tensor)");
+  // One device: soft_combine(soft_logits_stats(...)).
+  m.def(
+      "soft_logits_forward(Tensor logits, Tensor target, Tensor? class_weight, "
+      "Tensor? z_weight, int ignore_index, float label_smoothing, float z_loss, float softcap, "
+      "float temperature) -> (Tensor loss, Tensor lse, Tensor stats, Tensor pivot, "
+      "Tensor entropy)");
+  // d objective / d logits in the logits' dtype from soft_combine's stats and pivot.
+  m.def(
+      "soft_logits_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, "
+      "Tensor logits, Tensor target, Tensor? class_weight, Tensor stats, Tensor pivot, "
+      "Tensor? z_weight, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, float temperature) -> Tensor");
   // The same gradient written over the logits, which must not be needed afterwards (each
   // element is read before its gradient replaces it).

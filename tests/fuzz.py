@@ -72,7 +72,7 @@ class Case:
     dtype: str = "fp32"
     master: bool = False          # linear, 16-bit: fp32 weight (master weights)
     bias: bool = False            # linear
-    class_weight: bool = False    # logits
+    class_weight: bool = False
     ignore: float = 0.0           # fraction of ignored rows
     reduction: str = "mean"
     label_smoothing: float = 0.0
@@ -109,7 +109,7 @@ def draw(rng, backend):
     c.dtype = rng.choice(list(DTYPES))
     c.master = c.dtype != "fp32" and rng.random() < 0.3
     c.bias = rng.random() < 0.4
-    c.class_weight = c.entry == "logits" and rng.random() < 0.3
+    c.class_weight = rng.random() < 0.3
     c.ignore = rng.choice([0.0, 0.0, 0.2, 1.0])
     c.reduction = rng.choice(["mean", "sum", "none"])
     c.label_smoothing = rng.choice([0.0, 0.0, 0.1, 0.5])
@@ -206,8 +206,8 @@ def make_inputs(c):
         elif len(c.lead) == 2:
             logits = logits.movedim(-1, 1)  # (N, C, d1)
         out["input"] = logits
-        if c.class_weight:
-            out["class_weight"] = (torch.rand(c.v, generator=g, dtype=torch.float64) + 0.25).float()
+    if c.class_weight:
+        out["class_weight"] = (torch.rand(c.v, generator=g, dtype=torch.float64) + 0.25).float()
     out["target"] = _view(out["target"], c.t_layout)
     return out
 
@@ -233,7 +233,8 @@ def run_flce(c, inputs):
         res = flce.linear_cross_entropy(leaves["input"], leaves["weight"], inputs["target"],
                                         bias=leaves.get("bias"), return_lse=c.lse,
                                         return_entropy=c.entropy, single_pass=c.single_pass,
-                                        exact_bf16_grad=c.exact_bf16_grad, **opts)
+                                        exact_bf16_grad=c.exact_bf16_grad,
+                                        class_weight=inputs.get("class_weight"), **opts)
     else:
         res = flce.cross_entropy(leaves["input"], inputs["target"],
                                  weight=inputs.get("class_weight"), return_lse=c.lse,
@@ -443,7 +444,7 @@ def check(c):
             cuda_emulation.load()
         inputs = make_inputs(c)
         if c.backend == "cuda-host":
-            with flce._ops.routed_to(cuda_emulation.NAMESPACE):
+            with cuda_emulation.routed():
                 got = run_flce(c, inputs)
         else:
             got = run_flce(c, inputs)

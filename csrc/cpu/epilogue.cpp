@@ -60,6 +60,26 @@ FLCE_CLONES void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap
   }
 }
 
+FLCE_CLONES void row_soft_sums(const float* z, const float* y, int64_t n, float p,
+                               float* y_sum, float* g_sum) {
+  float ys = 0.f, gs = 0.f;
+#pragma omp simd reduction(+ : ys, gs)
+  for (int64_t j = 0; j < n; ++j) {
+    ys += y[j];
+    gs += soft_gap_term(y[j], p, z[j]);
+  }
+  *y_sum = ys;
+  *g_sum = gs;
+}
+
+FLCE_CLONES void row_soft_grad_fill(float* z, const float* y, int64_t n, const RowGrad& rg,
+                                    float cap, float temp) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    z[j] = soft_logit_grad(rg, z[j], y[j]) * logit_transform_grad(z[j], cap, temp);
+  }
+}
+
 void row_bias_softcap(float* z, const float* bias, int64_t n, float cap, float temp) {
   if (bias) {
     for (int64_t j = 0; j < n; ++j) z[j] += bias[j];

@@ -22,6 +22,13 @@ float row_sum(const float* z, int64_t n);
 // z[j] <- logit_grad(rg, z[j]) * dz/du(z[j]): the non-target gradient of a row (softcap and
 // temperature chain rule).
 void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap, float temp);
+// *y_sum = sum_j y[j], *g_sum = sum_j soft_gap_term(y[j], p, z[j]) (a target distribution's
+// y_rest and G, math.h SoftRow).
+void row_soft_sums(const float* z, const float* y, int64_t n, float p, float* y_sum, float* g_sum);
+// z[j] <- soft_logit_grad(rg, z[j], y[j]) * dz/du(z[j]): a target distribution's non-pivot
+// gradient.
+void row_soft_grad_fill(float* z, const float* y, int64_t n, const RowGrad& rg, float cap,
+                        float temp);
 // z[j] <- softcap(z[j] + bias[j]) / temp (bias may be null, cap <= 0 disables the softcap,
 // temp = 1 the temperature).
 void row_bias_softcap(float* z, const float* bias, int64_t n, float cap, float temp);

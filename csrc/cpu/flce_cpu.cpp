@@ -305,6 +305,7 @@ struct TileWork {
   std::vector<float> t_grad;        // per tile row: the target column's gradient
   std::vector<float> row_max;       // per tile row: max |gradient| (bf16 split scale)
   std::vector<float> prod, colsum;  // a scaled operand row; the tile's column sums (bias)
+  std::vector<float> y;             // target distributions: a row's target weights
   // 16-bit inputs multiplied in fp32: the tile's weight rows and input rows widened, and which
   // rows they hold (the operand's address).
   std::vector<float> w32, x32;
@@ -328,6 +329,7 @@ struct TileWork {
     row_max.resize(rows);
     prod.resize(d);
     colsum.resize(bv);
+    y.resize(bv);
   }
 };
 
@@ -359,6 +361,9 @@ class GradPass {
   }
 
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
+  // A target distribution's backward: each row's column gradients subtract u y_c (math.h
+  // soft_logit_grad), and the target column is the row's pivot.
+  void set_soft(const cpu::SoftTargets* soft) { soft_ = soft; }
   // own_tile: a tile buffer of its own (the single pass' tiles are in its row block's logits)
   TileWork tile_work(int64_t rows, bool own_tile = true) const {
     return TileWork(rows, o_.ld_tile(), own_tile, bf16_tiles_, widen_, o_.d, o_.block_v);
@@ -391,7 +396,12 @@ class GradPass {
       const int64_t tl = tw.ts[r] - v0;
       const bool has_t = tw.ts[r] >= 0 && tl >= 0 && tl < bv;
       const float z_target = has_t ? row[tl] : 0.f;
-      cpu::row_grad_fill(row, bv, tw.rg[r], cap_, temp_);
+      if (soft_) {
+        soft_->fill(n0 + r, v0, bv, tw.y.data());
+        cpu::row_soft_grad_fill(row, tw.y.data(), bv, tw.rg[r], cap_, temp_);
+      } else {
+        cpu::row_grad_fill(row, bv, tw.rg[r], cap_, temp_);
+      }
       // The target column leaves the tile: its gradient (about -1 while the others are about
       // 1/V) would dominate every fp32 partial sum of the tile GEMMs, whose rounding error
       // scales with those partial sums. It is added on its own below, exactly once per row.
@@ -554,6 +564,7 @@ class GradPass {
   int bf16_tiles_;         // the tiles computed: hi, and lo where a GEMM takes it
   bool widen_;
   std::optional<Grad> ge_, gc_, gb_;
+  const cpu::SoftTargets* soft_ = nullptr;
 };
 
 // How the backward's workers share a shard: the split axis is the smaller one (its gradient is
@@ -578,15 +589,25 @@ BackwardPlan backward_plan(const Operands& o) {
   return p;
 }
 
-// The backward over the shard's tiles, recomputing each logit tile.
+// A target distribution's backward (soft_backward): its target weights, its rows' pivots and
+// z-loss row weights (null: each row's target mass).
+struct SoftBackward {
+  cpu::SoftTargets y;
+  const int64_t* pivot;
+  const float* z_weight;
+};
+
+// The backward over the shard's tiles, recomputing each logit tile. soft: a target
+// distribution's (st then holds kSoftCols per row and t is unused), or null.
 Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, const int64_t* t,
                      const float* g, const float* glse, const float* gent, const float* st,
                      int64_t vocab_start, int64_t ignore_index, const LossOptions& opt,
                      std::array<bool, 3> mask, bool deferred,
-                     std::optional<bool> exact_bf16_grad) {
+                     std::optional<bool> exact_bf16_grad, const SoftBackward* soft = nullptr) {
   const BackwardPlan plan = backward_plan(o);
-  const GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap,
-                      opt.temperature, deferred, exact_bf16_grad);
+  GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap,
+                opt.temperature, deferred, exact_bf16_grad);
+  if (soft) pass.set_soft(&soft->y);
   if (!pass.needs_any()) return pass.outputs();
   const bool rows_split = plan.split == Axis::rows;
   const int64_t split_extent = rows_split ? o.n : o.v, other_extent = rows_split ? o.v : o.n;
@@ -604,6 +625,15 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
         const int64_t v0 = rows_split ? x0 : s0, bv = rows_split ? xb : sb;
         for (int64_t r = 0; r < bn; ++r) {
           const int64_t i = n0 + r;
+          if (soft) {
+            const float* si = st + kSoftCols * i;  // (m_x, s_x, p, u_x, y_a, y_rest, g)
+            const float zw = soft->z_weight ? soft->z_weight[i] : si[4] + si[5];
+            tw.rg[r] = soft_row_grad(OnlineLse{si[0], si[1], si[3]}, si[2], si[4], si[5], zw,
+                                     g[i], glse ? glse[i] : 0.f, opt.z_loss,
+                                     gent ? gent[i] : 0.f);
+            tw.ts[r] = soft->pivot[i] < 0 ? -1 : soft->pivot[i] - vocab_start;
+            continue;
+          }
           const bool ign = row_ignored(t[i], ignore_index);
           const float* si = st + kStatsCols * i;  // (m_x, s_x, z_t, u_x)
           tw.rg[r] = row_grad(OnlineLse{si[0], si[1], si[3]}, si[2], ign, g[i],
@@ -650,6 +680,80 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                       vocab_start, ignore_index,
                       loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
                       output_mask, /*deferred=*/false, exact_bf16_grad);
+}
+
+std::tuple<at::Tensor, at::Tensor> soft_partial_stats_cpu(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& class_weight,
+    int64_t vocab_start, int64_t vocab_size, int64_t ignore_index, double label_smoothing,
+    double softcap, double temperature) {
+  check_linear_operands(input, weight, bias);
+  check_soft_target_args(input, target, class_weight, weight.size(0));
+  const Operands o = prepare(input, weight, bias);
+  std::vector<at::Tensor> keep;
+  const cpu::SoftTargets y = cpu::soft_targets(target, class_weight, o.n, o.v, vocab_start,
+                                               vocab_size, ignore_index, label_smoothing, keep);
+  const float cap = static_cast<float>(softcap), temp = static_cast<float>(temperature);
+  at::Tensor out = at::empty({o.n, kSoftCols}, input.options().dtype(at::kFloat));
+  at::Tensor pivot = at::empty({o.n}, input.options().dtype(at::kLong));
+  float* st = out.data_ptr<float>();
+  int64_t* pv = pivot.data_ptr<int64_t>();
+  // As partial_stats_cpu: workers own rows, whose states fold their tiles in vocabulary order.
+  const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
+  cpu::run_workers(workers, [&](int64_t w) {
+    const Span rows = cpu::split(o.n, workers, w, ALIGN);
+    const Tiles row_tiles(rows, BLOCK_N, ALIGN);
+    std::vector<float> tile(row_tiles.step * o.ld_tile()), yrow(o.block_v);
+    std::vector<SoftRow> state(rows.size(), soft_empty());
+    Rhs wt;
+    LhsScratch lhs;
+    o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
+      row_tiles.each([&](int64_t n0, int64_t bn) {
+        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), wt, lhs);
+        for (int64_t r = 0; r < bn; ++r) {
+          y.fill(n0 + r, v0, bv, yrow.data());
+          cpu::fold_soft_row(tile.data() + r * o.ld_tile(), yrow.data(), bv, vocab_start + v0,
+                             state[n0 - rows.begin + r]);
+        }
+      });
+    });
+    for (int64_t i = rows.begin; i < rows.end; ++i) {
+      soft_store(state[i - rows.begin], st + i * kSoftCols);
+      pv[i] = state[i - rows.begin].a;
+    }
+  });
+  return {out, pivot};
+}
+
+Tensor3 soft_backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+                          const std::optional<at::Tensor>& grad_entropy, const at::Tensor& input,
+                          const at::Tensor& weight, const at::Tensor& target,
+                          const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& class_weight, const at::Tensor& stats,
+                          const at::Tensor& pivot, const std::optional<at::Tensor>& z_weight,
+                          int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
+                          double label_smoothing, double z_loss, double softcap,
+                          double temperature, std::array<bool, 3> output_mask) {
+  check_soft_backward_args(grad_loss, grad_lse, grad_entropy, input, weight, target, bias,
+                           class_weight, stats, pivot, z_weight);
+  const Operands o = prepare(input, weight, bias);
+  std::vector<at::Tensor> keep;
+  const at::Tensor gl = grad_loss.contiguous();  // an expanded scalar becomes [N]: small
+  const at::Tensor glse = grad_lse ? grad_lse->contiguous() : at::Tensor();
+  const at::Tensor gent = grad_entropy ? grad_entropy->contiguous() : at::Tensor();
+  const at::Tensor st = stats.contiguous(), pv = pivot.contiguous();
+  const at::Tensor zw = z_weight ? z_weight->contiguous() : at::Tensor();
+  const SoftBackward soft{cpu::soft_targets(target, class_weight, o.n, o.v, vocab_start,
+                                            vocab_size, ignore_index, label_smoothing, keep),
+                          pv.data_ptr<int64_t>(), zw.defined() ? zw.data_ptr<float>() : nullptr};
+  return run_backward(o, bias, nullptr, gl.data_ptr<float>(),
+                      glse.defined() ? glse.data_ptr<float>() : nullptr,
+                      gent.defined() ? gent.data_ptr<float>() : nullptr, st.data_ptr<float>(),
+                      vocab_start, ignore_index,
+                      loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
+                      // Target distributions keep exact bf16 gradients: exact_bf16_grad is not
+                      // an argument of their ops.
+                      output_mask, /*deferred=*/false, /*exact_bf16_grad=*/true, &soft);
 }
 
 // Rows per block of the fused forward+backward (FUSED_BLOCK_N and the workspace bounds of
@@ -881,9 +985,82 @@ Tensor4 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
   return {loss, lse, stats, ent};
 }
 
+SoftTargets soft_targets(const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+                         int64_t n, int64_t v_local, int64_t vocab_start, int64_t vocab_size,
+                         int64_t ignore_index, double label_smoothing,
+                         std::vector<at::Tensor>& keep) {
+  SoftTargets y;
+  const at::Tensor tgt = target.scalar_type() == at::kLong ? target.contiguous() : target;
+  if (tgt.scalar_type() == at::kLong) {
+    TORCH_CHECK_VALUE(tgt.dim() == 1 && tgt.size(0) == n, "flce: class targets must be [N] with N=",
+                      n, ", got ", tgt.sizes());
+    y.t = tgt.data_ptr<int64_t>();
+    check_targets(y.t, n, vocab_size, ignore_index);
+  } else {
+    TORCH_CHECK_VALUE(tgt.dim() == 2 && tgt.size(0) == n && tgt.size(1) == v_local,
+                      "flce: probability targets must be [N, V] with N=", n, ", V=", v_local,
+                      ", got ", tgt.sizes());
+    // Rows may be strided (a slice of a wider tensor); the columns are read contiguously.
+    const at::Tensor q = tgt.stride(1) == 1 || v_local <= 1 ? tgt : tgt.contiguous();
+    y.q = q.data_ptr();
+    y.q_dtype = row_dtype(q.scalar_type());
+    y.ldq = n > 1 ? q.stride(0) : v_local;
+    keep.push_back(q);
+  }
+  keep.push_back(tgt);
+  if (class_weight) {
+    const at::Tensor w = class_weight->contiguous();
+    keep.push_back(w);
+    y.w = w.data_ptr<float>();
+  }
+  y.ignore_index = ignore_index;
+  y.alpha = static_cast<float>(1.0 - label_smoothing);
+  y.beta = static_cast<float>(label_smoothing / static_cast<double>(vocab_size));
+  y.vocab_start = vocab_start;
+  return y;
+}
+
+Tensor5 soft_combine_cpu(const at::Tensor& partials, const at::Tensor& pivot,
+                         const std::optional<at::Tensor>& z_weight, double z_loss) {
+  check_soft_combine_args(partials, pivot, z_weight);
+  const at::Tensor p = partials.contiguous(), pv = pivot.contiguous();
+  const at::Tensor zw = z_weight ? z_weight->contiguous() : at::Tensor();
+  const int64_t ranks = p.size(0), n = p.size(1);
+  auto f32 = p.options();
+  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32), ent = at::empty({n}, f32),
+             stats = at::empty({n, kSoftCols}, f32), piv = at::empty({n}, pv.options());
+  const float* pp = p.data_ptr<float>();
+  const int64_t* pa = pv.data_ptr<int64_t>();
+  const float* zp = zw.defined() ? zw.data_ptr<float>() : nullptr;
+  float* lo = loss.data_ptr<float>();
+  float* ls = lse.data_ptr<float>();
+  float* sp = stats.data_ptr<float>();
+  float* ep = ent.data_ptr<float>();
+  int64_t* po = piv.data_ptr<int64_t>();
+  const float zl = static_cast<float>(z_loss);
+  at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      SoftRow st = soft_empty();
+      for (int64_t r = 0; r < ranks; ++r) {  // fixed rank order: deterministic
+        st = soft_merge(st, soft_load(pp + (r * n + i) * kSoftCols, pa[r * n + i]));
+      }
+      const SoftLoss sl = soft_row_loss(st, zp ? zp[i] : st.y_a + st.y_rest, zl);
+      lo[i] = sl.loss;
+      ls[i] = sl.lse;
+      ep[i] = row_entropy(st.x, st.p, st.a < 0);
+      soft_store(st, sp + kSoftCols * i);
+      po[i] = st.a;
+    }
+  });
+  return {loss, lse, stats, piv, ent};
+}
+
 }  // namespace cpu
 
 TORCH_LIBRARY_IMPL(flce, CPU, m) {
+  m.impl("soft_partial_stats", &soft_partial_stats_cpu);
+  m.impl("soft_combine", &cpu::soft_combine_cpu);
+  m.impl("soft_backward", &soft_backward_cpu);
   m.impl("partial_stats", &partial_stats_cpu);
   m.impl("combine", &cpu::combine_cpu);
   m.impl("backward", &backward_cpu);

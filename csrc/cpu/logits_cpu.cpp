@@ -165,9 +165,91 @@ void logits_backward_inplace_cpu(const at::Tensor& grad_loss,
               ignore_index, label_smoothing, z_loss, softcap, temperature, logits);
 }
 
+// Target distributions (soft_logits_stats, soft_logits_backward): as above, with each chunk's
+// target weights beside it (rows.h SoftTargets, fold_soft_row).
+std::tuple<at::Tensor, at::Tensor> soft_logits_stats_cpu(
+    const at::Tensor& logits, const at::Tensor& target,
+    const std::optional<at::Tensor>& class_weight, int64_t vocab_start, int64_t vocab_size,
+    int64_t ignore_index, double label_smoothing, double softcap, double temperature) {
+  check_soft_logits_args(logits, target, class_weight);
+  const Logits z(logits, softcap, temperature);
+  std::vector<at::Tensor> keep;
+  const SoftTargets y = soft_targets(target, class_weight, z.n, z.v, vocab_start, vocab_size,
+                                     ignore_index, label_smoothing, keep);
+  at::Tensor out = at::empty({z.n, kSoftCols}, logits.options().dtype(at::kFloat));
+  at::Tensor pivot = at::empty({z.n}, logits.options().dtype(at::kLong));
+  float* st = out.data_ptr<float>();
+  int64_t* pv = pivot.data_ptr<int64_t>();
+  for_rows(z.n, [&](int64_t i, float* buf) {
+    std::vector<float> yb(std::min(kChunk, z.v));
+    SoftRow row = soft_empty();
+    for (int64_t c0 = 0; c0 < z.v; c0 += kChunk) {
+      const int64_t cn = std::min(kChunk, z.v - c0);
+      z.load(i, c0, cn, buf);
+      y.fill(i, c0, cn, yb.data());
+      fold_soft_row(buf, yb.data(), cn, vocab_start + c0, row);
+    }
+    soft_store(row, st + i * kSoftCols);
+    pv[i] = row.a;
+  });
+  return {out, pivot};
+}
+
+at::Tensor soft_logits_backward_cpu(
+    const at::Tensor& grad_loss, const std::optional<at::Tensor>& grad_lse,
+    const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+    const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+    const at::Tensor& stats, const at::Tensor& pivot, const std::optional<at::Tensor>& z_weight,
+    int64_t vocab_start, int64_t vocab_size, int64_t ignore_index, double label_smoothing,
+    double z_loss, double softcap, double temperature) {
+  check_soft_logits_args(logits, target, class_weight);
+  check_soft_rows(logits.size(0), grad_loss, grad_lse, grad_entropy, stats, pivot, z_weight);
+  const Logits z(logits, softcap, temperature);
+  std::vector<at::Tensor> keep;
+  const SoftTargets y = soft_targets(target, class_weight, z.n, z.v, vocab_start, vocab_size,
+                                     ignore_index, label_smoothing, keep);
+  const at::Tensor st = stats.contiguous(), pv = pivot.contiguous();
+  const at::Tensor g = grad_loss.contiguous();
+  const at::Tensor gl = grad_lse ? grad_lse->contiguous() : at::Tensor();
+  const at::Tensor ge = grad_entropy ? grad_entropy->contiguous() : at::Tensor();
+  const at::Tensor zw = z_weight ? z_weight->contiguous() : at::Tensor();
+  const float* sp = st.data_ptr<float>();
+  const int64_t* pp = pv.data_ptr<int64_t>();
+  const float* gp = g.data_ptr<float>();
+  const float* glp = gl.defined() ? gl.data_ptr<float>() : nullptr;
+  const float* gep = ge.defined() ? ge.data_ptr<float>() : nullptr;
+  const float* zwp = zw.defined() ? zw.data_ptr<float>() : nullptr;
+  const float zl = static_cast<float>(z_loss);
+  at::Tensor out = at::empty(logits.sizes(), logits.options());
+  char* ob = static_cast<char*>(out.data_ptr());
+  const int64_t out_ld = z.n > 1 ? out.stride(0) : z.v;
+  for_rows(z.n, [&](int64_t i, float* buf) {
+    std::vector<float> yb(std::min(kChunk, z.v));
+    const float* s = sp + kSoftCols * i;  // (m_x, s_x, p, u_x, y_a, y_rest, g)
+    const RowGrad rg = soft_row_grad(OnlineLse{s[0], s[1], s[3]}, s[2], s[4], s[5],
+                                     zwp ? zwp[i] : s[4] + s[5], gp[i], glp ? glp[i] : 0.f, zl,
+                                     gep ? gep[i] : 0.f);
+    const int64_t al = pp[i] < 0 ? -1 : pp[i] - vocab_start;
+    for (int64_t c0 = 0; c0 < z.v; c0 += kChunk) {
+      const int64_t cn = std::min(kChunk, z.v - c0);
+      z.load(i, c0, cn, buf);
+      y.fill(i, c0, cn, yb.data());
+      const int64_t ac = al - c0;
+      const bool has_a = al >= 0 && ac >= 0 && ac < cn;
+      const float z_pivot = has_a ? buf[ac] : 0.f;
+      row_soft_grad_fill(buf, yb.data(), cn, rg, z.cap, z.temp);
+      if (has_a) buf[ac] = rg.dz_t * logit_transform_grad(z_pivot, z.cap, z.temp);
+      row_store(buf, ob + (i * out_ld + c0) * z.es, z.dtype, cn);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flce, CPU, m) {
+  m.impl("soft_logits_stats", &soft_logits_stats_cpu);
+  m.impl("soft_logits_backward", &soft_logits_backward_cpu);
   m.impl("logits_stats", &logits_stats_cpu);
   m.impl("logits_forward", &logits_forward_cpu);
   m.impl("logits_backward", &logits_backward_cpu);

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "cpu/epilogue.h"
 #include "flce/math.h"
@@ -62,6 +63,62 @@ inline void fold_row(float* row, int64_t bv, int64_t tl, RowState& st, bool loss
   if (!loss_only) kahan_add(st.sum_z, st.sum_c, row_sum(row, bv));
 }
 
+// The target weights y_c of a target distribution (math.h SoftRow) on a shard's columns:
+// y = w (alpha q + beta), with q a row of probabilities [N, V_local] (row stride ldq) or the
+// one-hot of a class target (global ids; an ignored row has y = 0), w the shard's class weights
+// or 1.
+struct SoftTargets {
+  const void* q = nullptr;  // probabilities, or null: class targets t
+  Dtype q_dtype = Dtype::f32;
+  int64_t ldq = 0;
+  const int64_t* t = nullptr;
+  int64_t ignore_index = -100;
+  const float* w = nullptr;  // [V_local] or null
+  float alpha = 1.f, beta = 0.f;
+  int64_t vocab_start = 0;
+
+  // y of row i on shard columns [v0, v0 + n) into y.
+  void fill(int64_t i, int64_t v0, int64_t n, float* y) const {
+    if (q) {
+      const int64_t size = q_dtype == Dtype::f32 ? 4 : 2;
+      row_scale(y, static_cast<const char*>(q) + (i * ldq + v0) * size, q_dtype, n, alpha);
+      if (beta != 0.f) {
+        for (int64_t j = 0; j < n; ++j) y[j] += beta;
+      }
+    } else {
+      const bool ign = row_ignored(t[i], ignore_index);
+      for (int64_t j = 0; j < n; ++j) y[j] = ign ? 0.f : beta;
+      const int64_t c = t[i] - vocab_start - v0;
+      if (!ign && c >= 0 && c < n) y[c] += alpha;
+    }
+    if (w) {
+      for (int64_t j = 0; j < n; ++j) y[j] *= w[v0 + j];
+    }
+  }
+};
+
+// Fold one tile row (bv logits with target weights y, column 0 being vocabulary id col0) into a
+// target distribution's state: the tile's pivot is its largest logit (the first of equals), the
+// other logits go into its OnlineLse (entropy sum included), and its y into y_rest and G. row and
+// y are scratch (the pivot is masked in place, then restored).
+inline void fold_soft_row(float* row, float* y, int64_t bv, int64_t col0, SoftRow& st) {
+  if (bv == 0) return;
+  const float mx = row_max(row, bv);
+  int64_t a = 0;
+  while (a + 1 < bv && !(row[a] == mx)) ++a;
+  const float p = row[a], y_a = y[a];
+  row[a] = neg_inf();
+  y[a] = 0.f;
+  const float m = row_max(row, bv);
+  float u = 0.f;
+  const float s = m == neg_inf() ? 0.f : row_sum_exp(row, bv, m, &u);
+  float y_rest, g;
+  row_soft_sums(row, y, bv, p, &y_rest, &g);
+  row[a] = p;
+  y[a] = y_a;
+  st = soft_merge(st, SoftRow{p, col0 + a, y_a, OnlineLse{m, s, u}, y_rest, g});
+}
+
 // The target's column in the shard, or -1 for an ignored row.
 inline int64_t shard_col(int64_t t, int64_t vocab_start, int64_t ignore_index) {
   return row_ignored(t, ignore_index) ? -1 : t - vocab_start;
@@ -78,5 +135,15 @@ inline void check_targets(const int64_t* t, int64_t n, int64_t vocab_size, int64
 // flce::combine on the CPU (flce_cpu.cpp).
 Tensor4 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
                     int64_t ignore_index, double label_smoothing, double z_loss);
+// flce::soft_combine on the CPU (flce_cpu.cpp).
+Tensor5 soft_combine_cpu(const at::Tensor& partials, const at::Tensor& pivot,
+                         const std::optional<at::Tensor>& z_weight, double z_loss);
+// The SoftTargets of a soft op's arguments (checked): target probabilities [N, V_local] or class
+// ids [N], the shard's class weights [V_local] fp32 or none. The tensors made contiguous are
+// kept in `keep`.
+SoftTargets soft_targets(const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+                         int64_t n, int64_t v_local, int64_t vocab_start, int64_t vocab_size,
+                         int64_t ignore_index, double label_smoothing,
+                         std::vector<at::Tensor>& keep);
 
 }  // namespace flce::cpu

@@ -342,6 +342,13 @@ def exact_bf16_grad(value, x=None):
     return value
 
 
+def fused_distribution(x):
+    """Whether the fused target-distribution ops (flce::soft_forward: probability targets, class
+    weights with label smoothing) serve ``x``'s backend: the CPU backend. The CUDA backend takes
+    the composite path for them."""
+    return not _ops.is_cuda_backend(x)
+
+
 def check_single_pass(requested, reduction, per_token):
     """A single_pass argument that the options allow (None: flce's choice)."""
     if requested is None:
@@ -367,6 +374,21 @@ def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accu
     if accuracy is not None:
         out += (accuracy,)
     return out
+
+
+def outputs_from_stats(loss, lse, stats, entropy, target, opts, lead, row_weight, return_lse,
+                       return_entropy, return_accuracy):
+    """An entry point's return value from an op's per-token ``(loss, lse, stats, entropy)``:
+    the loss times ``row_weight`` (per-class weights, or None) and reduced as
+    ``opts.reduction``, then the per-token outputs asked for (per_token_outputs), the accuracy
+    from the row statistics."""
+    if row_weight is not None:
+        loss = loss * row_weight
+    acc = accuracy_from_stats(stats, target, opts.ignore_index) if return_accuracy else None
+    return per_token_outputs(
+        reduce_loss(loss, target, opts.ignore_index, opts.reduction, lead, row_weight), lse,
+        entropy, lead, return_lse, return_entropy,
+        reduce_accuracy(acc, target, opts.ignore_index, opts.reduction, lead, return_accuracy))
 
 
 def shift_target(target, ignore_index):

@@ -84,6 +84,16 @@ def soft_per_token(logits, target, opts, class_weight=None):
     return loss, lse, entropy, accuracy
 
 
+def soft_linear_per_token(input, weight, target, bias, opts, class_weight=None, z_weight=None):
+    """Per-row (loss, lse, entropy) as flce::soft_forward computes them (a differentiable
+    composite of the same formulas, for its double backward): probability targets ``[N, V]``,
+    or class targets ``[N]`` with per-class weights (``z_weight``: their rows' weights)."""
+    logits = linear_logits(input, weight, bias)
+    if target.dtype.is_floating_point:
+        return soft_per_token(logits, target, opts, class_weight)[:3]
+    return logits_per_token(logits, target, opts, weight=class_weight)
+
+
 def linear_logits(input, weight, bias):
     """``input @ weight.T + bias`` as per_token computes it: the weight in the input's dtype,
     then both widened to the computation dtype (float32, float64 for float64 inputs)."""

@@ -2,12 +2,8 @@
 
 ``register(namespace, cuda_format)`` attaches them to a namespace with those schemas: ``flce``
 (the library), and in the tests ``flce_cuda_host``, the CUDA binding built against the host
-emulation of its kernels (tests/cuda_host.py), which serves CPU tensors with the CUDA
-backend's launch sequence and output formats. ``ops`` is the namespace the API calls;
-``routed_to`` points it elsewhere for a test.
+emulation of its kernels (tests/cuda_emulation.py). ``ops`` is the namespace the API calls.
 """
-import contextlib
-
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.flce.*)
@@ -24,25 +20,14 @@ CPU_BF16_AMX = bool(torch.ops.flce.cpu_bf16_amx())
  CPU_TILE_PAD) = (int(x) for x in torch.ops.flce.cpu_single_pass_layout())
 
 # Row layouts of the ops (csrc/include/flce/layout.h): partials (m, s, z_t, sum_z, u), stats
-# (m_x, s_x, z_t, u_x).
-PARTIAL_COLS, STATS_COLS = (int(x) for x in torch.ops.flce.row_layout())
+# (m_x, s_x, z_t, u_x), a target distribution's state (m_x, s_x, p, u_x, y_a, y_rest, g).
+PARTIAL_COLS, STATS_COLS, SOFT_COLS = (int(x) for x in torch.ops.flce.row_layout())
 
 
 def is_cuda_backend(t):
-    """Whether ``t`` is served by the CUDA backend: a CUDA tensor, or any tensor while the ops
-    are routed to the host emulation of the CUDA backend."""
-    return t.device.type == "cuda" or ops is not torch.ops.flce
-
-
-@contextlib.contextmanager
-def routed_to(namespace):
-    """Send every flce op the API calls to ``torch.ops.<namespace>`` (tests only)."""
-    global ops
-    previous, ops = ops, getattr(torch.ops, namespace)
-    try:
-        yield ops
-    finally:
-        ops = previous
+    """Whether ``t`` is served by the CUDA backend (a CUDA tensor): the path choices that
+    depend on the backend ask this."""
+    return t.device.type == "cuda"
 
 
 def refuse_double_backward(what, remedy):
@@ -57,6 +42,16 @@ def refuse_double_backward(what, remedy):
 
 def _grad_like(t, wanted):
     return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else t.new_empty((0,))
+
+
+def _soft_outputs(rows):
+    """soft_forward's outputs for the rows of ``rows``: loss, lse [N], stats [N, SOFT_COLS] fp32,
+    pivot [N] int64, entropy [N]."""
+    n = rows.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return (rows.new_empty((n,), **f32), rows.new_empty((n,), **f32),
+            rows.new_empty((n, SOFT_COLS), **f32), rows.new_empty((n,), dtype=torch.int64),
+            rows.new_empty((n,), **f32))
 
 
 def register(namespace, cuda_format):
@@ -130,6 +125,67 @@ def register(namespace, cuda_format):
                 gb if mask[2] else None) + (None,) * 6
 
     torch.library.register_autograd(name("forward"), backward, setup_context=setup_context)
+
+    # Target distributions (probability targets; class targets with weights and smoothing).
+    @torch.library.register_fake(name("soft_partial_stats"))
+    def _soft_partial_stats_fake(input, weight, target, bias, class_weight, vocab_start,
+                                 vocab_size, ignore_index, label_smoothing, softcap, temperature):
+        n = input.shape[0]
+        return (input.new_empty((n, SOFT_COLS), dtype=torch.float32),
+                input.new_empty((n,), dtype=torch.int64))
+
+    @torch.library.register_fake(name("soft_combine"))
+    def _soft_combine_fake(partials, pivot, z_weight, z_loss):
+        n = partials.shape[1]
+        return (partials.new_empty((n,)), partials.new_empty((n,)),
+                partials.new_empty((n, SOFT_COLS)), pivot.new_empty((n,)), partials.new_empty((n,)))
+
+    @torch.library.register_fake(name("soft_forward"))
+    def _soft_forward_fake(input, *_):
+        return _soft_outputs(input)
+
+    @torch.library.register_fake(name("soft_backward"))
+    def _soft_backward_fake(grad_loss, grad_lse, grad_entropy, input, weight, target, bias, *rest):
+        output_mask = rest[-1]
+        grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
+        return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
+
+    def soft_setup_context(ctx, inputs, output):
+        (input, weight, target, bias, class_weight, z_weight, ignore_index, label_smoothing,
+         z_loss, softcap, temperature) = inputs
+        _, _, stats, pivot, _ = output
+        ctx.save_for_backward(input, weight, target, bias, class_weight, z_weight, stats, pivot)
+        ctx.options = _composite.OpOptions(ignore_index, label_smoothing, z_loss, softcap,
+                                           temperature)
+        ctx.mark_non_differentiable(stats, pivot)
+
+    def soft_backward(ctx, grad_loss, grad_lse, grad_stats, grad_pivot, grad_entropy):
+        input, weight, target, bias, class_weight, z_weight, stats, pivot = ctx.saved_tensors
+        o = ctx.options
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[3]]
+        none = (None,) * 7
+        if not any(mask):
+            return (None,) * 4 + none
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, as above
+            with torch.enable_grad():
+                outs = _composite.soft_linear_per_token(input, weight, target, bias, o,
+                                                        class_weight, z_weight)
+                gi, gw, gb = _composite.grads_with_graph(
+                    outs, (grad_loss, grad_lse, grad_entropy),
+                    [t if m else None for t, m in zip((input, weight, bias), mask)])
+            return (gi, gw, None, gb) + none
+        if grad_loss is None:
+            grad_loss = stats.new_zeros(()).expand(stats.shape[0])
+        gi, gw, gb = nsops.soft_backward(
+            grad_loss, grad_lse, grad_entropy, input, weight, target, bias, class_weight, stats,
+            pivot, z_weight, 0, weight.shape[0], o.ignore_index, o.label_smoothing, o.z_loss,
+            o.softcap, o.temperature, mask)
+        return (gi if mask[0] else None, gw if mask[1] else None, None,
+                gb if mask[2] else None) + none
+
+    torch.library.register_autograd(name("soft_forward"), soft_backward,
+                                    setup_context=soft_setup_context)
 
     @torch.library.register_fake(name("sum_and_grad"))
     def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
@@ -252,6 +308,56 @@ def register(namespace, cuda_format):
 
     torch.library.register_autograd(name("logits_forward"), logits_backward,
                                     setup_context=logits_setup_context)
+
+    # Target distributions on given logits.
+    @torch.library.register_fake(name("soft_logits_stats"))
+    def _soft_logits_stats_fake(logits, target, class_weight, vocab_start, vocab_size,
+                                ignore_index, label_smoothing, softcap, temperature):
+        n = logits.shape[0]
+        return (logits.new_empty((n, SOFT_COLS), dtype=torch.float32),
+                logits.new_empty((n,), dtype=torch.int64))
+
+    @torch.library.register_fake(name("soft_logits_forward"))
+    def _soft_logits_forward_fake(logits, *_):
+        return _soft_outputs(logits)
+
+    @torch.library.register_fake(name("soft_logits_backward"))
+    def _soft_logits_backward_fake(grad_loss, grad_lse, grad_entropy, logits, *_):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    def soft_logits_setup_context(ctx, inputs, output):
+        (logits, target, class_weight, z_weight, ignore_index, label_smoothing, z_loss, softcap,
+         temperature) = inputs
+        _, _, stats, pivot, _ = output
+        ctx.save_for_backward(logits, target, class_weight, z_weight, stats, pivot)
+        ctx.options = _composite.OpOptions(ignore_index, label_smoothing, z_loss, softcap,
+                                           temperature)
+        ctx.mark_non_differentiable(stats, pivot)
+
+    def soft_logits_backward(ctx, grad_loss, grad_lse, grad_stats, grad_pivot, grad_entropy):
+        logits, target, class_weight, z_weight, stats, pivot = ctx.saved_tensors
+        none = (None,) * 8
+        if not ctx.needs_input_grad[0]:
+            return (None,) + none
+        o = ctx.options
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients, as above
+            with torch.enable_grad():
+                z = logits.to(_composite.compute_dtype(logits.dtype))
+                outs = (_composite.soft_per_token(z, target, o, class_weight)[:3]
+                        if target.dtype.is_floating_point else
+                        _composite.logits_per_token(z, target, o, weight=class_weight))
+                grad, = _composite.grads_with_graph(outs, (grad_loss, grad_lse, grad_entropy),
+                                                    [logits])
+            return (grad,) + none
+        if grad_loss is None:
+            grad_loss = stats.new_zeros(()).expand(stats.shape[0])
+        return (nsops.soft_logits_backward(
+            grad_loss, grad_lse, grad_entropy, logits, target, class_weight, stats, pivot,
+            z_weight, 0, logits.shape[1], o.ignore_index, o.label_smoothing, o.z_loss, o.softcap,
+            o.temperature),) + none
+
+    torch.library.register_autograd(name("soft_logits_forward"), soft_logits_backward,
+                                    setup_context=soft_logits_setup_context)
 
 
 register("flce", lambda t: t.device.type == "cuda")

@@ -42,8 +42,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             weights (then the computation runs in input's dtype and ``weight.grad`` comes out in
             float32 straight from flce's float32 accumulators).
         target: ``(...)`` class indices in ``[0, V)`` or ``ignore_index``, or ``(..., V)``
-            probabilities (soft labels, torch's semantics; the composite path, which
-            materializes the logits: docs/api.md).
+            probabilities (soft labels, torch's semantics; fused on the CPU backend, the
+            composite path, which materializes the logits, elsewhere: docs/api.md).
         bias: optional ``(V,)``.
         ignore_index: rows with this target contribute no loss and no gradient and are not
             counted by ``"mean"`` (``None`` means -100, as in torch).
@@ -76,8 +76,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             torch's calling convention, above): each token's loss (and z-loss) times its
             target's weight, ``"mean"`` divided by the sum of those weights. Fused (no ``[N,
             V]`` buffer; the recompute path, not the single pass); with label smoothing, whose
-            weighted term ``sum_c w_c (-log p_c) / V`` needs every logit, the composite path,
-            which materializes float32 logits.
+            weighted term ``sum_c w_c (-log p_c) / V`` needs every logit, fused as a target
+            distribution on the CPU backend and the composite path (float32 logits) on CUDA.
         single_pass: compute the gradients in the forward pass (3 GEMMs instead of 4: no
             recompute of the logits in the backward), which then only scales them by the
             upstream gradient. ``None`` (default): on for training (gradients needed,
@@ -128,7 +128,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         if parallel.is_vocab_sharded(weight):
             if _common.is_soft(target):
                 raise TypeError("flce: probability (soft) targets are not supported with a "
-                                "vocab-sharded classifier")
+                                "DTensor classifier; pass each rank's shard of them to "
+                                "flce.parallel.vocab_parallel_linear_cross_entropy")
             return parallel.linear_cross_entropy_dtensor(
                 input, weight, target, bias=bias, ignore_index=opts.ignore_index,
                 reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
@@ -147,11 +148,23 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(class_weight, weight.shape[0], t, opts.ignore_index,
                                            input.dtype)
-    if x.shape[1] == 0 or _common.needs_composite(x, weight, bias) or (
-            cw is not None and opts.label_smoothing):
+    composite = x.shape[1] == 0 or _common.needs_composite(x, weight, bias)
+    if not composite and cw is not None and opts.label_smoothing and not return_accuracy and \
+            _common.fused_distribution(x):
+        # Class weights with label smoothing: a target distribution (y_c = w_c ((1 - eps)
+        # [c = t] + eps / V)), its z-loss weighted by the row's weight as torch weights the nll.
+        loss, lse, _, _, entropy = _ops.ops.soft_forward(x, weight, t, bias, cw, row_weight,
+                                                         *opts.op_args(), opts.temperature)
+        if return_entropy:  # an ignored token's entropy is 0, as on the class-target path
+            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
+        return _common.per_token_outputs(
+            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
+            entropy, lead, return_lse, return_entropy)
+    if composite or (cw is not None and opts.label_smoothing):
         # float64, functorch transforms, forward-mode AD, D = 0 (the logits are the bias, or 0,
-        # as torch's composition has them), and class weights with label smoothing: flce's
-        # formulas in differentiable torch ops.
+        # as torch's composition has them), and class weights with label smoothing where the
+        # fused target distributions do not serve it (the CUDA backend, the accuracy output):
+        # flce's formulas in differentiable torch ops.
         logits = _composite.linear_logits(x, weight, bias)
         loss, lse, entropy = _composite.logits_per_token(logits, t, opts, weight=cw)
         acc = _common.reduce_accuracy(
@@ -171,29 +184,33 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                                      exact_bf16_grad=exact_bf16_grad)[0]
     loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature,
                                                  exact_bf16_grad=exact_bf16_grad)
-    if row_weight is not None:
-        loss = loss * row_weight
-    acc = _common.reduce_accuracy(
-        _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None,
-        t, opts.ignore_index, reduction, lead, return_accuracy)
-    return _common.per_token_outputs(
-        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-        entropy, lead, return_lse, return_entropy, acc)
+    return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
+                                      return_lse, return_entropy, return_accuracy)
 
 
 def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, return_lse,
                  return_entropy, return_accuracy, shift):
-    """Probability targets ``(..., V)``: the composite path (flce.reference soft_cross_entropy,
-    collapse-safe; the ``[N, V]`` logits materialized in float32, float64 for float64 inputs)."""
+    """Probability targets ``(..., V)``: fused (flce::soft_forward: the target rows read tile by
+    tile beside the logits, collapse-safe), or the composite path (flce.reference
+    soft_cross_entropy; the ``[N, V]`` logits materialized in float32, float64 for float64
+    inputs) for what the fused ops do not serve: gradients of the targets, the accuracy output,
+    float64, functorch transforms and the CUDA backend."""
     if shift:
         raise ArgumentError("flce: shift=True takes class-index targets; shift probability "
                             "targets before the call")
     v, d = weight.shape
     lead = tuple(target.shape[:-1])
     x = input.reshape(-1, d)
-    logits = _composite.linear_logits(x, weight, bias)
+    q = target.reshape(-1, v)
     cw = _common.soft_class_weights(class_weight, v, input.dtype)
-    loss, lse, entropy, acc = _composite.soft_per_token(logits, target.reshape(-1, v), opts, cw)
+    if d > 0 and not return_accuracy and not q.requires_grad and \
+            not _common.needs_composite(x, weight, bias, q) and _common.fused_distribution(x):
+        loss, lse, _, _, entropy = _ops.ops.soft_forward(x, weight, q, bias, cw, None,
+                                                         *opts.op_args(), opts.temperature)
+        return _common.per_token_outputs(_common.reduce_rows(loss, reduction, lead), lse,
+                                         entropy, lead, return_lse, return_entropy)
+    logits = _composite.linear_logits(x, weight, bias)
+    loss, lse, entropy, acc = _composite.soft_per_token(logits, q, opts, cw)
     return _common.per_token_outputs(
         _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
         return_entropy, _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
@@ -239,7 +256,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     Args:
         input: the logits.
         target: class indices in ``[0, C)`` or ``ignore_index``, or probabilities shaped like
-            ``input`` (soft labels, torch's semantics; the composite path: docs/api.md).
+            ``input`` (soft labels, torch's semantics; fused on the CPU backend: docs/api.md).
         weight: optional per-class weights ``(C,)``, as torch defines them: each token's loss
             times its target's weight, ``"mean"`` divided by the sum of those weights, and with
             label smoothing the smoothing term ``sum_c w_c (-log p_c) / C`` (that combination
@@ -289,8 +306,9 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     if soft:
         _common.check_soft_target(target, input.shape, "input's shape")
         if inplace_backward:
-            raise ArgumentError("flce: inplace_backward=True takes class-index targets "
-                                "(probability targets take the composite path)")
+            raise ArgumentError("flce: inplace_backward=True takes class-index targets (the "
+                                "gradient of probability targets is not written over the "
+                                "logits)")
     else:
         _common.check_target(target, lead, "input's shape without the class dimension 1")
     _common.check_one_device((("input", input), ("target", target), ("weight", weight)))
@@ -305,9 +323,17 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         logits = logits.contiguous()
     if soft:
         y = target.reshape(1, c) if input.dim() == 1 else target.movedim(1, -1).reshape(rows, c)
+        cw = _common.soft_class_weights(weight, c, input.dtype)
+        if not return_accuracy and not y.requires_grad and c > 0 and \
+                not _common.needs_composite(logits, y) and _common.fused_distribution(logits):
+            # Fused: the target rows read chunk by chunk beside the logits.
+            loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
+                logits, y, cw, None, *opts.op_args(), opts.temperature)
+            return _common.per_token_outputs(_common.reduce_rows(loss, reduction, lead), lse,
+                                             entropy, lead, return_lse, return_entropy)
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy, acc = _composite.soft_per_token(
-            logits.to(cdt), y, opts, _common.soft_class_weights(weight, c, input.dtype))
+            logits.to(cdt), y, opts, cw)
         return _common.per_token_outputs(
             _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
             return_entropy,
@@ -316,7 +342,18 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         _common.check_inplace_target(logits, "input")
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(weight, c, t, opts.ignore_index, input.dtype)
-    if _common.needs_composite(logits, weight) or (weight is not None and opts.label_smoothing):
+    composite = _common.needs_composite(logits, weight)
+    if not composite and cw is not None and opts.label_smoothing and not return_accuracy and \
+            c > 0 and not inplace_backward and _common.fused_distribution(logits):
+        # Class weights with label smoothing: a target distribution (linear_cross_entropy's).
+        loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
+            logits, t, cw, row_weight, *opts.op_args(), opts.temperature)
+        if return_entropy:
+            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
+        return _common.per_token_outputs(
+            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
+            entropy, lead, return_lse, return_entropy)
+    if composite or (weight is not None and opts.label_smoothing):
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(
             logits.to(cdt), t, opts, weight=cw)

@@ -102,9 +102,9 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
     ``-log p_c = nll_a + (z_a - z_c)``, ``nll_a = softplus(lse_x - z_a)`` the collapse-safe
     loss of class ``a`` (logits_cross_entropy with target ``a``): both terms are >= 0, so the
     loss keeps its relative accuracy where a target concentrated on ``a`` makes it tiny, where
-    ``lse - sum_c y_c z_c`` rounds to 0. The z-loss is ``z_loss lse^2`` per row, times
-    ``sum_c w_c y_c`` with class weights (a one-hot target: its class's weight, as for class
-    indices)."""
+    ``lse - sum_c y_c z_c`` rounds to 0. The z-loss is ``z_loss lse^2`` per row times the
+    row's target mass ``sum_c y_c`` (1 for a distribution without class weights; a one-hot
+    target with class weights: its class's weight, as for class indices)."""
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     if temperature != 1.0:
@@ -123,9 +123,10 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
         nll_a, lse, entropy = logits_cross_entropy(logits, a, reduction="none", return_lse=True,
                                                    return_entropy=True, ignore_index=-1)
         gap = logits.gather(1, a[:, None]) - logits  # z_a - z_c >= 0
-        loss = nll_a * y.sum(1) + (y * gap).sum(1)
+        # (a column without target weight adds nothing, also where its logit is -inf)
+        loss = nll_a * y.sum(1) + torch.where(y == 0, 0.0, y * gap).sum(1)
         if z_loss:
-            loss = loss + z_loss * lse * lse * (1.0 if weight is None else y.sum(1))
+            loss = loss + z_loss * lse * lse * y.sum(1)
     if reduction == "none":
         return loss, lse, entropy
     if reduction == "sum":

@@ -765,7 +765,6 @@ TEST(kahan_bf16c_propagates_nan_and_inf) {
   EXPECT(std::isnan(bf16c_sum({1.f, NAN, 2.f})), "NaN in, NaN out");
 }
 
-int main(int argc, char** argv) { return check::run_all(argc, argv); }
 
 // ------------------------------------------------------------------------------------------------
 // Entropy (return_entropy) and temperature.
@@ -899,3 +898,83 @@ TEST(temperature_divides_after_the_softcap) {
   EXPECT(flce::logit_transform(3.f, 0.f, 1.f) == 3.f && flce::logit_transform_grad(3.f, 0.f, 1.f) == 1.f,
          "T = 1 is the identity");
 }
+
+// ------------------------------------------------------------------------------------------------
+// Target distributions (SoftRow): the pivot-relative state, folded one logit at a time and merged
+// tile by tile in both orders, against long double at every margin.
+// ------------------------------------------------------------------------------------------------
+namespace {
+flce::SoftRow soft_one(float z, float y, int64_t c) {
+  return flce::SoftRow{z, c, y, flce::lse_empty(), 0.f, 0.f};
+}
+
+flce::SoftRow soft_tiles(const std::vector<float>& z, const std::vector<float>& y, size_t tile,
+                         bool reverse) {
+  std::vector<flce::SoftRow> tiles;
+  for (size_t i = 0; i < z.size(); i += tile) {
+    flce::SoftRow t = flce::soft_empty();
+    for (size_t j = i; j < std::min(z.size(), i + tile); ++j) {
+      t = flce::soft_merge(t, soft_one(z[j], y[j], static_cast<int64_t>(j)));
+    }
+    tiles.push_back(t);
+  }
+  flce::SoftRow st = flce::soft_empty();
+  if (reverse) {
+    for (auto it = tiles.rbegin(); it != tiles.rend(); ++it) st = flce::soft_merge(*it, st);
+  } else {
+    for (const auto& t : tiles) st = flce::soft_merge(st, t);
+  }
+  return st;
+}
+}  // namespace
+
+TEST(soft_loss_matches_long_double_at_all_margins) {
+  long double worst = 0;
+  for (float margin : {0.f, 5.f, 20.f, 40.f, 80.f, 200.f}) {
+    for (float spread : {1e-7f, 1e-3f, 0.3f}) {
+      const size_t n = 1 + check::rng()() % 2000;
+      auto z = random_row(n, 1.f);
+      const size_t a = check::rng()() % n;
+      z[a] = *std::max_element(z.begin(), z.end()) + margin;
+      // a target concentrated on the dominant class: 1 - spread there, the rest spread evenly
+      std::vector<float> y(n, n > 1 ? spread / static_cast<float>(n - 1) : 0.f);
+      y[a] = 1.f - spread;
+      LD lse = 0, m = z[a];
+      for (float v : z) lse += std::exp(static_cast<LD>(v) - m);
+      lse = m + std::log(lse);
+      LD ref = 0;
+      for (size_t j = 0; j < n; ++j) ref += static_cast<LD>(y[j]) * (lse - z[j]);
+      for (bool rev : {false, true}) {
+        for (size_t tile : {size_t{1}, size_t{7}, size_t{256}}) {
+          const flce::SoftRow st = soft_tiles(z, y, tile, rev);
+          // (margin 0: z[a] ties the row's largest logit, and the first of them is the pivot)
+          EXPECT(margin == 0.f || st.a == static_cast<int64_t>(a), "pivot %lld, want %zu",
+                 (long long)st.a, a);
+          const float got = flce::soft_row_loss(st, 1.f, 0.f).loss;
+          // Relative accuracy at every margin (a collapsed loss would be off by 100%): sums of
+          // n non-negative fp32 terms, one by one here (tile 1), within Higham's gamma_n.
+          const LD tol = (static_cast<LD>(n) + 8) * kU * ref;
+          EXPECT(std::fabs(got - ref) <= tol, "margin %g spread %g n %zu tile %zu: %.9g vs %.12Lg",
+                 margin, spread, n, tile, got, ref);
+          worst = std::max(worst, std::fabs(got - ref) / tol);
+        }
+      }
+    }
+  }
+  std::printf("  worst soft loss error: %.3Lg of the tolerance\n", worst);
+}
+
+TEST(soft_merge_skips_masked_columns_without_weight) {
+  // A -inf logit with y = 0 (a padded vocabulary column) adds nothing, also as a whole tile.
+  flce::SoftRow a = flce::soft_merge(soft_one(1.f, 0.5f, 0), soft_one(0.f, 0.5f, 1));
+  const flce::SoftRow masked = flce::soft_merge(soft_one(-kInf, 0.f, 2), soft_one(-kInf, 0.f, 3));
+  const float want = flce::soft_row_loss(a, 1.f, 0.f).loss;
+  for (const auto& st : {flce::soft_merge(a, masked), flce::soft_merge(masked, a)}) {
+    const float got = flce::soft_row_loss(st, 1.f, 0.f).loss;
+    EXPECT(got == want, "masked columns changed the loss: %.9g vs %.9g", got, want);
+  }
+  EXPECT(std::isnan(flce::soft_row_loss(soft_one(kInf, 1.f, 0), 1.f, 0.f).loss),
+         "a +inf pivot gives NaN");
+}
+
+int main(int argc, char** argv) { return check::run_all(argc, argv); }

@@ -21,7 +21,7 @@ from flce._common import cpu_single_pass_bytes  # noqa: E402
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("dtype,size", [("fp32", 4), ("bf16", 2)])
-@pytest.mark.parametrize("impl", ["flce-recompute", "flce-single"])
+@pytest.mark.parametrize("impl", ["flce-recompute", "flce-single", "flce-soft"])
 def test_peak_memory_is_gradients_plus_budget(impl, dtype, size):
     single = impl == "flce-single"
     # The single pass's logits workspace is a constant (fp32: at most 152 MiB, 544 rows of
@@ -45,10 +45,14 @@ def test_peak_memory_is_gradients_plus_budget(impl, dtype, size):
         # The global accumulator's bf16 compensation (and its fp32 sum when the gradient is not
         # fp32); per worker a tile of [rows, block_v + 16] fp32 and, for bf16, at most its split
         # into two bf16 tiles (rounded once: one; docs/cpu-backend.md): 34 MiB on 2 workers
-        # here.
+        # here. Probability targets (flce-soft, the recompute path) add a row of target weights
+        # per worker and the rows' [N, 7] states: nothing of size N * V (the targets themselves
+        # are an input).
         budget = min(n, v) * d * (2 + (4 if size != 4 else 0))
         rows, cols = (256, 256 + 16) if size == 4 else (1024, 2048 + 16)
         budget += torch.get_num_threads() * rows * cols * (4 if size == 4 else 8)
+        if impl == "flce-soft":
+            budget += n * 8 * 4 + torch.get_num_threads() * cols * 4
     # The allowance is for the allocator and the interpreter, not for anything that grows with
     # N * V.
     budget += 16 << 20

@@ -273,6 +273,33 @@ FLCE_HD float row_entropy(OnlineLse x, float z_t, bool ignored) {
   return p_t * nll + q * (softplus(z_t - lse_x) + h_x);
 }
 
+namespace detail {
+// The row's reference and divisor for p_j = exp(z_j - ref) / div from the online state (m_x, s_x)
+// of the non-target logits and z_t: ref = M = max(m_x, z_t), div = s_x exp(m_x - M) +
+// exp(z_t - M); the lse form (ref = lse, div = 1) where the row has only the target, nothing,
+// or NaN (exact enough, and it keeps NaN).
+FLCE_HD void row_ref(OnlineLse x, float z_t, float lse, float& ref, float& div) {
+  const float m = x.m > z_t ? x.m : z_t;
+  if (!(x.s > 0.f) || m == neg_inf() || !(m == m)) {
+    ref = lse;
+    div = 1.f;
+  } else {
+    ref = m;
+    div = x.s * expf(x.m - m) + expf(z_t - m);
+  }
+}
+
+// The entropy's terms of a row's gradient (upstream g_ent), pivoted on column t.
+FLCE_HD void row_grad_entropy(RowGrad& r, OnlineLse x, float z_t, float lse, float lse_x,
+                              float g_ent) {
+  const float ent = row_entropy(x, z_t, false);
+  r.h = g_ent;
+  r.k = lse - ent;
+  // dH/dz_t = -p_t (log p_t + H) with log p_t = -nll.
+  r.dz_t -= g_ent * sigmoid(z_t - lse_x) * (ent - softplus(lse_x - z_t));
+}
+}  // namespace detail
+
 // From the online state (m_x, s_x, u_x) of the non-target logits and z_t, where a pass still has
 // them (the fused CPU forward+backward): p_j = exp(z_j - M) / S with M = max(m_x, z_t). g_ent:
 // the upstream gradient of the row's entropy.
@@ -280,22 +307,118 @@ FLCE_HD RowGrad row_grad(OnlineLse x, float z_t, bool ignored, float g, float g_
                          const LossOptions& o, float g_ent = 0.f) {
   const float lse_x = lse_value(x);
   const float lse = logaddexp(lse_x, z_t);
-  const float m = x.m > z_t ? x.m : z_t;
+  float ref, div;
+  detail::row_ref(x, z_t, lse, ref, div);
+  RowGrad r = detail::row_grad_coef(ref, div, lse, lse_x, z_t, ignored, g, g_lse, o);
+  if (g_ent != 0.f && !ignored) detail::row_grad_entropy(r, x, z_t, lse, lse_x, g_ent);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Target distributions: probability (soft) targets, and class targets with per-class weights
+// and label smoothing. A row's target weights y_c (torch's semantics: y_c = w_c ((1 - eps) q_c
+// + eps / V), q the probabilities or the one-hot class, w the class weights or 1) give
+//   loss = sum_c y_c (lse - z_c) + z_loss lse^2 zw       (zw: the z-loss's row weight)
+// Every term is taken from the row's pivot, its largest logit P = z_a (docs/numerics.md
+// "Target distributions"):
+//   lse - z_c = (lse - P) + (P - z_c),   lse - P = softplus(lse_x - P) = nll_a,
+//   loss = Y nll_a + G + z_loss lse^2 zw,   Y = sum_c y_c,   G = sum_{c != a} y_c (P - z_c),
+// lse_x the logsumexp of the logits other than the pivot: nll_a is class a's collapse-safe loss,
+// and every term of G is >= 0 (for y >= 0), so the loss keeps its relative accuracy where a
+// target concentrated on the dominant class makes it tiny (lse - sum_c y_c z_c rounds to 0
+// there). The pivot is found online: a later, larger logit takes it over, and the old pivot
+// joins the others.
+//
+// State: the pivot's logit p, its class a (-1: empty), its target weight y_a; the other logits'
+// OnlineLse x; y_rest = sum_{c != a} y_c; g = G relative to p.
+// ---------------------------------------------------------------------------------------------
+struct SoftRow {
+  float p;
+  int64_t a;
+  float y_a;
+  OnlineLse x;
+  float y_rest;
+  float g;
+};
+
+FLCE_HD SoftRow soft_empty() { return SoftRow{neg_inf(), -1, 0.f, lse_empty(), 0.f, 0.f}; }
+
+// The state as the ops exchange it (flce/layout.h): a row of kSoftCols = 7 floats (m_x, s_x, p,
+// u_x, y_a, y_rest, g) and the pivot a apart.
+FLCE_HD void soft_store(const SoftRow& r, float* q) {
+  q[0] = r.x.m;
+  q[1] = r.x.s;
+  q[2] = r.p;
+  q[3] = r.x.u;
+  q[4] = r.y_a;
+  q[5] = r.y_rest;
+  q[6] = r.g;
+}
+
+FLCE_HD SoftRow soft_load(const float* q, int64_t a) {
+  return SoftRow{q[2], a, q[4], OnlineLse{q[0], q[1], q[3]}, q[5], q[6]};
+}
+
+// One term y (p - z) of G: 0 where y = 0 (a column without target weight, e.g. masked by a -inf
+// bias, adds nothing rather than 0 * inf = NaN).
+FLCE_HD float soft_gap_term(float y, float p, float z) { return y == 0.f ? 0.f : y * (p - z); }
+
+// Merge the states of two disjoint sets of columns. The larger pivot stays (a's on ties, so that
+// a fixed merge order gives a fixed pivot); the other pivot joins its set's logits.
+FLCE_HD SoftRow soft_merge(SoftRow a, SoftRow b) {
+  if (b.a < 0) return a;
+  if (a.a < 0) return b;
+  const bool keep_a = !(b.p > a.p);
+  SoftRow hi = keep_a ? a : b;
+  const SoftRow lo = keep_a ? b : a;
+  hi.x = lse_merge(hi.x, lo.x);
+  // (a -inf pivot: every logit of its set is -inf, and adds exp(-inf) = 0)
+  if (lo.p != neg_inf()) hi.x = lse_merge(hi.x, OnlineLse{lo.p, 1.f, 0.f});
+  const float y_lo = lo.y_rest + lo.y_a;
+  hi.y_rest += y_lo;
+  hi.g += lo.g + soft_gap_term(y_lo, hi.p, lo.p);
+  return hi;
+}
+
+struct SoftLoss {
+  float loss;
+  float lse;
+};
+
+// The row's loss from its merged state. A +inf pivot gives NaN, as a +inf target logit does
+// (row_loss).
+FLCE_HD SoftLoss soft_row_loss(const SoftRow& r, float zw, float z_loss) {
+  const float lse_x = lse_value(r.x);
+  const float lse = logaddexp(lse_x, r.p);
+  if (r.p == INFINITY) return SoftLoss{NAN, lse};
+  float loss = (r.y_a + r.y_rest) * softplus(lse_x - r.p) + r.g;
+  if (z_loss != 0.f) loss += z_loss * lse * lse * zw;
+  return SoftLoss{loss, lse};
+}
+
+// The gradient coefficients of a row with respect to its (capped) logits, from upstream g, g_lse
+// and g_ent (the entropy's), with the row's state (x, p, y_a, y_rest):
+//   dz_c = A p_c - g y_c                               (c != a: soft_logit_grad, with u = g)
+//   dz_a = (A - g Y) p_a - g Y q_a + g y_rest          (q_a = 1 - p_a = sigmoid(lse_x - P):
+//                                                       the collapse-safe pivot column)
+//   A = g (Y + 2 z_loss zw lse) + g_lse,  Y = y_a + y_rest.
+// A row without target weight and z-loss weight (an ignored class target) has the loss 0 whatever
+// its logits: g is taken as 0 there, as row_grad does for ignored rows (a mean over no tokens
+// has g = 1/0, which would otherwise make its gradients 0 * inf = NaN).
+FLCE_HD RowGrad soft_row_grad(OnlineLse x, float p, float y_a, float y_rest, float zw, float g,
+                              float g_lse, float z_loss, float g_ent = 0.f) {
+  const float lse_x = lse_value(x);
+  const float lse = logaddexp(lse_x, p);
   RowGrad r;
-  if (!(x.s > 0.f) || m == neg_inf() || !(m == m)) {
-    // Only the target (or nothing, or NaN): the lse form is exact enough and keeps NaN.
-    r = detail::row_grad_coef(lse, 1.f, lse, lse_x, z_t, ignored, g, g_lse, o);
-  } else {
-    const float s = x.s * expf(x.m - m) + expf(z_t - m);
-    r = detail::row_grad_coef(m, s, lse, lse_x, z_t, ignored, g, g_lse, o);
-  }
-  if (g_ent != 0.f && !ignored) {
-    const float ent = row_entropy(x, z_t, false);
-    r.h = g_ent;
-    r.k = lse - ent;
-    // dH/dz_t = -p_t (log p_t + H) with log p_t = -nll.
-    r.dz_t -= g_ent * sigmoid(z_t - lse_x) * (ent - softplus(lse_x - z_t));
-  }
+  detail::row_ref(x, p, lse, r.ref, r.div);
+  r.rdiv = 1.f / r.div;
+  const float y = y_a + y_rest;
+  if (y == 0.f && zw == 0.f) g = 0.f;
+  r.a = g * (y + 2.f * z_loss * zw * lse) + g_lse;
+  r.u = g;
+  const float b = g * y;
+  r.dz_t = (r.a - b) * sigmoid(p - lse_x) - b * sigmoid(lse_x - p) + g * y_rest;
+  if (g_ent != 0.f) detail::row_grad_entropy(r, x, p, lse, lse_x, g_ent);
   return r;
 }
 
@@ -312,6 +435,14 @@ FLCE_HD float logit_grad(const RowGrad& r, float z) {
   // 0 * h (z - k) would be NaN there.
   if (r.h == 0.f || p == 0.f) return r.a * p - r.u;
   return p * (r.a - r.h * (z - r.k)) - r.u;
+}
+
+// Gradient of a non-pivot logit z (capped) with target weight y, before the softcap chain rule,
+// from soft_row_grad's coefficients: logit_grad with the row's u times the column's y.
+FLCE_HD float soft_logit_grad(const RowGrad& r, float z, float y) {
+  const float p = vexp(z - r.ref) * r.rdiv;
+  if (r.h == 0.f || p == 0.f) return r.a * p - r.u * y;
+  return p * (r.a - r.h * (z - r.k)) - r.u * y;
 }
 
 // ---------------------------------------------------------------------------------------------
