@@ -31,13 +31,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LIGER_CPU_MAX_MACS = 2 ** 26
 
 IMPLS = ("flce", "eager", "compile", "chunked", "liger", "cce", "flce-single", "flce-recompute",
-         "gemm3", "flce-soft", "eager-soft")
-# flce's two training paths forced (single_pass=True / False), beside its default choice.
-FLCE_PATHS = {"flce": None, "flce-single": True, "flce-recompute": False}
+         "flce-exact", "gemm3", "flce-soft", "eager-soft")
+# flce's two training paths forced (single_pass=True / False), and its exact bf16 gradients
+# (exact_bf16_grad=True: the CPU backend's split gradient tile on AMX), beside its defaults.
+FLCE_PATHS = {"flce": {}, "flce-single": {"single_pass": True},
+              "flce-recompute": {"single_pass": False}, "flce-exact": {"exact_bf16_grad": True}}
 DESCRIPTIONS = {
     "flce": "flce.linear_cross_entropy",
     "flce-single": "flce.linear_cross_entropy(single_pass=True)",
     "flce-recompute": "flce.linear_cross_entropy(single_pass=False)",
+    "flce-exact": "flce.linear_cross_entropy(exact_bf16_grad=True)",
     "eager": "F.linear + .float() + F.cross_entropy (eager)",
     "compile": "torch.compile of the eager code",
     "chunked": "torch F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
@@ -168,10 +171,10 @@ def make_impl(name, device):
     """``f(x, w, t, bias=None) -> mean loss`` for implementation ``name``."""
     if name in FLCE_PATHS:
         import flce
-        single_pass = FLCE_PATHS[name]
+        kwargs = FLCE_PATHS[name]
 
         def f(x, w, t, bias=None):
-            return flce.linear_cross_entropy(x, w, t, bias=bias, single_pass=single_pass)
+            return flce.linear_cross_entropy(x, w, t, bias=bias, **kwargs)
         return f
     if name == "flce-soft":
         import flce
@@ -370,6 +373,9 @@ def measure(spec):
         info = flce.build_info()
         out["cpu_gemm"] = info["cpu_gemm"]
         out["cpu_amx"] = info["cpu_amx"]
+        if dtype == torch.bfloat16:  # how the gradient tiles were rounded (docs/numerics.md)
+            out["cpu_bf16_grad"] = torch.ops.flce.cpu_bf16_grad(
+                FLCE_PATHS[name].get("exact_bf16_grad"))
     x.grad = None
     w.grad = None
     del loss

@@ -115,6 +115,11 @@ void row_bias_softcap(float* z, const float* bias, int64_t n, float cap, float t
 
 FLCE_CLONES void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n,
                                 float scale) {
+  if (lo == nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) hi[j] = bf16_bits(g[j] * scale);
+    return;
+  }
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     const float x = g[j] * scale;

@@ -34,7 +34,8 @@ void row_soft_grad_fill(float* z, const float* y, int64_t n, const RowGrad& rg, 
 // z[j] <- softcap(z[j] + bias[j]) / temp (bias may be null, cap <= 0 disables the softcap,
 // temp = 1 the temperature).
 void row_bias_softcap(float* z, const float* bias, int64_t n, float cap, float temp);
-// scale * g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even.
+// scale * g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even; lo null:
+// hi = scale * g rounded once.
 void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n, float scale);
 // max_j |z[j]| (NaN-blind; 0 for n = 0).
 float row_absmax(const float* z, int64_t n);

@@ -295,7 +295,8 @@ class Grad {
 // A worker's scratch for the backward's tiles.
 struct TileWork {
   std::vector<float> tile;          // [rows, ld_tile]: logits, then the gradient
-  std::vector<uint16_t> hi, lo;     // bf16 inputs: the gradient tile split, same layout
+  std::vector<uint16_t> hi, lo;     // bf16 inputs: the gradient tile rounded (hi) or split
+                                    // (hi + lo), same layout
   Rhs wt, w_rhs, x_rhs;  // the tile GEMMs' right operands: W tile^T (logits), W tile (dE),
                          // input rows (dC)
   LhsScratch lhs;
@@ -312,13 +313,12 @@ struct TileWork {
   const void* w32_of = nullptr;
   const void* x32_of = nullptr;
 
-  TileWork(int64_t rows, int64_t ld, bool own_tile, bool split, bool widen, int64_t d,
+  // bf16_tiles: the bf16 tiles the gradient tile becomes (GradPass::bf16_tiles_).
+  TileWork(int64_t rows, int64_t ld, bool own_tile, int bf16_tiles, bool widen, int64_t d,
            int64_t bv) {
     if (own_tile) tile.resize(rows * ld);
-    if (split) {
-      hi.resize(rows * ld);
-      lo.resize(rows * ld);
-    }
+    if (bf16_tiles > 0) hi.resize(rows * ld);
+    if (bf16_tiles > 1) lo.resize(rows * ld);
     if (widen) {
       w32.resize(bv * d);
       x32.resize(rows * d);
@@ -340,13 +340,17 @@ class GradPass {
  public:
   // split: the axis the workers split (its gradients are global); block: the other axis's
   // block size. deferred: the single pass' gradients, which scale_grad multiplies by the
-  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h).
+  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h). exact_bf16_grad:
+  // the caller's choice for bf16 inputs (cpu::bf16_grad).
   GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
-           Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred)
+           Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred,
+           std::optional<bool> exact_bf16_grad)
       : o_(o), cap_(cap), temp_(temp),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
-        split_(o.dtype == at::kBFloat16 && cpu::bf16_gemm_amx()),
-        widen_(o.dtype != at::kFloat && !split_) {
+        e_tiles_(bf16_tiles(o, exact_bf16_grad, /*dw=*/false)),
+        c_tiles_(bf16_tiles(o, exact_bf16_grad, /*dw=*/true)),
+        bf16_tiles_(std::max(need_e_ ? e_tiles_ : 0, need_c_ ? c_tiles_ : 0)),
+        widen_(o.dtype != at::kFloat && e_tiles_ == 0) {
     const auto opts = o.x.options();
     auto make = [&](std::optional<Grad>& g, at::ScalarType dt, int64_t total, int64_t width,
                     Axis axis) {
@@ -363,7 +367,7 @@ class GradPass {
   void set_soft(const cpu::SoftTargets* soft) { soft_ = soft; }
   // own_tile: a tile buffer of its own (the single pass' tiles are in its row block's logits)
   TileWork tile_work(int64_t rows, bool own_tile = true) const {
-    return TileWork(rows, o_.ld_tile(), own_tile, split_, widen_, o_.d, o_.block_v);
+    return TileWork(rows, o_.ld_tile(), own_tile, bf16_tiles_, widen_, o_.d, o_.block_v);
   }
 
   // Worker w's rows [s0, s0 + sn) of the split axis: zeroed before, written out after the pass.
@@ -405,31 +409,34 @@ class GradPass {
       tw.t_col[r] = has_t ? tl : -1;
       tw.t_grad[r] = has_t ? tw.rg[r].dz_t * logit_transform_grad(z_target, cap_, temp_) : 0.f;
       if (has_t) row[tl] = 0.f;
-      if (split_) tw.row_max[r] = cpu::row_absmax(row, bv);
+      if (bf16_tiles_ > 0) tw.row_max[r] = cpu::row_absmax(row, bv);
     }
-    // bf16 inputs: where bf16 GEMMs run on AMX (cpu::bf16_gemm_amx, ~6x an fp32 GEMM) the fp32
-    // gradient tile is split G = hi + lo into two bf16 tiles, so that the tile products run on
-    // them at ~16 mantissa bits, far below bf16's rounding. Elsewhere two bf16 GEMMs cost at
-    // least one fp32 GEMM (AVX512-BF16 alone: on the Xeon of docs/benchmarks.md with AMX held
-    // off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per core against 170 in fp32, and the bf16
-    // single pass took 4.06 s split, 2.14 s widened), and where bf16 is widened, twice one:
-    // G multiplies fp32 copies of the tile's weight and input rows (widen_), as fp16 inputs
-    // always do (fp16 tiles would underflow small gradients).
+    // bf16 inputs (cpu::bf16_grad): where bf16 GEMMs run on AMX (cpu::bf16_gemm_amx, ~6x an
+    // fp32 GEMM) the fp32 gradient tile G is by default rounded once to bf16 (hi), the CUDA
+    // backend's contract; asked for exact gradients there, it is split G = hi + lo into two
+    // bf16 tiles, so that the tile products run on them at ~16 mantissa bits, far below bf16's
+    // rounding. Elsewhere two bf16 GEMMs cost at least one fp32 GEMM (AVX512-BF16 alone: on the
+    // Xeon of docs/benchmarks.md with AMX held off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per
+    // core against 170 in fp32, and the bf16 single pass took 4.06 s split, 2.14 s widened), and
+    // where bf16 is widened, twice one: G multiplies fp32 copies of the tile's weight and input
+    // rows (widen_), as fp16 inputs always do (fp16 tiles would underflow small gradients).
+    // The target column is left out of the bf16 tiles either way and added in fp32 below.
     //
     // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary
     // (margins ~80) a row's gradients are ~1e-35 with most of its columns below FLT_MIN: the
-    // split tile is scaled by a power of two that puts its largest entry near 1, and the GEMMs
-    // take the inverse as alpha (both exact).
+    // bf16 tiles are scaled by a power of two that puts their largest entry near 1, and the
+    // GEMMs take the inverse as alpha (both exact).
     float alpha = 1.f;
     const int64_t ls = o_.ld_tile();
-    if (split_) {
+    if (bf16_tiles_ > 0) {
       float mx = 0.f;
       for (int64_t r = 0; r < bn; ++r) mx = std::max(mx, tw.row_max[r]);
       const int k = (mx > 0.f && std::isfinite(mx)) ? std::clamp(-std::ilogb(mx), -126, 126) : 0;
       const float scale = std::ldexp(1.f, k);
       alpha = std::ldexp(1.f, -k);
       for (int64_t r = 0; r < bn; ++r) {
-        cpu::row_split_bf16(tile + r * ld, &tw.hi[r * ls], &tw.lo[r * ls], bv, scale);
+        cpu::row_split_bf16(tile + r * ld, &tw.hi[r * ls],
+                            bf16_tiles_ > 1 ? &tw.lo[r * ls] : nullptr, bv, scale);
       }
     }
     if (need_b_) {
@@ -448,7 +455,7 @@ class GradPass {
     const int64_t es = o_.x.element_size();
     const char* xp = static_cast<const char*>(o_.x.data_ptr()) + n0 * d * es;
     const char* wp = static_cast<const char*>(o_.w.data_ptr()) + v0 * d * es;
-    // The tile products go straight into the Kahan accumulators; the split tile's are scaled
+    // The tile products go straight into the Kahan accumulators; the bf16 tiles' are scaled
     // back by alpha (a power of two: exact).
     const GemmOperand split_rows[2] = {{tw.hi.data(), ls, false}, {tw.lo.data(), ls, false}};
     const GemmOperand split_cols[2] = {{tw.hi.data(), ls, true}, {tw.lo.data(), ls, true}};
@@ -457,9 +464,10 @@ class GradPass {
       const KahanAcc eacc = ge_->at(w, x0, n0);
       const cpu::KahanOut eout{eacc.sum, eacc.comp, d,
                                ge_->global() ? first_block : first_tile};
-      if (split_) {
+      if (e_tiles_ > 0) {
         w_rhs.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
-        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, w_rhs, alpha, eout, tw.lhs);
+        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, e_tiles_, w_rhs, alpha, eout,
+                             tw.lhs);
       } else {
         const void* wt = widen_ ? static_cast<const void*>(widened(tw.w32, tw.w32_of, wp, bv)) : wp;
         const GemmOperand g{tile, ld, false};
@@ -479,10 +487,10 @@ class GradPass {
       const KahanAcc cacc = gc_->at(w, x0, v0);
       const cpu::KahanOut cout{cacc.sum, cacc.comp, d,
                                gc_->global() ? first_block : first_tile};
-      if (split_) {
+      if (c_tiles_ > 0) {
         tw.x_rhs.prepare(at::kBFloat16, GemmOperand{xp, d, false}, bn, d);
-        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, 2, tw.x_rhs, alpha, cout,
-                             tw.lhs);
+        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, c_tiles_, tw.x_rhs, alpha,
+                             cout, tw.lhs);
       } else {
         const void* xr = widen_ ? static_cast<const void*>(widened(tw.x32, tw.x32_of, xp, bn)) : xp;
         const GemmOperand gt{tile, ld, true};
@@ -537,7 +545,25 @@ class GradPass {
     return buf.data();
   }
 
-  bool need_e_, need_c_, need_b_, split_, widen_;
+  // The bf16 tiles the dE (dw false) or dW GEMM multiplies: 1 (hi, the gradient tile rounded
+  // once), 2 (hi + lo, split) or 0 (fp32 GEMMs, widen_ for 16-bit inputs). An fp32 dW of bf16
+  // operands (master weights) takes hi + lo in the rounded mode too, as the CUDA backend does:
+  // a tile rounded to 8 bits would fall far below an fp32 gradient's precision, and the fix
+  // costs one GEMM, dW's, not dE's.
+  static int bf16_tiles(const Operands& o, std::optional<bool> exact, bool dw) {
+    if (o.dtype != at::kBFloat16) return 0;
+    switch (cpu::bf16_grad(exact)) {
+      case cpu::Bf16Grad::rounded: return dw && o.w_dtype == at::kFloat ? 2 : 1;
+      case cpu::Bf16Grad::split: return 2;
+      case cpu::Bf16Grad::widened: return 0;
+    }
+    return 0;
+  }
+
+  bool need_e_, need_c_, need_b_;
+  int e_tiles_, c_tiles_;  // bf16_tiles of the dE and dW GEMMs
+  int bf16_tiles_;         // the tiles computed: hi, and lo where a GEMM takes it
+  bool widen_;
   std::optional<Grad> ge_, gc_, gb_;
   const cpu::SoftTargets* soft_ = nullptr;
 };
@@ -577,10 +603,11 @@ struct SoftBackward {
 Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, const int64_t* t,
                      const float* g, const float* glse, const float* gent, const float* st,
                      int64_t vocab_start, int64_t ignore_index, const LossOptions& opt,
-                     std::array<bool, 3> mask, bool deferred, const SoftBackward* soft = nullptr) {
+                     std::array<bool, 3> mask, bool deferred,
+                     std::optional<bool> exact_bf16_grad, const SoftBackward* soft = nullptr) {
   const BackwardPlan plan = backward_plan(o);
   GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap,
-                opt.temperature, deferred);
+                opt.temperature, deferred, exact_bf16_grad);
   if (soft) pass.set_soft(&soft->y);
   if (!pass.needs_any()) return pass.outputs();
   const bool rows_split = plan.split == Axis::rows;
@@ -640,7 +667,7 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                      int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                      double label_smoothing, double z_loss, double softcap,
                      std::array<bool, 3> output_mask, const std::optional<at::Tensor>& grad_entropy,
-                     double temperature) {
+                     double temperature, std::optional<bool> exact_bf16_grad) {
   check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats, grad_entropy);
   const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
@@ -653,7 +680,7 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                       gent.defined() ? gent.data_ptr<float>() : nullptr, st.data_ptr<float>(),
                       vocab_start, ignore_index,
                       loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
-                      output_mask, /*deferred=*/false);
+                      output_mask, /*deferred=*/false, exact_bf16_grad);
 }
 
 std::tuple<at::Tensor, at::Tensor> soft_partial_stats_cpu(
@@ -727,7 +754,9 @@ Tensor3 soft_backward_cpu(const at::Tensor& grad_loss, const std::optional<at::T
                       gent.defined() ? gent.data_ptr<float>() : nullptr, st.data_ptr<float>(),
                       vocab_start, ignore_index,
                       loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
-                      output_mask, /*deferred=*/false, &soft);
+                      // Target distributions keep exact bf16 gradients: exact_bf16_grad is not
+                      // an argument of their ops.
+                      output_mask, /*deferred=*/false, /*exact_bf16_grad=*/true, &soft);
 }
 
 // Rows per block of the fused forward+backward (FUSED_BLOCK_N and the workspace bounds of
@@ -780,7 +809,8 @@ Tensor5Out deferred_result(const at::Tensor& input, double sum, double divisor, 
 Tensor5Out single_pass_cpu(const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, const SinglePassRows& rows_in,
                            const LossOptions& opt, std::array<bool, 3> output_mask,
-                           double divisor, const std::function<Tensor5Out(float)>& fallback) {
+                           double divisor, std::optional<bool> exact_bf16_grad,
+                           const std::function<Tensor5Out(float)>& fallback) {
   const Operands o = prepare(input, weight, bias, /*wide=*/true);
   const cpu::SoftTargets* soft = rows_in.soft ? &rows_in.soft->y : nullptr;
   const float* z_weight = rows_in.soft ? rows_in.soft->z_weight : nullptr;
@@ -791,7 +821,7 @@ Tensor5Out single_pass_cpu(const at::Tensor& input, const at::Tensor& weight,
   // backward.
   if (bn_f == 0) return fallback(g_row);
   GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap, opt.temperature,
-                /*deferred=*/true);
+                /*deferred=*/true, exact_bf16_grad);
   if (soft) pass.set_soft(soft);
   // The pass returns the loss alone: the rows' entropy terms are not needed, nor, without
   // label smoothing, the sums of their logits.
@@ -898,7 +928,7 @@ Tensor5Out sum_and_grad_cpu(
     const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
     double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean,
     int64_t vocab_start, int64_t vocab_size, const std::optional<std::string>& group_name,
-    int64_t group_size, double temperature) {
+    int64_t group_size, double temperature, std::optional<bool> exact_bf16_grad) {
   check_linear_args(input, weight, target, bias);
   TORCH_CHECK_VALUE(!group_name && vocab_start == 0 && (vocab_size < 0 || vocab_size ==
                                                         weight.size(0)),
@@ -923,11 +953,11 @@ Tensor5Out sum_and_grad_cpu(
     const Operands o = prepare(input, weight, bias, /*wide=*/true);
     Tensor3 grads = run_backward(o, bias, t, g.data_ptr<float>(), nullptr, nullptr,
                                  stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
-                                 output_mask, /*deferred=*/true);
+                                 output_mask, /*deferred=*/true, exact_bf16_grad);
     return deferred_result(input, total, divisor, grads);
   };
   return single_pass_cpu(input, weight, bias, SinglePassRows{t, ignore_index, nullptr}, opt,
-                         output_mask, divisor, fallback);
+                         output_mask, divisor, exact_bf16_grad, fallback);
 }
 
 // The single pass of a target distribution (ops_def.h soft_sum_and_grad): as sum_and_grad_cpu,
@@ -976,11 +1006,12 @@ Tensor5Out soft_sum_and_grad_cpu(
     const Operands o = prepare(input, weight, bias, /*wide=*/true);
     Tensor3 grads = run_backward(o, bias, nullptr, g.data_ptr<float>(), nullptr, nullptr,
                                  st.data_ptr<float>(), 0, ignore_index, opt, output_mask,
-                                 /*deferred=*/true, &rows);
+                                 /*deferred=*/true, /*exact_bf16_grad=*/true, &rows);
     return deferred_result(input, total, divisor, grads);
   };
+  // (target distributions keep exact bf16 gradients, as soft_backward_cpu)
   return single_pass_cpu(input, weight, bias, SinglePassRows{nullptr, ignore_index, &soft}, opt,
-                         output_mask, divisor, fallback);
+                         output_mask, divisor, /*exact_bf16_grad=*/true, fallback);
 }
 
 // grad = dtype((sum of the k slices of deferred [k, ...]) * scale), in double, rounded once.

@@ -313,9 +313,10 @@ def single_pass(requested, reduction, per_token, x, weight=None):
         # single pass saves the recompute's logit GEMM (fp32 at N=4096, V=32768, D=512 on a
         # 2-core Xeon: 2.07 s against 3.20 s) but holds dW's compensation for all of V (and
         # 16-bit inputs' gradients in fp32), O(V D) memory where the recompute path's is
-        # O(min(N, V) D): it is the default while that stays within cpu_memory_budget. Where bf16 GEMMs run on
-        # AMX the logit GEMM is cheap and the single pass's streaming of dW's accumulators
-        # costs more (1.40 s against 1.03 s there): bf16 keeps the recompute path.
+        # O(min(N, V) D): it is the default while that stays within cpu_memory_budget. Where
+        # bf16 GEMMs run on AMX the logit GEMM is cheap and the single pass's streaming of dW's
+        # accumulators costs more (1.40 s against 1.03 s there, gradient tiles split): bf16
+        # keeps the recompute path, whichever way its tiles are rounded (cpu::bf16_grad).
         if x.dtype == torch.bfloat16 and _ops.CPU_BF16_AMX:
             return False
         if weight is None:
@@ -325,6 +326,20 @@ def single_pass(requested, reduction, per_token, x, weight=None):
         return cpu_single_pass_bytes(n, v, d, x.dtype) <= cpu_memory_budget(n, v)
     check_single_pass(requested, reduction, per_token)
     return requested
+
+
+def exact_bf16_grad(value, x=None):
+    """An exact_bf16_grad argument as the ops take it: None (the backend's default), True or
+    False. True for bf16 ``x`` needs the CPU backend: the CUDA backend rounds the gradient tile
+    once and has no exact mode (ops_def.h)."""
+    if value not in (None, True, False):
+        raise TypeError(f"flce: exact_bf16_grad must be None, True or False, got {value!r}")
+    value = None if value is None else bool(value)
+    if value and x is not None and x.dtype == torch.bfloat16 and _ops.is_cuda_backend(x):
+        raise ArgumentError("flce: exact_bf16_grad=True: the CUDA backend rounds bf16 gradient "
+                            "tiles once (dE and dW within 1.5x bf16's rounding floor) and has "
+                            "no exact mode; pass None or False")
+    return value
 
 
 def fused_distribution(x):

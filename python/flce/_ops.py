@@ -76,7 +76,7 @@ def register(namespace, cuda_format):
 
     @torch.library.register_fake(name("forward"))
     def _forward_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
-                      softcap, temperature=1.0):
+                      softcap, temperature=1.0, exact_bf16_grad=None):
         n = input.shape[0]
         f32 = dict(dtype=torch.float32, device=input.device)
         return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
@@ -85,25 +85,26 @@ def register(namespace, cuda_format):
     @torch.library.register_fake(name("backward"))
     def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, stats, vocab_start,
                        vocab_size, ignore_index, label_smoothing, z_loss, softcap, output_mask,
-                       grad_entropy=None, temperature=1.0):
+                       grad_entropy=None, temperature=1.0, exact_bf16_grad=None):
         grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
         return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
 
     def setup_context(ctx, inputs, output):
         input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap = inputs[:8]
         temperature = inputs[8] if len(inputs) > 8 else 1.0
+        exact = inputs[9] if len(inputs) > 9 else None  # not the forward's: the backward's
         stats = output[2]
         ctx.save_for_backward(input, weight, target, bias, stats)
-        ctx.options = (ignore_index, label_smoothing, z_loss, softcap, temperature)
+        ctx.options = (ignore_index, label_smoothing, z_loss, softcap, temperature, exact)
         ctx.mark_non_differentiable(stats)
 
     def backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy):
         input, weight, target, bias, stats = ctx.saved_tensors
-        ignore_index, label_smoothing, z_loss, softcap, temperature = ctx.options
+        ignore_index, label_smoothing, z_loss, softcap, temperature, exact = ctx.options
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                 bias is not None and ctx.needs_input_grad[3]]
         if not any(mask):
-            return (None,) * 9
+            return (None,) * 10
         if torch.is_grad_enabled():
             # create_graph=True: the gradients must be differentiable themselves, which the
             # backward kernel's are not. The same formulas again, in torch ops.
@@ -114,14 +115,14 @@ def register(namespace, cuda_format):
                 gi, gw, gb = _composite.grads_with_graph(
                     outs, (grad_loss, grad_lse, grad_entropy),
                     [t if m else None for t, m in zip((input, weight, bias), mask)])
-            return (gi, gw, None, gb) + (None,) * 5
+            return (gi, gw, None, gb) + (None,) * 6
         if grad_loss is None:
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
         gi, gw, gb = nsops.backward(grad_loss, grad_lse, input, weight, target, bias, stats, 0,
                                     weight.shape[0], ignore_index, label_smoothing, z_loss,
-                                    softcap, mask, grad_entropy, temperature)
+                                    softcap, mask, grad_entropy, temperature, exact)
         return (gi if mask[0] else None, gw if mask[1] else None, None,
-                gb if mask[2] else None) + (None,) * 5
+                gb if mask[2] else None) + (None,) * 6
 
     torch.library.register_autograd(name("forward"), backward, setup_context=setup_context)
 
@@ -189,7 +190,8 @@ def register(namespace, cuda_format):
     @torch.library.register_fake(name("sum_and_grad"))
     def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
                            softcap, output_mask, mean, vocab_start=0, vocab_size=-1,
-                           group_name=None, group_size=1, temperature=1.0):
+                           group_name=None, group_size=1, temperature=1.0,
+                           exact_bf16_grad=None):
         # [1, *shape] (ops_def.h): dE and dbias fp32, dW fp32 or (CUDA) in the weight's dtype
         def deferred(t, wanted, dtype):
             return t.new_empty((1, *t.shape), dtype=dtype) if wanted else t.new_empty((0,))

@@ -16,7 +16,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                           reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                           temperature=1.0, return_lse=False, return_entropy=False,
                           return_accuracy=False, shift=False, single_pass=None,
-                          class_weight=None, linear_weight=None, linear_bias=None, options=None):
+                          exact_bf16_grad=None, class_weight=None, linear_weight=None,
+                          linear_bias=None, options=None):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
@@ -89,6 +90,16 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             (docs/cpu-backend.md). ``True``/``False`` force it on either backend (``True``
             needs reduction ``"mean"``/``"sum"`` and neither ``return_lse`` nor
             ``return_entropy``).
+        exact_bf16_grad: how bfloat16 inputs' gradients are computed (docs/numerics.md; other
+            dtypes ignore it). ``None`` (default): the backend's choice, which
+            ``flce.build_info()["cpu_bf16_grad"]`` reports for the CPU: on a CPU whose bf16
+            GEMMs run on AMX, and on CUDA, the gradient tile is rounded once to bf16 and
+            multiplied in bf16 with fp32 accumulation (``input.grad`` and ``weight.grad``
+            within 1.5x bf16's rounding floor, norm-wise); on other CPUs exactly (at the floor,
+            at about the time of the step's 3 GEMMs in torch). ``False``: rounded once on every
+            backend. ``True``: exact, on the CPU backend only (AMX: the tile split into two
+            bf16 halves, 4 GEMMs where rounding takes 2; elsewhere fp32 GEMMs); the CUDA
+            backend, which has no exact mode, raises.
 
     Returns:
         The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
@@ -108,6 +119,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
     if input.is_cuda:
         _build.check_cuda_device(input.device)
+    exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
 
     # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
     if _common.is_dtensor(weight):
@@ -123,7 +135,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                 reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
                 softcap=softcap, temperature=opts.temperature, return_lse=return_lse,
                 return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-                class_weight=class_weight)
+                class_weight=class_weight, exact_bf16_grad=exact_bf16_grad)
 
     if _common.is_soft(target):
         return _soft_linear(input, weight, target, bias, opts, reduction, class_weight,
@@ -163,8 +175,10 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             torch.is_grad_enabled() and row_weight is None:
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
-                                     temperature=opts.temperature)[0]
-    loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature)
+                                     temperature=opts.temperature,
+                                     exact_bf16_grad=exact_bf16_grad)[0]
+    loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature,
+                                                 exact_bf16_grad=exact_bf16_grad)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
                                       return_lse, return_entropy, return_accuracy)
 
@@ -381,7 +395,7 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
                  softcap=None, temperature=1.0, return_lse=False, return_entropy=False,
-                 return_accuracy=False, shift=False, single_pass=None):
+                 return_accuracy=False, shift=False, single_pass=None, exact_bf16_grad=None):
         super().__init__()
         _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature)
         for name, flag in (("return_accuracy", return_accuracy), ("shift", shift)):
@@ -389,6 +403,7 @@ class LinearCrossEntropy(torch.nn.Module):
                 raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
         _common.check_single_pass(single_pass, reduction,
                                   return_lse or return_entropy or return_accuracy)
+        _common.exact_bf16_grad(exact_bf16_grad)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -400,6 +415,7 @@ class LinearCrossEntropy(torch.nn.Module):
         self.return_accuracy = return_accuracy
         self.shift = shift
         self.single_pass = single_pass
+        self.exact_bf16_grad = exact_bf16_grad
 
     def forward(self, input, weight, target, bias=None):
         return linear_cross_entropy(input, weight, target, bias=bias,
@@ -409,7 +425,8 @@ class LinearCrossEntropy(torch.nn.Module):
                                     return_lse=self.return_lse,
                                     return_entropy=self.return_entropy,
                                     return_accuracy=self.return_accuracy, shift=self.shift,
-                                    single_pass=self.single_pass)
+                                    single_pass=self.single_pass,
+                                    exact_bf16_grad=self.exact_bf16_grad)
 
     def extra_repr(self):
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "

@@ -141,8 +141,8 @@ _LAYOUT_CACHE_SIZE = 256
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
                 "sequence_parallel", "temperature", "single pass", "class weights", "targets",
-                "group size",
-                "group members", "error", "target min", "target max")
+                "exact_bf16_grad", "group size", "group members", "error", "target min",
+                "target max")
 _AGREED = range(3, _META_FIELDS.index("error"))
 _ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
 
@@ -178,7 +178,7 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     """Shard offsets and the global vocabulary for this call, from an exchange of every rank's
     metadata row (``_META_FIELDS``), after which every rank raises the same error or none does.
 
-    ``meta``: this rank's row up to "class weights" (ignored when ``error`` is set: the
+    ``meta``: this rank's row up to "exact_bf16_grad" (ignored when ``error`` is set: the
     exception this rank's own argument checks raised); the group's fingerprint follows it. The
     exchange all-gathers one int64 row per rank, with this rank's target range, and every rank
     checks every row: a rank with bad arguments, ranks that disagree on a shape, an option or
@@ -402,14 +402,14 @@ class _OverShards(torch.autograd.Function):
         return none + tuple(g if need else None for g, need in zip(grads, needs))
 
 
-def _linear_ops(layout, opts):
+def _linear_ops(layout, opts, exact_bf16_grad=None):
     """The linear family over tensors (x, w, b, t): flce::partial_stats, flce::combine,
-    flce::backward (one device: flce::forward)."""
+    flce::backward (one device: flce::forward), bf16 gradients as exact_bf16_grad asks."""
     ii, ls, z, sc, temp = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
                            opts.temperature)
 
     def one_device(x, w, b, t):
-        return _ops.ops.forward(x, w, t, b, ii, ls, z, sc, temp)
+        return _ops.ops.forward(x, w, t, b, ii, ls, z, sc, temp, exact_bf16_grad)
 
     def partial(x, w, b, t):
         return _ops.ops.partial_stats(x, w, t, b, layout.vocab_start, ii, sc, temp)
@@ -421,7 +421,7 @@ def _linear_ops(layout, opts):
         grad_loss, grad_lse, grad_entropy = grads
         return _ops.ops.backward(grad_loss, grad_lse, x, w, t, b, stats, layout.vocab_start,
                                  layout.vocab_size, ii, ls, z, sc, list(needs[:3]), grad_entropy,
-                                 temp) + (None,)
+                                 temp, exact_bf16_grad) + (None,)
 
     return _ShardOps(one_device, partial, combine, backward)
 
@@ -555,7 +555,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                                         return_accuracy=False, shift=False, class_weight=None,
                                         vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
-                                        check_ranks=True, single_pass=None):
+                                        check_ranks=True, single_pass=None,
+                                        exact_bf16_grad=None):
     r"""Fused, collapse-safe linear cross-entropy with the vocabulary sharded over ``group``.
 
     Every rank passes the same tokens (``input``, ``target``) and its own rows of the
@@ -601,6 +602,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         single_pass: as for ``flce.linear_cross_entropy``: by default the CUDA backend trains
             (mean/sum, no return_lse, gradients needed) with the single pass, whose chunks of
             rows all-gather their ``[rows, 4]`` statistics inside the op.
+        exact_bf16_grad: as for ``flce.linear_cross_entropy`` (the CPU backend's recompute
+            backward and the CUDA backend's single pass take it).
 
     Returns:
         The loss in float32 (identical on all ranks), then the per-token lse when ``return_lse``,
@@ -619,6 +622,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         distribution = _check_distribution(soft, class_weight, opts, input, shift,
                                            sequence_parallel, return_accuracy)
         _check_vocab_start(vocab_start)
+        exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
         if vocab_size is not None and (not isinstance(vocab_size, int) or
                                        not 0 < vocab_size <= _common.INT64_MAX):
             raise ArgumentError(f"flce.parallel: vocab_size must be a positive int64, got "
@@ -663,7 +667,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                 int(bias_local is not None), opts.ignore_index, _float_bits(opts.label_smoothing),
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
                 int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
-                _weights_meta(class_weight), int(soft)]
+                _weights_meta(class_weight), int(soft),
+                -1 if exact_bf16_grad is None else int(exact_bf16_grad)]
     else:
         t, meta = None, None
     layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
@@ -684,7 +689,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         return _ops.ops.sum_and_grad(x, w, t, b, *opts.op_args(), mask, reduction == "mean",
                                      layout.vocab_start, layout.vocab_size,
                                      group.group_name if world > 1 else None, world,
-                                     temperature=opts.temperature)[0]
+                                     temperature=opts.temperature,
+                                     exact_bf16_grad=exact_bf16_grad)[0]
     row_weight = None if soft else _row_weights(class_weight, layout, t, opts.ignore_index)
     if distribution:
         y = q.narrow(1, 0, w.shape[0]) if soft else t
@@ -692,7 +698,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts), tensors, group, world)
         return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
                                             return_lse, return_entropy)
-    loss, lse, stats, entropy = _per_token(_linear_ops(layout, opts), (x, w, b, t), group, world)
+    loss, lse, stats, entropy = _per_token(_linear_ops(layout, opts, exact_bf16_grad),
+                                           (x, w, b, t), group, world)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
                                       return_lse, return_entropy, return_accuracy)
 
@@ -721,7 +728,7 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
                                  reduction="mean", label_smoothing=0.0, z_loss=0.0,
                                  softcap=None, temperature=1.0, return_lse=False,
                                  return_entropy=False, return_accuracy=False, shift=False,
-                                 class_weight=None):
+                                 class_weight=None, exact_bf16_grad=None):
     """``flce.linear_cross_entropy`` for a ``DTensor`` weight ``Shard(0)`` on a 1-D mesh.
 
     ``input`` and ``target`` may be plain tensors (the same on every rank) or DTensors on the
@@ -758,7 +765,7 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
         return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-        class_weight=local("class_weight", class_weight, None))
+        class_weight=local("class_weight", class_weight, None), exact_bf16_grad=exact_bf16_grad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -874,7 +881,7 @@ def _logits_meta(x, vocab_start, ignore_index, smoothing, z_loss, softcap, reduc
     return [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
             code, 0, ignore_index, _float_bits(smoothing), _float_bits(z_loss),
             _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0,
-            _weights_meta(class_weight), int(soft)]
+            _weights_meta(class_weight), int(soft), -1]
 
 
 def _weights_meta(class_weight):

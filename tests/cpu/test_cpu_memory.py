@@ -52,10 +52,11 @@ def test_peak_memory_is_gradients_plus_budget(impl, dtype, size):
             budget += torch.get_num_threads() * 2064 * 4  # a row of target weights per worker
     else:
         # The global accumulator's bf16 compensation (and its fp32 sum when the gradient is not
-        # fp32); per worker a tile of [rows, block_v + 16] fp32 and, for bf16, its split into
-        # two bf16 tiles (docs/cpu-backend.md): 34 MiB on 2 workers here. Probability targets
-        # (flce-soft, the recompute path) add a row of target weights per worker and the rows'
-        # [N, 7] states: nothing of size N * V (the targets themselves are an input).
+        # fp32); per worker a tile of [rows, block_v + 16] fp32 and, for bf16, at most its split
+        # into two bf16 tiles (rounded once: one; docs/cpu-backend.md): 34 MiB on 2 workers
+        # here. Probability targets (flce-soft, the recompute path) add a row of target weights
+        # per worker and the rows' [N, 7] states: nothing of size N * V (the targets themselves
+        # are an input).
         budget = min(n, v) * d * (2 + (4 if size != 4 else 0))
         rows, cols = (256, 256 + 16) if size == 4 else (1024, 2048 + 16)
         budget += torch.get_num_threads() * rows * cols * (4 if size == 4 else 8)

@@ -203,17 +203,21 @@ def check_fused(rank, world, group, *, n=96, d=24, v_rows=None, shards="even", v
         return loss.detach(), lse.detach(), x.grad, w.grad, None if b is None else b.grad
 
     opts = dict(options, ignore_index=ignore_index, return_lse=True)
+    # flce's choice of bf16 rounding (the reference has none)
+    mode = {"exact_bf16_grad": opts.pop("exact_bf16_grad")} if "exact_bf16_grad" in opts else {}
     x_lp, w_lp = x64.to(dtype), w64.to(weight_dtype or dtype)
     b_lp = b64.to(w_lp.dtype) if bias else None
     # float64 oracle and the one-process flce result, over the real vocabulary.
     ref = run(lambda x, w, b: reference.linear_cross_entropy(x, w[:vocab], t, bias=None if b is None else b[:vocab], **opts),
               x_lp.double(), w_lp.double(), None if b_lp is None else b_lp.double())
-    one = run(lambda x, w, b: flce.linear_cross_entropy(x, w[:vocab], t, bias=None if b is None else b[:vocab], **opts),
+    one = run(lambda x, w, b: flce.linear_cross_entropy(x, w[:vocab], t, bias=None if b is None else b[:vocab], **opts,
+                                                        **mode),
               x_lp, w_lp, b_lp)
     tok = slice(rank * n, (rank + 1) * n) if seq_par else slice(None)
     par = run(lambda x, w, b: fp.vocab_parallel_linear_cross_entropy(
         x, w, t[tok], group=group, bias_local=b, vocab_size=vocab_size,
-        sequence_parallel=seq_par, **opts), x_lp[tok], w_lp[sl], None if b_lp is None else b_lp[sl])
+        sequence_parallel=seq_par, **opts, **mode), x_lp[tok], w_lp[sl],
+        None if b_lp is None else b_lp[sl])
 
     ratios = {}
     for i, name in enumerate(("loss", "lse")):
@@ -233,6 +237,31 @@ def check_fused(rank, world, group, *, n=96, d=24, v_rows=None, shards="even", v
             rel = _elementwise_rel(par[0][band], ref[0][band])
             assert rel < 1e-3 and (par[0][band] > 0).all(), f"collapse band rel err {rel:.3g}"
     return ratios
+
+
+def check_exact_bf16_grad(rank, world, group):
+    """exact_bf16_grad reaches the CPU backward through the vocab-parallel path: each mode's
+    gradients against float64 within check_fused's bound of the one-process call in the same
+    mode, and the rounded mode's dE and dC differ from the exact mode's."""
+    import flce.parallel as fp
+
+    # logits of std ~8: the non-target gradients weigh, and their rounding shows
+    g = torch.Generator().manual_seed(15)
+    v = 64 * world
+    x0 = (torch.randn(96, 24, generator=g) * 8 / 24 ** 0.25).to(torch.bfloat16)
+    w0 = (torch.randn(v, 24, generator=g) / 24 ** 0.25).to(torch.bfloat16)
+    t = torch.randint(0, v, (96,), generator=g)
+    sl = slice(rank * 64, (rank + 1) * 64)
+    grads = {}
+    for exact in (False, True):
+        check_fused(rank, world, group, shards="uneven", dtype=torch.bfloat16, bias=True,
+                    exact_bf16_grad=exact, seed=14)
+        x, w = x0.clone().requires_grad_(), w0[sl].clone().requires_grad_()
+        fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
+                                               exact_bf16_grad=exact).backward()
+        grads[exact] = (x.grad, w.grad)
+    assert not torch.equal(grads[False][0], grads[True][0])
+    assert not torch.equal(grads[False][1], grads[True][1])
 
 
 def check_all_ignored(rank, world, group):
@@ -940,7 +969,7 @@ def run_checks(rank, world):
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
                   check_group_errors, check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
                   check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift,
-                  check_class_weights, check_distributions):
+                  check_class_weights, check_distributions, check_exact_bf16_grad):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)
