@@ -146,41 +146,53 @@ const void* operand_row(const at::Tensor& m, int64_t i) {
   return static_cast<const char*>(m.data_ptr()) + i * m.size(1) * m.element_size();
 }
 
+// The forward's walk: workers own rows, and every row folds its logit tiles in vocabulary order,
+// whoever runs it (vocab tiles outer: each weight tile is prepared for the GEMM once per
+// worker). State: a row's running statistics; fold(tile_row, r, v0, bv, state, scratch) folds
+// row r's tile of columns [v0, v0 + bv) (both scratch: the tile row, and a worker's row of
+// block_v floats); store(r, state) writes row r's result.
+template <typename State, typename Fold, typename Store>
+void fold_rows(const Operands& o, float cap, float temp, const State& empty, Fold&& fold,
+               Store&& store) {
+  const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
+  cpu::run_workers(workers, [&](int64_t w) {
+    const Span rows = cpu::split(o.n, workers, w, ALIGN);
+    const Tiles row_tiles(rows, BLOCK_N, ALIGN);
+    std::vector<float> tile(row_tiles.step * o.ld_tile());
+    std::vector<State> state(rows.size(), empty);
+    std::vector<float> scratch(o.block_v);
+    Rhs wt;
+    LhsScratch lhs;
+    o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
+      row_tiles.each([&](int64_t n0, int64_t bn) {
+        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), wt, lhs);
+        for (int64_t r = 0; r < bn; ++r) {
+          fold(tile.data() + r * o.ld_tile(), n0 + r, v0, bv, state[n0 - rows.begin + r],
+               scratch.data());
+        }
+      });
+    });
+    for (int64_t i = rows.begin; i < rows.end; ++i) store(i, state[i - rows.begin]);
+  });
+}
+
 at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
                              int64_t vocab_start, int64_t ignore_index, double softcap,
                              double temperature) {
   check_linear_args(input, weight, target, bias);
   const Operands o = prepare(input, weight, bias);
-  const float cap = static_cast<float>(softcap), temp = static_cast<float>(temperature);
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();
   at::Tensor out = at::empty({o.n, kPartialCols}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
-  // Workers own rows: a row's statistics fold its tiles in vocabulary order, whoever runs it.
-  const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
-  cpu::run_workers(workers, [&](int64_t w) {
-    const Span rows = cpu::split(o.n, workers, w, ALIGN);
-    const Tiles row_tiles(rows, BLOCK_N, ALIGN);
-    std::vector<float> tile(row_tiles.step * o.ld_tile());
-    std::vector<RowState> state(rows.size());
-    Rhs wt;
-    LhsScratch lhs;
-    // Vocab tiles outer: each weight tile is prepared for the GEMM once per worker.
-    o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
-      row_tiles.each([&](int64_t n0, int64_t bn) {
-        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), wt, lhs);
-        for (int64_t r = 0; r < bn; ++r) {
-          const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
-          fold_row(tile.data() + r * o.ld_tile(), bv, tl < 0 ? -1 : tl - v0,
-                   state[n0 - rows.begin + r]);
-        }
-      });
-    });
-    for (int64_t i = rows.begin; i < rows.end; ++i) {
-      state[i - rows.begin].store(st + i * kPartialCols);
-    }
-  });
+  fold_rows(
+      o, static_cast<float>(softcap), static_cast<float>(temperature), RowState{},
+      [&](float* row, int64_t i, int64_t v0, int64_t bv, RowState& state, float*) {
+        const int64_t tl = shard_col(t[i], vocab_start, ignore_index);
+        fold_row(row, bv, tl < 0 ? -1 : tl - v0, state);
+      },
+      [&](int64_t i, const RowState& state) { state.store(st + i * kPartialCols); });
   return out;
 }
 
@@ -697,34 +709,19 @@ std::tuple<at::Tensor, at::Tensor> soft_partial_stats_cpu(
   std::vector<at::Tensor> keep;
   const cpu::SoftTargets y = cpu::soft_targets(target, class_weight, o.n, o.v, vocab_start,
                                                vocab_size, ignore_index, label_smoothing, keep);
-  const float cap = static_cast<float>(softcap), temp = static_cast<float>(temperature);
   at::Tensor out = at::empty({o.n, kSoftCols}, input.options().dtype(at::kFloat));
   at::Tensor pivot = at::empty({o.n}, input.options().dtype(at::kLong));
   float* st = out.data_ptr<float>();
   int64_t* pv = pivot.data_ptr<int64_t>();
-  // As partial_stats_cpu: workers own rows, whose states fold their tiles in vocabulary order.
-  const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
-  cpu::run_workers(workers, [&](int64_t w) {
-    const Span rows = cpu::split(o.n, workers, w, ALIGN);
-    const Tiles row_tiles(rows, BLOCK_N, ALIGN);
-    std::vector<float> tile(row_tiles.step * o.ld_tile()), yrow(o.block_v);
-    std::vector<SoftRow> state(rows.size(), soft_empty());
-    Rhs wt;
-    LhsScratch lhs;
-    o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
-      row_tiles.each([&](int64_t n0, int64_t bn) {
-        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), wt, lhs);
-        for (int64_t r = 0; r < bn; ++r) {
-          cpu::fold_soft_row(tile.data() + r * o.ld_tile(), y.row(n0 + r, v0, bv, yrow.data()),
-                             bv, vocab_start + v0, state[n0 - rows.begin + r]);
-        }
+  fold_rows(
+      o, static_cast<float>(softcap), static_cast<float>(temperature), soft_empty(),
+      [&](float* row, int64_t i, int64_t v0, int64_t bv, SoftRow& state, float* y_row) {
+        cpu::fold_soft_row(row, y.row(i, v0, bv, y_row), bv, vocab_start + v0, state);
+      },
+      [&](int64_t i, const SoftRow& state) {
+        soft_store(state, st + i * kSoftCols);
+        pv[i] = state.a;
       });
-    });
-    for (int64_t i = rows.begin; i < rows.end; ++i) {
-      soft_store(state[i - rows.begin], st + i * kSoftCols);
-      pv[i] = state[i - rows.begin].a;
-    }
-  });
   return {out, pivot};
 }
 
