@@ -31,20 +31,38 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LIGER_CPU_MAX_MACS = 2 ** 26
 
 IMPLS = ("flce", "eager", "compile", "chunked", "liger", "cce", "flce-single", "flce-recompute",
-         "gemm3")
-# flce's two training paths forced (single_pass=True / False), beside its default choice.
-FLCE_PATHS = {"flce": None, "flce-single": True, "flce-recompute": False}
+         "flce-exact", "gemm3", "flce-soft", "eager-soft")
+# flce's two training paths forced (single_pass=True / False), and its exact bf16 gradients
+# (exact_bf16_grad=True: the CPU backend's split gradient tile on AMX), beside its defaults.
+FLCE_PATHS = {"flce": {}, "flce-single": {"single_pass": True},
+              "flce-recompute": {"single_pass": False}, "flce-exact": {"exact_bf16_grad": True}}
 DESCRIPTIONS = {
     "flce": "flce.linear_cross_entropy",
     "flce-single": "flce.linear_cross_entropy(single_pass=True)",
     "flce-recompute": "flce.linear_cross_entropy(single_pass=False)",
+    "flce-exact": "flce.linear_cross_entropy(exact_bf16_grad=True)",
     "eager": "F.linear + .float() + F.cross_entropy (eager)",
     "compile": "torch.compile of the eager code",
     "chunked": "torch F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
     "liger": "Liger-Kernel liger_fused_linear_cross_entropy",
     "cce": "Apple cut_cross_entropy.linear_cross_entropy",
     "gemm3": "the step's 3 GEMMs alone (torch.mm: logits, dE, dW): the floor",
+    "flce-soft": "flce.linear_cross_entropy with probability targets (soft_targets)",
+    "eager-soft": "F.linear + .float() + F.cross_entropy with probability targets (eager)",
 }
+
+
+def soft_targets(t, v, _cache={}):
+    """Probability targets of class ids t: 0.9 on the class, the rest spread evenly (a
+    distillation-like distribution), fp32 [N, V]. Made once per batch (the warm-up step makes
+    them), so that neither the timed steps nor the memory probe count them: they are an input."""
+    key = (t.data_ptr(), t.numel(), v)
+    if key not in _cache:
+        _cache.clear()
+        q = torch.full((t.numel(), v), 0.1 / max(v - 1, 1), device=t.device)
+        q.scatter_(1, t[:, None], 0.9)
+        _cache[key] = q
+    return _cache[key]
 
 
 class _Gemm3(torch.autograd.Function):
@@ -153,10 +171,20 @@ def make_impl(name, device):
     """``f(x, w, t, bias=None) -> mean loss`` for implementation ``name``."""
     if name in FLCE_PATHS:
         import flce
-        single_pass = FLCE_PATHS[name]
+        kwargs = FLCE_PATHS[name]
 
         def f(x, w, t, bias=None):
-            return flce.linear_cross_entropy(x, w, t, bias=bias, single_pass=single_pass)
+            return flce.linear_cross_entropy(x, w, t, bias=bias, **kwargs)
+        return f
+    if name == "flce-soft":
+        import flce
+
+        def f(x, w, t, bias=None):
+            return flce.linear_cross_entropy(x, w, soft_targets(t, w.shape[0]), bias=bias)
+        return f
+    if name == "eager-soft":
+        def f(x, w, t, bias=None):
+            return F.cross_entropy(F.linear(x, w, bias).float(), soft_targets(t, w.shape[0]))
         return f
     if name in ("eager", "compile"):
         # The usual LM recipe (e.g. Hugging Face): logits in the input dtype, upcast, then CE.
@@ -345,6 +373,9 @@ def measure(spec):
         info = flce.build_info()
         out["cpu_gemm"] = info["cpu_gemm"]
         out["cpu_amx"] = info["cpu_amx"]
+        if dtype == torch.bfloat16:  # how the gradient tiles were rounded (docs/numerics.md)
+            out["cpu_bf16_grad"] = torch.ops.flce.cpu_bf16_grad(
+                FLCE_PATHS[name].get("exact_bf16_grad"))
     x.grad = None
     w.grad = None
     del loss

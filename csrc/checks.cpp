@@ -40,6 +40,13 @@ void check_linear_operands(const at::Tensor& input, const at::Tensor& weight,
   }
 }
 
+void check_rounded_grad(const at::Tensor& input, std::optional<bool> exact_bf16_grad) {
+  TORCH_CHECK_VALUE(!(exact_bf16_grad.value_or(false) && input.scalar_type() == at::kBFloat16),
+                    "flce: exact_bf16_grad=True: the CUDA backend rounds bf16 gradient tiles "
+                    "once (dE and dW within 1.5x bf16's rounding floor) and has no exact mode; "
+                    "pass None or False, or run the exact mode on the CPU backend");
+}
+
 void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
                        const std::optional<at::Tensor>& bias) {
   check_linear_operands(input, weight, bias);

@@ -30,7 +30,8 @@ using BackwardFn = Tensor3(const at::Tensor& grad_loss, const std::optional<at::
                            const at::Tensor& stats, int64_t vocab_start, int64_t vocab_size,
                            int64_t ignore_index, double label_smoothing, double z_loss,
                            double softcap, std::array<bool, 3> output_mask,
-                           const std::optional<at::Tensor>& grad_entropy, double temperature);
+                           const std::optional<at::Tensor>& grad_entropy, double temperature,
+                           std::optional<bool> exact_bf16_grad);
 
 using SoftPartialStatsFn = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
@@ -50,6 +51,10 @@ void check_linear_operands(const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias);
 void check_linear_args(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
                        const std::optional<at::Tensor>& bias);
+// The CUDA backend's 16-bit gradient tiles are rounded once (docs/numerics.md): it has no exact
+// bf16 mode, and refuses exact_bf16_grad=True for bf16 inputs rather than return gradients less
+// accurate than asked for.
+void check_rounded_grad(const at::Tensor& input, std::optional<bool> exact_bf16_grad);
 void check_combine_args(const at::Tensor& partials, const at::Tensor& target);
 void check_soft_backward_args(const at::Tensor& grad_loss,
                               const std::optional<at::Tensor>& grad_lse,

@@ -19,7 +19,8 @@ namespace flce {
 Tensor4 forward_composite(const at::Tensor& input, const at::Tensor& weight,
                           const at::Tensor& target, const std::optional<at::Tensor>& bias,
                           int64_t ignore_index, double label_smoothing, double z_loss,
-                          double softcap, double temperature) {
+                          double softcap, double temperature,
+                          std::optional<bool> /*exact_bf16_grad: the autograd's*/) {
   static auto partial_op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("flce::partial_stats", "")
                                .typed<PartialStatsFn>();
@@ -81,6 +82,11 @@ TORCH_LIBRARY(flce, m) {
   // Whether they multiply bf16 natively (cpu::bf16_gemm_native: AMX, AVX512-BF16 or oneDNN)
   // rather than widened to fp32; flce.build_info()["cpu_bf16_native"].
   m.def("cpu_bf16_native() -> bool", [] { return cpu::bf16_gemm_native(); });
+  // How the CPU backend multiplies bf16 gradient tiles for a given exact_bf16_grad
+  // (cpu::bf16_grad): "rounded", "split" or "widened"; flce.build_info()["cpu_bf16_grad"].
+  m.def("cpu_bf16_grad(bool? exact_bf16_grad=None) -> str", [](std::optional<bool> exact) {
+    return std::string(cpu::bf16_grad_name(cpu::bf16_grad(exact)));
+  });
   // The sizes of the CPU single pass's logits (cpu/single_pass.h), for Python's model of the
   // pass's memory (flce/_common.py, cpu_single_pass_bytes): [rows per block, logits bytes for
   // fp32 inputs, for 16-bit inputs, columns per tile, tile row padding in floats].

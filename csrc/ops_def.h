@@ -33,8 +33,17 @@ inline void define_ops(torch::Library& m) {
       "Tensor entropy)");
   m.def(
       "forward(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
-      "float label_smoothing, float z_loss, float softcap, float temperature=1.0) -> "
-      "(Tensor loss, Tensor lse, Tensor stats, Tensor entropy)");
+      "float label_smoothing, float z_loss, float softcap, float temperature=1.0, "
+      "bool? exact_bf16_grad=None) -> (Tensor loss, Tensor lse, Tensor stats, Tensor entropy)");
+  // forward's exact_bf16_grad is not used by the forward itself: its autograd passes it on to
+  // backward.
+  //
+  // exact_bf16_grad (backward, sum_and_grad; bf16 inputs only, ignored otherwise): how the
+  // gradient tile is multiplied. None: the backend's default; False: rounded once to bf16
+  // (dE and dW within 1.5x bf16's rounding floor, norm-wise); True: exact, at the floor (the
+  // CPU backend: csrc/cpu/tile_gemm.h bf16_grad). The CUDA backend always rounds once and
+  // refuses True.
+  //
   // Gradients from recomputed logit tiles and the fp32 row statistics. grad_loss [N] fp32 (may be
   // an expanded scalar), grad_lse and grad_entropy [N] fp32 or None. Outputs follow output_mask
   // (input, weight, bias); an unrequested one is an empty tensor. Each gradient has the dtype of
@@ -43,7 +52,7 @@ inline void define_ops(torch::Library& m) {
       "backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor weight, Tensor target, "
       "Tensor? bias, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, "
-      "Tensor? grad_entropy=None, float temperature=1.0) -> "
+      "Tensor? grad_entropy=None, float temperature=1.0, bool? exact_bf16_grad=None) -> "
       "(Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // The single pass (3 GEMMs, no recompute): the reduced loss (fp32 scalar: the sum, or with
   // mean=True the mean over non-ignored rows) and, per output_mask, the gradients, computed in
@@ -64,7 +73,7 @@ inline void define_ops(torch::Library& m) {
       "sum_and_grad(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, bool mean, "
       "int vocab_start=0, int vocab_size=-1, str? group_name=None, int group_size=1, "
-      "float temperature=1.0) -> "
+      "float temperature=1.0, bool? exact_bf16_grad=None) -> "
       "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // Target distributions (math.h SoftRow): probability targets (soft labels), and class
   // targets with per-class weights and label smoothing, every term of the loss taken from the
@@ -97,6 +106,14 @@ inline void define_ops(torch::Library& m) {
       "Tensor pivot, Tensor? z_weight, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, float temperature, "
       "bool[3] output_mask) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // The single pass of a target distribution (one device), as sum_and_grad: the reduced loss
+  // and the deferred gradients. mean: over the rows for probability targets; for class targets
+  // over z_weight's sum (torch's class weights of the targets) or the non-ignored rows.
+  m.def(
+      "soft_sum_and_grad(Tensor input, Tensor weight, Tensor target, Tensor? bias, "
+      "Tensor? class_weight, Tensor? z_weight, int ignore_index, float label_smoothing, "
+      "float z_loss, float softcap, float temperature, bool[3] output_mask, bool mean) -> "
+      "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
   m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");
   // The same for one slice [1, ...] already in the gradient's dtype, in place: the gradient is

@@ -51,13 +51,11 @@ def _cuda_host_routing(request):
                                                   "too large for the host emulation"))
     import cuda_emulation as cuda_host
 
-    import flce._ops
-
     try:
         cuda_host.load()
     except cuda_host.Unavailable as e:
         if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
             raise
         pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
-    with flce._ops.routed_to(cuda_host.NAMESPACE):
+    with cuda_host.routed():
         yield

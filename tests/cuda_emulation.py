@@ -3,7 +3,7 @@
 It is the torch binding of the CUDA backend (csrc/cuda/*.cpp, compiled with
 FLCE_CUDA_HOST) together with the unchanged kernels of csrc/cuda/*.cu compiled as host C++ and
 run by the host SIMT runtime (tools/cuda_host/: each CUDA thread a fiber), serving CPU tensors under the op namespace ``flce_cuda_host``, whose schemas are
-flce's. With ``flce._ops.routed_to("flce_cuda_host")`` the whole API runs the CUDA launch
+flce's. Inside ``routed()`` the whole API runs the CUDA launch
 sequence: chunk loops, workspaces (NaN-poisoned), scales, target checks, and at::mm standing in
 for cuBLAS.
 
@@ -14,6 +14,7 @@ FLCE_CUDA_HOST_RACECHECK=1 builds the kernels with the shared-memory race detect
 FLCE_CUDA_HOST_MUTANT=PATH builds it with one launch-sequence file (csrc/cuda/NAME.cpp) replaced by
 PATH, a mutated copy (tests/cuda/test_driver_mutations.py).
 """
+import contextlib
 import functools
 import glob
 import hashlib
@@ -107,3 +108,21 @@ def load():
         flce._ops.register(NAMESPACE, lambda t: True)
         load._registered = True
     return getattr(torch.ops, NAMESPACE)
+
+
+@contextlib.contextmanager
+def routed():
+    """The API's ops served by the emulated CUDA backend (built and loaded first) for the block:
+    flce._ops.ops, the op namespace every entry point calls, and flce._ops.is_cuda_backend, the
+    backend test of its path choices (every tensor then counts as the CUDA backend's), are
+    replaced, and restored after. Yields the emulated namespace."""
+    import flce._ops
+
+    emulated = load()
+    saved = flce._ops.ops, flce._ops.is_cuda_backend
+    flce._ops.ops = emulated
+    flce._ops.is_cuda_backend = lambda t: True
+    try:
+        yield emulated
+    finally:
+        flce._ops.ops, flce._ops.is_cuda_backend = saved

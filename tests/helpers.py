@@ -27,6 +27,8 @@ Error metrics
   ``assert_grad_close(g, ref)``  element-wise (GRAD_FACTOR) and norm-wise (GRAD_NORM_FACTOR).
   ``check_flce(x, w, t, b, **opts)``  forward + backward of flce.linear_cross_entropy against
                               the float64 reference, every element, random upstream gradients.
+  ``rounds_grad_tile(x, exact_bf16_grad)``  whether flce's gradients for x come from a 16-bit
+                              gradient tile (``tile_ideal_grads``) rather than at the floor.
   ``poison_allocator(...)``   best effort: fill and free blocks of the output sizes so that a
                               kernel that leaves elements unwritten returns NaN there (reliable
                               with the CUDA caching allocator, likely with glibc on CPU).
@@ -291,6 +293,19 @@ def tile_ideal_grads(x, w, t, b, objective, **opts):
     return {"input": (hi @ w64).reshape(x.shape), "weight": hi.T @ xf}
 
 
+def rounds_grad_tile(x, exact_bf16_grad=None):
+    """Whether flce's gradients for x come from the gradient tile rounded once to x's 16-bit
+    dtype (``tile_ideal_grads``) rather than at the rounding floor: the CUDA backend's 16-bit
+    tiles, and the CPU backend's bf16 tiles in its rounded mode (csrc/cpu/tile_gemm.h
+    bf16_grad; ``flce.build_info()["cpu_bf16_grad"]`` is the default's)."""
+    if x.dtype == torch.float32:
+        return False
+    if flce._ops.is_cuda_backend(x):
+        return True
+    return x.dtype == torch.bfloat16 and \
+        torch.ops.flce.cpu_bf16_grad(exact_bf16_grad) == "rounded"
+
+
 def assert_tile_grad_close(got, ideal, ref, *, what):
     """A gradient of the CUDA backend's 16-bit tile: every element within the output rounding of
     the tile ideal (``tile_ideal_grads``), and norm-wise within 1.1x the ideal's error against
@@ -335,7 +350,8 @@ def check_flce(x, w, t, b=None, *, return_lse=False, return_entropy=False, grads
     up_ent = torch.rand(t.shape, generator=g, dtype=torch.float64) - 0.5
     x64, w64, b64 = (None if a is None else a.detach().cpu().requires_grad_(grads)
                      for a in as_f64(x, w, b))
-    ref_opts = {k: v for k, v in opts.items() if k != "single_pass"}  # (flce's choice alone)
+    # (flce's choices alone)
+    ref_opts = {k: v for k, v in opts.items() if k not in ("single_pass", "exact_bf16_grad")}
     rloss, rlse, rent = flce.reference.linear_cross_entropy(
         x64, w64, t.cpu(), bias=b64, return_lse=True, return_entropy=True, **ref_opts)
     assert loss.shape == rloss.shape
@@ -364,7 +380,7 @@ def check_flce(x, w, t, b=None, *, return_lse=False, return_entropy=False, grads
         total(rloss, rlse, rent, up, up_lse, up_ent).backward()
         refs = {"input": x64.grad, "weight": w64.grad, "bias": None if b64 is None else b64.grad}
         tile = None
-        if x.dtype != torch.float32 and flce._ops.is_cuda_backend(loss):
+        if rounds_grad_tile(x, opts.get("exact_bf16_grad")):
             tile = tile_ideal_grads(x, w, t, b,
                                     lambda l, s, h: total(l, s, h, up, up_lse, up_ent), **opts)
         for name, leaf in leaves.items():

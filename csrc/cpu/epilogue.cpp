@@ -60,23 +60,47 @@ FLCE_CLONES void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap
   }
 }
 
-FLCE_CLONES void row_soft_sums(const float* z, const float* y, int64_t n, float p,
-                               float* y_sum, float* g_sum) {
-  float ys = 0.f, gs = 0.f;
-#pragma omp simd reduction(+ : ys, gs)
+namespace {
+// row_soft_fold's sums over columns [0, n), added into out.
+inline void soft_fold_range(const float* z, const float* y, int64_t n, float p, float* out) {
+  float s = 0.f, u = 0.f, ys = 0.f, gs = 0.f;
+#pragma omp simd reduction(+ : s, u, ys, gs)
   for (int64_t j = 0; j < n; ++j) {
+    const float e = vexp(z[j] - p);
+    s += e;
+    u += e == 0.f ? 0.f : e * (p - z[j]);
     ys += y[j];
     gs += soft_gap_term(y[j], p, z[j]);
   }
-  *y_sum = ys;
-  *g_sum = gs;
+  out[0] += s;
+  out[1] += u;
+  out[2] += ys;
+  out[3] += gs;
+}
+}  // namespace
+
+// (the pivot's column left out by the two ranges around it, not by a compare per column)
+FLCE_CLONES void row_soft_fold(const float* z, const float* y, int64_t n, int64_t a, float p,
+                               float* out) {
+  out[0] = out[1] = out[2] = out[3] = 0.f;
+  soft_fold_range(z, y, a, p, out);
+  soft_fold_range(z + a + 1, y + a + 1, n - a - 1, p, out);
 }
 
 FLCE_CLONES void row_soft_grad_fill(float* z, const float* y, int64_t n, const RowGrad& rg,
-                                    float gy, float cap, float temp) {
+                                    float cap, float temp) {
+  // (the transforms' cases apart, as row_grad_fill: a loop without them vectorizes)
+  if (temp != 1.f) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    z[j] = soft_logit_grad(rg, z[j], gy, y[j]) * logit_transform_grad(z[j], cap, temp);
+    for (int64_t j = 0; j < n; ++j) {
+      z[j] = soft_logit_grad(rg, z[j], y[j]) * logit_transform_grad(z[j], cap, temp);
+    }
+  } else if (cap > 0.f) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] = soft_logit_grad(rg, z[j], y[j]) * softcap_grad(z[j], cap);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] = soft_logit_grad(rg, z[j], y[j]);
   }
 }
 
@@ -91,6 +115,11 @@ void row_bias_softcap(float* z, const float* bias, int64_t n, float cap, float t
 
 FLCE_CLONES void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n,
                                 float scale) {
+  if (lo == nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) hi[j] = bf16_bits(g[j] * scale);
+    return;
+  }
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     const float x = g[j] * scale;

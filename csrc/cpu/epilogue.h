@@ -22,17 +22,20 @@ float row_sum(const float* z, int64_t n);
 // z[j] <- logit_grad(rg, z[j]) * dz/du(z[j]): the non-target gradient of a row (softcap and
 // temperature chain rule).
 void row_grad_fill(float* z, int64_t n, const RowGrad& rg, float cap, float temp);
-// *y_sum = sum_j y[j], *g_sum = sum_j soft_gap_term(y[j], p, z[j]) (a target distribution's
-// y_rest and G, math.h SoftRow).
-void row_soft_sums(const float* z, const float* y, int64_t n, float p, float* y_sum, float* g_sum);
-// z[j] <- soft_logit_grad(rg, z[j], gy, y[j]) * dz/du(z[j]): a target distribution's non-pivot
+// A target distribution's tile row with pivot column a (its largest logit p = z[a]), over the
+// other columns j != a: out = {sum exp(z[j] - p), the entropy's sum exp(z[j] - p) (p - z[j]),
+// sum y[j], sum soft_gap_term(y[j], p, z[j])} (math.h SoftRow's x.s, x.u, y_rest, g; -inf logits
+// add 0 to the first two). p must be finite.
+void row_soft_fold(const float* z, const float* y, int64_t n, int64_t a, float p, float* out);
+// z[j] <- soft_logit_grad(rg, z[j], y[j]) * dz/du(z[j]): a target distribution's non-pivot
 // gradient.
-void row_soft_grad_fill(float* z, const float* y, int64_t n, const RowGrad& rg, float gy,
-                        float cap, float temp);
+void row_soft_grad_fill(float* z, const float* y, int64_t n, const RowGrad& rg, float cap,
+                        float temp);
 // z[j] <- softcap(z[j] + bias[j]) / temp (bias may be null, cap <= 0 disables the softcap,
 // temp = 1 the temperature).
 void row_bias_softcap(float* z, const float* bias, int64_t n, float cap, float temp);
-// scale * g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even.
+// scale * g = hi + lo with hi, lo bfloat16 (bit patterns), round to nearest even; lo null:
+// hi = scale * g rounded once.
 void row_split_bf16(const float* g, uint16_t* hi, uint16_t* lo, int64_t n, float scale);
 // max_j |z[j]| (NaN-blind; 0 for n = 0).
 float row_absmax(const float* z, int64_t n);

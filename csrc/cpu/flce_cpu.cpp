@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -145,41 +146,53 @@ const void* operand_row(const at::Tensor& m, int64_t i) {
   return static_cast<const char*>(m.data_ptr()) + i * m.size(1) * m.element_size();
 }
 
+// The forward's walk: workers own rows, and every row folds its logit tiles in vocabulary order,
+// whoever runs it (vocab tiles outer: each weight tile is prepared for the GEMM once per
+// worker). State: a row's running statistics; fold(tile_row, r, v0, bv, state, scratch) folds
+// row r's tile of columns [v0, v0 + bv) (both scratch: the tile row, and a worker's row of
+// block_v floats); store(r, state) writes row r's result.
+template <typename State, typename Fold, typename Store>
+void fold_rows(const Operands& o, float cap, float temp, const State& empty, Fold&& fold,
+               Store&& store) {
+  const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
+  cpu::run_workers(workers, [&](int64_t w) {
+    const Span rows = cpu::split(o.n, workers, w, ALIGN);
+    const Tiles row_tiles(rows, BLOCK_N, ALIGN);
+    std::vector<float> tile(row_tiles.step * o.ld_tile());
+    std::vector<State> state(rows.size(), empty);
+    std::vector<float> scratch(o.block_v);
+    Rhs wt;
+    LhsScratch lhs;
+    o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
+      row_tiles.each([&](int64_t n0, int64_t bn) {
+        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), wt, lhs);
+        for (int64_t r = 0; r < bn; ++r) {
+          fold(tile.data() + r * o.ld_tile(), n0 + r, v0, bv, state[n0 - rows.begin + r],
+               scratch.data());
+        }
+      });
+    });
+    for (int64_t i = rows.begin; i < rows.end; ++i) store(i, state[i - rows.begin]);
+  });
+}
+
 at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
                              int64_t vocab_start, int64_t ignore_index, double softcap,
                              double temperature) {
   check_linear_args(input, weight, target, bias);
   const Operands o = prepare(input, weight, bias);
-  const float cap = static_cast<float>(softcap), temp = static_cast<float>(temperature);
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();
   at::Tensor out = at::empty({o.n, kPartialCols}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
-  // Workers own rows: a row's statistics fold its tiles in vocabulary order, whoever runs it.
-  const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
-  cpu::run_workers(workers, [&](int64_t w) {
-    const Span rows = cpu::split(o.n, workers, w, ALIGN);
-    const Tiles row_tiles(rows, BLOCK_N, ALIGN);
-    std::vector<float> tile(row_tiles.step * o.ld_tile());
-    std::vector<RowState> state(rows.size());
-    Rhs wt;
-    LhsScratch lhs;
-    // Vocab tiles outer: each weight tile is prepared for the GEMM once per worker.
-    o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
-      row_tiles.each([&](int64_t n0, int64_t bn) {
-        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), wt, lhs);
-        for (int64_t r = 0; r < bn; ++r) {
-          const int64_t tl = shard_col(t[n0 + r], vocab_start, ignore_index);
-          fold_row(tile.data() + r * o.ld_tile(), bv, tl < 0 ? -1 : tl - v0,
-                   state[n0 - rows.begin + r]);
-        }
-      });
-    });
-    for (int64_t i = rows.begin; i < rows.end; ++i) {
-      state[i - rows.begin].store(st + i * kPartialCols);
-    }
-  });
+  fold_rows(
+      o, static_cast<float>(softcap), static_cast<float>(temperature), RowState{},
+      [&](float* row, int64_t i, int64_t v0, int64_t bv, RowState& state, float*) {
+        const int64_t tl = shard_col(t[i], vocab_start, ignore_index);
+        fold_row(row, bv, tl < 0 ? -1 : tl - v0, state);
+      },
+      [&](int64_t i, const RowState& state) { state.store(st + i * kPartialCols); });
   return out;
 }
 
@@ -294,7 +307,8 @@ class Grad {
 // A worker's scratch for the backward's tiles.
 struct TileWork {
   std::vector<float> tile;          // [rows, ld_tile]: logits, then the gradient
-  std::vector<uint16_t> hi, lo;     // bf16 inputs: the gradient tile split, same layout
+  std::vector<uint16_t> hi, lo;     // bf16 inputs: the gradient tile rounded (hi) or split
+                                    // (hi + lo), same layout
   Rhs wt, w_rhs, x_rhs;  // the tile GEMMs' right operands: W tile^T (logits), W tile (dE),
                          // input rows (dC)
   LhsScratch lhs;
@@ -304,21 +318,19 @@ struct TileWork {
   std::vector<float> t_grad;        // per tile row: the target column's gradient
   std::vector<float> row_max;       // per tile row: max |gradient| (bf16 split scale)
   std::vector<float> prod, colsum;  // a scaled operand row; the tile's column sums (bias)
-  std::vector<float> y, gy;         // target distributions: a row's target weights; per tile
-                                    // row the upstream gradient that multiplies them
+  std::vector<float> y;             // target distributions: a row's target weights
   // 16-bit inputs multiplied in fp32: the tile's weight rows and input rows widened, and which
   // rows they hold (the operand's address).
   std::vector<float> w32, x32;
   const void* w32_of = nullptr;
   const void* x32_of = nullptr;
 
-  TileWork(int64_t rows, int64_t ld, bool own_tile, bool split, bool widen, int64_t d,
+  // bf16_tiles: the bf16 tiles the gradient tile becomes (GradPass::bf16_tiles_).
+  TileWork(int64_t rows, int64_t ld, bool own_tile, int bf16_tiles, bool widen, int64_t d,
            int64_t bv) {
     if (own_tile) tile.resize(rows * ld);
-    if (split) {
-      hi.resize(rows * ld);
-      lo.resize(rows * ld);
-    }
+    if (bf16_tiles > 0) hi.resize(rows * ld);
+    if (bf16_tiles > 1) lo.resize(rows * ld);
     if (widen) {
       w32.resize(bv * d);
       x32.resize(rows * d);
@@ -331,7 +343,6 @@ struct TileWork {
     prod.resize(d);
     colsum.resize(bv);
     y.resize(bv);
-    gy.resize(rows);
   }
 };
 
@@ -341,13 +352,17 @@ class GradPass {
  public:
   // split: the axis the workers split (its gradients are global); block: the other axis's
   // block size. deferred: the single pass' gradients, which scale_grad multiplies by the
-  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h).
+  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h). exact_bf16_grad:
+  // the caller's choice for bf16 inputs (cpu::bf16_grad).
   GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
-           Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred)
+           Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred,
+           std::optional<bool> exact_bf16_grad)
       : o_(o), cap_(cap), temp_(temp),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
-        split_(o.dtype == at::kBFloat16 && cpu::bf16_gemm_amx()),
-        widen_(o.dtype != at::kFloat && !split_) {
+        e_tiles_(bf16_tiles(o, exact_bf16_grad, /*dw=*/false)),
+        c_tiles_(bf16_tiles(o, exact_bf16_grad, /*dw=*/true)),
+        bf16_tiles_(std::max(need_e_ ? e_tiles_ : 0, need_c_ ? c_tiles_ : 0)),
+        widen_(o.dtype != at::kFloat && e_tiles_ == 0) {
     const auto opts = o.x.options();
     auto make = [&](std::optional<Grad>& g, at::ScalarType dt, int64_t total, int64_t width,
                     Axis axis) {
@@ -359,12 +374,12 @@ class GradPass {
   }
 
   bool needs_any() const { return need_e_ || need_c_ || need_b_; }
-  // A target distribution's backward: each row's column gradients subtract g y_c (tw.gy), and
-  // the target column is the row's pivot.
+  // A target distribution's backward: each row's column gradients subtract u y_c (math.h
+  // soft_logit_grad), and the target column is the row's pivot.
   void set_soft(const cpu::SoftTargets* soft) { soft_ = soft; }
   // own_tile: a tile buffer of its own (the single pass' tiles are in its row block's logits)
   TileWork tile_work(int64_t rows, bool own_tile = true) const {
-    return TileWork(rows, o_.ld_tile(), own_tile, split_, widen_, o_.d, o_.block_v);
+    return TileWork(rows, o_.ld_tile(), own_tile, bf16_tiles_, widen_, o_.d, o_.block_v);
   }
 
   // Worker w's rows [s0, s0 + sn) of the split axis: zeroed before, written out after the pass.
@@ -395,8 +410,8 @@ class GradPass {
       const bool has_t = tw.ts[r] >= 0 && tl >= 0 && tl < bv;
       const float z_target = has_t ? row[tl] : 0.f;
       if (soft_) {
-        soft_->fill(n0 + r, v0, bv, tw.y.data());
-        cpu::row_soft_grad_fill(row, tw.y.data(), bv, tw.rg[r], tw.gy[r], cap_, temp_);
+        cpu::row_soft_grad_fill(row, soft_->row(n0 + r, v0, bv, tw.y.data()), bv, tw.rg[r], cap_,
+                                temp_);
       } else {
         cpu::row_grad_fill(row, bv, tw.rg[r], cap_, temp_);
       }
@@ -406,31 +421,34 @@ class GradPass {
       tw.t_col[r] = has_t ? tl : -1;
       tw.t_grad[r] = has_t ? tw.rg[r].dz_t * logit_transform_grad(z_target, cap_, temp_) : 0.f;
       if (has_t) row[tl] = 0.f;
-      if (split_) tw.row_max[r] = cpu::row_absmax(row, bv);
+      if (bf16_tiles_ > 0) tw.row_max[r] = cpu::row_absmax(row, bv);
     }
-    // bf16 inputs: where bf16 GEMMs run on AMX (cpu::bf16_gemm_amx, ~6x an fp32 GEMM) the fp32
-    // gradient tile is split G = hi + lo into two bf16 tiles, so that the tile products run on
-    // them at ~16 mantissa bits, far below bf16's rounding. Elsewhere two bf16 GEMMs cost at
-    // least one fp32 GEMM (AVX512-BF16 alone: on the Xeon of docs/benchmarks.md with AMX held
-    // off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per core against 170 in fp32, and the bf16
-    // single pass took 4.06 s split, 2.14 s widened), and where bf16 is widened, twice one:
-    // G multiplies fp32 copies of the tile's weight and input rows (widen_), as fp16 inputs
-    // always do (fp16 tiles would underflow small gradients).
+    // bf16 inputs (cpu::bf16_grad): where bf16 GEMMs run on AMX (cpu::bf16_gemm_amx, ~6x an
+    // fp32 GEMM) the fp32 gradient tile G is by default rounded once to bf16 (hi), the CUDA
+    // backend's contract; asked for exact gradients there, it is split G = hi + lo into two
+    // bf16 tiles, so that the tile products run on them at ~16 mantissa bits, far below bf16's
+    // rounding. Elsewhere two bf16 GEMMs cost at least one fp32 GEMM (AVX512-BF16 alone: on the
+    // Xeon of docs/benchmarks.md with AMX held off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per
+    // core against 170 in fp32, and the bf16 single pass took 4.06 s split, 2.14 s widened), and
+    // where bf16 is widened, twice one: G multiplies fp32 copies of the tile's weight and input
+    // rows (widen_), as fp16 inputs always do (fp16 tiles would underflow small gradients).
+    // The target column is left out of the bf16 tiles either way and added in fp32 below.
     //
     // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary
     // (margins ~80) a row's gradients are ~1e-35 with most of its columns below FLT_MIN: the
-    // split tile is scaled by a power of two that puts its largest entry near 1, and the GEMMs
-    // take the inverse as alpha (both exact).
+    // bf16 tiles are scaled by a power of two that puts their largest entry near 1, and the
+    // GEMMs take the inverse as alpha (both exact).
     float alpha = 1.f;
     const int64_t ls = o_.ld_tile();
-    if (split_) {
+    if (bf16_tiles_ > 0) {
       float mx = 0.f;
       for (int64_t r = 0; r < bn; ++r) mx = std::max(mx, tw.row_max[r]);
       const int k = (mx > 0.f && std::isfinite(mx)) ? std::clamp(-std::ilogb(mx), -126, 126) : 0;
       const float scale = std::ldexp(1.f, k);
       alpha = std::ldexp(1.f, -k);
       for (int64_t r = 0; r < bn; ++r) {
-        cpu::row_split_bf16(tile + r * ld, &tw.hi[r * ls], &tw.lo[r * ls], bv, scale);
+        cpu::row_split_bf16(tile + r * ld, &tw.hi[r * ls],
+                            bf16_tiles_ > 1 ? &tw.lo[r * ls] : nullptr, bv, scale);
       }
     }
     if (need_b_) {
@@ -449,7 +467,7 @@ class GradPass {
     const int64_t es = o_.x.element_size();
     const char* xp = static_cast<const char*>(o_.x.data_ptr()) + n0 * d * es;
     const char* wp = static_cast<const char*>(o_.w.data_ptr()) + v0 * d * es;
-    // The tile products go straight into the Kahan accumulators; the split tile's are scaled
+    // The tile products go straight into the Kahan accumulators; the bf16 tiles' are scaled
     // back by alpha (a power of two: exact).
     const GemmOperand split_rows[2] = {{tw.hi.data(), ls, false}, {tw.lo.data(), ls, false}};
     const GemmOperand split_cols[2] = {{tw.hi.data(), ls, true}, {tw.lo.data(), ls, true}};
@@ -458,9 +476,10 @@ class GradPass {
       const KahanAcc eacc = ge_->at(w, x0, n0);
       const cpu::KahanOut eout{eacc.sum, eacc.comp, d,
                                ge_->global() ? first_block : first_tile};
-      if (split_) {
+      if (e_tiles_ > 0) {
         w_rhs.prepare(at::kBFloat16, GemmOperand{wp, d, false}, bv, d);
-        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, 2, w_rhs, alpha, eout, tw.lhs);
+        cpu::gemm_accumulate(at::kBFloat16, bn, d, bv, split_rows, e_tiles_, w_rhs, alpha, eout,
+                             tw.lhs);
       } else {
         const void* wt = widen_ ? static_cast<const void*>(widened(tw.w32, tw.w32_of, wp, bv)) : wp;
         const GemmOperand g{tile, ld, false};
@@ -480,10 +499,10 @@ class GradPass {
       const KahanAcc cacc = gc_->at(w, x0, v0);
       const cpu::KahanOut cout{cacc.sum, cacc.comp, d,
                                gc_->global() ? first_block : first_tile};
-      if (split_) {
+      if (c_tiles_ > 0) {
         tw.x_rhs.prepare(at::kBFloat16, GemmOperand{xp, d, false}, bn, d);
-        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, 2, tw.x_rhs, alpha, cout,
-                             tw.lhs);
+        cpu::gemm_accumulate(at::kBFloat16, bv, d, bn, split_cols, c_tiles_, tw.x_rhs, alpha,
+                             cout, tw.lhs);
       } else {
         const void* xr = widen_ ? static_cast<const void*>(widened(tw.x32, tw.x32_of, xp, bn)) : xp;
         const GemmOperand gt{tile, ld, true};
@@ -538,7 +557,25 @@ class GradPass {
     return buf.data();
   }
 
-  bool need_e_, need_c_, need_b_, split_, widen_;
+  // The bf16 tiles the dE (dw false) or dW GEMM multiplies: 1 (hi, the gradient tile rounded
+  // once), 2 (hi + lo, split) or 0 (fp32 GEMMs, widen_ for 16-bit inputs). An fp32 dW of bf16
+  // operands (master weights) takes hi + lo in the rounded mode too, as the CUDA backend does:
+  // a tile rounded to 8 bits would fall far below an fp32 gradient's precision, and the fix
+  // costs one GEMM, dW's, not dE's.
+  static int bf16_tiles(const Operands& o, std::optional<bool> exact, bool dw) {
+    if (o.dtype != at::kBFloat16) return 0;
+    switch (cpu::bf16_grad(exact)) {
+      case cpu::Bf16Grad::rounded: return dw && o.w_dtype == at::kFloat ? 2 : 1;
+      case cpu::Bf16Grad::split: return 2;
+      case cpu::Bf16Grad::widened: return 0;
+    }
+    return 0;
+  }
+
+  bool need_e_, need_c_, need_b_;
+  int e_tiles_, c_tiles_;  // bf16_tiles of the dE and dW GEMMs
+  int bf16_tiles_;         // the tiles computed: hi, and lo where a GEMM takes it
+  bool widen_;
   std::optional<Grad> ge_, gc_, gb_;
   const cpu::SoftTargets* soft_ = nullptr;
 };
@@ -578,10 +615,11 @@ struct SoftBackward {
 Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, const int64_t* t,
                      const float* g, const float* glse, const float* gent, const float* st,
                      int64_t vocab_start, int64_t ignore_index, const LossOptions& opt,
-                     std::array<bool, 3> mask, bool deferred, const SoftBackward* soft = nullptr) {
+                     std::array<bool, 3> mask, bool deferred,
+                     std::optional<bool> exact_bf16_grad, const SoftBackward* soft = nullptr) {
   const BackwardPlan plan = backward_plan(o);
   GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap,
-                opt.temperature, deferred);
+                opt.temperature, deferred, exact_bf16_grad);
   if (soft) pass.set_soft(&soft->y);
   if (!pass.needs_any()) return pass.outputs();
   const bool rows_split = plan.split == Axis::rows;
@@ -606,7 +644,6 @@ Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, c
             tw.rg[r] = soft_row_grad(OnlineLse{si[0], si[1], si[3]}, si[2], si[4], si[5], zw,
                                      g[i], glse ? glse[i] : 0.f, opt.z_loss,
                                      gent ? gent[i] : 0.f);
-            tw.gy[r] = g[i];
             tw.ts[r] = soft->pivot[i] < 0 ? -1 : soft->pivot[i] - vocab_start;
             continue;
           }
@@ -642,7 +679,7 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                      int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                      double label_smoothing, double z_loss, double softcap,
                      std::array<bool, 3> output_mask, const std::optional<at::Tensor>& grad_entropy,
-                     double temperature) {
+                     double temperature, std::optional<bool> exact_bf16_grad) {
   check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats, grad_entropy);
   const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
@@ -655,7 +692,7 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                       gent.defined() ? gent.data_ptr<float>() : nullptr, st.data_ptr<float>(),
                       vocab_start, ignore_index,
                       loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
-                      output_mask, /*deferred=*/false);
+                      output_mask, /*deferred=*/false, exact_bf16_grad);
 }
 
 std::tuple<at::Tensor, at::Tensor> soft_partial_stats_cpu(
@@ -665,47 +702,26 @@ std::tuple<at::Tensor, at::Tensor> soft_partial_stats_cpu(
     double softcap, double temperature) {
   check_linear_operands(input, weight, bias);
   check_soft_target_args(input, target, class_weight, weight.size(0));
-  const Operands o = prepare(input, weight, bias);
+  // Wide tiles: each row of a tile reads BLOCK_V_WIDE contiguous target weights, which the
+  // hardware prefetchers stream; 256 columns (1 KiB) per row, rows V * 4 bytes apart, left the
+  // fold waiting on them (a third of the logit GEMM's time at N = 2048, V = 32768, D = 512).
+  const Operands o = prepare(input, weight, bias, /*wide=*/true);
   std::vector<at::Tensor> keep;
   const cpu::SoftTargets y = cpu::soft_targets(target, class_weight, o.n, o.v, vocab_start,
                                                vocab_size, ignore_index, label_smoothing, keep);
-  const float cap = static_cast<float>(softcap), temp = static_cast<float>(temperature);
   at::Tensor out = at::empty({o.n, kSoftCols}, input.options().dtype(at::kFloat));
   at::Tensor pivot = at::empty({o.n}, input.options().dtype(at::kLong));
   float* st = out.data_ptr<float>();
   int64_t* pv = pivot.data_ptr<int64_t>();
-  // As partial_stats_cpu: workers own rows, whose states fold their tiles in vocabulary order.
-  const int64_t workers = cpu::num_workers(ceil_div(o.n, ALIGN));
-  cpu::run_workers(workers, [&](int64_t w) {
-    const Span rows = cpu::split(o.n, workers, w, ALIGN);
-    const Tiles row_tiles(rows, BLOCK_N, ALIGN);
-    std::vector<float> tile(row_tiles.step * o.ld_tile()), yrow(o.block_v);
-    std::vector<SoftRow> state(rows.size(), soft_empty());
-    Rhs wt;
-    LhsScratch lhs;
-    o.vocab_tiles({0, o.v}).each([&](int64_t v0, int64_t bv) {
-      row_tiles.each([&](int64_t n0, int64_t bn) {
-        logit_tile(o, n0, bn, v0, bv, cap, temp, tile.data(), o.ld_tile(), wt, lhs);
-        for (int64_t r = 0; r < bn; ++r) {
-          y.fill(n0 + r, v0, bv, yrow.data());
-          cpu::fold_soft_row(tile.data() + r * o.ld_tile(), yrow.data(), bv, vocab_start + v0,
-                             state[n0 - rows.begin + r]);
-        }
+  fold_rows(
+      o, static_cast<float>(softcap), static_cast<float>(temperature), soft_empty(),
+      [&](float* row, int64_t i, int64_t v0, int64_t bv, SoftRow& state, float* y_row) {
+        cpu::fold_soft_row(row, y.row(i, v0, bv, y_row), bv, vocab_start + v0, state);
+      },
+      [&](int64_t i, const SoftRow& state) {
+        soft_store(state, st + i * kSoftCols);
+        pv[i] = state.a;
       });
-    });
-    for (int64_t i = rows.begin; i < rows.end; ++i) {
-      const SoftRow& sr = state[i - rows.begin];
-      float* q = st + i * kSoftCols;
-      q[0] = sr.x.m;
-      q[1] = sr.x.s;
-      q[2] = sr.p;
-      q[3] = sr.x.u;
-      q[4] = sr.y_a;
-      q[5] = sr.y_rest;
-      q[6] = sr.g;
-      pv[i] = sr.a;
-    }
-  });
   return {out, pivot};
 }
 
@@ -735,7 +751,9 @@ Tensor3 soft_backward_cpu(const at::Tensor& grad_loss, const std::optional<at::T
                       gent.defined() ? gent.data_ptr<float>() : nullptr, st.data_ptr<float>(),
                       vocab_start, ignore_index,
                       loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
-                      output_mask, /*deferred=*/false, &soft);
+                      // Target distributions keep exact bf16 gradients: exact_bf16_grad is not
+                      // an argument of their ops.
+                      output_mask, /*deferred=*/false, /*exact_bf16_grad=*/true, &soft);
 }
 
 // Rows per block of the fused forward+backward (FUSED_BLOCK_N and the workspace bounds of
@@ -761,61 +779,54 @@ int64_t fused_block_rows(const Operands& o, int64_t workers) {
 // Rows are the outer loop, so each worker keeps its 16-bit weight tiles packed for the GEMMs
 // over the whole pass: 2 V * D 16-bit values (W^T and W) more scratch on the onednn path, none
 // on the blas path.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_grad_cpu(
-    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-    double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean,
-    int64_t vocab_start, int64_t vocab_size, const std::optional<std::string>& group_name,
-    int64_t group_size, double temperature) {
-  check_linear_args(input, weight, target, bias);
-  TORCH_CHECK_VALUE(!group_name && vocab_start == 0 && (vocab_size < 0 || vocab_size ==
-                                                        weight.size(0)),
-                    "flce: the CPU backend's single pass is single-device; vocab-parallel CPU "
-                    "training takes the recompute path (single_pass=False)");
+// The single pass's rows: class targets (t), or a target distribution (soft: its target weights
+// and z-loss row weights, SoftBackward's; t then the class ids or null).
+struct SinglePassRows {
+  const int64_t* t;
+  int64_t ignore_index;
+  const SoftBackward* soft;
+};
+
+using Tensor5Out = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The single pass's outputs (ops_def.h): the loss sum / divisor, the divisor 1 (already
+// applied), the gradients deferred as [1, ...] (an unrequested one stays the empty [0]).
+Tensor5Out deferred_result(const at::Tensor& input, double sum, double divisor, Tensor3 grads) {
+  auto deferred = [](const at::Tensor& g) { return g.numel() || g.dim() > 1 ? g.unsqueeze(0) : g; };
+  return std::make_tuple(at::full({}, static_cast<float>(sum / divisor),
+                                  input.options().dtype(at::kFloat)),
+                         at::ones({}, input.options().dtype(at::kDouble)),
+                         deferred(std::get<0>(grads)), deferred(std::get<1>(grads)),
+                         deferred(std::get<2>(grads)));
+}
+
+// The single pass of sum_and_grad_cpu and soft_sum_and_grad_cpu: `divisor` the mean's (1 for a
+// sum), whose inverse is every row's upstream gradient (0 for divisor 0: zero gradients, not
+// 0 * inf).
+Tensor5Out single_pass_cpu(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias, const SinglePassRows& rows_in,
+                           const LossOptions& opt, std::array<bool, 3> output_mask,
+                           double divisor, std::optional<bool> exact_bf16_grad,
+                           const std::function<Tensor5Out(float)>& fallback) {
   const Operands o = prepare(input, weight, bias, /*wide=*/true);
-  const at::Tensor tgt = target.contiguous();
-  const int64_t* t = tgt.data_ptr<int64_t>();
-  check_targets(t, o.n, o.v, ignore_index);
-  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, o.v, temperature);
-  at::Tensor loss_sum = at::empty({}, input.options().dtype(at::kFloat));
-  int64_t count = 0;
-  for (int64_t i = 0; i < o.n; ++i) count += !row_ignored(t[i], ignore_index);
-  // mean: divided in double, rounded once (0/0 = NaN, as torch); every row's upstream gradient
-  // is 1 / count (0 when every row is ignored: zero gradients, not 0 * inf).
-  const double divisor = mean ? static_cast<double>(count) : 1.0;
-  const float g_row = mean ? (count > 0 ? static_cast<float>(1.0 / divisor) : 0.f) : 1.f;
-  auto result = [&](double sum, Tensor3 grads) {
-    loss_sum.fill_(static_cast<float>(sum / divisor));
-    // [1, ...]; an unrequested gradient stays the empty [0]
-    auto deferred = [](const at::Tensor& g) {
-      return g.numel() || g.dim() > 1 ? g.unsqueeze(0) : g;
-    };
-    return std::make_tuple(loss_sum, at::ones({}, input.options().dtype(at::kDouble)),
-                           deferred(std::get<0>(grads)), deferred(std::get<1>(grads)),
-                           deferred(std::get<2>(grads)));
-  };
+  const cpu::SoftTargets* soft = rows_in.soft ? &rows_in.soft->y : nullptr;
+  const float* z_weight = rows_in.soft ? rows_in.soft->z_weight : nullptr;
+  const float g_row = divisor > 0 ? static_cast<float>(1.0 / divisor) : 0.f;
   const int64_t workers = cpu::num_workers(ceil_div(o.v, ALIGN));
   const int64_t bn_f = fused_block_rows(o, workers);
-  if (bn_f == 0) {
-    // The vocabulary is too large to keep a row block's logits: forward, then the recompute
-    // backward.
-    const at::Tensor partial =
-        partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap, temperature);
-    auto [loss, lse, stats, ent] = combine_cpu(partial.unsqueeze(0), target, o.v, ignore_index,
-                                               label_smoothing, z_loss);
-    const double total = loss.to(at::kDouble).sum().item<double>();
-    const at::Tensor g = at::full({o.n}, g_row, loss.options());
-    return result(total, run_backward(o, bias, t, g.data_ptr<float>(), nullptr, nullptr,
-                                      stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
-                                      output_mask, /*deferred=*/true));
-  }
-  const GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap,
-                      opt.temperature, /*deferred=*/true);
+  // The vocabulary is too large to keep a row block's logits: forward, then the recompute
+  // backward.
+  if (bn_f == 0) return fallback(g_row);
+  GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap, opt.temperature,
+                /*deferred=*/true, exact_bf16_grad);
+  if (soft) pass.set_soft(soft);
   // The pass returns the loss alone: the rows' entropy terms are not needed, nor, without
   // label smoothing, the sums of their logits.
   const bool loss_only = opt.label_smoothing == 0.f;
   const int64_t ld = o.ld_tile();
-  std::vector<RowState> parts(workers * bn_f);  // per worker: its columns' row statistics
+  // per worker: its columns' row statistics (class targets, or a target distribution's)
+  std::vector<RowState> parts(soft ? 0 : workers * bn_f);
+  std::vector<SoftRow> soft_parts(soft ? workers * bn_f : 0);
   float ls = 0.f, lc = 0.f;  // worker 0's Kahan sum of the row losses, in row order
   cpu::Barrier barrier(workers);
   cpu::run_workers(workers, [&](int64_t w) {
@@ -832,28 +843,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     // an fp32 weight in place, and a kept W^T would cost V * D * 4 bytes for 2% of the time
     // (bf16: 5%; at N=4096, V=32768, D=512 on the Zen 4 of docs/benchmarks.md).
     std::vector<Rhs> w_rhs(tiles.count()), wt(o.dtype == at::kFloat ? 1 : tiles.count());
-    RowState* mine = parts.data() + w * bn_f;
+    RowState* mine = soft ? nullptr : parts.data() + w * bn_f;
+    SoftRow* soft_mine = soft ? soft_parts.data() + w * bn_f : nullptr;
     pass.begin_split(w, own);
     Tiles({0, o.n}, bn_f, ALIGN).each([&](int64_t n0, int64_t bn) {
-      std::fill(mine, mine + bn_f, RowState{});
-      for (int64_t r = 0; r < bn; ++r) tw.ts[r] = shard_col(t[n0 + r], 0, ignore_index);
+      if (soft) {
+        std::fill(soft_mine, soft_mine + bn_f, soft_empty());
+      } else {
+        std::fill(mine, mine + bn_f, RowState{});
+        for (int64_t r = 0; r < bn; ++r) {
+          tw.ts[r] = shard_col(rows_in.t[n0 + r], 0, rows_in.ignore_index);
+        }
+      }
       tiles.each([&](int64_t v0, int64_t bv) {
         float* zt = tile_z(v0);
         logit_tile(o, n0, bn, v0, bv, opt.softcap, opt.temperature, zt, ld,
                    wt[wt.size() > 1 ? tiles.index(v0) : 0], tw.lhs);
         for (int64_t r = 0; r < bn; ++r) {
-          fold_row(zt + r * ld, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r], loss_only);
+          if (soft) {
+            cpu::fold_soft_row(zt + r * ld, soft->row(n0 + r, v0, bv, tw.y.data()), bv, v0,
+                               soft_mine[r]);
+          } else {
+            fold_row(zt + r * ld, bv, tw.ts[r] < 0 ? -1 : tw.ts[r] - v0, mine[r], loss_only);
+          }
         }
       });
       barrier.wait();  // every worker's statistics of the block are complete
       for (int64_t r = 0; r < bn; ++r) {
-        RowState row = parts[r];
-        for (int64_t p = 1; p < workers; ++p) row.merge(parts[p * bn_f + r]);
-        const bool ign = tw.ts[r] < 0;
-        if (w == 0) {  // as combine_cpu with one shard
-          kahan_add(ls, lc, row_loss(lse_value(row.lse), row.z_t, row.sum(), ign, opt).loss);
+        float loss;
+        if (soft) {
+          SoftRow row = soft_parts[r];
+          for (int64_t p = 1; p < workers; ++p) row = soft_merge(row, soft_parts[p * bn_f + r]);
+          const float zw = z_weight ? z_weight[n0 + r] : row.y_a + row.y_rest;
+          loss = soft_row_loss(row, zw, opt.z_loss).loss;
+          tw.rg[r] = soft_row_grad(row.x, row.p, row.y_a, row.y_rest, zw, g_row, 0.f, opt.z_loss);
+          tw.ts[r] = row.a;
+        } else {
+          RowState row = parts[r];
+          for (int64_t p = 1; p < workers; ++p) row.merge(parts[p * bn_f + r]);
+          const bool ign = tw.ts[r] < 0;
+          loss = row_loss(lse_value(row.lse), row.z_t, row.sum(), ign, opt).loss;
+          tw.rg[r] = row_grad(row.lse, row.z_t, ign, g_row, 0.f, opt);
         }
-        tw.rg[r] = row_grad(row.lse, row.z_t, ign, g_row, 0.f, opt);
+        if (w == 0) kahan_add(ls, lc, loss);  // as combine with one shard
       }
       if (!pass.needs_any()) {
         barrier.wait();  // statistics read: they may be overwritten
@@ -872,7 +904,111 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sum_and_g
     });
     pass.end_split(own);
   }, &barrier);
-  return result(static_cast<double>(ls) + static_cast<double>(lc), pass.outputs());
+  return deferred_result(input, static_cast<double>(ls) + static_cast<double>(lc), divisor,
+                         pass.outputs());
+}
+
+// The reduced loss (sum or mean) and its gradients, in one pass: each row block's logits are
+// computed once, folded into the row statistics, then turned into the gradient tile (3 GEMMs
+// instead of the 4 of forward + recompute backward). Gradients come back deferred (ops_def.h):
+// [1, ...] fp32, each the result of its Kahan accumulator, of the reduced loss (the mean's
+// 1 / count is in every row's gradient coefficient); scale_grad multiplies them by the upstream
+// gradient and rounds once to the gradient's dtype (a 16-bit dW held in fp32 costs no more
+// than rounding it in the pass would: its fp32 sum lives until the end of the pass anyway).
+// Workers split the vocabulary; per row block they fold their columns' statistics, merge them
+// (barrier), turn their columns into gradients, and add up the block's dE partials (barrier).
+// Rows are the outer loop, so each worker keeps its 16-bit weight tiles packed for the GEMMs
+// over the whole pass: 2 V * D 16-bit values (W^T and W) more scratch on the onednn path, none
+// on the blas path.
+Tensor5Out sum_and_grad_cpu(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+    double z_loss, double softcap, std::array<bool, 3> output_mask, bool mean,
+    int64_t vocab_start, int64_t vocab_size, const std::optional<std::string>& group_name,
+    int64_t group_size, double temperature, std::optional<bool> exact_bf16_grad) {
+  check_linear_args(input, weight, target, bias);
+  TORCH_CHECK_VALUE(!group_name && vocab_start == 0 && (vocab_size < 0 || vocab_size ==
+                                                        weight.size(0)),
+                    "flce: the CPU backend's single pass is single-device; vocab-parallel CPU "
+                    "training takes the recompute path (single_pass=False)");
+  const at::Tensor tgt = target.contiguous();
+  const int64_t* t = tgt.data_ptr<int64_t>();
+  const int64_t v = weight.size(0);
+  check_targets(t, input.size(0), v, ignore_index);
+  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, v, temperature);
+  int64_t count = 0;
+  for (int64_t i = 0; i < input.size(0); ++i) count += !row_ignored(t[i], ignore_index);
+  // mean: divided in double, rounded once (0/0 = NaN, as torch)
+  const double divisor = mean ? static_cast<double>(count) : 1.0;
+  auto fallback = [&](float g_row) {
+    const at::Tensor partial =
+        partial_stats_cpu(input, weight, target, bias, 0, ignore_index, softcap, temperature);
+    auto [loss, lse, stats, ent] = combine_cpu(partial.unsqueeze(0), target, v, ignore_index,
+                                               label_smoothing, z_loss);
+    const double total = loss.to(at::kDouble).sum().item<double>();
+    const at::Tensor g = at::full({input.size(0)}, g_row, loss.options());
+    const Operands o = prepare(input, weight, bias, /*wide=*/true);
+    Tensor3 grads = run_backward(o, bias, t, g.data_ptr<float>(), nullptr, nullptr,
+                                 stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
+                                 output_mask, /*deferred=*/true, exact_bf16_grad);
+    return deferred_result(input, total, divisor, grads);
+  };
+  return single_pass_cpu(input, weight, bias, SinglePassRows{t, ignore_index, nullptr}, opt,
+                         output_mask, divisor, exact_bf16_grad, fallback);
+}
+
+// The single pass of a target distribution (ops_def.h soft_sum_and_grad): as sum_and_grad_cpu,
+// each row block's states (SoftRow) and gradient tiles from its logits computed once. mean:
+// over the rows for probability targets, over the rows' z-loss weights (torch's class
+// weights of their targets) or the non-ignored rows for class targets.
+Tensor5Out soft_sum_and_grad_cpu(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& class_weight,
+    const std::optional<at::Tensor>& z_weight, int64_t ignore_index, double label_smoothing,
+    double z_loss, double softcap, double temperature, std::array<bool, 3> output_mask,
+    bool mean) {
+  check_linear_operands(input, weight, bias);
+  check_soft_target_args(input, target, class_weight, weight.size(0));
+  const int64_t n = input.size(0), v = weight.size(0);
+  if (z_weight) {
+    TORCH_CHECK_VALUE(z_weight->dim() == 1 && z_weight->size(0) == n &&
+                          z_weight->scalar_type() == at::kFloat,
+                      "flce: z_weight must be float32 [N]");
+  }
+  std::vector<at::Tensor> keep;
+  const at::Tensor zw = z_weight ? z_weight->contiguous() : at::Tensor();
+  const SoftBackward soft{cpu::soft_targets(target, class_weight, n, v, 0, v, ignore_index,
+                                            label_smoothing, keep),
+                          nullptr, zw.defined() ? zw.data_ptr<float>() : nullptr};
+  double divisor = 1.0;
+  if (mean && target.scalar_type() != at::kLong) {
+    divisor = static_cast<double>(n);
+  } else if (mean) {
+    divisor = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!row_ignored(soft.y.t[i], ignore_index)) divisor += soft.z_weight ? soft.z_weight[i] : 1.0;
+    }
+  }
+  const LossOptions opt = loss_options(label_smoothing, z_loss, softcap, v, temperature);
+  auto fallback = [&](float g_row) {
+    auto [partial, pivot] = soft_partial_stats_cpu(input, weight, target, bias, class_weight, 0,
+                                                   v, ignore_index, label_smoothing, softcap,
+                                                   temperature);
+    auto [loss, lse, stats, piv, ent] =
+        cpu::soft_combine_cpu(partial.unsqueeze(0), pivot.unsqueeze(0), z_weight, z_loss);
+    const double total = loss.to(at::kDouble).sum().item<double>();
+    const at::Tensor g = at::full({n}, g_row, loss.options());
+    const at::Tensor st = stats.contiguous(), pv = piv.contiguous();
+    const SoftBackward rows{soft.y, pv.data_ptr<int64_t>(), soft.z_weight};
+    const Operands o = prepare(input, weight, bias, /*wide=*/true);
+    Tensor3 grads = run_backward(o, bias, nullptr, g.data_ptr<float>(), nullptr, nullptr,
+                                 st.data_ptr<float>(), 0, ignore_index, opt, output_mask,
+                                 /*deferred=*/true, /*exact_bf16_grad=*/true, &rows);
+    return deferred_result(input, total, divisor, grads);
+  };
+  // (target distributions keep exact bf16 gradients, as soft_backward_cpu)
+  return single_pass_cpu(input, weight, bias, SinglePassRows{nullptr, ignore_index, &soft}, opt,
+                         output_mask, divisor, /*exact_bf16_grad=*/true, fallback);
 }
 
 // grad = dtype((sum of the k slices of deferred [k, ...]) * scale), in double, rounded once.
@@ -1024,22 +1160,13 @@ Tensor5 soft_combine_cpu(const at::Tensor& partials, const at::Tensor& pivot,
     for (int64_t i = i0; i < i1; ++i) {
       SoftRow st = soft_empty();
       for (int64_t r = 0; r < ranks; ++r) {  // fixed rank order: deterministic
-        const float* q = pp + (r * n + i) * kSoftCols;
-        st = soft_merge(st, SoftRow{q[2], pa[r * n + i], q[4], OnlineLse{q[0], q[1], q[3]},
-                                    q[5], q[6]});
+        st = soft_merge(st, soft_load(pp + (r * n + i) * kSoftCols, pa[r * n + i]));
       }
       const SoftLoss sl = soft_row_loss(st, zp ? zp[i] : st.y_a + st.y_rest, zl);
       lo[i] = sl.loss;
       ls[i] = sl.lse;
       ep[i] = row_entropy(st.x, st.p, st.a < 0);
-      float* out = sp + kSoftCols * i;
-      out[0] = st.x.m;
-      out[1] = st.x.s;
-      out[2] = st.p;
-      out[3] = st.x.u;
-      out[4] = st.y_a;
-      out[5] = st.y_rest;
-      out[6] = st.g;
+      soft_store(st, sp + kSoftCols * i);
       po[i] = st.a;
     }
   });
@@ -1052,6 +1179,7 @@ TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("soft_partial_stats", &soft_partial_stats_cpu);
   m.impl("soft_combine", &cpu::soft_combine_cpu);
   m.impl("soft_backward", &soft_backward_cpu);
+  m.impl("soft_sum_and_grad", &soft_sum_and_grad_cpu);
   m.impl("partial_stats", &partial_stats_cpu);
   m.impl("combine", &cpu::combine_cpu);
   m.impl("backward", &backward_cpu);

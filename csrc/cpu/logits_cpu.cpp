@@ -186,17 +186,9 @@ std::tuple<at::Tensor, at::Tensor> soft_logits_stats_cpu(
     for (int64_t c0 = 0; c0 < z.v; c0 += kChunk) {
       const int64_t cn = std::min(kChunk, z.v - c0);
       z.load(i, c0, cn, buf);
-      y.fill(i, c0, cn, yb.data());
-      fold_soft_row(buf, yb.data(), cn, vocab_start + c0, row);
+      fold_soft_row(buf, y.row(i, c0, cn, yb.data()), cn, vocab_start + c0, row);
     }
-    float* q = st + i * kSoftCols;
-    q[0] = row.x.m;
-    q[1] = row.x.s;
-    q[2] = row.p;
-    q[3] = row.x.u;
-    q[4] = row.y_a;
-    q[5] = row.y_rest;
-    q[6] = row.g;
+    soft_store(row, st + i * kSoftCols);
     pv[i] = row.a;
   });
   return {out, pivot};
@@ -240,11 +232,10 @@ at::Tensor soft_logits_backward_cpu(
     for (int64_t c0 = 0; c0 < z.v; c0 += kChunk) {
       const int64_t cn = std::min(kChunk, z.v - c0);
       z.load(i, c0, cn, buf);
-      y.fill(i, c0, cn, yb.data());
       const int64_t ac = al - c0;
       const bool has_a = al >= 0 && ac >= 0 && ac < cn;
       const float z_pivot = has_a ? buf[ac] : 0.f;
-      row_soft_grad_fill(buf, yb.data(), cn, rg, gp[i], z.cap, z.temp);
+      row_soft_grad_fill(buf, y.row(i, c0, cn, yb.data()), cn, rg, z.cap, z.temp);
       if (has_a) buf[ac] = rg.dz_t * logit_transform_grad(z_pivot, z.cap, z.temp);
       row_store(buf, ob + (i * out_ld + c0) * z.es, z.dtype, cn);
     }

@@ -77,6 +77,16 @@ struct SoftTargets {
   float alpha = 1.f, beta = 0.f;
   int64_t vocab_start = 0;
 
+  // y of row i on shard columns [v0, v0 + n): the probabilities themselves where they are fp32
+  // and nothing transforms them, else written into scratch.
+  const float* row(int64_t i, int64_t v0, int64_t n, float* scratch) const {
+    if (q && q_dtype == Dtype::f32 && alpha == 1.f && beta == 0.f && !w) {
+      return static_cast<const float*>(q) + i * ldq + v0;
+    }
+    fill(i, v0, n, scratch);
+    return scratch;
+  }
+
   // y of row i on shard columns [v0, v0 + n) into y.
   void fill(int64_t i, int64_t v0, int64_t n, float* y) const {
     if (q) {
@@ -98,25 +108,28 @@ struct SoftTargets {
 };
 
 // Fold one tile row (bv logits with target weights y, column 0 being vocabulary id col0) into a
-// target distribution's state: the tile's pivot is its largest logit (the first of equals), the
-// other logits go into its OnlineLse (entropy sum included), and its y into y_rest and G. row and
-// y are scratch (the pivot is masked in place, then restored).
-inline void fold_soft_row(float* row, float* y, int64_t bv, int64_t col0, SoftRow& st) {
+// target distribution's state: the tile's pivot is its largest logit (the first of equals); the
+// other logits go into an OnlineLse taken against the pivot (m = p: a reference >= every one of
+// them, which lse_merge and row_grad take as they take a max), with the entropy's sum, and their
+// y into y_rest and G, in one pass (row_soft_fold). A tile of -inf logits only (or NaN) has
+// pivot p = -inf and adds its y to y_rest against it (soft_merge then adds its G term).
+inline void fold_soft_row(const float* row, const float* y, int64_t bv, int64_t col0,
+                          SoftRow& st) {
   if (bv == 0) return;
   const float mx = row_max(row, bv);
   int64_t a = 0;
   while (a + 1 < bv && !(row[a] == mx)) ++a;
-  const float p = row[a], y_a = y[a];
-  row[a] = neg_inf();
-  y[a] = 0.f;
-  const float m = row_max(row, bv);
-  float u = 0.f;
-  const float s = m == neg_inf() ? 0.f : row_sum_exp(row, bv, m, &u);
-  float y_rest, g;
-  row_soft_sums(row, y, bv, p, &y_rest, &g);
-  row[a] = p;
-  y[a] = y_a;
-  st = soft_merge(st, SoftRow{p, col0 + a, y_a, OnlineLse{m, s, u}, y_rest, g});
+  const float p = row[a];
+  float sums[4] = {0.f, 0.f, 0.f, 0.f};
+  if (p == neg_inf()) {
+    for (int64_t j = 0; j < bv; ++j) sums[2] += j == a ? 0.f : y[j];
+    // (every logit -inf, or NaN ones row_max skipped: the NaN reaches s through the sum)
+    for (int64_t j = 0; j < bv; ++j) sums[0] += row[j] == row[j] ? 0.f : row[j];
+  } else {
+    row_soft_fold(row, y, bv, a, p, sums);
+  }
+  const OnlineLse x = p == neg_inf() && sums[0] == 0.f ? lse_empty() : OnlineLse{p, sums[0], sums[1]};
+  st = soft_merge(st, SoftRow{p, col0 + a, y[a], x, sums[2], sums[3]});
 }
 
 // The target's column in the shard, or -1 for an ignored row.

@@ -560,6 +560,22 @@ bool bf16_gemm_amx() {
 #endif
 }
 
+Bf16Grad bf16_grad(std::optional<bool> exact) {
+  if (exact.has_value() && !*exact) return Bf16Grad::rounded;
+  if (!exact.has_value()) return bf16_gemm_amx() ? Bf16Grad::rounded : Bf16Grad::widened;
+  const auto env = c10::utils::get_env("FLCE_CPU_BF16_EXACT");
+  if (env && !env->empty()) {
+    TORCH_CHECK_VALUE(*env == "split" || *env == "widened",
+                      "flce: FLCE_CPU_BF16_EXACT must be 'split' or 'widened', got '", *env, "'");
+    return *env == "split" ? Bf16Grad::split : Bf16Grad::widened;
+  }
+  return bf16_gemm_amx() ? Bf16Grad::split : Bf16Grad::widened;
+}
+
+const char* bf16_grad_name(Bf16Grad g) {
+  return g == Bf16Grad::rounded ? "rounded" : g == Bf16Grad::split ? "split" : "widened";
+}
+
 bool bf16_gemm_native() {
   static const bool mkl = mkl_bf16_native();
   return gemm_path(at::kBFloat16) == GemmPath::onednn || mkl;

@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace flce::cpu {
@@ -43,8 +44,9 @@ GemmPath gemm_path(at::ScalarType dtype);
 // Whether bf16 x bf16 -> fp32 tile GEMMs run natively here: on the onednn path (its bf16 kernels
 // need AVX512-BF16 or AMX), and on the blas path where MKL has them (Intel CPUs with
 // AVX512-BF16 / AMX). Elsewhere a bf16 GEMM widens to fp32 and costs an fp32 one. Reported
-// (flce.build_info()["cpu_bf16_native"]); the backward's split of bf16 gradient tiles follows
-// bf16_gemm_amx(), as AVX512-BF16 alone does at most twice an FMA's work per instruction.
+// (flce.build_info()["cpu_bf16_native"]); the backward's bf16 gradient tiles follow
+// bf16_gemm_amx() (bf16_grad), as AVX512-BF16 alone does at most twice an FMA's work per
+// instruction.
 bool bf16_gemm_native();
 
 // Whether the tile GEMMs multiply bf16 on AMX here: a CPU with AMX-BF16, and neither MKL nor
@@ -53,6 +55,23 @@ bool bf16_gemm_native();
 // core on a Xeon), so the recompute path's extra logit GEMM is cheap. Reads cpuid and the
 // environment only: `import flce` asks (flce.build_info()["cpu_amx"]).
 bool bf16_gemm_amx();
+
+// How the backward multiplies a bf16 gradient tile G (fp32, from fp32 logits) by its operands
+// (docs/numerics.md):
+//   rounded  G rounded once to bf16, bf16 GEMMs with fp32 accumulation, as the CUDA backend
+//            does: dE and dW within 1.5x bf16's rounding floor (norm-wise), 2 GEMMs per tile
+//            (an fp32 dW of master weights takes hi + lo, as CUDA's: flce_cpu.cpp GradPass);
+//   split    G = hi + lo, two bf16 tiles (~16 mantissa bits), 4 bf16 GEMMs: at the floor;
+//   widened  fp32 GEMMs on fp32 copies of the bf16 operands: at the floor, at fp32's cost.
+// `exact` is the caller's exact_bf16_grad. Unset: rounded where bf16 GEMMs run on AMX (there
+// the split's 2 extra GEMMs keep the step above eager's time), widened elsewhere (where the
+// exact step already runs at about the time of its 3 GEMMs in torch). true: split on AMX,
+// widened elsewhere; FLCE_CPU_BF16_EXACT=split|widened picks either on any CPU (read at every
+// call). false: rounded on any CPU. The one place this rule lives: the backward, the single pass and
+// flce.build_info() ask here.
+enum class Bf16Grad { rounded, split, widened };
+Bf16Grad bf16_grad(std::optional<bool> exact);
+const char* bf16_grad_name(Bf16Grad g);
 
 // The right operand op(B) [k, n] of a tile GEMM, ready for the path: on the onednn path a packed
 // copy (except an untransposed fp32 operand, read in place), on the blas path the operand

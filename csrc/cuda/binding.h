@@ -234,7 +234,8 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                       int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                       double label_smoothing, double z_loss, double softcap,
                       std::array<bool, 3> output_mask,
-                      const std::optional<at::Tensor>& grad_entropy, double temperature);
+                      const std::optional<at::Tensor>& grad_entropy, double temperature,
+                      std::optional<bool> exact_bf16_grad);
 
 }  // namespace binding
 }  // namespace flce

@@ -89,21 +89,6 @@ __device__ __forceinline__ OnlineLse partial_lse(const float* q) {
   return OnlineLse{q[0], q[1], q[4]};
 }
 
-// One row of a target distribution's state [kSoftCols] = (m_x, s_x, p, u_x, y_a, y_rest, g)
-// with its pivot a (flce/layout.h), and back.
-__device__ __forceinline__ void store_soft(float* q, const SoftRow& r) {
-  q[0] = r.x.m;
-  q[1] = r.x.s;
-  q[2] = r.p;
-  q[3] = r.x.u;
-  q[4] = r.y_a;
-  q[5] = r.y_rest;
-  q[6] = r.g;
-}
-__device__ __forceinline__ SoftRow load_soft(const float* q, int64_t a) {
-  return SoftRow{q[2], a, q[4], OnlineLse{q[0], q[1], q[3]}, q[5], q[6]};
-}
-
 // One row's partial statistics as a kernel merges them (threads, warps, column splits, tiles):
 // the non-target state, the target logit (-inf where the columns do not hold it) and the logit
 // sum.

@@ -252,8 +252,10 @@ Tensor4 combine_cuda(const at::Tensor& partials, const at::Tensor& target, int64
 
 Tensor4 forward_cuda(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& bias, int64_t ignore_index,
-                     double label_smoothing, double z_loss, double softcap, double temperature) {
+                     double label_smoothing, double z_loss, double softcap, double temperature,
+                     std::optional<bool> exact_bf16_grad) {
   check_linear_args(input, weight, target, bias);
+  check_rounded_grad(input, exact_bf16_grad);
   check_device_tensor(input, input, "input");
   const dev::Guard guard(input);
   const NvtxRange range("flce::forward");
@@ -418,8 +420,10 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                       int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                       double label_smoothing, double z_loss, double softcap,
                       std::array<bool, 3> output_mask,
-                      const std::optional<at::Tensor>& grad_entropy, double temperature) {
+                      const std::optional<at::Tensor>& grad_entropy, double temperature,
+                      std::optional<bool> exact_bf16_grad) {
   check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats, grad_entropy);
+  check_rounded_grad(input, exact_bf16_grad);
   check_device_tensor(input, input, "input");
   check_device_tensor(grad_loss, input, "grad_loss");
   check_device_tensor(stats, input, "stats");

@@ -46,9 +46,9 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
 }
 
 // A target distribution's row (math.h soft_row_grad) from its state (m_x, s_x, p, u_x, y_a,
-// y_rest, g): the coefficients with the upstream g in the u slot (soft_row_grad's u is 0; the
-// soft row_grad subtracts u y_c per column), and the bound of |dz|: a non-pivot column's
-// A p_c - g y_c is at most |A| p_max + |g| max_c |y_c| <= |A| p_max + |g| (|y_a| + |y_rest|)
+// y_rest, g): the coefficients (u = g, which the soft row_grad multiplies by each column's
+// y_c), and the bound of |dz|: a non-pivot column's A p_c - u y_c is at most
+// |A| p_max + |u| max_c |y_c| <= |A| p_max + |u| (|y_a| + |y_rest|)
 // (target weights of one sign: probabilities, class weights >= 0; conservative otherwise only
 // where they cancel), the pivot's |dz_t|, and the entropy's term as row_coef_kernel's.
 __global__ void soft_coef_kernel(const RowCoefParams p) {
@@ -64,12 +64,12 @@ __global__ void soft_coef_kernel(const RowCoefParams p) {
   const float g_ent =
       p.grad_entropy != nullptr ? p.grad_entropy[row * p.grad_entropy_stride] : 0.f;
   const RowGrad rg = soft_row_grad(x, piv, y_a, y_rest, zw, g, g_lse, p.z_loss, g_ent);
-  *reinterpret_cast<float4*>(p.coef + row * 8) = make_float4(rg.ref, rg.a, g, rg.dz_t);
+  *reinterpret_cast<float4*>(p.coef + row * 8) = make_float4(rg.ref, rg.a, rg.u, rg.dz_t);
   *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, rg.h, rg.k, rg.rdiv);
   const float lse = logaddexp(lse_value(x), piv);
   const float p_max = x.m == neg_inf() ? 0.f : fminf(expf(x.m - lse), 1.f);
   const float ent_bound = rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(lse - rg.k)) : 0.f;
-  const float dz_max = fabsf(rg.a) * p_max + fabsf(g) * (fabsf(y_a) + fabsf(y_rest)) +
+  const float dz_max = fabsf(rg.a) * p_max + fabsf(rg.u) * (fabsf(y_a) + fabsf(y_rest)) +
                        fabsf(rg.dz_t) + ent_bound;
   p.bound[row] = dz_max / p.temperature;
 }

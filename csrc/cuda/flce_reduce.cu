@@ -63,10 +63,10 @@ __global__ void soft_combine_kernel(const SoftCombineParams p) {
        row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     SoftRow st = soft_empty();
     for (int64_t r = 0; r < p.ranks; ++r) {
-      st = soft_merge(st, load_soft(p.partials + (r * p.n + row) * kSoftCols,
+      st = soft_merge(st, soft_load(p.partials + (r * p.n + row) * kSoftCols,
                                     p.pivots[r * p.n + row]));
     }
-    store_soft(p.stats + row * kSoftCols, st);
+    soft_store(st, p.stats + row * kSoftCols);
     p.pivot[row] = st.a;
     if (!kFinalize) continue;
     const SoftLoss sl =

@@ -521,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const SoftStats
       SoftRow all = soft_empty();
       for (int w = 0; w < kWarps; ++w) all = soft_merge(all, warp_state[w]);
       const int64_t k = blockIdx.y * p.n + row;
-      store_soft(p.partials + k * kSoftCols, all);
+      soft_store(all, p.partials + k * kSoftCols);
       p.pivots[k] = all.a;
     }
     __syncthreads();  // warp_state is reused by the next row
@@ -538,9 +538,8 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const SoftStats
 // transform instance (118-157 registers unbounded) left 8 warps per SM to cover the memory
 // latency. The 16-bit-logits instances with extras keep one (they would spill 8 bytes).
 // kSoft: soft mode (row_grad_kernel's body for soft_grad_kernel, below): the target is the row's
-// pivot, and every other column subtracts g y_c (g from the coefficients' u slot; the p term
-// is logit_grad's with u = 0: math.h soft_logit_grad). Only with a transform instance (kXf !=
-// kNone: logit_grad).
+// pivot, and every other column subtracts u y_c (math.h soft_logit_grad; u = g from
+// soft_row_grad). Only with a transform instance (kXf != kNone).
 template <typename TIn, typename T, Xf kXf, bool kExtras, bool kSoft>
 __device__ __forceinline__ void row_grad_rows(const RowGradParams& p) {
   static_assert(!kSoft || kXf != Xf::kNone, "soft mode takes logit_grad (a transform instance)");
@@ -560,14 +559,9 @@ __device__ __forceinline__ void row_grad_rows(const RowGradParams& p) {
       T* lo = kExtras && p.grad_lo != nullptr ? static_cast<T*>(p.grad_lo) + row * p.grad_lo_ld
                                               : nullptr;
       float* colsum = kExtras && p.col_partials != nullptr ? p.col_partials + b * p.v : nullptr;
-      RowGrad rg = load_row_grad(p.coef, row);
-      float gy = 0.f;  // soft mode: the upstream g of the target weights
+      const RowGrad rg = load_row_grad(p.coef, row);
       SoftRowY ry{};
-      if constexpr (kSoft) {
-        gy = rg.u;
-        rg.u = 0.f;
-        ry = soft_row_y(p.mode.y, row, p.col_offset, p.v);
-      }
+      if constexpr (kSoft) ry = soft_row_y(p.mode.y, row, p.col_offset, p.v);
       const int64_t tcol =
           target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
       if (p.target_resid != nullptr && tcol < 0 && threadIdx.x == 0 && blockIdx.y == 0) {
@@ -604,7 +598,7 @@ __device__ __forceinline__ void row_grad_rows(const RowGradParams& p) {
             const int j = local_col(e);
             const float y = kFull || j < left ? soft_y(p.mode.y, ry, c0 + j) : 0.f;
             x[e] = soft_logit<kXf>(x[e], xf);
-            g[e] = soft_logit_grad(rg, x[e], gy, y) * xform_grad<kXf>(x[e], xf);
+            g[e] = soft_logit_grad(rg, x[e], y) * xform_grad<kXf>(x[e], xf);
           } else if constexpr (kXf != Xf::kNone) {
             // (columns past the row's end hold 0: their gradient is computed and not stored)
             x[e] = xform_logit<kXf>(x[e], xf);

@@ -33,8 +33,9 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
                           double softcap, std::array<bool, 3> output_mask, bool mean,
                           int64_t vocab_start, int64_t vocab_size,
                           const std::optional<std::string>& group_name, int64_t group_size,
-                          double temperature) {
+                          double temperature, std::optional<bool> exact_bf16_grad) {
   check_linear_args(input, weight, target, bias);
+  check_rounded_grad(input, exact_bf16_grad);
   check_device_tensor(input, input, "input");
   TORCH_CHECK_VALUE(vocab_start >= 0 && group_size >= 1 && (group_name || group_size == 1),
                     "flce: sum_and_grad: vocab_start >= 0 and a group_name for group_size > 1, "

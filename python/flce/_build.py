@@ -273,8 +273,11 @@ def build_info():
     oneDNN's micro-kernels, or "blas", the BLAS torch links; see docs/cpu-backend.md),
     ``cpu_amx`` (whether those GEMMs multiply bf16 on AMX, which makes bf16 training take the
     recompute path by default), ``cpu_bf16_native`` (whether they multiply bf16 natively, on
-    AMX, AVX512-BF16 or through oneDNN, rather than widened to fp32; the backward splits bf16
-    gradient tiles into two bf16 tiles only on AMX, and widens them elsewhere).
+    AMX, AVX512-BF16 or through oneDNN, rather than widened to fp32), ``cpu_bf16_grad`` and
+    ``cpu_bf16_grad_exact`` (how the CPU backend multiplies bf16 gradient tiles here by default
+    and with ``exact_bf16_grad=True``: "rounded", once to bf16, within 1.5x bf16's rounding
+    floor; "split" into two bf16 tiles, or "widened" to fp32, both at the floor; see
+    docs/numerics.md).
     """
     import torch
     info = dict(_info())
@@ -283,6 +286,8 @@ def build_info():
     from . import _ops  # the value read at import, which picks bf16's CPU training path
     info["cpu_amx"] = _ops.CPU_BF16_AMX
     info["cpu_bf16_native"] = torch.ops.flce.cpu_bf16_native()
+    info["cpu_bf16_grad"] = torch.ops.flce.cpu_bf16_grad(None)
+    info["cpu_bf16_grad_exact"] = torch.ops.flce.cpu_bf16_grad(True)
     info["torch_runtime"] = torch.__version__
     return info
 

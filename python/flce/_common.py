@@ -313,9 +313,10 @@ def single_pass(requested, reduction, per_token, x, weight=None):
         # single pass saves the recompute's logit GEMM (fp32 at N=4096, V=32768, D=512 on a
         # 2-core Xeon: 2.07 s against 3.20 s) but holds dW's compensation for all of V (and
         # 16-bit inputs' gradients in fp32), O(V D) memory where the recompute path's is
-        # O(min(N, V) D): it is the default while that stays within cpu_memory_budget. Where bf16 GEMMs run on
-        # AMX the logit GEMM is cheap and the single pass's streaming of dW's accumulators
-        # costs more (1.40 s against 1.03 s there): bf16 keeps the recompute path.
+        # O(min(N, V) D): it is the default while that stays within cpu_memory_budget. Where
+        # bf16 GEMMs run on AMX the logit GEMM is cheap and the single pass's streaming of dW's
+        # accumulators costs more (1.40 s against 1.03 s there, gradient tiles split): bf16
+        # keeps the recompute path, whichever way its tiles are rounded (cpu::bf16_grad).
         if x.dtype == torch.bfloat16 and _ops.CPU_BF16_AMX:
             return False
         if weight is None:
@@ -325,6 +326,20 @@ def single_pass(requested, reduction, per_token, x, weight=None):
         return cpu_single_pass_bytes(n, v, d, x.dtype) <= cpu_memory_budget(n, v)
     check_single_pass(requested, reduction, per_token)
     return requested
+
+
+def exact_bf16_grad(value, x=None):
+    """An exact_bf16_grad argument as the ops take it: None (the backend's default), True or
+    False. True for bf16 ``x`` needs the CPU backend: the CUDA backend rounds the gradient tile
+    once and has no exact mode (ops_def.h)."""
+    if value not in (None, True, False):
+        raise TypeError(f"flce: exact_bf16_grad must be None, True or False, got {value!r}")
+    value = None if value is None else bool(value)
+    if value and x is not None and x.dtype == torch.bfloat16 and _ops.is_cuda_backend(x):
+        raise ArgumentError("flce: exact_bf16_grad=True: the CUDA backend rounds bf16 gradient "
+                            "tiles once (dE and dW within 1.5x bf16's rounding floor) and has "
+                            "no exact mode; pass None or False")
+    return value
 
 
 def fused_distribution(x):
@@ -361,6 +376,36 @@ def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accu
     if accuracy is not None:
         out += (accuracy,)
     return out
+
+
+def outputs_from_stats(loss, lse, stats, entropy, target, opts, lead, row_weight, return_lse,
+                       return_entropy, return_accuracy):
+    """An entry point's return value from an op's per-token ``(loss, lse, stats, entropy)``:
+    the loss times ``row_weight`` (per-class weights, or None) and reduced as
+    ``opts.reduction``, then the per-token outputs asked for (per_token_outputs), the accuracy
+    from the row statistics."""
+    if row_weight is not None:
+        loss = loss * row_weight
+    acc = accuracy_from_stats(stats, target, opts.ignore_index) if return_accuracy else None
+    return per_token_outputs(
+        reduce_loss(loss, target, opts.ignore_index, opts.reduction, lead, row_weight), lse,
+        entropy, lead, return_lse, return_entropy,
+        reduce_accuracy(acc, target, opts.ignore_index, opts.reduction, lead, return_accuracy))
+
+
+def distribution_outputs(loss, lse, entropy, target, opts, lead, row_weight, return_lse,
+                         return_entropy):
+    """An entry point's return value from a target distribution's per-token outputs (flce::soft_*):
+    probability targets (``target`` None or floating) reduced over every row, class targets as
+    torch weights them (``row_weight``), an ignored token's entropy 0 as on the class-target
+    path."""
+    if target is None or target.dtype.is_floating_point:
+        loss = reduce_rows(loss, opts.reduction, lead)
+    else:
+        if return_entropy:
+            entropy = torch.where(target != opts.ignore_index, entropy, 0.0)
+        loss = reduce_loss(loss, target, opts.ignore_index, opts.reduction, lead, row_weight)
+    return per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy)
 
 
 def shift_target(target, ignore_index):

@@ -2,12 +2,8 @@
 
 ``register(namespace, cuda_format)`` attaches them to a namespace with those schemas: ``flce``
 (the library), and in the tests ``flce_cuda_host``, the CUDA binding built against the host
-emulation of its kernels (tests/cuda_host.py), which serves CPU tensors with the CUDA
-backend's launch sequence and output formats. ``ops`` is the namespace the API calls;
-``routed_to`` points it elsewhere for a test.
+emulation of its kernels (tests/cuda_emulation.py). ``ops`` is the namespace the API calls.
 """
-import contextlib
-
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.flce.*)
@@ -29,20 +25,9 @@ PARTIAL_COLS, STATS_COLS, SOFT_COLS = (int(x) for x in torch.ops.flce.row_layout
 
 
 def is_cuda_backend(t):
-    """Whether ``t`` is served by the CUDA backend: a CUDA tensor, or any tensor while the ops
-    are routed to the host emulation of the CUDA backend."""
-    return t.device.type == "cuda" or ops is not torch.ops.flce
-
-
-@contextlib.contextmanager
-def routed_to(namespace):
-    """Send every flce op the API calls to ``torch.ops.<namespace>`` (tests only)."""
-    global ops
-    previous, ops = ops, getattr(torch.ops, namespace)
-    try:
-        yield ops
-    finally:
-        ops = previous
+    """Whether ``t`` is served by the CUDA backend (a CUDA tensor): the path choices that
+    depend on the backend ask this."""
+    return t.device.type == "cuda"
 
 
 def refuse_double_backward(what, remedy):
@@ -57,6 +42,16 @@ def refuse_double_backward(what, remedy):
 
 def _grad_like(t, wanted):
     return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else t.new_empty((0,))
+
+
+def _soft_outputs(rows):
+    """soft_forward's outputs for the rows of ``rows``: loss, lse [N], stats [N, SOFT_COLS] fp32,
+    pivot [N] int64, entropy [N]."""
+    n = rows.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return (rows.new_empty((n,), **f32), rows.new_empty((n,), **f32),
+            rows.new_empty((n, SOFT_COLS), **f32), rows.new_empty((n,), dtype=torch.int64),
+            rows.new_empty((n,), **f32))
 
 
 def register(namespace, cuda_format):
@@ -81,7 +76,7 @@ def register(namespace, cuda_format):
 
     @torch.library.register_fake(name("forward"))
     def _forward_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
-                      softcap, temperature=1.0):
+                      softcap, temperature=1.0, exact_bf16_grad=None):
         n = input.shape[0]
         f32 = dict(dtype=torch.float32, device=input.device)
         return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
@@ -90,25 +85,26 @@ def register(namespace, cuda_format):
     @torch.library.register_fake(name("backward"))
     def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, stats, vocab_start,
                        vocab_size, ignore_index, label_smoothing, z_loss, softcap, output_mask,
-                       grad_entropy=None, temperature=1.0):
+                       grad_entropy=None, temperature=1.0, exact_bf16_grad=None):
         grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
         return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
 
     def setup_context(ctx, inputs, output):
         input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap = inputs[:8]
         temperature = inputs[8] if len(inputs) > 8 else 1.0
+        exact = inputs[9] if len(inputs) > 9 else None  # not the forward's: the backward's
         stats = output[2]
         ctx.save_for_backward(input, weight, target, bias, stats)
-        ctx.options = (ignore_index, label_smoothing, z_loss, softcap, temperature)
+        ctx.options = (ignore_index, label_smoothing, z_loss, softcap, temperature, exact)
         ctx.mark_non_differentiable(stats)
 
     def backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy):
         input, weight, target, bias, stats = ctx.saved_tensors
-        ignore_index, label_smoothing, z_loss, softcap, temperature = ctx.options
+        ignore_index, label_smoothing, z_loss, softcap, temperature, exact = ctx.options
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                 bias is not None and ctx.needs_input_grad[3]]
         if not any(mask):
-            return (None,) * 9
+            return (None,) * 10
         if torch.is_grad_enabled():
             # create_graph=True: the gradients must be differentiable themselves, which the
             # backward kernel's are not. The same formulas again, in torch ops.
@@ -119,14 +115,14 @@ def register(namespace, cuda_format):
                 gi, gw, gb = _composite.grads_with_graph(
                     outs, (grad_loss, grad_lse, grad_entropy),
                     [t if m else None for t, m in zip((input, weight, bias), mask)])
-            return (gi, gw, None, gb) + (None,) * 5
+            return (gi, gw, None, gb) + (None,) * 6
         if grad_loss is None:
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
         gi, gw, gb = nsops.backward(grad_loss, grad_lse, input, weight, target, bias, stats, 0,
                                     weight.shape[0], ignore_index, label_smoothing, z_loss,
-                                    softcap, mask, grad_entropy, temperature)
+                                    softcap, mask, grad_entropy, temperature, exact)
         return (gi if mask[0] else None, gw if mask[1] else None, None,
-                gb if mask[2] else None) + (None,) * 5
+                gb if mask[2] else None) + (None,) * 6
 
     torch.library.register_autograd(name("forward"), backward, setup_context=setup_context)
 
@@ -145,13 +141,8 @@ def register(namespace, cuda_format):
                 partials.new_empty((n, SOFT_COLS)), pivot.new_empty((n,)), partials.new_empty((n,)))
 
     @torch.library.register_fake(name("soft_forward"))
-    def _soft_forward_fake(input, weight, target, bias, class_weight, z_weight, ignore_index,
-                           label_smoothing, z_loss, softcap, temperature):
-        n = input.shape[0]
-        f32 = dict(dtype=torch.float32)
-        return (input.new_empty((n,), **f32), input.new_empty((n,), **f32),
-                input.new_empty((n, SOFT_COLS), **f32), input.new_empty((n,), dtype=torch.int64),
-                input.new_empty((n,), **f32))
+    def _soft_forward_fake(input, *_):
+        return _soft_outputs(input)
 
     @torch.library.register_fake(name("soft_backward"))
     def _soft_backward_fake(grad_loss, grad_lse, grad_entropy, input, weight, target, bias, *rest):
@@ -199,7 +190,8 @@ def register(namespace, cuda_format):
     @torch.library.register_fake(name("sum_and_grad"))
     def _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing, z_loss,
                            softcap, output_mask, mean, vocab_start=0, vocab_size=-1,
-                           group_name=None, group_size=1, temperature=1.0):
+                           group_name=None, group_size=1, temperature=1.0,
+                           exact_bf16_grad=None):
         # [1, *shape] (ops_def.h): dE and dbias fp32, dW fp32 or (CUDA) in the weight's dtype
         def deferred(t, wanted, dtype):
             return t.new_empty((1, *t.shape), dtype=dtype) if wanted else t.new_empty((0,))
@@ -218,11 +210,19 @@ def register(namespace, cuda_format):
     def _scale_grad_inplace_fake(deferred, scale):
         return None
 
+    @torch.library.register_fake(name("soft_sum_and_grad"))
+    def _soft_sum_and_grad_fake(input, weight, target, bias, class_weight, z_weight,
+                                ignore_index, label_smoothing, z_loss, softcap, temperature,
+                                output_mask, mean):
+        return _sum_and_grad_fake(input, weight, target, bias, ignore_index, label_smoothing,
+                                  z_loss, softcap, output_mask, mean)
+
     def sum_setup_context(ctx, inputs, output):
         input, weight, target, bias = inputs[:4]
         _, divisor, gi, gw, gb = output
         ctx.save_for_backward(divisor, gi, gw, gb)
         ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.inputs = len(inputs)
         ctx.mark_non_differentiable(divisor, gi, gw, gb)
 
     def sum_backward(ctx, grad_loss, *_):
@@ -254,9 +254,11 @@ def register(namespace, cuda_format):
             else:
                 grads.append(nsops.scale_grad(p, scale, dt))
         gi, gw, gb = grads
-        return (gi, gw, None, gb) + (None,) * 11
+        return (gi, gw, None, gb) + (None,) * (ctx.inputs - 4)
 
     torch.library.register_autograd(name("sum_and_grad"), sum_backward,
+                                    setup_context=sum_setup_context)
+    torch.library.register_autograd(name("soft_sum_and_grad"), sum_backward,
                                     setup_context=sum_setup_context)
 
     # Cross-entropy on given logits.
@@ -326,13 +328,8 @@ def register(namespace, cuda_format):
                 logits.new_empty((n,), dtype=torch.int64))
 
     @torch.library.register_fake(name("soft_logits_forward"))
-    def _soft_logits_forward_fake(logits, target, class_weight, z_weight, ignore_index,
-                                  label_smoothing, z_loss, softcap, temperature):
-        n = logits.shape[0]
-        f32 = dict(dtype=torch.float32)
-        return (logits.new_empty((n,), **f32), logits.new_empty((n,), **f32),
-                logits.new_empty((n, SOFT_COLS), **f32), logits.new_empty((n,), dtype=torch.int64),
-                logits.new_empty((n,), **f32))
+    def _soft_logits_forward_fake(logits, *_):
+        return _soft_outputs(logits)
 
     @torch.library.register_fake(name("soft_logits_backward"))
     def _soft_logits_backward_fake(grad_loss, grad_lse, grad_entropy, logits, *_):

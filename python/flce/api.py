@@ -16,7 +16,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                           reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                           temperature=1.0, return_lse=False, return_entropy=False,
                           return_accuracy=False, shift=False, single_pass=None,
-                          class_weight=None, linear_weight=None, linear_bias=None, options=None):
+                          exact_bf16_grad=None, class_weight=None, linear_weight=None,
+                          linear_bias=None, options=None):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
@@ -89,6 +90,16 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             (docs/cpu-backend.md). ``True``/``False`` force it on either backend (``True``
             needs reduction ``"mean"``/``"sum"`` and neither ``return_lse`` nor
             ``return_entropy``).
+        exact_bf16_grad: how bfloat16 inputs' gradients are computed (docs/numerics.md; other
+            dtypes ignore it). ``None`` (default): the backend's choice, which
+            ``flce.build_info()["cpu_bf16_grad"]`` reports for the CPU: on a CPU whose bf16
+            GEMMs run on AMX, and on CUDA, the gradient tile is rounded once to bf16 and
+            multiplied in bf16 with fp32 accumulation (``input.grad`` and ``weight.grad``
+            within 1.5x bf16's rounding floor, norm-wise); on other CPUs exactly (at the floor,
+            at about the time of the step's 3 GEMMs in torch). ``False``: rounded once on every
+            backend. ``True``: exact, on the CPU backend only (AMX: the tile split into two
+            bf16 halves, 4 GEMMs where rounding takes 2; elsewhere fp32 GEMMs); the CUDA
+            backend, which has no exact mode, raises.
 
     Returns:
         The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
@@ -108,6 +119,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
     if input.is_cuda:
         _build.check_cuda_device(input.device)
+    exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
 
     # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
     if _common.is_dtensor(weight):
@@ -116,17 +128,18 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         if parallel.is_vocab_sharded(weight):
             if _common.is_soft(target):
                 raise TypeError("flce: probability (soft) targets are not supported with a "
-                                "vocab-sharded classifier")
+                                "DTensor classifier; pass each rank's shard of them to "
+                                "flce.parallel.vocab_parallel_linear_cross_entropy")
             return parallel.linear_cross_entropy_dtensor(
                 input, weight, target, bias=bias, ignore_index=opts.ignore_index,
                 reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
                 softcap=softcap, temperature=opts.temperature, return_lse=return_lse,
                 return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-                class_weight=class_weight)
+                class_weight=class_weight, exact_bf16_grad=exact_bf16_grad)
 
     if _common.is_soft(target):
         return _soft_linear(input, weight, target, bias, opts, reduction, class_weight,
-                            return_lse, return_entropy, return_accuracy, shift)
+                            return_lse, return_entropy, return_accuracy, shift, single_pass)
     if shift:
         target = _common.shift_target(target, opts.ignore_index)
     lead = target.shape
@@ -140,13 +153,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             _common.fused_distribution(x):
         # Class weights with label smoothing: a target distribution (y_c = w_c ((1 - eps)
         # [c = t] + eps / V)), its z-loss weighted by the row's weight as torch weights the nll.
-        loss, lse, _, _, entropy = _ops.ops.soft_forward(x, weight, t, bias, cw, row_weight,
-                                                         *opts.op_args(), opts.temperature)
-        if return_entropy:  # an ignored token's entropy is 0, as on the class-target path
-            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
-        return _common.per_token_outputs(
-            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-            entropy, lead, return_lse, return_entropy)
+        return _distribution(x, weight, t, bias, cw, row_weight, opts, lead, single_pass,
+                             return_lse, return_entropy)
     if composite or (cw is not None and opts.label_smoothing):
         # float64, functorch transforms, forward-mode AD, D = 0 (the logits are the bias, or 0,
         # as torch's composition has them), and class weights with label smoothing where the
@@ -167,20 +175,16 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             torch.is_grad_enabled() and row_weight is None:
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
-                                     temperature=opts.temperature)[0]
-    loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature)
-    if row_weight is not None:
-        loss = loss * row_weight
-    acc = _common.reduce_accuracy(
-        _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None,
-        t, opts.ignore_index, reduction, lead, return_accuracy)
-    return _common.per_token_outputs(
-        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-        entropy, lead, return_lse, return_entropy, acc)
+                                     temperature=opts.temperature,
+                                     exact_bf16_grad=exact_bf16_grad)[0]
+    loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature,
+                                                 exact_bf16_grad=exact_bf16_grad)
+    return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
+                                      return_lse, return_entropy, return_accuracy)
 
 
 def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, return_lse,
-                 return_entropy, return_accuracy, shift):
+                 return_entropy, return_accuracy, shift, single_pass):
     """Probability targets ``(..., V)``: fused (flce::soft_forward: the target rows read tile by
     tile beside the logits, collapse-safe), or the composite path (flce.reference
     soft_cross_entropy; the ``[N, V]`` logits materialized in float32, float64 for float64
@@ -196,15 +200,32 @@ def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, ret
     cw = _common.soft_class_weights(class_weight, v, input.dtype)
     if d > 0 and not return_accuracy and not q.requires_grad and \
             not _common.needs_composite(x, weight, bias, q) and _common.fused_distribution(x):
-        loss, lse, _, _, entropy = _ops.ops.soft_forward(x, weight, q, bias, cw, None,
-                                                         *opts.op_args(), opts.temperature)
-        return _common.per_token_outputs(_common.reduce_rows(loss, reduction, lead), lse,
-                                         entropy, lead, return_lse, return_entropy)
+        return _distribution(x, weight, q, bias, cw, None, opts, lead, single_pass, return_lse,
+                             return_entropy)
     logits = _composite.linear_logits(x, weight, bias)
     loss, lse, entropy, acc = _composite.soft_per_token(logits, q, opts, cw)
     return _common.per_token_outputs(
         _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
         return_entropy, _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
+
+
+def _distribution(x, weight, target, bias, cw, row_weight, opts, lead, single_pass, return_lse,
+                  return_entropy):
+    """A target distribution on the fused ops (flce::soft_*): probability targets ``[N, V]``, or
+    class ids with class weights (``row_weight``: their targets' weights) and label smoothing;
+    the single pass (soft_sum_and_grad, the CPU backend's) where flce.linear_cross_entropy's
+    rule takes it."""
+    mask = [x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
+    if _common.single_pass(single_pass, opts.reduction, return_lse or return_entropy, x,
+                           weight) and any(mask) and torch.is_grad_enabled() and \
+            not _ops.is_cuda_backend(x):
+        return _ops.ops.soft_sum_and_grad(x, weight, target, bias, cw, row_weight,
+                                          *opts.op_args(), opts.temperature, mask,
+                                          opts.reduction == "mean")[0]
+    loss, lse, _, _, entropy = _ops.ops.soft_forward(x, weight, target, bias, cw, row_weight,
+                                                     *opts.op_args(), opts.temperature)
+    return _common.distribution_outputs(loss, lse, entropy, target, opts, lead, row_weight,
+                                        return_lse, return_entropy)
 
 
 @functools.wraps(_linear_cross_entropy)
@@ -320,8 +341,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             # Fused: the target rows read chunk by chunk beside the logits.
             loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
                 logits, y, cw, None, *opts.op_args(), opts.temperature)
-            return _common.per_token_outputs(_common.reduce_rows(loss, reduction, lead), lse,
-                                             entropy, lead, return_lse, return_entropy)
+            return _common.distribution_outputs(loss, lse, entropy, None, opts, lead, None,
+                                                return_lse, return_entropy)
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy, acc = _composite.soft_per_token(
             logits.to(cdt), y, opts, cw)
@@ -339,11 +360,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         # Class weights with label smoothing: a target distribution (linear_cross_entropy's).
         loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
             logits, t, cw, row_weight, *opts.op_args(), opts.temperature)
-        if return_entropy:
-            entropy = torch.where(t != opts.ignore_index, entropy, 0.0)
-        return _common.per_token_outputs(
-            _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-            entropy, lead, return_lse, return_entropy)
+        return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
+                                            return_lse, return_entropy)
     if composite or (weight is not None and opts.label_smoothing):
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(
@@ -377,7 +395,7 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
                  softcap=None, temperature=1.0, return_lse=False, return_entropy=False,
-                 return_accuracy=False, shift=False, single_pass=None):
+                 return_accuracy=False, shift=False, single_pass=None, exact_bf16_grad=None):
         super().__init__()
         _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature)
         for name, flag in (("return_accuracy", return_accuracy), ("shift", shift)):
@@ -385,6 +403,7 @@ class LinearCrossEntropy(torch.nn.Module):
                 raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
         _common.check_single_pass(single_pass, reduction,
                                   return_lse or return_entropy or return_accuracy)
+        _common.exact_bf16_grad(exact_bf16_grad)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -396,6 +415,7 @@ class LinearCrossEntropy(torch.nn.Module):
         self.return_accuracy = return_accuracy
         self.shift = shift
         self.single_pass = single_pass
+        self.exact_bf16_grad = exact_bf16_grad
 
     def forward(self, input, weight, target, bias=None):
         return linear_cross_entropy(input, weight, target, bias=bias,
@@ -405,7 +425,8 @@ class LinearCrossEntropy(torch.nn.Module):
                                     return_lse=self.return_lse,
                                     return_entropy=self.return_entropy,
                                     return_accuracy=self.return_accuracy, shift=self.shift,
-                                    single_pass=self.single_pass)
+                                    single_pass=self.single_pass,
+                                    exact_bf16_grad=self.exact_bf16_grad)
 
     def extra_repr(self):
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "

@@ -1,12 +1,15 @@
 """Vocab-parallel linear cross-entropy over ``torch.distributed`` (tensor parallelism).
 
 Rank ``r`` of a process group holds the rows ``[vocab_start_r, vocab_start_r + V_r)`` of the
-classifier. Forward: each rank computes the per-row statistics of its shard with the fused op
-``flce::partial_stats`` (``[N, 5]`` fp32: non-target max and sum-exp, the target logit if the
-rank owns it, the logit sum, the entropy's sum), ONE all-gather gives every rank all of them, and ``flce::combine``
-turns them into the collapse-safe loss, the same math as on one device. Backward: each rank forms
-its shard's gradient tiles from the global row statistics with ``flce::backward``; ``dC`` stays
-local and ``dE`` is summed over the group. See docs/parallel.md.
+classifier and calls the single-device ops with its shard's place in the vocabulary. Training
+(CUDA backend) runs ``flce::sum_and_grad`` with the group, which all-gathers each chunk of rows'
+statistics inside the op. The per-token path runs one family of ops (``_ShardOps``): each rank's
+row statistics of its shard (``flce::partial_stats``: ``[N, 5]`` fp32, the non-target max and
+sum-exp, the target logit if the rank owns it, the logit sum, the entropy's sum), ONE
+all-gather, ``flce::combine`` into the collapse-safe loss (the same math as on one device), and
+a backward local to the rank from the combined statistics (``flce::backward``: ``dC`` stays
+local, ``dE`` is summed over the group). A group of one rank is the single-device call: the same
+ops, no collective. See docs/parallel.md.
 
 Entry points:
 
@@ -23,8 +26,10 @@ Entry points:
 
 Importing this module is cheap: ``torch.distributed`` is used only inside the functions.
 """
+import hashlib
 import struct
 import sys
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -80,6 +85,9 @@ def _reduce_scatter(x, group, world):
 
 
 def _resolve_group(group):
+    """(group, this rank in it, its size) for a ``group=`` argument, checked on this rank alone
+    before any collective: a rank whose group is wrong cannot meet the others in one (see
+    docs/parallel.md for what that leaves uncaught)."""
     dist = _dist()
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("flce.parallel: torch.distributed is not initialized "
@@ -92,7 +100,22 @@ def _resolve_group(group):
         group = group.get_group()
     if group is None:
         group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ArgumentError(f"flce.parallel: global rank {dist.get_rank()} is not a member of "
+                            f"group (torch.distributed.new_group returned NON_GROUP_MEMBER "
+                            f"here); pass the group of the ranks that hold the vocabulary shards")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"flce.parallel: group must be a torch.distributed ProcessGroup, a 1-D "
+                        f"DeviceMesh or None (WORLD), got {type(group).__name__} {group!r}")
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _group_fingerprint(group):
+    """The group's size and a hash of its members' global ranks in group-rank order, for the
+    exchange: ranks whose collectives met over groups that differ raise."""
+    members = _dist().get_process_group_ranks(group)
+    digest = hashlib.sha256(repr(list(members)).encode()).digest()
+    return [len(members), int.from_bytes(digest[:7], "little")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,8 +140,9 @@ _LAYOUT_CACHE_SIZE = 256
 # and "target max": the range of its non-ignored targets (ignored ones count as 0).
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
-                "sequence_parallel", "temperature", "single pass", "class weights", "error",
-                "target min", "target max")
+                "sequence_parallel", "temperature", "single pass", "class weights", "targets",
+                "exact_bf16_grad", "group size", "group members", "error", "target min",
+                "target max")
 _AGREED = range(3, _META_FIELDS.index("error"))
 _ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
 
@@ -154,29 +178,36 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     """Shard offsets and the global vocabulary for this call, from an exchange of every rank's
     metadata row (``_META_FIELDS``), after which every rank raises the same error or none does.
 
-    ``meta``: this rank's row up to "temperature" (ignored when ``error`` is set: the exception
-    this rank's own argument checks raised). The exchange all-gathers one int64 row per rank,
-    with this rank's target range, and every rank checks every row: a rank with bad arguments,
-    ranks that disagree on a shape or option, shards that do not tile the vocabulary, or a target
-    out of range on any rank raise the same exception on all ranks, before any collective that
-    could hang. It costs one small all-gather and reads it on the host (a device sync under
-    NCCL) per call; ``check_ranks=False`` makes it once per group and row instead, skipped by a
-    rank whose row matches an agreed one, which is only safe while all ranks make identical
-    calls (a rank whose arguments change alone then meets a different collective: docs/
-    parallel.md).
+    ``meta``: this rank's row up to "exact_bf16_grad" (ignored when ``error`` is set: the
+    exception this rank's own argument checks raised); the group's fingerprint follows it. The
+    exchange all-gathers one int64 row per rank, with this rank's target range, and every rank
+    checks every row: a rank with bad arguments, ranks that disagree on a shape, an option or
+    the group's members, shards that do not tile the vocabulary, or a target out of range on any
+    rank raise the same exception on all ranks, before any collective that could hang. It costs
+    one small all-gather and reads it on the host (a device sync under NCCL) per call;
+    ``check_ranks=False`` makes it once per group and row instead, skipped by a rank whose row
+    matches an agreed one, which is only safe while all ranks make identical calls (a rank
+    whose arguments change alone then meets a different collective: docs/parallel.md).
+
+    A world of one rank exchanges nothing: its own error is raised as it is, and its targets are
+    checked by the ops, as on one device.
     """
-    if error is not None:
-        meta = [0] * _ERROR
+    if world == 1 and error is not None:
+        raise error
+    meta = [0] * _ERROR if error is not None else meta + _group_fingerprint(group)
     key = (id(group), rank, world) + tuple(meta)
     hit = _LAYOUTS.get(key)
     if hit is not None and hit[0] is group and not check_ranks and error is None:
         return hit[1]
-    device = _exchange_device(group)
-    row = torch.cat([torch.tensor(meta + [int(error is not None)], dtype=torch.int64,
-                                  device=device),
-                     _target_range(target if error is None else None, ignore_index, device)])
-    rows = _all_gather(row[None], group, world).tolist()
-    _raise_rank_errors(rows, error, group, world)
+    if world == 1:
+        rows = [meta + [0, 0, 0]]
+    else:
+        device = _exchange_device(group)
+        row = torch.cat([torch.tensor(meta + [int(error is not None)], dtype=torch.int64,
+                                      device=device),
+                         _target_range(target if error is None else None, ignore_index, device)])
+        rows = _all_gather(row[None], group, world).tolist()
+        _raise_rank_errors(rows, error, group, world)
     mine = rows[rank]
     for f in _AGREED:
         values = [r[f] for r in rows]
@@ -257,6 +288,9 @@ def _describe(field, values):
     if name == "reduction":
         codes = {v: k for k, v in _REDUCTION_CODES.items()}
         return str([codes[v] for v in values])
+    if name == "group members":
+        return (f"hashes {values} of their group's global ranks: the ranks passed different "
+                f"groups as group=")
     return str(values)
 
 
@@ -295,10 +329,11 @@ def _shard_operands(x, weight, bias, group, world, layout, reduce_input_grad, se
     """The op's operands as differentiable functions of the caller's: all ranks' tokens under
     sequence parallelism, the tokens' gradient summed over the group, and the shard without its
     vocabulary padding rows (views: those rows never enter the softmax and get a zero gradient).
-    The op itself is the single-device one with the shard's place in the vocabulary."""
-    if sequence_parallel:
+    The op itself is the single-device one with the shard's place in the vocabulary. One rank:
+    no collective, the caller's tensors (the padding rows narrowed away)."""
+    if world > 1 and sequence_parallel:
         x = _GatherTokens.apply(x, group, world)
-    elif reduce_input_grad:
+    elif world > 1 and reduce_input_grad:
         x = _SumGradOverGroup.apply(x, group)
     if layout.valid_rows < weight.shape[0]:
         weight = weight.narrow(0, 0, layout.valid_rows)
@@ -306,54 +341,209 @@ def _shard_operands(x, weight, bias, group, world, layout, reduce_input_grad, se
     return x, weight, bias
 
 
-class _VocabParallelLinearCE(torch.autograd.Function):
-    """The recompute path over the shards: x [N, D] (every rank's op tokens), this rank's rows
-    w and b, full-vocabulary targets -> loss, lse, entropy [N] fp32. Forward: the shard's
-    partial statistics, ONE all-gather, combine; backward: the shard's gradients from the global
-    row statistics (flce::backward with the shard's vocab_start)."""
+# ---------------------------------------------------------------------------------------------
+# The per-token path over the shards, one autograd Function for every family of ops whose flow
+# is: this rank's row statistics, ONE all-gather of them, their combination into the global
+# per-token outputs, and a backward local to the rank from the combined statistics.
+# ---------------------------------------------------------------------------------------------
+class _ShardOps(NamedTuple):
+    """One family of ops over the vocabulary shards, as callables over the family's tensors
+    ``*tensors`` (the call's options and layout are bound in them):
+
+    * ``one_device(*tensors) -> (loss, lse, stats, entropy)``: the single-device op, with its
+      own registered autograd (a world of one rank runs it, and nothing else);
+    * ``partial(*tensors) -> [N, C]`` fp32: this rank's row statistics (any C);
+    * ``combine(gathered, *tensors) -> (loss, lse, stats, entropy)``: ``gathered``
+      ``[world, N, C]`` every rank's statistics in rank order; the global per-token outputs,
+      the same on every rank, and ``stats`` for the backward (not differentiable);
+    * ``backward(needs, grads, stats, *tensors) -> one gradient per tensor``: ``needs[i]``
+      whether ``tensors[i]`` wants its gradient (None where not), ``grads`` the upstream
+      ``(grad_loss [N] fp32, grad_lse or None, grad_entropy or None)``.
+    """
+    one_device: Callable
+    partial: Callable
+    combine: Callable
+    backward: Callable
+
+
+def _per_token(family, tensors, group, world):
+    """(loss, lse, stats, entropy) [N] of ``family`` (a ``_ShardOps``) over the shards of
+    ``group``: ``family.one_device`` for one rank, else partial, one all-gather, combine."""
+    if world == 1:
+        return family.one_device(*tensors)
+    return _OverShards.apply(family, group, world, *tensors)
+
+
+class _OverShards(torch.autograd.Function):
+    """_per_token's autograd over several ranks: forward one all-gather, backward no collective
+    (each rank's gradients are its shard's; the tokens' are summed by _shard_operands)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, group, world, layout, options):
-        ignore_index, label_smoothing, z_loss, softcap, temperature = options
-        partials = _ops.ops.partial_stats(x, w, target, b, layout.vocab_start, ignore_index,
-                                          softcap, temperature)
-        gathered = _all_gather(partials, group, world).view(world, x.shape[0], _ops.PARTIAL_COLS)
-        loss, lse, stats, entropy = _ops.ops.combine(gathered, target, layout.vocab_size,
-                                                     ignore_index, label_smoothing, z_loss)
-        ctx.save_for_backward(x, w, b, target, stats)
-        ctx.setup = (layout, options)
+    def forward(ctx, family, group, world, *tensors):
+        partials = family.partial(*tensors)
+        gathered = _all_gather(partials, group, world).view(world, *partials.shape)
+        loss, lse, stats, entropy = family.combine(gathered, *tensors)
+        ctx.save_for_backward(*tensors, stats)
+        ctx.family = family
         ctx.mark_non_differentiable(stats)
-        return loss, lse, entropy, stats
+        return loss, lse, stats, entropy
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, grad_entropy, _grad_stats):
-        x, w, b, target, stats = ctx.saved_tensors
-        layout, options = ctx.setup
-        ignore_index, label_smoothing, z_loss, softcap, temperature = options
-        _ops.refuse_double_backward("the vocab-parallel path", "a single-device "
-                                    "flce.linear_cross_entropy")
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                b is not None and ctx.needs_input_grad[2]]
-        none = (None,) * 5
-        if not any(mask):
-            return (None, None, None) + none
+    def backward(ctx, grad_loss, grad_lse, _grad_stats, grad_entropy):
+        _ops.refuse_double_backward("the vocab-parallel path", "the single-device entry point")
+        *tensors, stats = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        none = (None,) * 3
+        if not any(needs):
+            return none + (None,) * len(tensors)
         if grad_loss is None:
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
-        gi, gw, gb = _ops.ops.backward(grad_loss, grad_lse, x, w, target, b, stats,
-                                       layout.vocab_start, layout.vocab_size, ignore_index,
-                                       label_smoothing, z_loss, softcap, mask, grad_entropy,
-                                       temperature)
-        return (gi if mask[0] else None, gw if mask[1] else None,
-                gb if mask[2] else None) + none
+        grads = ctx.family.backward(needs, (grad_loss, grad_lse, grad_entropy), stats, *tensors)
+        return none + tuple(g if need else None for g, need in zip(grads, needs))
 
 
-def _use_single_pass(single_pass, reduction, return_lse, x):
-    """The single pass for training on the CUDA backend, as flce.linear_cross_entropy decides."""
-    use = _common.single_pass(single_pass, reduction, return_lse, x)
-    if use and not _ops.is_cuda_backend(x):
+def _linear_ops(layout, opts, exact_bf16_grad=None):
+    """The linear family over tensors (x, w, b, t): flce::partial_stats, flce::combine,
+    flce::backward (one device: flce::forward), bf16 gradients as exact_bf16_grad asks."""
+    ii, ls, z, sc, temp = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
+                           opts.temperature)
+
+    def one_device(x, w, b, t):
+        return _ops.ops.forward(x, w, t, b, ii, ls, z, sc, temp, exact_bf16_grad)
+
+    def partial(x, w, b, t):
+        return _ops.ops.partial_stats(x, w, t, b, layout.vocab_start, ii, sc, temp)
+
+    def combine(gathered, x, w, b, t):
+        return _ops.ops.combine(gathered, t, layout.vocab_size, ii, ls, z)
+
+    def backward(needs, grads, stats, x, w, b, t):
+        grad_loss, grad_lse, grad_entropy = grads
+        return _ops.ops.backward(grad_loss, grad_lse, x, w, t, b, stats, layout.vocab_start,
+                                 layout.vocab_size, ii, ls, z, sc, list(needs[:3]), grad_entropy,
+                                 temp, exact_bf16_grad) + (None,)
+
+    return _ShardOps(one_device, partial, combine, backward)
+
+
+def _logits_ops(layout, options, with_entropy, inplace):
+    """The logits family over tensors (logits, t): flce::logits_stats, flce::combine,
+    flce::logits_backward(_) (one device: flce::logits_forward). ``options``: (ignore_index,
+    label_smoothing, z_loss, softcap, temperature)."""
+    ii, ls, z, sc, temp = options
+
+    def one_device(logits, t):
+        return _ops.ops.logits_forward(logits, t, ii, ls, z, sc, temp, with_entropy, inplace)
+
+    def partial(logits, t):
+        return _ops.ops.logits_stats(logits, t, layout.vocab_start, ii, sc, temp, ls != 0.0,
+                                     with_entropy)
+
+    def combine(gathered, logits, t):
+        return _ops.ops.combine(gathered, t, layout.vocab_size, ii, ls, z)
+
+    def backward(needs, grads, stats, logits, t):
+        args = grads + (logits, t, stats, layout.vocab_start, layout.vocab_size) + tuple(options)
+        if inplace:
+            _ops.ops.logits_backward_(*args)
+            torch.autograd.graph.increment_version(logits)  # (_common.check_inplace_target)
+            return logits, None
+        return _ops.ops.logits_backward(*args), None
+
+    return _ShardOps(one_device, partial, combine, backward)
+
+
+def _pack(state, pivot):
+    """A target distribution's [..., 7] fp32 state and int64 pivot as one fp32 tensor [..., 9]
+    (the pivot's bits in two columns), so that one all-gather carries both."""
+    return torch.cat([state, pivot.contiguous().view(torch.float32).view(*pivot.shape, 2)], -1)
+
+
+def _unpack(packed):
+    """_pack's inverse: (state [..., 7], pivot [...])."""
+    return (packed[..., :_ops.SOFT_COLS],
+            packed[..., _ops.SOFT_COLS:].contiguous().view(torch.int64).squeeze(-1))
+
+
+def _distribution_ops(layout, opts, logits_level=False):
+    """The target distributions (probability targets; class targets with class weights and label
+    smoothing) over tensors (operands..., target, cw, z_weight): flce::soft_partial_stats,
+    soft_combine, soft_backward, one device soft_forward; or on given logits (logits_level:
+    operands (logits,)) soft_logits_stats / soft_logits_backward / soft_logits_forward.
+    target: this shard's probabilities [N, V_local] or global class ids [N]; cw: this shard's
+    class weights (fp32) or None; z_weight: the rows' z-loss weights or None (their target
+    mass). stats carry the pivot (_pack)."""
+    ii, ls, z, sc, temp = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
+                           opts.temperature)
+    start, size = layout.vocab_start, layout.vocab_size
+    ops = _ops.ops
+
+    def one_device(*tensors):
+        *operands, y, cw, zw = tensors
+        if logits_level:
+            out = ops.soft_logits_forward(operands[0], y, cw, zw, ii, ls, z, sc, temp)
+        else:
+            x, w, b = operands
+            out = ops.soft_forward(x, w, y, b, cw, zw, ii, ls, z, sc, temp)
+        loss, lse, stats, pivot, entropy = out
+        return loss, lse, _pack(stats, pivot), entropy
+
+    def partial(*tensors):
+        *operands, y, cw, zw = tensors
+        if logits_level:
+            return _pack(*ops.soft_logits_stats(operands[0], y, cw, start, size, ii, ls, sc, temp))
+        x, w, b = operands
+        return _pack(*ops.soft_partial_stats(x, w, y, b, cw, start, size, ii, ls, sc, temp))
+
+    def combine(gathered, *tensors):
+        zw = tensors[-1]
+        loss, lse, stats, pivot, entropy = ops.soft_combine(*_unpack(gathered), zw, z)
+        return loss, lse, _pack(stats, pivot), entropy
+
+    def backward(needs, grads, stats, *tensors):
+        *operands, y, cw, zw = tensors
+        state, pivot = _unpack(stats)
+        if logits_level:
+            g = ops.soft_logits_backward(*grads, operands[0], y, cw, state, pivot, zw, start, size,
+                                         ii, ls, z, sc, temp)
+            return g, None, None, None
+        x, w, b = operands
+        gi, gw, gb = ops.soft_backward(*grads, x, w, y, b, cw, state, pivot, zw, start, size, ii,
+                                       ls, z, sc, temp, list(needs[:3]))
+        return gi, gw, gb, None, None, None
+
+    return _ShardOps(one_device, partial, combine, backward)
+
+
+def _check_distribution(soft, class_weight, opts, x, shift=False, sequence_parallel=False,
+                        return_accuracy=False):
+    """This rank's checks of a target distribution over the shards (probability targets, or
+    class weights with label smoothing); whether the call is one."""
+    if not (soft or (class_weight is not None and opts.label_smoothing)):
+        return False
+    what = "probability targets" if soft else "class weights with label smoothing"
+    if not _common.fused_distribution(x):
+        raise TypeError(f"flce.parallel: {what} over vocabulary shards need the fused target "
+                        f"distributions, which the CUDA backend runs only with "
+                        f"FLCE_CUDA_DISTRIBUTIONS=1 (docs/api.md)")
+    for name, flag in (("shift", shift), ("sequence_parallel", sequence_parallel),
+                       ("return_accuracy", return_accuracy)):
+        if flag:
+            raise ArgumentError(f"flce.parallel: {name}=True is not supported with {what} over "
+                                f"vocabulary shards")
+    return True
+
+
+def _use_single_pass(single_pass, reduction, per_token, x, world):
+    """The single pass for training over several ranks: on the CUDA backend, as
+    flce.linear_cross_entropy decides (its op all-gathers each chunk of rows' statistics; the
+    CPU backend's single pass is single-device). One rank makes flce.linear_cross_entropy's
+    choice after the exchange, from the shard's shapes."""
+    use = _common.single_pass(single_pass, reduction, per_token, x)
+    if use and world > 1 and not _ops.is_cuda_backend(x):
         if single_pass:
-            raise ArgumentError("flce.parallel: single_pass=True needs the CUDA backend (the CPU "
-                                "backend's single pass is single-device)")
+            raise ArgumentError("flce.parallel: single_pass=True over several ranks needs the "
+                                "CUDA backend (the CPU backend's single pass is single-device)")
         return False
     return use
 
@@ -365,7 +555,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                                         return_accuracy=False, shift=False, class_weight=None,
                                         vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
-                                        check_ranks=True, single_pass=None):
+                                        check_ranks=True, single_pass=None,
+                                        exact_bf16_grad=None):
     r"""Fused, collapse-safe linear cross-entropy with the vocabulary sharded over ``group``.
 
     Every rank passes the same tokens (``input``, ``target``) and its own rows of the
@@ -379,7 +570,9 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         weight_local: ``(V_local, D)`` this rank's classifier rows; shards may be uneven
             (also empty) and sit in rank order unless ``vocab_start`` says otherwise.
         target: ``(...)`` global vocabulary ids or ``ignore_index``, shaped like input's leading
-            dimensions (this rank's token shard when ``sequence_parallel``).
+            dimensions (this rank's token shard when ``sequence_parallel``); or probabilities
+            ``(..., V_local)``: this rank's shard of them, beside its classifier rows
+            (docs/parallel.md).
         group: the tensor-parallel ``ProcessGroup`` or a 1-D ``DeviceMesh`` (default: WORLD).
         bias_local: optional ``(V_local,)``.
         vocab_start: this rank's first global row; default: the ranks' shards in rank order
@@ -401,13 +594,16 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             (docs/parallel.md).
         class_weight: optional per-class weights of the whole vocabulary ``(vocab_size,)``,
             the same on every rank, torch's semantics (each token's loss times its target's
-            weight, ``"mean"`` over those weights); not with label smoothing.
+            weight, ``"mean"`` over those weights; with label smoothing or probability targets,
+            the target distributions of docs/parallel.md).
         return_accuracy, shift: as for ``flce.linear_cross_entropy`` (the accuracy from the
             combined statistics, the same on every rank; ``shift`` not with
             ``sequence_parallel``, whose ranks hold pieces of the sequences).
         single_pass: as for ``flce.linear_cross_entropy``: by default the CUDA backend trains
             (mean/sum, no return_lse, gradients needed) with the single pass, whose chunks of
             rows all-gather their ``[rows, 4]`` statistics inside the op.
+        exact_bf16_grad: as for ``flce.linear_cross_entropy`` (the CPU backend's recompute
+            backward and the CUDA backend's single pass take it).
 
     Returns:
         The loss in float32 (identical on all ranks), then the per-token lse when ``return_lse``,
@@ -419,11 +615,14 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
     try:
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
-        _refuse_soft(target)
+        soft = _common.is_soft(target)
         _common.validate_linear(input, weight_local, target, bias_local)
-        _check_local(input, weight_local, bias_local)
-        _check_class_weight(class_weight, opts.label_smoothing)
+        _check_local(input, weight_local, bias_local, target if soft else None)
+        _check_class_weight(class_weight)
+        distribution = _check_distribution(soft, class_weight, opts, input, shift,
+                                           sequence_parallel, return_accuracy)
         _check_vocab_start(vocab_start)
+        exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
         if vocab_size is not None and (not isinstance(vocab_size, int) or
                                        not 0 < vocab_size <= _common.INT64_MAX):
             raise ArgumentError(f"flce.parallel: vocab_size must be a positive int64, got "
@@ -443,8 +642,9 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or weight_local.requires_grad
             or (bias_local is not None and bias_local.requires_grad))
-        use_single = needs_grad and class_weight is None and _use_single_pass(
-            single_pass, reduction, return_lse or return_entropy or return_accuracy, input)
+        per_token = return_lse or return_entropy or return_accuracy
+        use_single = needs_grad and class_weight is None and not distribution and \
+            _use_single_pass(single_pass, reduction, per_token, input, world)
         error = None
     except (TypeError, ValueError) as e:
         error = e
@@ -452,51 +652,56 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         d = input.shape[-1]
         if shift:
             target = _common.shift_target(target, opts.ignore_index)
-        lead = tuple(target.shape)
-        x = input.reshape(target.numel(), d)
-        t = target.reshape(-1).to(torch.int64)
-        options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
-                   opts.temperature)
+        if soft:
+            lead = tuple(target.shape[:-1])
+            q = target.reshape(-1, weight_local.shape[0])
+            x = input.reshape(q.shape[0], d)
+            t = None
+        else:
+            lead = tuple(target.shape)
+            x = input.reshape(target.numel(), d)
+            t = target.reshape(-1).to(torch.int64)
         meta = [weight_local.shape[0], -1 if vocab_start is None else vocab_start,
                 -1 if vocab_size is None else vocab_size, x.shape[0], d,
                 _DTYPE_CODES[input.dtype], _DTYPE_CODES[weight_local.dtype],
                 int(bias_local is not None), opts.ignore_index, _float_bits(opts.label_smoothing),
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
                 int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
-                _weights_meta(class_weight)]
+                _weights_meta(class_weight), int(soft),
+                -1 if exact_bf16_grad is None else int(exact_bf16_grad)]
     else:
         t, meta = None, None
     layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
                      target=t, ignore_index=None if error else opts.ignore_index)
-    if sequence_parallel:
+    if sequence_parallel and world > 1:
         t = _all_gather(t, group, world)
         lead = (world * lead[0],) + lead[1:]
     x, w, b = _shard_operands(x, weight_local, bias_local, group, world, layout,
                               bool(reduce_input_grad), bool(sequence_parallel))
+    if world == 1:
+        # flce.linear_cross_entropy's choice, which on the CPU depends on the shapes
+        use_single = needs_grad and class_weight is None and not distribution and \
+            _common.single_pass(single_pass, reduction, per_token, x, w)
     if use_single:
         # The single pass's own op, with the group: every chunk of rows all-gathers its
         # statistics inside it; its gradients come back through the op's registered autograd.
         mask = [x.requires_grad, w.requires_grad, b is not None and b.requires_grad]
         return _ops.ops.sum_and_grad(x, w, t, b, *opts.op_args(), mask, reduction == "mean",
-                                     layout.vocab_start, layout.vocab_size, group.group_name,
-                                     world, temperature=opts.temperature)[0]
-    row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
-    loss, lse, entropy, stats = _VocabParallelLinearCE.apply(x, w, b, t, group, world, layout,
-                                                             options)
-    if row_weight is not None:
-        loss = loss * row_weight
-    acc = _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None
-    return _common.per_token_outputs(
-        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-        entropy, lead,
-        return_lse, return_entropy,
-        _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
-
-
-def _refuse_soft(target):
-    if _common.is_soft(target):
-        raise TypeError("flce.parallel: probability (soft) targets are not supported over "
-                        "vocabulary shards; pass class indices")
+                                     layout.vocab_start, layout.vocab_size,
+                                     group.group_name if world > 1 else None, world,
+                                     temperature=opts.temperature,
+                                     exact_bf16_grad=exact_bf16_grad)[0]
+    row_weight = None if soft else _row_weights(class_weight, layout, t, opts.ignore_index)
+    if distribution:
+        y = q.narrow(1, 0, w.shape[0]) if soft else t
+        tensors = (x, w, b, y, _shard_class_weight(class_weight, layout, w.shape[0]), row_weight)
+        loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts), tensors, group, world)
+        return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
+                                            return_lse, return_entropy)
+    loss, lse, stats, entropy = _per_token(_linear_ops(layout, opts, exact_bf16_grad),
+                                           (x, w, b, t), group, world)
+    return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
+                                      return_lse, return_entropy, return_accuracy)
 
 
 def _check_local(*tensors):
@@ -523,7 +728,7 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
                                  reduction="mean", label_smoothing=0.0, z_loss=0.0,
                                  softcap=None, temperature=1.0, return_lse=False,
                                  return_entropy=False, return_accuracy=False, shift=False,
-                                 class_weight=None):
+                                 class_weight=None, exact_bf16_grad=None):
     """``flce.linear_cross_entropy`` for a ``DTensor`` weight ``Shard(0)`` on a 1-D mesh.
 
     ``input`` and ``target`` may be plain tensors (the same on every rank) or DTensors on the
@@ -560,55 +765,13 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
         return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-        class_weight=local("class_weight", class_weight, None))
+        class_weight=local("class_weight", class_weight, None), exact_bf16_grad=exact_bf16_grad)
 
 
 # ---------------------------------------------------------------------------------------------
 # Cross-entropy on vocab-parallel logits: flce.parallel.cross_entropy, the Megatron-Core drop-in,
 # and flce.cross_entropy on a DTensor sharded over the classes (TorchTitan's loss_parallel).
 # ---------------------------------------------------------------------------------------------
-class _VocabParallelLogitsCE(torch.autograd.Function):
-    """[N, V_local] logits of this rank's columns -> per-token loss, lse, entropy [N] fp32.
-
-    Forward: flce::logits_stats of the local columns (one read of the logits, in their dtype),
-    ONE all-gather of the [N, 5] partials, flce::combine (the collapse-safe loss, the same math
-    as one device). Backward: flce::logits_backward from the global row statistics, local to the
-    rank (no collective), into a new tensor or over the logits (inplace_backward)."""
-
-    @staticmethod
-    def forward(ctx, logits, target, group, world, layout, options, with_entropy, inplace):
-        ignore_index, label_smoothing, z_loss, softcap, temperature = options
-        n = logits.shape[0]
-        partials = _ops.ops.logits_stats(logits, target, layout.vocab_start, ignore_index,
-                                         softcap, temperature, label_smoothing != 0.0,
-                                         with_entropy)
-        gathered = _all_gather(partials, group, world).view(world, n, _ops.PARTIAL_COLS)
-        loss, lse, stats, entropy = _ops.ops.combine(gathered, target, layout.vocab_size,
-                                                     ignore_index, label_smoothing, z_loss)
-        ctx.save_for_backward(logits, target, stats)
-        ctx.setup = (layout, options, inplace)
-        ctx.mark_non_differentiable(stats)
-        return loss, lse, entropy, stats
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_lse, grad_entropy, _grad_stats):
-        _ops.refuse_double_backward("the vocab-parallel path", "a single-device flce.cross_entropy")
-        logits, target, stats = ctx.saved_tensors
-        layout, options, inplace = ctx.setup
-        none = (None,) * 7
-        if not ctx.needs_input_grad[0]:
-            return (None,) + none
-        if grad_loss is None:
-            grad_loss = stats.new_zeros(()).expand(stats.shape[0])
-        args = (grad_loss, grad_lse, grad_entropy, logits, target, stats, layout.vocab_start,
-                layout.vocab_size) + tuple(options)
-        if inplace:
-            _ops.ops.logits_backward_(*args)
-            torch.autograd.graph.increment_version(logits)  # (_common.check_inplace_target)
-            return (logits,) + none
-        return (_ops.ops.logits_backward(*args),) + none
-
-
 def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
                   return_lse=False, return_entropy=False, return_accuracy=False,
@@ -624,7 +787,8 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         logits: ``(..., V_local)`` this rank's columns (float32, bfloat16 or float16; read in
             their dtype, never copied); shards in rank order unless ``vocab_start`` says
             otherwise (sizes may differ).
-        target: ``(...)`` global class ids or ``ignore_index``.
+        target: ``(...)`` global class ids or ``ignore_index``; or probabilities shaped like
+            ``logits``: this rank's columns of them.
         group: the process group or a 1-D DeviceMesh (default: WORLD).
         vocab_start: this rank's first global column (on every rank, or on none).
         inplace_backward: write the gradient over this rank's logits (as Megatron does).
@@ -639,40 +803,48 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
     try:
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
-        _check_logits(logits, target, "logits")
+        soft = _check_logits(logits, target, "logits")
         for name, flag in (("inplace_backward", inplace_backward),
                            ("return_accuracy", return_accuracy)):
             if flag not in (True, False):
                 raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
         _check_vocab_start(vocab_start)
-        _check_class_weight(class_weight, opts.label_smoothing)
+        _check_class_weight(class_weight)
+        distribution = _check_distribution(soft, class_weight, opts, logits,
+                                           return_accuracy=return_accuracy)
+        if distribution and inplace_backward:
+            raise ArgumentError("flce.parallel: inplace_backward=True takes class-index targets "
+                                "without class weights and label smoothing together")
         error = None
     except (TypeError, ValueError) as e:
         error = e
     meta, t = None, None
     if error is None:
-        lead = tuple(target.shape)
-        x = _local_rows(logits, target)
+        lead = tuple(target.shape[:-1] if soft else target.shape)
+        x = _local_rows(logits, logits[..., 0] if soft else target)
         error = _inplace_error(inplace_backward, x, "logits")
     if error is None:
-        t = target.reshape(-1).to(torch.int64)
+        t = None if soft else target.reshape(-1).to(torch.int64)
         meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
-                            opts.z_loss, opts.softcap, reduction, opts.temperature, class_weight)
+                            opts.z_loss, opts.softcap, reduction, opts.temperature, class_weight,
+                            soft)
     layout = _layout(group, rank, world, meta, False, check_ranks, error=error, target=t,
                      ignore_index=None if error else opts.ignore_index)
+    if distribution:
+        y = _local_rows(target, logits[..., 0]) if soft else t
+        row_weight = None if soft else _row_weights(class_weight, layout, t, opts.ignore_index)
+        tensors = (x, y, _shard_class_weight(class_weight, layout, x.shape[1]), row_weight)
+        loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts, logits_level=True),
+                                           tensors, group, world)
+        return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
+                                            return_lse, return_entropy)
     options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
                opts.temperature)
     row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
-    loss, lse, entropy, stats = _VocabParallelLogitsCE.apply(
-        x, t, group, world, layout, options, bool(return_entropy), bool(inplace_backward))
-    if row_weight is not None:
-        loss = loss * row_weight
-    acc = _common.accuracy_from_stats(stats, t, opts.ignore_index) if return_accuracy else None
-    return _common.per_token_outputs(
-        _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-        entropy, lead,
-        return_lse, return_entropy,
-        _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
+    family = _logits_ops(layout, options, bool(return_entropy), bool(inplace_backward))
+    loss, lse, stats, entropy = _per_token(family, (x, t), group, world)
+    return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
+                                      return_lse, return_entropy, return_accuracy)
 
 
 def _inplace_error(inplace, x, name):
@@ -691,20 +863,25 @@ def _check_logits(logits, target, name):
         raise TypeError(f"flce: {name} must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() < 1:
         raise ArgumentError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
-    _refuse_soft(target)
-    _common.check_target(target, logits.shape[:-1], f"{name}'s leading dimensions")
-    _check_local(logits)
+    _common.check_tensor("target", target)
+    soft = _common.is_soft(target)
+    if soft:
+        _common.check_soft_target(target, logits.shape, f"{name}'s shape: this shard's columns")
+    else:
+        _common.check_target(target, logits.shape[:-1], f"{name}'s leading dimensions")
+    _check_local(logits, target if soft else None)
+    return soft
 
 
 def _logits_meta(x, vocab_start, ignore_index, smoothing, z_loss, softcap, reduction,
-                 temperature, class_weight=None):
+                 temperature, class_weight=None, soft=False):
     """The fields of _META_FIELDS that a logits-level call has (no D, bias or weight):
     x [N, V_local] this rank's rows."""
     code = _DTYPE_CODES[x.dtype]
     return [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
             code, 0, ignore_index, _float_bits(smoothing), _float_bits(z_loss),
             _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0,
-            _weights_meta(class_weight)]
+            _weights_meta(class_weight), int(soft), -1]
 
 
 def _weights_meta(class_weight):
@@ -712,7 +889,7 @@ def _weights_meta(class_weight):
     return -1 if class_weight is None else class_weight.numel()
 
 
-def _check_class_weight(class_weight, label_smoothing):
+def _check_class_weight(class_weight):
     """This rank's checks of replicated per-class weights (the whole vocabulary's, every rank
     the same); their length against the vocabulary comes after the exchange."""
     if class_weight is None:
@@ -722,10 +899,17 @@ def _check_class_weight(class_weight, label_smoothing):
         raise ArgumentError(f"flce.parallel: class_weight must be a 1-D floating-point tensor "
                             f"(one weight per class of the whole vocabulary, the same on every "
                             f"rank), got {class_weight.dtype} {tuple(class_weight.shape)}")
-    if label_smoothing:
-        raise ArgumentError("flce.parallel: class weights with label smoothing need every "
-                            "logit of a row in one place (flce's composite path): not over "
-                            "vocabulary shards")
+
+
+def _shard_class_weight(class_weight, layout, rows):
+    """This shard's classes' weights (fp32), or None: the whole vocabulary's weights after the
+    exchange checked their length (_row_weights)."""
+    if class_weight is None:
+        return None
+    if class_weight.numel() != layout.vocab_size:
+        raise ArgumentError(f"flce.parallel: class_weight must have one weight per class of the "
+                            f"vocabulary ({layout.vocab_size}), got {class_weight.numel()}")
+    return class_weight.narrow(0, layout.vocab_start, rows).to(torch.float32).contiguous()
 
 
 def _row_weights(class_weight, layout, t, ignore_index):
@@ -780,7 +964,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     group, rank, world = _resolve_group(tp_group)
     # This rank's own checks; their failure goes into the exchange, so that every rank raises it.
     try:
-        _check_logits(vocab_parallel_logits, target, "vocab_parallel_logits")
+        if _check_logits(vocab_parallel_logits, target, "vocab_parallel_logits"):
+            raise TypeError("flce.parallel: vocab_parallel_cross_entropy takes class ids (as "
+                            "Megatron's); probability targets: flce.parallel.cross_entropy")
         smoothing = _common.number("label_smoothing", label_smoothing)
         if not 0.0 <= smoothing < 1.0:
             raise ArgumentError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -809,10 +995,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
                             f"on every rank")
     v = layout.vocab_size
     eps = smoothing * v / (v - 1) if smoothing > 0 and v > 1 else 0.0
-    loss, _, _, _ = _VocabParallelLogitsCE.apply(logits, t, group, world, layout,
-                                              (-100, eps, 0.0, 0.0, 1.0), False,
-                                              bool(inplace_backward))
-    return loss.reshape(lead)
+    family = _logits_ops(layout, (-100, eps, 0.0, 0.0, 1.0), False, bool(inplace_backward))
+    return _per_token(family, (logits, t), group, world)[0].reshape(lead)
 
 
 def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, reduction="mean",

@@ -75,6 +75,14 @@ REGRESSIONS = {
                                      confident=150.0),
     "fp16_tile_scale_two_rows": Case(seed=117229546, backend="cuda-host", lead=(2,), v=5, d=12,
                                      dtype="fp16", master=True, reduction="sum", confident=20.0),
+    # class weights with label smoothing as a fused target distribution, every token ignored:
+    # the mean's upstream 1/0 times the rows' zero target mass made the gradients NaN where
+    # they are 0 (soft_row_grad now takes g = 0 for a row without target or z-loss weight)
+    "distribution_all_ignored": Case(seed=620862316, lead=(1,), v=1, d=1, class_weight=True,
+                                     ignore=1.0, label_smoothing=0.1),
+    "distribution_all_ignored_logits": Case(seed=792036520, entry="logits", lead=(1,), v=1,
+                                            class_weight=True, ignore=1.0,
+                                            label_smoothing=0.5),
 }
 
 

@@ -88,11 +88,13 @@ def test_cpu_default_path(dtype, monkeypatch):
 
 def test_cpu_deferred_gradients_are_fp32_of_the_reduced_loss():
     """sum_and_grad's CPU gradients: [1, *shape] fp32 of the mean (1 / count inside), which
-    scale_grad multiplies by the upstream gradient and rounds once."""
+    scale_grad multiplies by the upstream gradient and rounds once (the exact bf16 mode: a
+    gradient tile rounded to bf16 would be all that this test sees)."""
     x, w, t, b = rand_inputs(64, 700, 24, torch.bfloat16, "cpu", seed=5, bias=True)
     t[::3] = -100
     loss, divisor, gi, gw, gb = flce.ops.sum_and_grad(x, w, t, b, -100, 0.0, 0.0, 0.0,
-                                                     [True, True, True], True)
+                                                     [True, True, True], True,
+                                                     exact_bf16_grad=True)
     assert (gi.shape, gw.shape, gb.shape) == ((1, *x.shape), (1, *w.shape), (1, *b.shape))
     assert gi.dtype == gw.dtype == gb.dtype == torch.float32
     assert float(divisor) == 1.0

@@ -76,7 +76,7 @@ def test_other_path_passes_option_and_accuracy_tests(path):
         pytest.skip("oneDNN micro-kernels unavailable on this CPU / torch build")
     r = _child(path, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                       "api/test_options.py", "api/test_accuracy.py", "api/test_single_pass.py",
-                      "cpu/test_cpu_determinism.py",
+                      "api/test_bf16_grad.py", "cpu/test_cpu_determinism.py",
                       "-k", "not cuda"])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
@@ -111,8 +111,8 @@ def _bf16_facts(env):
 def test_cpu_bf16_facts_follow_the_cpu_and_the_isa_caps():
     """build_info()["cpu_amx"] (which picks bf16's CPU training path, flce/api.py) is the
     kernel's amx_bf16 flag, and False in a process whose MKL or oneDNN stops below AMX (as
-    benchmarks/run.py linear --isa avx2 runs them; cpu_amx also makes the backward split bf16
-    gradient tiles into two bf16 tiles, csrc/cpu/flce_cpu.cpp). On the blas path,
+    benchmarks/run.py linear --isa avx2 runs them; cpu_amx also makes the backward round bf16
+    gradient tiles once by default, csrc/cpu/tile_gemm.h bf16_grad). On the blas path,
     build_info()["cpu_bf16_native"] holds only where MKL multiplies bf16 natively: an Intel CPU
     with AVX512-BF16 or AMX-BF16, and MKL not held below AVX512_E3, its first level with bf16
     (AVX512 and AVX512_E1/E2 have none)."""
@@ -145,9 +145,9 @@ NO_AMX = {"MKL_ENABLE_INSTRUCTIONS": "AVX512_E3", "ONEDNN_MAX_CPU_ISA": "AVX512_
 
 
 def test_bf16_without_amx_widens_and_passes_the_bf16_tests():
-    """Where this process splits bf16 gradient tiles (AMX), the widened bf16 path that every CPU
-    without AMX takes runs the bf16 option, accuracy and single-pass tests in a child with AMX
-    held off (csrc/cpu/flce_cpu.cpp GradPass: the split only on AMX)."""
+    """Where this process rounds bf16 gradient tiles by default (AMX), the widened bf16 path that
+    every CPU without AMX takes by default runs the bf16 option, accuracy, single-pass and
+    exact_bf16_grad tests in a child with AMX held off (csrc/cpu/tile_gemm.h bf16_grad)."""
     if not flce.build_info()["cpu_amx"]:
         pytest.skip("no AMX here: the whole suite runs the widened bf16 path")
     env = dict(os.environ, **NO_AMX)
@@ -156,6 +156,7 @@ def test_bf16_without_amx_widens_and_passes_the_bf16_tests():
     assert r.returncode == 0 and r.stdout.split()[-1] == "False", r.stderr
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         "api/test_options.py", "api/test_accuracy.py", "api/test_single_pass.py",
+                        "api/test_bf16_grad.py",
                         "-k", "(bfloat16 or bf16 or dtype1) and not cuda"],
                        env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -47,23 +47,71 @@ def no_logits(monkeypatch):
     monkeypatch.setattr(_composite, "linear_logits", refuse)
 
 
-def _check_grads(leaves, wide, dz, dtype):
+def _target_weights(target, v, cw, eps, ignore_index=-100):
+    """The rows' target weights y [N, V] in float64: w ((1 - eps) q + eps / V), q the
+    probabilities or the class's one-hot (0 for an ignored row)."""
+    if target.dtype.is_floating_point:
+        y = (1 - eps) * target.double() + eps / v
+    else:
+        valid = target != ignore_index
+        q = torch.zeros(target.shape[0], v, dtype=torch.float64)
+        q[valid, target[valid]] = 1.0
+        y = ((1 - eps) * q + eps / v) * valid[:, None]
+    return y if cw is None else y * cw.double()
+
+
+def _check_grads(leaves, wide, u, y, g, dtype, softcap=None, temperature=1.0, g_ent=None,
+                 g_lse=None, z_loss=0.0, zw=None):
     """Each gradient element against float64, within its own rounding to the dtype plus the
-    error of a product of the gradient tile dz at the tile's precision: |err| <= 2 u |ref| +
-    (8 + K) u_tile (|dz| |other operand|), u the dtype's unit roundoff, u_tile fp32's (bf16's
-    where the tile is rounded to bf16 once, as on AMX), K the product's inner size (a sum of K
-    terms in that precision: Higham's gamma_K). The second term is what an ideal implementation
-    at the tile's precision leaves where the products cancel (a gradient far below its terms);
-    a wrong term of the gradient (the pivot's p_a - 1 computed as is, say) is far above it."""
-    u = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}[dtype]
+    error of a product of the gradient tile at the tile's precision: |err| <= 2 u |ref| + (8 +
+    K) u_tile (T |other operand|), u the dtype's unit roundoff, u_tile fp32's (bf16's where the
+    tile is rounded to bf16 once, as on AMX), K the product's inner size (a sum of K terms in
+    that precision: Higham's gamma_K), and T the magnitude of each tile entry's terms, which an
+    fp32 tile carries to a few ulps: dz_j = A p_j - g y_j (+ the entropy's g_H p_j (log p_j +
+    H)) times the transforms' chain rule, T_j = (|dz_j| + 2 g |y_j| + |g_H| p_j (|log p_j| + H))
+    chain_j, where A p_j and g y_j cancel to a small dz_j; at the row's pivot a (its largest
+    logit) the collapse-safe form's terms, T_a = (|A - g Y| p_a + g Y q_a + g y_rest + the
+    entropy's) chain_a with q_a = 1 - p_a, so that computing the pivot's entry as A p_a - g y_a
+    (which rounds to 0 where a confident row's q_a is below fp32's resolution) fails. u: the
+    raw logits (float64, their grad the tile), y the target weights, g [N] the loss's upstream
+    gradient (g_lse the lse's, g_ent the entropy's), zw the z-loss's row weights (default Y)."""
+    eps_u = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}[dtype]
     u_tile = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -9}[dtype]
-    x, w = (a.detach().abs() for a in wide[:2])
-    n, v = dz.shape
-    terms = ((8 + v) * (dz.abs() @ w), (8 + n) * (dz.abs().T @ x), (8 + n) * dz.abs().sum(0))
+    with torch.no_grad():
+        z = u.detach()
+        chain = torch.ones_like(z)
+        if softcap:
+            z = softcap * torch.tanh(z / softcap)
+            chain = 1 - (z / softcap) ** 2
+        z, chain = z / temperature, chain / temperature
+        logp = torch.log_softmax(z, 1)
+        p = logp.exp()
+        ent = torch.zeros_like(p)
+        if g_ent is not None:
+            h = -(p * logp).sum(1, keepdim=True)
+            ent = g_ent.abs()[:, None] * p * (logp.abs() + h)
+        tile = u.grad.abs() + chain * (2 * g[:, None] * y.abs() + ent)
+        a = z.argmax(1, keepdim=True)
+        big_y = y.sum(1)
+        y_rest = big_y - y.gather(1, a)[:, 0]
+        p_a = p.gather(1, a)[:, 0]
+        q_a = p.scatter(1, a, 0.0).sum(1)
+        lse = torch.logsumexp(z, 1)
+        a_minus = 2 * g * z_loss * (big_y if zw is None else zw) * lse.abs()
+        if g_lse is not None:
+            a_minus = a_minus + g_lse.abs()
+        pivot = chain.gather(1, a)[:, 0] * (a_minus * p_a + g * big_y * q_a + g * y_rest.abs()
+                                             + ent.gather(1, a)[:, 0])
+        tile = tile.scatter(1, a, (u.grad.gather(1, a)[:, 0].abs() + pivot)[:, None])
+        x, w = (a.detach().abs() for a in wide[:2])
+        n, v = tile.shape
+        terms = ((8 + v) * (tile @ w), (8 + n) * (tile.T @ x), (8 + n) * tile.sum(0))
     for name, a, r, t in zip(("input", "weight", "bias"), leaves, wide, terms):
         err = (a.grad.cpu().double() - r.grad).abs()
-        bound = 2 * u * r.grad.abs() + u_tile * t
-        worst = (err / bound).max().item()
+        bound = 2 * eps_u * r.grad.abs() + u_tile * t
+        # (a row or column without any term, e.g. an ignored token's, must be exactly 0)
+        worst = torch.where(bound > 0, err / bound, err * float("inf")).nan_to_num(0.0).max()
+        worst = worst.item()
         assert worst <= 1, f"{name} gradient: {worst:.2f}x its bound"
 
 
@@ -101,7 +149,12 @@ def test_fused_against_float64(no_logits, device, dtype, opts, kind):
     ((loss.double() * gl.to(device)).sum() + (lse.double() * glse.to(device)).sum() +
      (ent.double() * gent.to(device)).sum()).backward()
     ((ref[0] * gl).sum() + (ref[1] * glse).sum() + (ref[2] * gent).sum()).backward()
-    _check_grads(leaves, wide, z.grad, dtype)
+    y = _target_weights(target, V, cw, kw.get("label_smoothing", 0.0))
+    zw = None
+    if kind == "classes":
+        zw = torch.where(t != -100, cw.double()[t.clamp(min=0)], 0.0)
+    _check_grads(leaves, wide, z, y, gl, dtype, kw.get("softcap"), kw.get("temperature", 1.0),
+                 gent, glse, kw.get("z_loss", 0.0), zw)
 
 
 @pytest.mark.parametrize("margin", [0.0, 20.0, 40.0, 80.0, 200.0])
@@ -128,7 +181,7 @@ def test_collapse_safe(no_logits, device, margin):
     cot = torch.rand(N, generator=g).double() + 0.5
     (loss.double() * cot).sum().backward()
     (ref * cot).sum().backward()
-    _check_grads(leaves, wide, z.grad, torch.float32)
+    _check_grads(leaves, wide, z, q.double(), cot, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
@@ -321,8 +374,6 @@ def test_cuda_chunked(monkeypatch, device, dtype, kind):
     target = q if kind == "probabilities" else t
     kw = dict(label_smoothing=0.1, z_loss=1e-3)
     leaves = [a.clone().to(device).requires_grad_() for a in (x, w, b)]
-    # (with the lse's gradient: an ignored row's gradient is not all 0, which the bound's
-    # relative form cannot take)
     loss, lse = flce.linear_cross_entropy(*leaves[:2], target.to(device), bias=leaves[2],
                                           class_weight=cw.to(device), reduction="none",
                                           return_lse=True, **kw)
@@ -339,6 +390,64 @@ def test_cuda_chunked(monkeypatch, device, dtype, kind):
     cot = torch.rand(n, generator=g).double() + 0.5
     ((loss.double() + 0.1 * lse.double()) * cot.to(device)).sum().backward()
     ((ref[0] + 0.1 * ref[1]) * cot).sum().backward()
+    zw = None if kind == "probabilities" else torch.where(t != -100, cw.double()[t.clamp(min=0)],
+                                                          0.0)
     # (fp16: the tile is scaled to fp16's range, then rounded once, as bf16's is: bf16's bound
     # holds it with 3 more bits to spare)
-    _check_grads(leaves, wide, z.grad, torch.bfloat16 if dtype == torch.float16 else dtype)
+    _check_grads(leaves, wide, z, _target_weights(target, V, cw, 0.1), cot,
+                 torch.bfloat16 if dtype == torch.float16 else dtype, None, 1.0, None, 0.1 * cot,
+                 1e-3, zw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["probabilities", "classes"])
+def test_single_pass(no_logits, dtype, reduction, kind):
+    """The single pass (flce::soft_sum_and_grad: one logit GEMM for the loss and the gradients)
+    against float64, as the recompute path is held: probability targets with weights and
+    smoothing, class targets with weights and smoothing (the mean over the targets' weights)."""
+    x, w, b, q, cw, t = _inputs(dtype, seed=23)
+    target = q if kind == "probabilities" else t
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, class_weight=cw,
+              reduction=reduction)
+    leaves = [a.clone().requires_grad_() for a in (x, w, b)]
+    loss = flce.linear_cross_entropy(*leaves[:2], target, bias=leaves[2], single_pass=True, **kw)
+    loss.backward()
+    wide = [a.double().requires_grad_() for a in (x, w, b)]
+    z = wide[0] @ wide[1].T + wide[2]
+    z.retain_grad()
+    ref_kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, reduction=reduction,
+                  weight=cw.double())
+    if kind == "probabilities":
+        ref = reference.soft_cross_entropy(z, q.double(), **ref_kw)
+        zw, g = None, torch.full((N,), 1.0 / N if reduction == "mean" else 1.0,
+                                  dtype=torch.float64)
+    else:
+        ref = reference.logits_cross_entropy(z, t, **ref_kw)
+        zw = torch.where(t != -100, cw.double()[t.clamp(min=0)], 0.0)
+        g = torch.full((N,), 1.0 / zw.sum().item() if reduction == "mean" else 1.0,
+                       dtype=torch.float64)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 2e-6 * abs(ref.item())
+    y = _target_weights(target, V, cw, 0.1)
+    _check_grads(leaves, wide, z, y, g, dtype, 5.0, 1.0, None, None, 1e-3, zw)
+
+
+def test_single_pass_without_room_for_a_row_block():
+    """A vocabulary too large for the single pass's row-block logits (bf16, V = 1.2M: not 16
+    rows within its 72 MiB) takes forward + recompute backward inside the op: the same loss and
+    gradients as single_pass=False."""
+    g = torch.Generator().manual_seed(29)
+    n, v, d = 16, 1_200_000, 4
+    x = torch.randn(n, d, generator=g).bfloat16()
+    w = torch.randn(v, d, generator=g).bfloat16()
+    q = torch.softmax(torch.randn(n, v, generator=g) * 4, 1)
+    grads = []
+    for single in (True, False):
+        leaves = [a.clone().requires_grad_() for a in (x, w)]
+        loss = flce.linear_cross_entropy(*leaves, q, single_pass=single, label_smoothing=0.1)
+        loss.backward()
+        grads.append((loss.detach(), leaves[0].grad, leaves[1].grad))
+    (l1, x1, w1), (l2, x2, w2) = grads
+    assert torch.equal(l1, l2) or rel_err(l1, l2) < 1e-6
+    assert rel_err(x1, x2) < 2.0 ** -8 and rel_err(w1, w2) < 2.0 ** -8

@@ -203,17 +203,21 @@ def check_fused(rank, world, group, *, n=96, d=24, v_rows=None, shards="even", v
         return loss.detach(), lse.detach(), x.grad, w.grad, None if b is None else b.grad
 
     opts = dict(options, ignore_index=ignore_index, return_lse=True)
+    # flce's choice of bf16 rounding (the reference has none)
+    mode = {"exact_bf16_grad": opts.pop("exact_bf16_grad")} if "exact_bf16_grad" in opts else {}
     x_lp, w_lp = x64.to(dtype), w64.to(weight_dtype or dtype)
     b_lp = b64.to(w_lp.dtype) if bias else None
     # float64 oracle and the one-process flce result, over the real vocabulary.
     ref = run(lambda x, w, b: reference.linear_cross_entropy(x, w[:vocab], t, bias=None if b is None else b[:vocab], **opts),
               x_lp.double(), w_lp.double(), None if b_lp is None else b_lp.double())
-    one = run(lambda x, w, b: flce.linear_cross_entropy(x, w[:vocab], t, bias=None if b is None else b[:vocab], **opts),
+    one = run(lambda x, w, b: flce.linear_cross_entropy(x, w[:vocab], t, bias=None if b is None else b[:vocab], **opts,
+                                                        **mode),
               x_lp, w_lp, b_lp)
     tok = slice(rank * n, (rank + 1) * n) if seq_par else slice(None)
     par = run(lambda x, w, b: fp.vocab_parallel_linear_cross_entropy(
         x, w, t[tok], group=group, bias_local=b, vocab_size=vocab_size,
-        sequence_parallel=seq_par, **opts), x_lp[tok], w_lp[sl], None if b_lp is None else b_lp[sl])
+        sequence_parallel=seq_par, **opts, **mode), x_lp[tok], w_lp[sl],
+        None if b_lp is None else b_lp[sl])
 
     ratios = {}
     for i, name in enumerate(("loss", "lse")):
@@ -233,6 +237,31 @@ def check_fused(rank, world, group, *, n=96, d=24, v_rows=None, shards="even", v
             rel = _elementwise_rel(par[0][band], ref[0][band])
             assert rel < 1e-3 and (par[0][band] > 0).all(), f"collapse band rel err {rel:.3g}"
     return ratios
+
+
+def check_exact_bf16_grad(rank, world, group):
+    """exact_bf16_grad reaches the CPU backward through the vocab-parallel path: each mode's
+    gradients against float64 within check_fused's bound of the one-process call in the same
+    mode, and the rounded mode's dE and dC differ from the exact mode's."""
+    import flce.parallel as fp
+
+    # logits of std ~8: the non-target gradients weigh, and their rounding shows
+    g = torch.Generator().manual_seed(15)
+    v = 64 * world
+    x0 = (torch.randn(96, 24, generator=g) * 8 / 24 ** 0.25).to(torch.bfloat16)
+    w0 = (torch.randn(v, 24, generator=g) / 24 ** 0.25).to(torch.bfloat16)
+    t = torch.randint(0, v, (96,), generator=g)
+    sl = slice(rank * 64, (rank + 1) * 64)
+    grads = {}
+    for exact in (False, True):
+        check_fused(rank, world, group, shards="uneven", dtype=torch.bfloat16, bias=True,
+                    exact_bf16_grad=exact, seed=14)
+        x, w = x0.clone().requires_grad_(), w0[sl].clone().requires_grad_()
+        fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
+                                               exact_bf16_grad=exact).backward()
+        grads[exact] = (x.grad, w.grad)
+    assert not torch.equal(grads[False][0], grads[True][0])
+    assert not torch.equal(grads[False][1], grads[True][1])
 
 
 def check_all_ignored(rank, world, group):
@@ -448,6 +477,152 @@ def check_rank_disagreement(rank, world, group):
     # Explicit offsets in reverse rank order are a valid layout.
     call(vocab_start=16 * (world - 1 - rank))
     call()  # the group still works
+
+
+class _OpSpy:
+    """Stands for flce._ops.ops in a block, recording the ops the API calls by name, and
+    whether any was given a process group's name."""
+
+    def __init__(self, ops):
+        self.ops, self.calls, self.group_names = ops, [], []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        op = getattr(self.ops, name)
+
+        def call(*args, **kwargs):
+            self.group_names += [a for a in (*args, *kwargs.values()) if isinstance(a, str)]
+            return op(*args, **kwargs)
+
+        return call
+
+
+def _collectives_refused():
+    """torch.distributed's collectives replaced by ones that raise, and a function that puts
+    them back."""
+    import torch.distributed as dist
+
+    names = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_gather_object",
+             "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+             "barrier")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective ran in a world of one rank")
+
+    for n in saved:
+        setattr(dist, n, refuse)
+    return lambda: [setattr(dist, n, f) for n, f in saved.items()]
+
+
+def check_one_rank(group):
+    """A group of one rank is the single-device call: no collective, the same ops, bitwise the
+    same values and gradients as flce.linear_cross_entropy / flce.cross_entropy (the padding
+    rows cut away with a zero gradient), and a bad argument raises at once as it is."""
+    import flce
+    import flce._ops as _ops
+    import flce.parallel as fp
+
+    g = torch.Generator().manual_seed(60)
+    n, v, pad, d = 37, 90, 6, 16
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(v + pad, d, generator=g) / d ** 0.5
+    b = torch.randn(v + pad, generator=g)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::4] = -100
+    up = torch.rand(n, generator=g)
+
+    def run(fn, **kw):
+        xs, ws, bs = (a.clone().requires_grad_() for a in (x, w, b))
+        spy = _OpSpy(_ops.ops)
+        _ops.ops = spy
+        try:
+            out = fn(xs, ws, bs, **kw)
+            loss = out[0] if isinstance(out, tuple) else out
+            ((loss * up).sum() if loss.dim() else loss).backward()
+        finally:
+            _ops.ops = spy.ops
+        assert not spy.group_names, spy.group_names
+        return spy.calls, [o.detach() for o in (out if isinstance(out, tuple) else (out,))], \
+            xs.grad, ws.grad, bs.grad
+
+    restore = _collectives_refused()
+    try:
+        for kw in (dict(), dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3),
+                   dict(reduction="none", return_lse=True, return_entropy=True, softcap=9.0,
+                        temperature=0.8, return_accuracy=True)):
+            one = run(lambda xs, ws, bs, **k: flce.linear_cross_entropy(
+                xs, ws[:v], t, bias=bs[:v], **k), **kw)
+            for extra in (dict(), dict(sequence_parallel=True), dict(reduce_input_grad=False)):
+                par = run(lambda xs, ws, bs, **k: fp.vocab_parallel_linear_cross_entropy(
+                    xs, ws, t, group=group, bias_local=bs, vocab_size=v, **k), **kw, **extra)
+                assert par[0] == one[0] and par[0], (par[0], one[0], kw, extra)
+                assert all(torch.equal(a, c) for a, c in zip(par[1], one[1])), (kw, extra)
+                assert torch.equal(par[2], one[2]), (kw, extra)
+                assert torch.equal(par[3][:v], one[3][:v]) and (par[3][v:] == 0).all()
+                assert torch.equal(par[4][:v], one[4][:v]) and (par[4][v:] == 0).all()
+        logits = torch.randn(n, v, generator=g) * 4
+        for kw in (dict(), dict(reduction="none", label_smoothing=0.2, return_lse=True)):
+            one = run(lambda xs, ws, bs, **k: flce.cross_entropy(logits * ws.sum(), t, **k), **kw)
+            par = run(lambda xs, ws, bs, **k: fp.cross_entropy(logits * ws.sum(), t,
+                                                               group=group, **k), **kw)
+            assert par[0] == one[0] == ["logits_forward"], (par[0], one[0])
+            assert all(torch.equal(a, c) for a, c in zip(par[1], one[1])) and \
+                torch.equal(par[3], one[3]), kw
+        eps = 0.1 * v / (v - 1)  # Megatron's smoothing over V classes
+        one = run(lambda xs, ws, bs: flce.cross_entropy(logits * ws.sum(), t, reduction="none",
+                                                        label_smoothing=eps))
+        par = run(lambda xs, ws, bs: fp.vocab_parallel_cross_entropy(logits * ws.sum(), t, 0.1,
+                                                                     tp_group=group))
+        assert par[0] == one[0] and torch.equal(par[1][0], one[1][0]) and \
+            torch.equal(par[3], one[3])
+        # This rank's bad argument: its own exception, at once (no exchange to bring it).
+        _expect(ValueError, "flce: label_smoothing must be in [0, 1]",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
+                                                               label_smoothing=2.0))
+        _expect(ValueError, "tile [0, V)",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
+                                                               vocab_start=3))
+    finally:
+        restore()
+
+
+def check_group_errors(rank, world, group):
+    """A wrong group= is refused before any collective where this rank can tell; groups whose
+    members differ across ranks that met in the exchange raise on every rank."""
+    import torch.distributed as dist
+
+    import flce.parallel as fp
+
+    x, w = torch.randn(5, 4), torch.randn(3, 4)
+    t = torch.zeros(5, dtype=torch.int64)
+    for bad in ("tp", 0, dist):
+        _expect(TypeError, "group must be a torch.distributed ProcessGroup",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=bad))
+        _expect(TypeError, "group must be a torch.distributed ProcessGroup",
+                lambda: fp.cross_entropy(w, t[:3], group=bad))
+    # new_group on every rank; rank 0 alone is in it: a world of one rank there, no collective
+    solo = dist.new_group([0])
+    if rank == 0:
+        check_one_rank(solo)
+    else:
+        _expect(ValueError, f"global rank {rank} is not a member of group",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=solo))
+        _expect(ValueError, f"global rank {rank} is not a member of group",
+                lambda: fp.vocab_parallel_cross_entropy(w[None], t[None, :3], tp_group=solo))
+    # One rank's group has other members than the others' (the exchange met over it): every
+    # rank raises. (Standing in for a group object whose members a rank sees otherwise.)
+    real = fp._group_fingerprint
+    if rank == world - 1:
+        fp._group_fingerprint = lambda grp: [real(grp)[0], real(grp)[1] + 1]
+    try:
+        _expect(ValueError, "disagree on group members",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group))
+        _expect(ValueError, "disagree on group members",
+                lambda: fp.cross_entropy(w, t[:3], group=group))
+    finally:
+        fp._group_fingerprint = real
+    fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group)  # the group still works
 
 
 def check_megatron_dropin(rank, world, group):
@@ -703,6 +878,60 @@ def check_class_weights(rank, world, group):
     else:
         raise AssertionError("a class_weight of another length on rank 0 was accepted")
 
+def check_distributions(rank, world, group):
+    """Probability targets (this shard's columns of them) and class weights with label smoothing
+    over the shards, both entry points: the loss, lse, entropy and gradients of the
+    single-process call, every reduction; the pivot (the row's largest logit) in any shard."""
+    import flce
+    import flce.parallel as P
+
+    g = torch.Generator().manual_seed(43)
+    n, d, rows = 30, 12, 40
+    v = rows * world
+    x = torch.randn(n, d, generator=g)
+    w_full = torch.randn(v, d, generator=g) / d ** 0.5
+    b_full = torch.randn(v, generator=g) * 0.1
+    q = torch.softmax(torch.randn(n, v, generator=g) * 3, 1)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::7] = -100
+    cw = torch.rand(v, generator=g) + 0.25
+    sl = slice(rank * rows, (rank + 1) * rows)
+    cases = [dict(target=q, local=q[:, sl].contiguous(), opts=dict(z_loss=1e-3)),
+             dict(target=q, local=q[:, sl].contiguous(),
+                  opts=dict(label_smoothing=0.1, class_weight=cw, softcap=5.0)),
+             dict(target=t, local=t, opts=dict(label_smoothing=0.2, class_weight=cw,
+                                               z_loss=1e-3))]
+    for case in cases:
+        for reduction in ("mean", "sum", "none"):
+            kw = dict(case["opts"], reduction=reduction, return_lse=True, return_entropy=True)
+            xs = x.clone().requires_grad_()
+            ws, bs = w_full[sl].clone().requires_grad_(), b_full[sl].clone().requires_grad_()
+            got = P.vocab_parallel_linear_cross_entropy(xs, ws, case["local"], group=group,
+                                                        bias_local=bs, **kw)
+            sum(o.sum() for o in got).backward()
+            xr, wr, br = (a.clone().requires_grad_() for a in (x, w_full, b_full))
+            ref = flce.linear_cross_entropy(xr, wr, case["target"], bias=br, **kw)
+            sum(o.sum() for o in ref).backward()
+            for a, r in zip(got, ref):
+                torch.testing.assert_close(a, r, rtol=2e-5, atol=1e-6)
+            torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(ws.grad, wr.grad[sl], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(bs.grad, br.grad[sl], rtol=1e-4, atol=1e-6)
+            z = (x @ w_full.T + b_full).detach()
+            zl = z[:, sl].contiguous().requires_grad_()
+            ce_kw = {k: v for k, v in kw.items() if k != "class_weight"}
+            got = P.cross_entropy(zl, case["local"], group=group,
+                                  class_weight=case["opts"].get("class_weight"), **ce_kw)
+            sum(o.sum() for o in got).backward()
+            zr = z.clone().requires_grad_()
+            ref = flce.cross_entropy(zr, case["target"], case["opts"].get("class_weight"),
+                                     **ce_kw)
+            sum(o.sum() for o in ref).backward()
+            for a, r in zip(got, ref):
+                torch.testing.assert_close(a, r, rtol=2e-5, atol=1e-6)
+            torch.testing.assert_close(zl.grad, zr.grad[:, sl], rtol=1e-4, atol=1e-7)
+
+
 
 def run_checks(rank, world):
     import time
@@ -738,9 +967,9 @@ def run_checks(rank, world):
             print(f"{time.perf_counter() - t0:.1f}s", cfg,
                   {k: round(v, 2) for k, v in ratios.items()}, flush=True)
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
-                  check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
+                  check_group_errors, check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
                   check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift,
-                  check_class_weights):
+                  check_class_weights, check_distributions, check_exact_bf16_grad):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)
@@ -764,3 +993,4 @@ def _worker_main():
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker_main()
+

@@ -16,6 +16,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_launch import run_checked  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_parallel import check_one_rank  # noqa: E402
+
 HERE = os.path.abspath(__file__)
 
 
@@ -155,7 +158,7 @@ def _worker():
     sizes = SHARDS[world]
     start = sum(sizes[:rank])
     calls = []
-    with flce._ops.routed_to(cuda_emulation.NAMESPACE) as ops:
+    with cuda_emulation.routed() as ops:
         real_sum_and_grad = ops.sum_and_grad
 
         class Spy:
@@ -201,6 +204,9 @@ def _worker():
         assert real_sum_and_grad is ops.sum_and_grad
         _check_rl_outputs(rank, sizes, start, "cuda-host")
         _check_fused(rank, sizes, start)
+        solo = dist.new_group([0])  # (on every rank)
+        if rank == 0:
+            check_one_rank(solo)  # the single pass of one rank: no group in the op
     _check_rl_outputs(rank, sizes, start, "cpu")
     dist.barrier()
     print("ALL CHECKS PASSED", flush=True)

@@ -343,6 +343,22 @@ struct SoftRow {
 
 FLCE_HD SoftRow soft_empty() { return SoftRow{neg_inf(), -1, 0.f, lse_empty(), 0.f, 0.f}; }
 
+// The state as the ops exchange it (flce/layout.h): a row of kSoftCols = 7 floats (m_x, s_x, p,
+// u_x, y_a, y_rest, g) and the pivot a apart.
+FLCE_HD void soft_store(const SoftRow& r, float* q) {
+  q[0] = r.x.m;
+  q[1] = r.x.s;
+  q[2] = r.p;
+  q[3] = r.x.u;
+  q[4] = r.y_a;
+  q[5] = r.y_rest;
+  q[6] = r.g;
+}
+
+FLCE_HD SoftRow soft_load(const float* q, int64_t a) {
+  return SoftRow{q[2], a, q[4], OnlineLse{q[0], q[1], q[3]}, q[5], q[6]};
+}
+
 // One term y (p - z) of G: 0 where y = 0 (a column without target weight, e.g. masked by a -inf
 // bias, adds nothing rather than 0 * inf = NaN), and 0 against a -inf pivot p (then z = -inf
 // too: a set of masked columns, such as a GPU thread's columns of a tile, whose weights go with
@@ -386,11 +402,13 @@ FLCE_HD SoftLoss soft_row_loss(const SoftRow& r, float zw, float z_loss) {
 
 // The gradient coefficients of a row with respect to its (capped) logits, from upstream g, g_lse
 // and g_ent (the entropy's), with the row's state (x, p, y_a, y_rest):
-//   dz_c = A p_c - g y_c                               (c != a: logit_grad with u = 0, minus
-//                                                       g y_c per column)
+//   dz_c = A p_c - g y_c                               (c != a: soft_logit_grad, with u = g)
 //   dz_a = (A - g Y) p_a - g Y q_a + g y_rest          (q_a = 1 - p_a = sigmoid(lse_x - P):
 //                                                       the collapse-safe pivot column)
 //   A = g (Y + 2 z_loss zw lse) + g_lse,  Y = y_a + y_rest.
+// A row without target weight and z-loss weight (an ignored class target) has the loss 0 whatever
+// its logits: g is taken as 0 there, as row_grad does for ignored rows (a mean over no tokens
+// has g = 1/0, which would otherwise make its gradients 0 * inf = NaN).
 FLCE_HD RowGrad soft_row_grad(OnlineLse x, float p, float y_a, float y_rest, float zw, float g,
                               float g_lse, float z_loss, float g_ent = 0.f) {
   const float lse_x = lse_value(x);
@@ -399,8 +417,9 @@ FLCE_HD RowGrad soft_row_grad(OnlineLse x, float p, float y_a, float y_rest, flo
   detail::row_ref(x, p, lse, r.ref, r.div);
   r.rdiv = 1.f / r.div;
   const float y = y_a + y_rest;
+  if (y == 0.f && zw == 0.f) g = 0.f;
   r.a = g * (y + 2.f * z_loss * zw * lse) + g_lse;
-  r.u = 0.f;
+  r.u = g;
   const float b = g * y;
   r.dz_t = (r.a - b) * sigmoid(p - lse_x) - b * sigmoid(lse_x - p) + g * y_rest;
   if (g_ent != 0.f) detail::row_grad_entropy(r, x, p, lse, lse_x, g_ent);
@@ -422,10 +441,12 @@ FLCE_HD float logit_grad(const RowGrad& r, float z) {
   return p * (r.a - r.h * (z - r.k)) - r.u;
 }
 
-// Gradient of a non-pivot logit z (capped) with target weight y, before the softcap chain rule;
-// gy = g.
-FLCE_HD float soft_logit_grad(const RowGrad& r, float z, float gy, float y) {
-  return logit_grad(r, z) - gy * y;
+// Gradient of a non-pivot logit z (capped) with target weight y, before the softcap chain rule,
+// from soft_row_grad's coefficients: logit_grad with the row's u times the column's y.
+FLCE_HD float soft_logit_grad(const RowGrad& r, float z, float y) {
+  const float p = vexp(z - r.ref) * r.rdiv;
+  if (r.h == 0.f || p == 0.f) return r.a * p - r.u * y;
+  return p * (r.a - r.h * (z - r.k)) - r.u * y;
 }
 
 // ---------------------------------------------------------------------------------------------
