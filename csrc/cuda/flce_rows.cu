@@ -220,7 +220,9 @@ __device__ __forceinline__ float xform_logit(float u, const Xform& c) {
   } else {
     if constexpr (kXf == Xf::kAffine) {
       const float q = u * c.inv_t;
-      return fmaf(fmaf(-c.temp, q, u), c.inv_t, q);
+      // An infinite u' (a -inf bias: a masked vocabulary column) stays infinite: the
+      // correction would take inf - inf = NaN and turn the row's loss into NaN.
+      return fabsf(u) == INFINITY ? q : fmaf(fmaf(-c.temp, q, u), c.inv_t, q);
     } else {
       const float y = u * c.rcap;
       const float x = y * y;
@@ -423,17 +425,6 @@ __device__ __forceinline__ float soft_y(const SoftTargetParams& s, const SoftRow
   return s.w != nullptr ? y * s.w[col] : y;
 }
 
-// The logit of soft mode: xform_logit, except that an infinite u' (a -inf bias: a masked
-// column, which target distributions must leave out) stays infinite, where kAffine's correction
-// takes inf - inf = NaN (the plain instances share that NaN: not changed here, to keep their
-// cost; kCap maps it to -cap / T as tanh does).
-template <Xf kXf>
-__device__ __forceinline__ float soft_logit(float u, const Xform& c) {
-  const float z = xform_logit<kXf>(u, c);
-  if constexpr (kXf == Xf::kAffine) return fabsf(u) == INFINITY ? u : z;
-  return z;
-}
-
 // r merged with lane + off's state (a tree over the warp: lane 0 ends with the warp's states
 // merged in a fixed order, the lower lanes' states first).
 __device__ __forceinline__ SoftRow soft_merge_down(const SoftRow& r, int off) {
@@ -477,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const SoftStats
       for (int e = 0; e < kPerThread; ++e) {
         const int j = local_col(e);
         const bool in = kFull || j < left;
-        x[e] = in ? soft_logit<kXf>(x[e], xf) : neg_inf();
+        x[e] = in ? xform_logit<kXf>(x[e], xf) : neg_inf();
         y[e] = in ? soft_y(p.y, ry, c0 + j) : 0.f;
       }
       float mx = x[0];
@@ -597,7 +588,7 @@ __device__ __forceinline__ void row_grad_rows(const RowGradParams& p) {
             // (past the row's end: no target weight read, nothing stored)
             const int j = local_col(e);
             const float y = kFull || j < left ? soft_y(p.mode.y, ry, c0 + j) : 0.f;
-            x[e] = soft_logit<kXf>(x[e], xf);
+            x[e] = xform_logit<kXf>(x[e], xf);
             g[e] = soft_logit_grad(rg, x[e], y) * xform_grad<kXf>(x[e], xf);
           } else if constexpr (kXf != Xf::kNone) {
             // (columns past the row's end hold 0: their gradient is computed and not stored)

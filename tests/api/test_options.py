@@ -4,6 +4,8 @@ Each case compares every element of the loss (and lse) and of every gradient wit
 flce.reference in float64 (helpers.check_flce): fp32-level error for the loss, which is fp32
 whatever the input dtype, and a few roundings of the output dtype for gradients.
 """
+import math
+
 import pytest
 import torch
 
@@ -230,3 +232,30 @@ def test_vocab_shards_compose(device):
         assert_grad_close(gw_s, gw_full[lo:hi].double(), norm_factor=8)
         assert_grad_close(gb_s, gb_full[lo:hi].double(), norm_factor=8)
     assert_grad_close(gi_full, gi, norm_factor=8)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_masked_vocabulary(device, temperature):
+    """A -inf bias on padded vocabulary rows (a common way to mask them) leaves those columns
+    out: the loss and gradients of the unpadded vocabulary, never NaN (the CUDA backend's bias
+    and temperature transform once took inf - inf there)."""
+    g = torch.Generator().manual_seed(31)
+    n, v, pad, d = 40, 200, 24, 16
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(v + pad, d, generator=g) / d ** 0.5
+    b = torch.randn(v + pad, generator=g) * 0.1
+    b[v:] = -math.inf
+    t = torch.randint(0, v, (n,), generator=g)
+    xs, ws = x.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
+    loss = flce.linear_cross_entropy(xs, ws, t.to(device), bias=b.to(device),
+                                     temperature=temperature)
+    loss.backward()
+    xr, wr = x.clone().requires_grad_(), w[:v].clone().requires_grad_()
+    ref = flce.reference.linear_cross_entropy(xr.double(), wr.double(), t, bias=b[:v].double(),
+                                              temperature=temperature)
+    ref.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
+    torch.testing.assert_close(xs.grad.cpu().double(), xr.grad.double(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ws.grad.cpu()[:v].double(), wr.grad.double(), rtol=1e-4,
+                               atol=1e-6)
+    assert (ws.grad.cpu()[v:] == 0).all()
