@@ -88,8 +88,9 @@ MUTATIONS = [
     # whole tiles taken from the neighbouring thread's columns.
     dict(name="rows_temperature_twice",
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
-         original="      return fmaf(fmaf(-c.temp, q, u), c.inv_t, q);\n",
-         replacement="      return fmaf(fmaf(-c.temp, q, u), c.inv_t, q) * c.inv_t;\n"),
+         original="      return fabsf(u) == INFINITY ? q : fmaf(fmaf(-c.temp, q, u), c.inv_t, q);\n",
+         replacement="      return fabsf(u) == INFINITY ? q : fmaf(fmaf(-c.temp, q, u), c.inv_t, q) * "
+                     "c.inv_t;\n"),
     dict(name="rows_softcap_derivative_dropped",
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
          original="    return fmaf(-t, t, 1.f) * c.inv_t;\n",
