@@ -2,6 +2,7 @@
 //   flce_cuda.cpp    these helpers, and the ops partial_stats, combine, forward, backward
 //                    (recompute) and scale_grad;
 //   chunks.cpp       the row-chunk driver every linear launch sequence runs;
+//   accumulate.cpp   its gradient accumulator (dE, dW, db in every accumulation mode);
 //   single_pass.cpp  sum_and_grad, the single pass of training (3 GEMMs);
 //   logits.cpp       logits_stats and logits_backward, cross-entropy on a caller's logits.
 // Each file reads top to bottom as one launch sequence and registers its own ops. The same
@@ -89,28 +90,6 @@ void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float*
 int64_t workspace_bytes();
 // out [m, k] fp32 (or the compute dtype) = a [m, j] @ b [j, k] with fp32 accumulation.
 void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, float beta = 0.f);
-
-// FLCE_CUDA_FP32_GRAD=fp64 (read at every call): fp32 inputs' gradient GEMMs in float64, the
-// products exact and the sums over rows and vocabulary in double, rounded once (opt-in: not yet
-// run on a GPU). Default fp32: cuBLAS SGEMMs, compensated across chunks and groups.
-bool fp32_grads_in_fp64();
-// out64 [m, n] float64 = a [m, k] @ b [k, n] (+ out64 when accumulate) for fp32 a and b (any
-// strides), in float64: pieces of `piece` along k widened to double, DGEMMs adding in double.
-void gemm_f64(const at::Tensor& out64, const at::Tensor& a, const at::Tensor& b, bool accumulate,
-              int64_t piece = 2048);
-
-// dE rows (fp32) += the 16-bit tile's target residuals times weight[target] (target_fix).
-void launch_fix(const at::Tensor& w, int64_t n, int64_t vc, int64_t d, const at::Tensor& target,
-                int64_t col_offset, int64_t ignore_index, const at::Tensor& resid,
-                const float* inv_scale, float* sum, DType dtype);
-// The rows of a block sorted by target (stable), and dW's target rows from them (target_rows).
-struct TargetOrder {
-  at::Tensor sorted, order;
-};
-TargetOrder sort_targets(const at::Tensor& target);
-void add_target_rows(const at::Tensor& out, int64_t col_offset, const at::Tensor& x,
-                     const TargetOrder& ord, const at::Tensor& resid, const float* inv_scale,
-                     int64_t ignore_index, DType dtype, const at::Tensor& base = at::Tensor());
 
 // ---------------------------------------------------------------------------------------------
 // The row-chunk driver (chunks.cpp): every linear launch sequence is stats_chunks or grad_chunks.
@@ -205,6 +184,43 @@ struct GradOut {
   at::Tensor gb;               // [v] fp32
 };
 GradOut grad_chunks(const LinearJob& job, const GradJob& grads, const ChunkPlan& plan);
+
+// The gradients of grad_chunks from each group's dz (accumulate.cpp): dE rows, dW and db, every
+// accumulation mode of the compute and weight dtypes written once. x, w: the GEMM operands in
+// the compute dtype; inv_scale: fp16's inverse tile scale [1], or undefined.
+class GradAccumulator {
+ public:
+  GradAccumulator(const LinearJob& job, std::array<bool, 3> mask, int64_t group_rows,
+                  int64_t sub_rows, const at::Tensor& x, const at::Tensor& w,
+                  const at::Tensor& inv_scale);
+  // Where row_grad writes, for its rows from row_in_group on: the target entries' rounding
+  // residuals, and a sub-chunk's bias column-sum partials (nullptr: not needed).
+  float* target_resid(int64_t row_in_group) const;
+  float* bias_partials() const;
+  // db += the column sums of the rows of the sub-chunk row_grad just wrote.
+  void add_bias(int64_t rows);
+  // dE rows [g0, g0 + gn) and dW += from the group's dz [gn, v] (dz_lo: the lo half of master
+  // weights' hi + lo tile, or undefined).
+  void add_group(const at::Tensor& dz, const at::Tensor& dz_lo, int64_t g0);
+  // The last compensations, roundings and scales; the gradients into out.ge, out.gw, out.gb.
+  void finish(GradOut& out);
+
+ private:
+  void add_de(const at::Tensor& dz, const at::Tensor& tg, int64_t g0);
+  void add_dw(const at::Tensor& dz, const at::Tensor& dz_lo, const at::Tensor& tg, int64_t g0);
+
+  const LinearJob& job_;
+  at::Tensor x_, w_, x_rows_, inv_scale_;
+  const float* inv_ptr_ = nullptr;
+  DType dtype_;
+  bool need_e_, need_c_, need_b_;
+  bool fp32_dw_, fix_c_, fix_target_, f64_, separate_acc_, dw_pieces_, kahan_dw_;
+  int64_t pieces_ = 1, groups_ = 0;
+  at::Tensor ge_, gw_, gb_;                            // the gradients
+  at::Tensor resid_, col_partials_, gb_tmp_, gb_comp_;  // row_grad's side outputs, db's sums
+  at::Tensor tmp_e_, comp_e_, e64_;                    // dE's pieces
+  at::Tensor acc_w_, comp_w_, tmp_w_, w64_;            // dW's fp32 (fp64) buffers
+};
 
 // Statistics of fp32 or 16-bit logits rows (rs without partials / splits) into out [rs.n, 5]:
 // column splits through split_buffer ([max_row_splits(v), n, 5]) merged in order. Soft mode

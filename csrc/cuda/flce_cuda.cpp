@@ -282,26 +282,6 @@ void gemm_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, 
   dev::gemm(out, a, b, 1.f, beta);
 }
 
-bool fp32_grads_in_fp64() {
-  const char* s = std::getenv("FLCE_CUDA_FP32_GRAD");
-  if (s == nullptr || *s == '\0' || std::strcmp(s, "fp32") == 0) return false;
-  TORCH_CHECK_VALUE(std::strcmp(s, "fp64") == 0,
-                    "flce: FLCE_CUDA_FP32_GRAD must be fp32 or fp64, got '", s, "'");
-  return true;
-}
-
-void gemm_f64(const at::Tensor& out64, const at::Tensor& a, const at::Tensor& b, bool accumulate,
-              int64_t piece) {
-  const int64_t k = a.size(1);
-  if (k == 0 && !accumulate) out64.zero_();
-  for (int64_t k0 = 0; k0 < k; k0 += piece) {
-    const int64_t kc = std::min(piece, k - k0);
-    const at::Tensor a64 = a.narrow(1, k0, kc).to(at::kDouble);
-    const at::Tensor b64 = b.narrow(0, k0, kc).to(at::kDouble);
-    dev::gemm(out64, a64, b64, 1.f, accumulate || k0 > 0 ? 1.f : 0.f);
-  }
-}
-
 // The per-row gradient coefficients (math.h row_grad) from the row statistics.
 void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float* grad_loss,
                  int64_t grad_loss_stride, const float* grad_lse, int64_t grad_lse_stride,
@@ -330,62 +310,6 @@ void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float*
   rp.coef = coef;
   rp.bound = bound;
   check_launch(cuda::launch_row_coef(rp, dev::stream()), "row_coef");
-}
-
-// dE rows (fp32, complete) += the target entries' rounding residuals times weight[target], for
-// the rows whose target is in this weight block.
-void launch_fix(const at::Tensor& w, int64_t n, int64_t vc, int64_t d, const at::Tensor& target,
-                int64_t col_offset, int64_t ignore_index, const at::Tensor& resid,
-                const float* inv_scale, float* sum, DType dtype) {
-  cuda::TargetFixParams fp{};
-  fp.weight = w.data_ptr();
-  fp.weight_row_stride = w.stride(0);
-  fp.weight_col_stride = w.stride(1);
-  fp.n = n;
-  fp.v = vc;
-  fp.d = d;
-  fp.target = target.data_ptr<int64_t>();
-  fp.target_stride = target.stride(0);
-  fp.col_offset = col_offset;
-  fp.ignore_index = ignore_index;
-  fp.target_resid = resid.data_ptr<float>();
-  fp.inv_scale = inv_scale;
-  fp.sum = sum;
-  check_launch(cuda::launch_target_fix(fp, dtype, dev::stream()), "target_fix");
-}
-
-// The rows of a block of rows sorted by target (stable), for launch_target_rows.
-TargetOrder sort_targets(const at::Tensor& target) {
-  auto [sorted, order] = at::sort(target, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  return {sorted.contiguous(), order.contiguous()};
-}
-
-// dW rows of the targets in [col_offset, col_offset + out.size(0)): out (fp32) += the 16-bit
-// tile's residuals of the rows' target entries times the rows of x (compute dtype, row-major).
-// With `base` ([n, d] fp32, the full dW row of each sorted position's target), out is the
-// 16-bit dW itself and those rows are stored as dtype(base + residuals) instead.
-void add_target_rows(const at::Tensor& out, int64_t col_offset, const at::Tensor& x,
-                     const TargetOrder& ord, const at::Tensor& resid, const float* inv_scale,
-                     int64_t ignore_index, DType dtype, const at::Tensor& base) {
-  cuda::TargetRowsParams tp{};
-  if (base.defined()) {
-    tp.base = base.data_ptr<float>();
-    tp.store = out.data_ptr();
-  } else {
-    tp.out = out.data_ptr<float>();
-  }
-  tp.x = x.data_ptr();
-  tp.x_stride = x.stride(0);
-  tp.n = x.size(0);
-  tp.d = x.size(1);
-  tp.sorted_target = ord.sorted.data_ptr<int64_t>();
-  tp.order = ord.order.data_ptr<int64_t>();
-  tp.col_offset = col_offset;
-  tp.rows = out.size(0);
-  tp.ignore_index = ignore_index;
-  tp.resid = resid.data_ptr<float>();
-  tp.inv_scale = inv_scale;
-  check_launch(cuda::launch_target_rows(tp, dtype, dev::stream()), "target_rows");
 }
 
 // ---------------------------------------------------------------------------------------------

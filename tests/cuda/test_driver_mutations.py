@@ -1,5 +1,5 @@
-"""Bugs planted in the CUDA binding's row-chunk driver (csrc/cuda/chunks.cpp) that the cuda-host
-tests must catch.
+"""Bugs planted in the CUDA binding's row-chunk driver (csrc/cuda/chunks.cpp) and its gradient
+accumulator (csrc/cuda/accumulate.cpp) that the cuda-host tests must catch.
 
 The kernels have their own planted bugs (tests/cuda_host/mutations.py, ctest); the launch
 sequences are host C++ that only the emulated torch binding runs. For each mutation this test
@@ -18,26 +18,30 @@ import pytest
 import cuda_emulation
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, the suite's root
-CHUNKS = os.path.join(cuda_emulation.ROOT, "csrc", "cuda", "chunks.cpp")
+CUDA_SRC = os.path.join(cuda_emulation.ROOT, "csrc", "cuda")
 
-# (name, original snippet (exactly once in chunks.cpp), replacement, pytest selection)
+# (name, file, original snippet (exactly once in the file), replacement, pytest selection)
 MUTATIONS = [
     # fp16: the gradient tile's power-of-two scale left in dE.
-    ("fp16_scale_left_in_dE",
-     "      if (inv_scale.defined()) ge.mul_(inv_scale);\n", "\n",
+    ("fp16_scale_left_in_dE", "accumulate.cpp",
+     "  if (inv_scale_.defined()) ge.mul_(inv_scale_);\n", "\n",
      ["cuda/test_cuda.py::test_recompute_chunked"]),
     # Every group's target entries fixed with the first group's targets.
-    ("target_fix_with_first_groups_targets",
-     "    const at::Tensor tg = target.narrow(0, g0, gn);\n",
-     "    const at::Tensor tg = target.narrow(0, 0, gn);\n",
+    ("target_fix_with_first_groups_targets", "accumulate.cpp",
+     "  const at::Tensor tg = job_.target.narrow(0, g0, gn);\n",
+     "  const at::Tensor tg = job_.target.narrow(0, 0, gn);\n",
      ["cuda/test_cuda.py::test_recompute_chunked", "cuda/test_cuda.py::test_single_pass_chunked"]),
+    # fp32 dW over several groups: each group's pieces written over the sum instead of added.
+    ("dW_groups_overwritten", "accumulate.cpp",
+     "      if (g0 == 0) {\n", "      if (g0 >= 0) {\n",
+     ["cuda/test_cuda.py::test_recompute_chunked"]),
     # The given coefficients of a sub-chunk taken relative to its group instead of to row 0.
-    ("given_coefficients_group_relative",
+    ("given_coefficients_group_relative", "chunks.cpp",
      "      float* sub_coef = coef.data_ptr<float>() + (given ? s0 * 8 : 0);\n",
      "      float* sub_coef = coef.data_ptr<float>() + (given ? (s0 - g0) * 8 : 0);\n",
      ["cuda/test_cuda.py::test_recompute_chunked"]),
     # Soft mode: every sub-chunk reads the first sub-chunk's target rows.
-    ("soft_targets_of_first_chunk",
+    ("soft_targets_of_first_chunk", "chunks.cpp",
      "    m.y = soft_rows(*job.soft, s0);\n",
      "    m.y = soft_rows(*job.soft, 0);\n",
      ["cpu/test_distributions.py::test_cuda_chunked"]),
@@ -52,15 +56,16 @@ def _available():
         return False
 
 
-@pytest.mark.parametrize("name,original,replacement,tests", MUTATIONS, ids=[m[0] for m in MUTATIONS])
-def test_mutation_is_caught(name, original, replacement, tests, tmp_path):
+@pytest.mark.parametrize("name,file,original,replacement,tests", MUTATIONS,
+                         ids=[m[0] for m in MUTATIONS])
+def test_mutation_is_caught(name, file, original, replacement, tests, tmp_path):
     if not _available():
         if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
             pytest.fail("the host emulation of the CUDA backend cannot be built here")
         pytest.skip("no CUDA headers: the host emulation cannot be built")
-    text = open(CHUNKS).read()
+    text = open(os.path.join(CUDA_SRC, file)).read()
     assert text.count(original) == 1, f"{name}: the snippet occurs {text.count(original)} times"
-    mutant = tmp_path / "chunks.cpp"
+    mutant = tmp_path / file
     mutant.write_text(text.replace(original, replacement))
     env = dict(os.environ, FLCE_CUDA_HOST_MUTANT=str(mutant))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
