@@ -126,10 +126,6 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         from . import parallel
 
         if parallel.is_vocab_sharded(weight):
-            if _common.is_soft(target):
-                raise TypeError("flce: probability (soft) targets are not supported with a "
-                                "DTensor classifier; pass each rank's shard of them to "
-                                "flce.parallel.vocab_parallel_linear_cross_entropy")
             return parallel.linear_cross_entropy_dtensor(
                 input, weight, target, bias=bias, ignore_index=opts.ignore_index,
                 reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,

@@ -515,13 +515,18 @@ def _distribution_ops(layout, opts, logits_level=False):
     return _ShardOps(one_device, partial, combine, backward)
 
 
-def _check_distribution(soft, class_weight, opts, x, shift=False, sequence_parallel=False,
-                        return_accuracy=False):
+def _check_distribution(target, soft, class_weight, opts, x, shift=False,
+                        sequence_parallel=False, return_accuracy=False):
     """This rank's checks of a target distribution over the shards (probability targets, or
     class weights with label smoothing); whether the call is one."""
     if not (soft or (class_weight is not None and opts.label_smoothing)):
         return False
     what = "probability targets" if soft else "class weights with label smoothing"
+    if soft and target.requires_grad and torch.is_grad_enabled():
+        # (the shards' ops return no gradient for the targets: refused, never left out silently)
+        raise ArgumentError("flce.parallel: probability targets that require grad are not "
+                            "supported over vocabulary shards (no gradient of the targets); "
+                            "pass target.detach(), or use the single-device call")
     if not _common.fused_distribution(x):
         raise TypeError(f"flce.parallel: {what} over vocabulary shards need the fused target "
                         f"distributions, which the CUDA backend runs only with "
@@ -619,7 +624,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         _common.validate_linear(input, weight_local, target, bias_local)
         _check_local(input, weight_local, bias_local, target if soft else None)
         _check_class_weight(class_weight)
-        distribution = _check_distribution(soft, class_weight, opts, input, shift,
+        distribution = _check_distribution(target, soft, class_weight, opts, input, shift,
                                            sequence_parallel, return_accuracy)
         _check_vocab_start(vocab_start)
         exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
@@ -733,8 +738,10 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
 
     ``input`` and ``target`` may be plain tensors (the same on every rank) or DTensors on the
     weight's mesh (any placement: they are redistributed to ``Replicate``, whose backward hands
-    each rank its slice of the all-reduced input gradient). ``bias`` must be a DTensor with the
-    weight's placement. The loss (and lse) come back as plain tensors, identical on all ranks.
+    each rank its slice of the all-reduced input gradient). Probability targets ``(..., V)``, a
+    plain tensor or a DTensor, are split over the ranks as the weight's rows are (each rank reads
+    its own classes). ``bias`` must be a DTensor with the weight's placement. The loss (and lse)
+    come back as plain tensors, identical on all ranks.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -759,8 +766,10 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
     if bias is not None and not isinstance(bias, DTensor):
         raise ArgumentError("flce: with a DTensor weight, bias must be a DTensor with placements "
                             "(Shard(0),) on the same mesh")
+    target = (_class_columns(target, mesh, "target") if _common.is_soft(target)
+              else local("target", target, None))
     return vocab_parallel_linear_cross_entropy(
-        local("input", input, None), weight.to_local(), local("target", target, None),
+        local("input", input, None), weight.to_local(), target,
         group=mesh.get_group(), bias_local=local("bias", bias, (Shard(0),)),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
@@ -810,7 +819,7 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
                 raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
         _check_vocab_start(vocab_start)
         _check_class_weight(class_weight)
-        distribution = _check_distribution(soft, class_weight, opts, logits,
+        distribution = _check_distribution(target, soft, class_weight, opts, logits,
                                            return_accuracy=return_accuracy)
         if distribution and inplace_backward:
             raise ArgumentError("flce.parallel: inplace_backward=True takes class-index targets "
@@ -999,6 +1008,26 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     return _per_token(family, (logits, t), group, world)[0].reshape(lead)
 
 
+def _class_columns(target, mesh, name):
+    """This rank's classes of probability targets ``(..., C)`` whose classes are sharded over
+    ``mesh`` as a DTensor classifier's (``torch.chunk`` of C, in rank order): a DTensor on the
+    mesh (any placement) is redistributed to ``Shard(-1)``; a plain tensor is the whole
+    distribution, the same on every rank (its gradient, like a replicated input's, comes back
+    whole on every rank)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(target, DTensor):
+        if target.device_mesh != mesh:
+            raise ArgumentError(f"flce: {name} is a DTensor on a different mesh than the "
+                                f"classifier")
+    else:
+        target = DTensor.from_local(target, mesh, [Replicate()], run_check=False)
+    if target.dim() < 1:
+        raise ArgumentError(f"flce: probability targets {name} must have a class dimension, "
+                            f"got a 0-d tensor")
+    return target.redistribute(mesh, [Shard(target.dim() - 1)]).to_local()
+
+
 def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
                           return_lse=False, return_entropy=False, return_accuracy=False,
@@ -1006,8 +1035,8 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
     """``flce.cross_entropy`` of a ``DTensor`` of logits sharded over the classes: ``(N, C)``
     with placements ``(Shard(1),)`` (or ``Shard(-1)``) on a 1-D mesh, as TorchTitan's
     ``loss_parallel`` hands the loss its ``pred.flatten(0, 1)``. ``target`` may be a plain
-    tensor (the same on every rank) or a DTensor on the same mesh (redistributed to
-    ``Replicate``). The loss comes back as a plain tensor, identical on all ranks; the logits'
+    tensor (the same on every rank) or a DTensor on the same mesh (class indices redistributed
+    to ``Replicate``; probabilities ``(N, C)`` split over the classes as the logits are). The loss comes back as a plain tensor, identical on all ranks; the logits'
     gradient is a DTensor with their placement."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -1018,7 +1047,9 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
                             f"over the classes, placements (Shard(1),) on a 1-D mesh; got shape "
                             f"{tuple(input.shape)}, {tuple(input.placements)} on a {mesh.ndim}-D "
                             f"mesh")
-    if isinstance(target, DTensor):
+    if _common.is_soft(target):
+        target = _class_columns(target, mesh, "target")
+    elif isinstance(target, DTensor):
         if target.device_mesh != mesh:
             raise ArgumentError("flce: target is a DTensor on a different mesh than input")
         target = target.redistribute(mesh, [Replicate()]).to_local()

@@ -933,6 +933,57 @@ def check_distributions(rank, world, group):
 
 
 
+def check_dtensor_distributions(rank, world, group):
+    """Probability targets with a DTensor classifier Shard(0) (uneven chunks) and with DTensor
+    logits Shard(-1): the targets a plain tensor (the whole distribution on every rank) or a
+    DTensor (Replicate, Shard(-1)); the loss and the gradients those of the single-process call.
+    Targets that require grad are refused (the shards' ops have no gradient for them)."""
+    if world != 2:
+        return  # once: the first DTensor op costs seconds of CPU per rank
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    import flce
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(47)
+    n, d, v = 24, 10, 48 * world - 5  # torch.chunk sharding: the last shard is short
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) / d ** 0.5
+    q = torch.softmax(torch.randn(n, v, generator=g) * 3, 1)
+    cw = torch.rand(v, generator=g) + 0.25
+    opts = dict(label_smoothing=0.1, class_weight=cw, z_loss=1e-3)
+    xr, wr = (a.clone().requires_grad_() for a in (x, w))
+    ref = flce.linear_cross_entropy(xr, wr, q, **opts)
+    ref.backward()
+    z = (x @ w.T).detach()
+    zr = z.clone().requires_grad_()
+    ref_ce = flce.cross_entropy(zr, q, cw, label_smoothing=0.1, z_loss=1e-3)
+    ref_ce.backward()
+    for form in ("plain", "replicate", "shard"):
+        qs = q if form == "plain" else \
+            distribute_tensor(q, mesh, [Replicate() if form == "replicate" else Shard(-1)])
+        xs = x.clone().requires_grad_()
+        ws = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+        loss = flce.linear_cross_entropy(xs, ws, qs, **opts)
+        loss.backward()
+        torch.testing.assert_close(loss, ref, rtol=2e-6, atol=0)
+        for name, got, want in (("dE", xs.grad, xr.grad), ("dC", ws.grad.full_tensor(), wr.grad)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"{form} {name}")
+        zs = distribute_tensor(z, mesh, [Shard(-1)]).requires_grad_()
+        loss = flce.cross_entropy(zs, qs, cw, label_smoothing=0.1, z_loss=1e-3)
+        loss.backward()
+        torch.testing.assert_close(loss, ref_ce, rtol=2e-6, atol=0)
+        assert tuple(zs.grad.placements) == (Shard(1),), zs.grad.placements
+        torch.testing.assert_close(zs.grad.full_tensor(), zr.grad, rtol=1e-5, atol=1e-7)
+    # Clear errors: probabilities over another number of classes than the classifier's, and
+    # targets that require grad (the single-device call differentiates them; the shards do not).
+    ws = distribute_tensor(w, mesh, [Shard(0)])
+    _expect(ValueError, "target", lambda: flce.linear_cross_entropy(x, ws, q[:, :-3].contiguous()))
+    qg = q.clone().requires_grad_()
+    _expect(ValueError, "require grad", lambda: flce.linear_cross_entropy(x, ws, qg, **opts))
+    zs = distribute_tensor(z, mesh, [Shard(-1)])
+    _expect(ValueError, "require grad", lambda: flce.cross_entropy(zs, qg, cw))
+
+
 def run_checks(rank, world):
     import time
 
@@ -969,7 +1020,8 @@ def run_checks(rank, world):
     for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
                   check_group_errors, check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
                   check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift,
-                  check_class_weights, check_distributions, check_exact_bf16_grad):
+                  check_class_weights, check_distributions, check_dtensor_distributions,
+                  check_exact_bf16_grad):
         check(rank, world, group)
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", check.__name__, "ok", flush=True)
