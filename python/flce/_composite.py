@@ -95,11 +95,16 @@ def soft_linear_per_token(input, weight, target, bias, opts, class_weight=None, 
 
 
 def linear_logits(input, weight, bias):
-    """``input @ weight.T + bias`` as per_token computes it: the weight in the input's dtype,
-    then both widened to the computation dtype (float32, float64 for float64 inputs)."""
+    """``input @ weight.T + bias`` as per_token computes it: the weight's values in the input's
+    dtype, then both widened to the computation dtype (float32, float64 for float64 inputs).
+    A wider weight (fp32 master weights of 16-bit inputs) gets its gradient in the computation
+    dtype: the rounding to the input's dtype passes it through unchanged (as the fused ops'
+    dW), where ``weight.to(input.dtype)`` would round it to 16 bits on the way back."""
     cdt = compute_dtype(input.dtype)
-    w = weight.to(input.dtype) if weight.dtype != input.dtype else weight
-    logits = input.to(cdt) @ w.to(cdt).T
+    w = weight.to(cdt)
+    if weight.dtype != input.dtype:
+        w = w + (weight.to(input.dtype).to(cdt) - w).detach()
+    logits = input.to(cdt) @ w.T
     return logits + bias.to(cdt) if bias is not None else logits
 
 

@@ -58,6 +58,29 @@ def test_linear_matches_torch_in_float64(device, dtype, reduction, opts):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("target_grad", [True, False], ids=["target-grad", "no-target-grad"])
+def test_master_weights_gradient_in_fp32(device, dtype, target_grad):
+    """fp32 master weights of 16-bit inputs: the weight's gradient at fp32's accuracy on every
+    path (targets that require grad take the composite path everywhere), not rounded to the
+    inputs' dtype (2^-9 relative in bf16) on the way back through the cast."""
+    x, w, b, y, cw = _inputs(torch.float32, device, seed=3)
+    xs, ys = x.to(dtype), y.requires_grad_(target_grad)
+    ws = w.clone().requires_grad_()
+    loss = flce.linear_cross_entropy(xs, ws, ys, class_weight=cw, label_smoothing=0.1,
+                                     reduction="sum")
+    loss.backward()
+    # float64 of the same values: the weight as the inputs' dtype rounds it, its gradient exact
+    w64 = w.to(dtype).double().cpu().requires_grad_()
+    ref = F.cross_entropy(xs.double().cpu() @ w64.T, y.detach().double().cpu(), reduction="sum",
+                          weight=cw.double().cpu(), label_smoothing=0.1)
+    ref.backward()
+    err = (ws.grad.double().cpu() - w64.grad).norm() / w64.grad.norm()
+    assert ws.grad.dtype == torch.float32
+    assert err < 2.0 ** -16, f"master weights' gradient off by {err:.3g} (fp32-level expected)"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_cross_entropy_layouts_and_outputs(device):
     x, w, b, y, cw = _inputs(torch.float32, device, seed=2)
     logits = (x @ w.T + b).reshape(4, 6, V).movedim(-1, 1).contiguous()  # (N, C, d1)
