@@ -226,18 +226,19 @@ namespace {
 at::Tensor given_coefficients(const LinearJob& job, const GradJob& gj, const at::Tensor& coef,
                               const at::Tensor& bound) {
   if (job.soft) {
+    // (the same slots: soft dz = A p_c - g y_c with g in u's, linear in (a, u, dz_t, h) too)
     launch_soft_coef(coef.size(0), gj.stats, gj.grad_loss, gj.grad_lse, gj.grad_entropy,
                      gj.z_weight, job.z_loss, job.temperature, coef.data_ptr<float>(),
                      bound.data_ptr<float>());
-    return at::Tensor();
+  } else {
+    launch_coef(job.target, gj.stats, gj.grad_loss.data_ptr<float>(), gj.grad_loss.stride(0),
+                gj.grad_lse ? gj.grad_lse->data_ptr<float>() : nullptr,
+                gj.grad_lse ? gj.grad_lse->stride(0) : 0,
+                gj.grad_entropy ? gj.grad_entropy->data_ptr<float>() : nullptr,
+                gj.grad_entropy ? gj.grad_entropy->stride(0) : 0, job.ignore_index,
+                job.label_smoothing, job.z_loss, job.softcap, job.temperature,
+                job.shard.vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
   }
-  launch_coef(job.target, gj.stats, gj.grad_loss.data_ptr<float>(), gj.grad_loss.stride(0),
-              gj.grad_lse ? gj.grad_lse->data_ptr<float>() : nullptr,
-              gj.grad_lse ? gj.grad_lse->stride(0) : 0,
-              gj.grad_entropy ? gj.grad_entropy->data_ptr<float>() : nullptr,
-              gj.grad_entropy ? gj.grad_entropy->stride(0) : 0, job.ignore_index,
-              job.label_smoothing, job.z_loss, job.softcap, job.temperature,
-              job.shard.vocab_size, coef.data_ptr<float>(), bound.data_ptr<float>());
   if (job.input.scalar_type() != at::kHalf) return at::Tensor();
   const at::Tensor mx = bound.amax();
   const at::Tensor e = at::clamp(14.0 - at::ceil(at::log2(mx)), -126.0, 126.0);

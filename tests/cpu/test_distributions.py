@@ -356,11 +356,14 @@ def test_cross_entropy_fused(monkeypatch, device, dtype, shape, opts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("kind", ["probabilities", "classes"])
+@pytest.mark.parametrize("upstream", [1.0, 2.0 ** -16], ids=["g1", "g-tiny"])
 @pytest.mark.parametrize("device", CUDA_DEVICES)
-def test_cuda_chunked(monkeypatch, device, dtype, kind):
+def test_cuda_chunked(monkeypatch, device, dtype, kind, upstream):
     """The CUDA backend's soft mode through several sub-chunks and groups of rows of its chunk
     driver (a 0.1 MB workspace: 86-row logits chunks, 64-row groups): each chunk's target rows,
-    fp16's scale, the pivots' target fixes, against float64."""
+    fp16's scale, the pivots' target fixes, against float64. A tiny upstream gradient (2^-16: a
+    mean over many tokens, a loss scale) puts the gradient tile's entries among fp16's
+    subnormals unless the tile is scaled."""
     monkeypatch.setenv("FLCE_CUDA_WORKSPACE_MB", "0.1")
     n = 150
     g = torch.Generator().manual_seed(19)
@@ -387,7 +390,7 @@ def test_cuda_chunked(monkeypatch, device, dtype, kind):
         ref = reference.logits_cross_entropy(z, t, reduction="none", weight=cw.double(),
                                              return_lse=True, **kw)
     assert rel_err(loss.cpu(), ref[0]) < 2e-6 and rel_err(lse.cpu(), ref[1]) < 2e-6
-    cot = torch.rand(n, generator=g).double() + 0.5
+    cot = (torch.rand(n, generator=g).double() + 0.5) * upstream
     ((loss.double() + 0.1 * lse.double()) * cot.to(device)).sum().backward()
     ((ref[0] + 0.1 * ref[1]) * cot).sum().backward()
     zw = None if kind == "probabilities" else torch.where(t != -100, cw.double()[t.clamp(min=0)],
@@ -397,6 +400,14 @@ def test_cuda_chunked(monkeypatch, device, dtype, kind):
     _check_grads(leaves, wide, z, _target_weights(target, V, cw, 0.1), cot,
                  torch.bfloat16 if dtype == torch.float16 else dtype, None, 1.0, None, 0.1 * cot,
                  1e-3, zw)
+    # Norm-wise, each gradient within 1.5x the error of rounding the float64 one to its dtype
+    # (the CUDA contract for a tile rounded once), plus 2^-12: the element bound above allows a
+    # sum of (8 + K) tile errors, loose enough to hide a tile flushed among fp16's subnormals
+    # (4-12x the floor at the tiny upstream without the tile's scale).
+    for name, a, r in zip(("input", "weight", "bias"), leaves, wide):
+        err, floor = rel_err(a.grad, r.grad), rel_err(r.grad.to(dtype), r.grad)
+        assert err <= 1.5 * floor + 2.0 ** -12, \
+            f"{name} gradient off by {err:.3g} norm-wise, its dtype's floor {floor:.3g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
