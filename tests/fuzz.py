@@ -89,6 +89,8 @@ class Case:
     w_layout: str = "plain"       # plain | strided | transposed | rows
     t_layout: str = "plain"       # plain | strided
     class_dim: int = 0            # logits: extra spatial dims (N, C, d1, ...)
+    cuda_distributions: bool = False  # cuda-host: FLCE_CUDA_DISTRIBUTIONS=1 (class weights with
+                                      # label smoothing on the CUDA soft ops, not the composite)
 
     def code(self):
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -132,6 +134,8 @@ def draw(rng, backend):
         # From its own stream, so that the cases drawn after this one stay as they were. (The
         # CUDA backend refuses True for bf16: tests/api/test_bf16_grad.py.)
         c.exact_bf16_grad = random.Random(c.seed).choice([None, True, False])
+    if backend == "cuda-host" and c.class_weight and c.label_smoothing:
+        c.cuda_distributions = random.Random(c.seed + 1).random() < 0.5  # (its own stream too)
     return c
 
 
@@ -444,8 +448,16 @@ def check(c):
             cuda_emulation.load()
         inputs = make_inputs(c)
         if c.backend == "cuda-host":
-            with cuda_emulation.routed():
-                got = run_flce(c, inputs)
+            saved = os.environ.get("FLCE_CUDA_DISTRIBUTIONS")
+            os.environ["FLCE_CUDA_DISTRIBUTIONS"] = "1" if c.cuda_distributions else "0"
+            try:
+                with cuda_emulation.routed():
+                    got = run_flce(c, inputs)
+            finally:
+                if saved is None:
+                    del os.environ["FLCE_CUDA_DISTRIBUTIONS"]
+                else:
+                    os.environ["FLCE_CUDA_DISTRIBUTIONS"] = saved
         else:
             got = run_flce(c, inputs)
         ref, bound = reference_and_bounds(c, inputs)
@@ -487,7 +499,7 @@ def _simpler(c):
              "z_loss": 0.0, "softcap": 0.0, "temperature": 1.0, "lse": False, "entropy": False,
              "single_pass": None, "exact_bf16_grad": None, "confident": 0.0, "scale": 1.0, "x_layout": "plain",
              "w_layout": "plain", "t_layout": "plain", "class_dim": 0, "master": False,
-             "reduction": "sum"}
+             "reduction": "sum", "cuda_distributions": False}
     for k, val in plain.items():
         if getattr(c, k) != val:
             yield dataclasses.replace(c, **{k: val})
