@@ -5,7 +5,8 @@ sizes with tails, dtype and master weights, bias, class weights, ignored rows, r
 smoothing, z-loss, softcap, temperature, lse / entropy outputs, single_pass, exact_bf16_grad,
 confident rows (large target margins) and dominant non-target classes, leading dimensions,
 strided and transposed views of every tensor, and the backend: "cpu", or "cuda-host" (the CUDA
-backend's binding and kernels under the host emulation, tests/cuda_emulation.py). flce's loss,
+backend's binding and kernels under the host emulation, tests/cuda_emulation.py; class weights
+with label smoothing there half the time on the opt-in soft ops, FLCE_CUDA_DISTRIBUTIONS=1). flce's loss,
 lse, entropy and every gradient are compared with ``flce.reference`` in float64, each element
 held to ``FACTOR`` times a first-order bound of an ideal implementation at the same precision
 (``bounds``):
@@ -400,7 +401,14 @@ def reference_and_bounds(c, inputs):
         a_bound = (gz.abs().amax(1) + coef * p_max +
                    g_ent.abs() * (0.37 + ent_d.abs() + lv.abs())) / c.temperature
         tile = tile + TINY[dt] * 2.0 ** -12 * a_bound.max()
-    if rounded and v:
+    if rounded and v and c.backend != "cpu" and c.cuda_distributions and c.class_weight and \
+            c.label_smoothing:
+        # The CUDA soft ops (a target distribution) keep their pivot's entry in fp32: each row's
+        # largest logit (docs/cuda.md "Target distributions"), not the class target's.
+        rows_all = torch.arange(rows)
+        piv = zz.detach().argmax(1)
+        tile[rows_all, piv] = U32 * gu.abs()[rows_all, piv]
+    elif rounded and v:
         own = valid.nonzero()[:, 0]
         tile[own, t[own]] = U32 * gu.abs()[own, t[own]]
     err_gu = (err_gu + tile).detach()

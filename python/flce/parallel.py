@@ -1012,8 +1012,7 @@ def _class_columns(target, mesh, name):
     """This rank's classes of probability targets ``(..., C)`` whose classes are sharded over
     ``mesh`` as a DTensor classifier's (``torch.chunk`` of C, in rank order): a DTensor on the
     mesh (any placement) is redistributed to ``Shard(-1)``; a plain tensor is the whole
-    distribution, the same on every rank (its gradient, like a replicated input's, comes back
-    whole on every rank)."""
+    distribution, the same on every rank."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if isinstance(target, DTensor):
@@ -1036,8 +1035,9 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
     with placements ``(Shard(1),)`` (or ``Shard(-1)``) on a 1-D mesh, as TorchTitan's
     ``loss_parallel`` hands the loss its ``pred.flatten(0, 1)``. ``target`` may be a plain
     tensor (the same on every rank) or a DTensor on the same mesh (class indices redistributed
-    to ``Replicate``; probabilities ``(N, C)`` split over the classes as the logits are). The loss comes back as a plain tensor, identical on all ranks; the logits'
-    gradient is a DTensor with their placement."""
+    to ``Replicate``; probabilities ``(N, C)`` split over the classes as the logits are). The
+    loss comes back as a plain tensor, identical on all ranks; the logits' gradient is a DTensor
+    with their placement."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = input.device_mesh
