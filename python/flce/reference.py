@@ -123,8 +123,9 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
         nll_a, lse, entropy = logits_cross_entropy(logits, a, reduction="none", return_lse=True,
                                                    return_entropy=True, ignore_index=-1)
         gap = logits.gather(1, a[:, None]) - logits  # z_a - z_c >= 0
-        # (a column without target weight adds nothing, also where its logit is -inf)
-        loss = nll_a * y.sum(1) + torch.where(y == 0, 0.0, y * gap).sum(1)
+        # (a column without target weight adds nothing, also where its logit is -inf: 0, not
+        # 0 * inf; elsewhere y * gap, whose gradient in y is the gap also where y is 0)
+        loss = nll_a * y.sum(1) + torch.where((y == 0) & torch.isinf(gap), 0.0, y * gap).sum(1)
         if z_loss:
             loss = loss + z_loss * lse * lse * y.sum(1)
     if reduction == "none":

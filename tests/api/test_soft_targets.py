@@ -58,6 +58,34 @@ def test_linear_matches_torch_in_float64(device, dtype, reduction, opts):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("entry", ["linear", "logits"])
+def test_target_gradient_where_the_target_is_zero(device, entry):
+    """d loss / d q_c = -w_c log p_c for every class, also where q_c is exactly 0 (one-hot and
+    sparse targets; a sharp softmax underflowing in fp32): the gradient of the targets against
+    torch's float64 at those entries too (a masked product gave them none)."""
+    x, w, b, y, cw = _inputs(torch.float32, device, seed=4)
+    q = y.clone()
+    q[:, ::3] = 0.0  # exact zeros in every row
+    q[0] = 0.0
+    q[0, 5] = 1.0  # a one-hot row
+    q = q / q.sum(1, keepdim=True)
+    qs = q.clone().requires_grad_()
+    if entry == "linear":
+        loss = flce.linear_cross_entropy(x, w, qs, bias=b, class_weight=cw, reduction="sum")
+        z = x.double().cpu() @ w.double().cpu().T + b.double().cpu()
+    else:
+        z = (x @ w.T + b).detach()
+        loss = flce.cross_entropy(z, qs, cw, reduction="sum")
+        z = z.double().cpu()
+    loss.backward()
+    q64 = q.detach().double().cpu().requires_grad_()
+    F.cross_entropy(z, q64, weight=cw.double().cpu(), reduction="sum").backward()
+    zero = q.cpu() == 0
+    assert zero.sum() > V  # (the case has them)
+    torch.testing.assert_close(qs.grad.double().cpu(), q64.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("target_grad", [True, False], ids=["target-grad", "no-target-grad"])
 def test_master_weights_gradient_in_fp32(device, dtype, target_grad):
