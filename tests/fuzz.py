@@ -6,10 +6,10 @@ smoothing, z-loss, softcap, temperature, lse / entropy outputs, single_pass, exa
 confident rows (large target margins) and dominant non-target classes, leading dimensions,
 strided and transposed views of every tensor, and the backend: "cpu", or "cuda-host" (the CUDA
 backend's binding and kernels under the host emulation, tests/cuda_emulation.py; class weights
-with label smoothing there half the time on the opt-in soft ops, FLCE_CUDA_DISTRIBUTIONS=1). flce's loss,
-lse, entropy and every gradient are compared with ``flce.reference`` in float64, each element
-held to ``FACTOR`` times a first-order bound of an ideal implementation at the same precision
-(``bounds``):
+with label smoothing there half the time on the opt-in soft ops, FLCE_CUDA_DISTRIBUTIONS=1).
+flce's loss, lse, entropy and every gradient are compared with ``flce.reference`` in float64,
+each element held to ``FACTOR`` times a first-order bound of an ideal implementation at the same
+precision (``bounds``):
 
 - logits: an fp32 GEMM of the inputs as flce computes with them, pairwise-summed, exact
   products: ``|du_j| <= ceil(log2 2D) 2^-24 (sum_k |x_k w_jk| + |b_j|)``; the softcap and the
