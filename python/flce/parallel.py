@@ -460,9 +460,11 @@ def _pack(state, pivot):
 
 
 def _unpack(packed):
-    """_pack's inverse: (state [..., 7], pivot [...])."""
-    return (packed[..., :_ops.SOFT_COLS],
-            packed[..., _ops.SOFT_COLS:].contiguous().view(torch.int64).squeeze(-1))
+    """_pack's inverse: (state [..., 7], pivot [...]). (The pivot's columns copied out: a view
+    of them starts at an odd float offset, which no int64 view may, and for one row
+    ``.contiguous()`` keeps that view.)"""
+    pivot = packed[..., _ops.SOFT_COLS:].clone(memory_format=torch.contiguous_format)
+    return packed[..., :_ops.SOFT_COLS], pivot.view(torch.int64).squeeze(-1)
 
 
 def _distribution_ops(layout, opts, logits_level=False):
