@@ -47,13 +47,14 @@ inline void define_ops(torch::Library& m) {
   // Gradients from recomputed logit tiles and the fp32 row statistics. grad_loss [N] fp32 (may be
   // an expanded scalar), grad_lse and grad_entropy [N] fp32 or None. Outputs follow output_mask
   // (input, weight, bias); an unrequested one is an empty tensor. Each gradient has the dtype of
-  // its tensor.
+  // its tensor, except grad_input with grad_input_fp32=True: fp32, not rounded, so that the
+  // vocab-parallel path sums the ranks' parts of dE in fp32 and rounds the sum once.
   m.def(
       "backward(Tensor grad_loss, Tensor? grad_lse, Tensor input, Tensor weight, Tensor target, "
       "Tensor? bias, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, "
-      "Tensor? grad_entropy=None, float temperature=1.0, bool? exact_bf16_grad=None) -> "
-      "(Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+      "Tensor? grad_entropy=None, float temperature=1.0, bool? exact_bf16_grad=None, "
+      "bool grad_input_fp32=False) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // The single pass (3 GEMMs, no recompute): the reduced loss (fp32 scalar: the sum, or with
   // mean=True the mean over non-ignored rows) and, per output_mask, the gradients, computed in
   // the same pass. Gradients are deferred: tensors [1, *shape] (empty [0] when not requested)
@@ -99,13 +100,15 @@ inline void define_ops(torch::Library& m) {
       "Tensor? class_weight, Tensor? z_weight, int ignore_index, float label_smoothing, "
       "float z_loss, float softcap, float temperature) -> "
       "(Tensor loss, Tensor lse, Tensor stats, Tensor pivot, Tensor entropy)");
-  // Gradients from recomputed logit tiles and soft_combine's stats and pivot, as backward's.
+  // Gradients from recomputed logit tiles and soft_combine's stats and pivot, as backward's
+  // (grad_input_fp32 too).
   m.def(
       "soft_backward(Tensor grad_loss, Tensor? grad_lse, Tensor? grad_entropy, Tensor input, "
       "Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, Tensor stats, "
       "Tensor pivot, Tensor? z_weight, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, float temperature, "
-      "bool[3] output_mask) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+      "bool[3] output_mask, bool grad_input_fp32=False) -> "
+      "(Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // The single pass of a target distribution (one device), as sum_and_grad: the reduced loss
   // and the deferred gradients. mean: over the rows for probability targets; for class targets
   // over z_weight's sum (torch's class weights of the targets) or the non-ignored rows.

@@ -352,11 +352,12 @@ class GradPass {
  public:
   // split: the axis the workers split (its gradients are global); block: the other axis's
   // block size. deferred: the single pass' gradients, which scale_grad multiplies by the
-  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h). exact_bf16_grad:
-  // the caller's choice for bf16 inputs (cpu::bf16_grad).
+  // upstream gradient and rounds to their dtype: fp32 until then (ops_def.h). fp32_e: dE in
+  // fp32 (grad_input_fp32). exact_bf16_grad: the caller's choice for bf16 inputs
+  // (cpu::bf16_grad).
   GradPass(const Operands& o, const std::optional<at::Tensor>& bias, std::array<bool, 3> mask,
            Axis split, int64_t block, int64_t workers, float cap, float temp, bool deferred,
-           std::optional<bool> exact_bf16_grad)
+           bool fp32_e, std::optional<bool> exact_bf16_grad)
       : o_(o), cap_(cap), temp_(temp),
         need_e_(mask[0]), need_c_(mask[1]), need_b_(mask[2] && bias.has_value()),
         e_tiles_(bf16_tiles(o, exact_bf16_grad, /*dw=*/false)),
@@ -368,7 +369,7 @@ class GradPass {
                     Axis axis) {
       g.emplace(dt, opts, total, width, axis == split, std::min(block, total), workers);
     };
-    if (need_e_) make(ge_, deferred ? at::kFloat : o.dtype, o.n, o.d, Axis::rows);
+    if (need_e_) make(ge_, deferred || fp32_e ? at::kFloat : o.dtype, o.n, o.d, Axis::rows);
     if (need_c_) make(gc_, deferred ? at::kFloat : o.w_dtype, o.v, o.d, Axis::vocab);
     if (need_b_) make(gb_, deferred ? at::kFloat : bias->scalar_type(), o.v, 1, Axis::vocab);
   }
@@ -611,15 +612,16 @@ struct SoftBackward {
 };
 
 // The backward over the shard's tiles, recomputing each logit tile. soft: a target
-// distribution's (st then holds kSoftCols per row and t is unused), or null.
+// distribution's (st then holds kSoftCols per row and t is unused), or null. fp32_e: dE in fp32
+// (GradPass).
 Tensor3 run_backward(const Operands& o, const std::optional<at::Tensor>& bias, const int64_t* t,
                      const float* g, const float* glse, const float* gent, const float* st,
                      int64_t vocab_start, int64_t ignore_index, const LossOptions& opt,
-                     std::array<bool, 3> mask, bool deferred,
+                     std::array<bool, 3> mask, bool deferred, bool fp32_e,
                      std::optional<bool> exact_bf16_grad, const SoftBackward* soft = nullptr) {
   const BackwardPlan plan = backward_plan(o);
   GradPass pass(o, bias, mask, plan.split, plan.block, plan.workers, opt.softcap,
-                opt.temperature, deferred, exact_bf16_grad);
+                opt.temperature, deferred, fp32_e, exact_bf16_grad);
   if (soft) pass.set_soft(&soft->y);
   if (!pass.needs_any()) return pass.outputs();
   const bool rows_split = plan.split == Axis::rows;
@@ -679,7 +681,8 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                      int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                      double label_smoothing, double z_loss, double softcap,
                      std::array<bool, 3> output_mask, const std::optional<at::Tensor>& grad_entropy,
-                     double temperature, std::optional<bool> exact_bf16_grad) {
+                     double temperature, std::optional<bool> exact_bf16_grad,
+                     bool grad_input_fp32) {
   check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats, grad_entropy);
   const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
@@ -692,7 +695,7 @@ Tensor3 backward_cpu(const at::Tensor& grad_loss, const std::optional<at::Tensor
                       gent.defined() ? gent.data_ptr<float>() : nullptr, st.data_ptr<float>(),
                       vocab_start, ignore_index,
                       loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
-                      output_mask, /*deferred=*/false, exact_bf16_grad);
+                      output_mask, /*deferred=*/false, grad_input_fp32, exact_bf16_grad);
 }
 
 std::tuple<at::Tensor, at::Tensor> soft_partial_stats_cpu(
@@ -733,7 +736,8 @@ Tensor3 soft_backward_cpu(const at::Tensor& grad_loss, const std::optional<at::T
                           const at::Tensor& pivot, const std::optional<at::Tensor>& z_weight,
                           int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                           double label_smoothing, double z_loss, double softcap,
-                          double temperature, std::array<bool, 3> output_mask) {
+                          double temperature, std::array<bool, 3> output_mask,
+                          bool grad_input_fp32) {
   check_soft_backward_args(grad_loss, grad_lse, grad_entropy, input, weight, target, bias,
                            class_weight, stats, pivot, z_weight);
   const Operands o = prepare(input, weight, bias);
@@ -753,7 +757,8 @@ Tensor3 soft_backward_cpu(const at::Tensor& grad_loss, const std::optional<at::T
                       loss_options(label_smoothing, z_loss, softcap, vocab_size, temperature),
                       // Target distributions keep exact bf16 gradients: exact_bf16_grad is not
                       // an argument of their ops.
-                      output_mask, /*deferred=*/false, /*exact_bf16_grad=*/true, &soft);
+                      output_mask, /*deferred=*/false, grad_input_fp32,
+                      /*exact_bf16_grad=*/true, &soft);
 }
 
 // Rows per block of the fused forward+backward (FUSED_BLOCK_N and the workspace bounds of
@@ -818,7 +823,7 @@ Tensor5Out single_pass_cpu(const at::Tensor& input, const at::Tensor& weight,
   // backward.
   if (bn_f == 0) return fallback(g_row);
   GradPass pass(o, bias, output_mask, Axis::vocab, bn_f, workers, opt.softcap, opt.temperature,
-                /*deferred=*/true, exact_bf16_grad);
+                /*deferred=*/true, /*fp32_e=*/true, exact_bf16_grad);
   if (soft) pass.set_soft(soft);
   // The pass returns the loss alone: the rows' entropy terms are not needed, nor, without
   // label smoothing, the sums of their logits.
@@ -950,7 +955,8 @@ Tensor5Out sum_and_grad_cpu(
     const Operands o = prepare(input, weight, bias, /*wide=*/true);
     Tensor3 grads = run_backward(o, bias, t, g.data_ptr<float>(), nullptr, nullptr,
                                  stats.contiguous().data_ptr<float>(), 0, ignore_index, opt,
-                                 output_mask, /*deferred=*/true, exact_bf16_grad);
+                                 output_mask, /*deferred=*/true, /*fp32_e=*/true,
+                                 exact_bf16_grad);
     return deferred_result(input, total, divisor, grads);
   };
   return single_pass_cpu(input, weight, bias, SinglePassRows{t, ignore_index, nullptr}, opt,
@@ -1003,7 +1009,8 @@ Tensor5Out soft_sum_and_grad_cpu(
     const Operands o = prepare(input, weight, bias, /*wide=*/true);
     Tensor3 grads = run_backward(o, bias, nullptr, g.data_ptr<float>(), nullptr, nullptr,
                                  st.data_ptr<float>(), 0, ignore_index, opt, output_mask,
-                                 /*deferred=*/true, /*exact_bf16_grad=*/true, &rows);
+                                 /*deferred=*/true, /*fp32_e=*/true,
+                                 /*exact_bf16_grad=*/true, &rows);
     return deferred_result(input, total, divisor, grads);
   };
   // (target distributions keep exact bf16 gradients, as soft_backward_cpu)

@@ -251,7 +251,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                       double label_smoothing, double z_loss, double softcap,
                       std::array<bool, 3> output_mask,
                       const std::optional<at::Tensor>& grad_entropy, double temperature,
-                      std::optional<bool> exact_bf16_grad);
+                      std::optional<bool> exact_bf16_grad, bool grad_input_fp32);
 
 }  // namespace binding
 }  // namespace flce

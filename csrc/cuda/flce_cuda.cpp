@@ -315,25 +315,28 @@ void launch_coef(const at::Tensor& target, const at::Tensor& stats, const float*
 // ---------------------------------------------------------------------------------------------
 // Backward with recomputed logit tiles.
 // ---------------------------------------------------------------------------------------------
-// The gradients where there is nothing to compute (none asked, N = 0 or V = 0: zeros), else none.
+// The gradients where there is nothing to compute (none asked, N = 0 or V = 0: zeros), else none
+// (fp32_e: dE in fp32).
 std::optional<Tensor3> nothing_to_compute(const at::Tensor& input, const at::Tensor& weight,
                                           const std::optional<at::Tensor>& bias,
-                                          std::array<bool, 3> need) {
+                                          std::array<bool, 3> need, bool fp32_e) {
   const int64_t n = input.size(0), v = weight.size(0), d = input.size(1);
   if ((need[0] || need[1] || need[2]) && n > 0 && v > 0) return std::nullopt;
-  return Tensor3{need[0] ? at::zeros({n, d}, input.options()) : input.new_empty({0}),
+  const auto e_opts = fp32_e ? f32_of(input) : input.options();
+  return Tensor3{need[0] ? at::zeros({n, d}, e_opts) : input.new_empty({0}),
                  need[1] ? at::zeros({v, d}, weight.options()) : weight.new_empty({0}),
                  need[2] ? at::zeros({v}, bias->options()) : weight.new_empty({0})};
 }
 
 // grad_chunks over the whole job with the given statistics (grads.stats), the gradients in the
-// ops' dtypes (grads.mask: the ones asked, bias included only where there is one).
-Tensor3 recompute_grads(const LinearJob& job, const GradJob& grads) {
+// ops' dtypes (grads.mask: the ones asked, bias included only where there is one); fp32_e: dE
+// in fp32 (grad_input_fp32).
+Tensor3 recompute_grads(const LinearJob& job, const GradJob& grads, bool fp32_e) {
   const at::Tensor& input = job.input;
   const ChunkPlan plan = plan_chunks(input.size(0), job.weight.size(0), input.scalar_type(),
                                      split_grad(job, grads.mask[1]), /*must=*/true);
   const GradOut g = grad_chunks(job, grads, plan);
-  return {grads.mask[0] ? g.ge.to(input.scalar_type()) : input.new_empty({0}),
+  return {grads.mask[0] ? g.ge.to(fp32_e ? at::kFloat : input.scalar_type()) : input.new_empty({0}),
           grads.mask[1] ? g.gw : job.weight.new_empty({0}),
           grads.mask[2] ? g.gb.to(job.bias->scalar_type()) : job.weight.new_empty({0})};
 }
@@ -345,7 +348,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
                       double label_smoothing, double z_loss, double softcap,
                       std::array<bool, 3> output_mask,
                       const std::optional<at::Tensor>& grad_entropy, double temperature,
-                      std::optional<bool> exact_bf16_grad) {
+                      std::optional<bool> exact_bf16_grad, bool grad_input_fp32) {
   check_backward_args(grad_loss, grad_lse, input, weight, target, bias, stats, grad_entropy);
   check_rounded_grad(input, exact_bf16_grad);
   check_device_tensor(input, input, "input");
@@ -357,7 +360,10 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   const NvtxRange range("flce::backward");
   poll_target_checks();
   const bool need_e = output_mask[0], need_c = output_mask[1], need_b = output_mask[2] && bias;
-  if (auto none = nothing_to_compute(input, weight, bias, {need_e, need_c, need_b})) return *none;
+  if (auto none = nothing_to_compute(input, weight, bias, {need_e, need_c, need_b},
+                                    grad_input_fp32)) {
+    return *none;
+  }
   LinearJob job{input, weight, target, bias};
   job.shard.vocab_start = vocab_start;
   job.shard.vocab_size = vocab_size;
@@ -372,7 +378,7 @@ Tensor3 backward_cuda(const at::Tensor& grad_loss, const std::optional<at::Tenso
   grads.grad_lse = grad_lse;
   grads.grad_entropy = grad_entropy;
   grads.mask = {need_e, need_c, need_b};
-  return recompute_grads(job, grads);
+  return recompute_grads(job, grads, grad_input_fp32);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -533,7 +539,8 @@ Tensor3 soft_backward_cuda(const at::Tensor& grad_loss, const std::optional<at::
                            const at::Tensor& pivot, const std::optional<at::Tensor>& z_weight,
                            int64_t vocab_start, int64_t vocab_size, int64_t ignore_index,
                            double label_smoothing, double z_loss, double softcap,
-                           double temperature, std::array<bool, 3> output_mask) {
+                           double temperature, std::array<bool, 3> output_mask,
+                           bool grad_input_fp32) {
   check_soft_backward_args(grad_loss, grad_lse, grad_entropy, input, weight, target, bias,
                            class_weight, stats, pivot, z_weight);
   check_device_tensor(input, input, "input");
@@ -544,7 +551,10 @@ Tensor3 soft_backward_cuda(const at::Tensor& grad_loss, const std::optional<at::
   const NvtxRange range("flce::soft_backward");
   poll_target_checks();
   const bool need_e = output_mask[0], need_c = output_mask[1], need_b = output_mask[2] && bias;
-  if (auto none = nothing_to_compute(input, weight, bias, {need_e, need_c, need_b})) return *none;
+  if (auto none = nothing_to_compute(input, weight, bias, {need_e, need_c, need_b},
+                                    grad_input_fp32)) {
+    return *none;
+  }
   const SoftJob soft = soft_job(target, class_weight, input.size(0), weight.size(0), vocab_size,
                                 ignore_index, label_smoothing);
   // The pivots are the rows' targets (ignore_index -1: a row without one).
@@ -563,7 +573,7 @@ Tensor3 soft_backward_cuda(const at::Tensor& grad_loss, const std::optional<at::
   grads.grad_entropy = grad_entropy;
   grads.z_weight = z_weight;
   grads.mask = {need_e, need_c, need_b};
-  return recompute_grads(job, grads);
+  return recompute_grads(job, grads, grad_input_fp32);
 }
 
 at::Tensor scale_grad_cuda(const at::Tensor& deferred, const at::Tensor& scale,

@@ -40,8 +40,10 @@ def refuse_double_backward(what, remedy):
                            f"{what}; {remedy} computes differentiable gradients")
 
 
-def _grad_like(t, wanted):
-    return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else t.new_empty((0,))
+def _grad_like(t, wanted, dtype=None):
+    if not wanted:
+        return t.new_empty((0,))
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def _soft_outputs(rows):
@@ -52,6 +54,38 @@ def _soft_outputs(rows):
     return (rows.new_empty((n,), **f32), rows.new_empty((n,), **f32),
             rows.new_empty((n, SOFT_COLS), **f32), rows.new_empty((n,), dtype=torch.int64),
             rows.new_empty((n,), **f32))
+
+
+def scale_deferred(nsops, ctx, grad_loss, divisor, deferred, dtypes, needed):
+    """The single pass's gradients (grad_input, grad_weight, grad_bias) from its deferred ones
+    (ops_def.h sum_and_grad) and the upstream gradient of its loss: each in ``dtypes``' dtype,
+    None where ``needed`` says so. A deferred gradient already in its dtype is scaled in place
+    and returned as it is (``ctx.consumed``: a second backward through the graph raises)."""
+    if getattr(ctx, "consumed", False):
+        raise RuntimeError("flce: the single pass's gradients were scaled in place by the "
+                           "first backward through this graph; a second one "
+                           "(retain_graph=True) needs single_pass=False")
+    # The upstream gradient over the divisor, in double: a mean's 1/count is not rounded to
+    # fp32. Every token ignored: the mean is NaN (as torch) but the gradients are zero, not
+    # 0 * inf.
+    scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
+    grads = []
+    for p, dt, need in zip(deferred, dtypes, needed):
+        # An unrequested gradient is [0]; a requested one [k, *shape] even for an empty
+        # input (N = 0), whose gradient is then the empty [0, D], not None.
+        if not need or p.dim() < 2:
+            grads.append(None)
+        elif p.shape[0] == 1 and p.dtype == dt and p.is_contiguous() and \
+                type(p) is torch.Tensor and not torch.compiler.is_compiling():
+            # Already in the gradient's dtype: scaled in place, the gradient is the deferred
+            # buffer itself (no second buffer of dW's size). Not while a compiler traces
+            # the backward (a tensor subclass there): its graph keeps the functional op.
+            nsops.scale_grad_(p, scale)
+            ctx.consumed = True
+            grads.append(p[0])
+        else:
+            grads.append(nsops.scale_grad(p, scale, dt))
+    return grads
 
 
 def register(namespace, cuda_format):
@@ -85,9 +119,11 @@ def register(namespace, cuda_format):
     @torch.library.register_fake(name("backward"))
     def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, stats, vocab_start,
                        vocab_size, ignore_index, label_smoothing, z_loss, softcap, output_mask,
-                       grad_entropy=None, temperature=1.0, exact_bf16_grad=None):
+                       grad_entropy=None, temperature=1.0, exact_bf16_grad=None,
+                       grad_input_fp32=False):
         grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
-        return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
+        gi = _grad_like(input, output_mask[0], torch.float32 if grad_input_fp32 else None)
+        return (gi, _grad_like(weight, output_mask[1]), grad_bias)
 
     def setup_context(ctx, inputs, output):
         input, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap = inputs[:8]
@@ -145,10 +181,13 @@ def register(namespace, cuda_format):
         return _soft_outputs(input)
 
     @torch.library.register_fake(name("soft_backward"))
-    def _soft_backward_fake(grad_loss, grad_lse, grad_entropy, input, weight, target, bias, *rest):
-        output_mask = rest[-1]
+    def _soft_backward_fake(grad_loss, grad_lse, grad_entropy, input, weight, target, bias,
+                            class_weight, stats, pivot, z_weight, vocab_start, vocab_size,
+                            ignore_index, label_smoothing, z_loss, softcap, temperature,
+                            output_mask, grad_input_fp32=False):
         grad_bias = _grad_like(bias, output_mask[2]) if bias is not None else weight.new_empty((0,))
-        return (_grad_like(input, output_mask[0]), _grad_like(weight, output_mask[1]), grad_bias)
+        gi = _grad_like(input, output_mask[0], torch.float32 if grad_input_fp32 else None)
+        return (gi, _grad_like(weight, output_mask[1]), grad_bias)
 
     def soft_setup_context(ctx, inputs, output):
         (input, weight, target, bias, class_weight, z_weight, ignore_index, label_smoothing,
@@ -227,33 +266,9 @@ def register(namespace, cuda_format):
 
     def sum_backward(ctx, grad_loss, *_):
         refuse_double_backward("the single pass (flce::sum_and_grad)", "single_pass=False")
-        if getattr(ctx, "consumed", False):
-            raise RuntimeError("flce: the single pass's gradients were scaled in place by the "
-                               "first backward through this graph; a second one "
-                               "(retain_graph=True) needs single_pass=False")
         divisor, *deferred = ctx.saved_tensors
-        # The upstream gradient over the divisor, in double: a mean's 1/count is not rounded to
-        # fp32. Every token ignored: the mean is NaN (as torch) but the gradients are zero, not
-        # 0 * inf.
-        scale = torch.where(divisor > 0, grad_loss.to(torch.float64) / divisor, 0.0)
         needed = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
-        grads = []
-        for p, dt, need in zip(deferred, ctx.dtypes, needed):
-            # An unrequested gradient is [0]; a requested one [k, *shape] even for an empty
-            # input (N = 0), whose gradient is then the empty [0, D], not None.
-            if not need or p.dim() < 2:
-                grads.append(None)
-            elif p.shape[0] == 1 and p.dtype == dt and p.is_contiguous() and \
-                    type(p) is torch.Tensor and not torch.compiler.is_compiling():
-                # Already in the gradient's dtype: scaled in place, the gradient is the deferred
-                # buffer itself (no second buffer of dW's size). Not while a compiler traces
-                # the backward (a tensor subclass there): its graph keeps the functional op.
-                nsops.scale_grad_(p, scale)
-                ctx.consumed = True
-                grads.append(p[0])
-            else:
-                grads.append(nsops.scale_grad(p, scale, dt))
-        gi, gw, gb = grads
+        gi, gw, gb = scale_deferred(nsops, ctx, grad_loss, divisor, deferred, ctx.dtypes, needed)
         return (gi, gw, None, gb) + (None,) * (ctx.inputs - 4)
 
     torch.library.register_autograd(name("sum_and_grad"), sum_backward,

@@ -8,7 +8,7 @@ row statistics of its shard (``flce::partial_stats``: ``[N, 5]`` fp32, the non-t
 sum-exp, the target logit if the rank owns it, the logit sum, the entropy's sum), ONE
 all-gather, ``flce::combine`` into the collapse-safe loss (the same math as on one device), and
 a backward local to the rank from the combined statistics (``flce::backward``: ``dC`` stays
-local, ``dE`` is summed over the group). A group of one rank is the single-device call: the same
+local, ``dE`` is summed over the group in fp32 and rounded once). A group of one rank is the single-device call: the same
 ops, no collective. See docs/parallel.md.
 
 Entry points:
@@ -297,48 +297,74 @@ def _describe(field, values):
 # ---------------------------------------------------------------------------------------------
 # The fused vocab-parallel op.
 # ---------------------------------------------------------------------------------------------
-class _SumGradOverGroup(torch.autograd.Function):
-    """The tokens every rank's op reads: ``x`` itself forward, the sum over the group of the
-    ranks' gradients backward (each rank's op gives its shard's contribution to dE)."""
+class _Tokens(NamedTuple):
+    """The op's tokens as the caller's, over several ranks. ``mode`` "sum": every rank passes the
+    same tokens, whose gradient is summed over the group; "gather" (sequence parallelism): every
+    rank's tokens in rank order, and this rank's block of the summed gradient; None: one rank, or
+    the gradient left as this rank's part for the caller to reduce (reduce_input_grad=False).
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+    The ranks' parts of the gradient are summed in fp32 and rounded once to the tokens' dtype
+    (``reduce``): rounding each part first and summing in 16 bits, as a TP region's backward
+    does, puts 16-bit dE above its rounding floor (docs/parallel.md)."""
+    mode: object = None
+    group: object = None
+    world: int = 1
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.contiguous().clone(), ctx.group), None
+    def gather(self, x):
+        return _all_gather(x, self.group, self.world) if self.mode == "gather" else x
 
-
-class _GatherTokens(torch.autograd.Function):
-    """Sequence parallelism: every rank's tokens, in rank order, forward; this rank's block of
-    the sum over the group of the gradients backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, world):
-        ctx.group, ctx.world = group, world
-        return _all_gather(x, group, world)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.world), None, None
+    def reduce(self, part, dtype):
+        """The tokens' gradient from this rank's fp32 part ``part`` (the op's own buffer)."""
+        if self.mode == "sum":
+            part = _all_reduce(part.contiguous(), self.group)
+        elif self.mode == "gather":
+            part = _reduce_scatter(part, self.group, self.world)
+        return part.to(dtype)
 
 
-def _shard_operands(x, weight, bias, group, world, layout, reduce_input_grad, sequence_parallel):
-    """The op's operands as differentiable functions of the caller's: all ranks' tokens under
-    sequence parallelism, the tokens' gradient summed over the group, and the shard without its
-    vocabulary padding rows (views: those rows never enter the softmax and get a zero gradient).
-    The op itself is the single-device one with the shard's place in the vocabulary. One rank:
-    no collective, the caller's tensors (the padding rows narrowed away)."""
+def _tokens(group, world, reduce_input_grad, sequence_parallel):
     if world > 1 and sequence_parallel:
-        x = _GatherTokens.apply(x, group, world)
-    elif world > 1 and reduce_input_grad:
-        x = _SumGradOverGroup.apply(x, group)
+        return _Tokens("gather", group, world)
+    if world > 1 and reduce_input_grad:
+        return _Tokens("sum", group, world)
+    return _Tokens()
+
+
+def _shard_rows(weight, bias, layout):
+    """The shard without its vocabulary padding rows (views: those rows never enter the softmax
+    and get a zero gradient)."""
     if layout.valid_rows < weight.shape[0]:
         weight = weight.narrow(0, 0, layout.valid_rows)
         bias = None if bias is None else bias.narrow(0, 0, layout.valid_rows)
-    return x, weight, bias
+    return weight, bias
+
+
+class _SinglePass(torch.autograd.Function):
+    """The single pass over several ranks (flce::sum_and_grad with the group), with the tokens'
+    collective: ``call(x, w, b)`` runs the op on the tokens (all ranks' under sequence
+    parallelism); backward scales its deferred gradients (flce._ops.scale_deferred), grad_input
+    in fp32 for the tokens' fp32 sum over the group."""
+
+    @staticmethod
+    def forward(ctx, tokens, call, x, w, b):
+        x = tokens.gather(x)
+        loss, divisor, gi, gw, gb = call(x, w, b)
+        ctx.save_for_backward(divisor, gi, gw, gb)
+        ctx.tokens = tokens
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        _ops.refuse_double_backward("the single pass (flce::sum_and_grad)", "single_pass=False")
+        divisor, *deferred = ctx.saved_tensors
+        reduce = ctx.tokens.mode is not None
+        dtypes = ((torch.float32 if reduce else ctx.dtypes[0]),) + ctx.dtypes[1:]
+        gi, gw, gb = _ops.scale_deferred(_ops.ops, ctx, grad_loss, divisor, deferred, dtypes,
+                                         ctx.needs_input_grad[2:])
+        if reduce and gi is not None:
+            gi = ctx.tokens.reduce(gi, ctx.dtypes[0])
+        return None, None, gi, gw, gb
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,25 +392,28 @@ class _ShardOps(NamedTuple):
     backward: Callable
 
 
-def _per_token(family, tensors, group, world):
+def _per_token(family, tensors, group, world, tokens=_Tokens()):
     """(loss, lse, stats, entropy) [N] of ``family`` (a ``_ShardOps``) over the shards of
-    ``group``: ``family.one_device`` for one rank, else partial, one all-gather, combine."""
+    ``group``: ``family.one_device`` for one rank, else partial, one all-gather, combine.
+    ``tokens``: the collective of a linear family's tokens (``tensors[0]``)."""
     if world == 1:
         return family.one_device(*tensors)
-    return _OverShards.apply(family, group, world, *tensors)
+    return _OverShards.apply(family, group, world, tokens, *tensors)
 
 
 class _OverShards(torch.autograd.Function):
-    """_per_token's autograd over several ranks: forward one all-gather, backward no collective
-    (each rank's gradients are its shard's; the tokens' are summed by _shard_operands)."""
+    """_per_token's autograd over several ranks: forward the tokens' gather (sequence
+    parallelism) and one all-gather of the statistics; backward each rank's gradients of its
+    shard, and the tokens' summed over the group in fp32 (``_Tokens``)."""
 
     @staticmethod
-    def forward(ctx, family, group, world, *tensors):
+    def forward(ctx, family, group, world, tokens, *tensors):
+        tensors = (tokens.gather(tensors[0]),) + tensors[1:]
         partials = family.partial(*tensors)
         gathered = _all_gather(partials, group, world).view(world, *partials.shape)
         loss, lse, stats, entropy = family.combine(gathered, *tensors)
         ctx.save_for_backward(*tensors, stats)
-        ctx.family = family
+        ctx.family, ctx.tokens = family, tokens
         ctx.mark_non_differentiable(stats)
         return loss, lse, stats, entropy
 
@@ -392,13 +421,17 @@ class _OverShards(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse, _grad_stats, grad_entropy):
         _ops.refuse_double_backward("the vocab-parallel path", "the single-device entry point")
         *tensors, stats = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
-        none = (None,) * 3
+        needs = ctx.needs_input_grad[4:]
+        none = (None,) * 4
         if not any(needs):
             return none + (None,) * len(tensors)
         if grad_loss is None:
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
-        grads = ctx.family.backward(needs, (grad_loss, grad_lse, grad_entropy), stats, *tensors)
+        reduce = ctx.tokens.mode is not None
+        grads = list(ctx.family.backward(needs, (grad_loss, grad_lse, grad_entropy), stats,
+                                         *tensors, fp32_input_grad=reduce))
+        if reduce and needs[0]:
+            grads[0] = ctx.tokens.reduce(grads[0], tensors[0].dtype)
         return none + tuple(g if need else None for g, need in zip(grads, needs))
 
 
@@ -417,11 +450,11 @@ def _linear_ops(layout, opts, exact_bf16_grad=None):
     def combine(gathered, x, w, b, t):
         return _ops.ops.combine(gathered, t, layout.vocab_size, ii, ls, z)
 
-    def backward(needs, grads, stats, x, w, b, t):
+    def backward(needs, grads, stats, x, w, b, t, fp32_input_grad=False):
         grad_loss, grad_lse, grad_entropy = grads
         return _ops.ops.backward(grad_loss, grad_lse, x, w, t, b, stats, layout.vocab_start,
                                  layout.vocab_size, ii, ls, z, sc, list(needs[:3]), grad_entropy,
-                                 temp, exact_bf16_grad) + (None,)
+                                 temp, exact_bf16_grad, fp32_input_grad) + (None,)
 
     return _ShardOps(one_device, partial, combine, backward)
 
@@ -442,7 +475,7 @@ def _logits_ops(layout, options, with_entropy, inplace):
     def combine(gathered, logits, t):
         return _ops.ops.combine(gathered, t, layout.vocab_size, ii, ls, z)
 
-    def backward(needs, grads, stats, logits, t):
+    def backward(needs, grads, stats, logits, t, fp32_input_grad=False):
         args = grads + (logits, t, stats, layout.vocab_start, layout.vocab_size) + tuple(options)
         if inplace:
             _ops.ops.logits_backward_(*args)
@@ -502,7 +535,7 @@ def _distribution_ops(layout, opts, logits_level=False):
         loss, lse, stats, pivot, entropy = ops.soft_combine(*_unpack(gathered), zw, z)
         return loss, lse, _pack(stats, pivot), entropy
 
-    def backward(needs, grads, stats, *tensors):
+    def backward(needs, grads, stats, *tensors, fp32_input_grad=False):
         *operands, y, cw, zw = tensors
         state, pivot = _unpack(stats)
         if logits_level:
@@ -511,7 +544,7 @@ def _distribution_ops(layout, opts, logits_level=False):
             return g, None, None, None
         x, w, b = operands
         gi, gw, gb = ops.soft_backward(*grads, x, w, y, b, cw, state, pivot, zw, start, size, ii,
-                                       ls, z, sc, temp, list(needs[:3]))
+                                       ls, z, sc, temp, list(needs[:3]), fp32_input_grad)
         return gi, gw, gb, None, None, None
 
     return _ShardOps(one_device, partial, combine, backward)
@@ -586,9 +619,11 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             (offsets from one all-gather of the shard sizes, cached per group and shape).
         vocab_size: the real global vocabulary; shard rows at or beyond it (vocabulary padding)
             never enter the softmax and get zero gradient. Default: all rows of all shards.
-        reduce_input_grad: all-reduce ``input``'s gradient over the group (default). Pass False
-            when the caller's TP region does it (Megatron's ``copy_to_tensor_model_parallel_
-            region`` backward); each rank then gets its shard's contribution.
+        reduce_input_grad: all-reduce ``input``'s gradient over the group (default: the ranks'
+            contributions summed in fp32 and rounded once, so that 16-bit gradients stay at
+            their rounding floor). Pass False when the caller's TP region does it (Megatron's
+            ``copy_to_tensor_model_parallel_region`` backward); each rank then gets its shard's
+            contribution in ``input``'s dtype.
         sequence_parallel: ``input`` and ``target`` are sharded over tokens along dim 0 (equal
             shards); they are all-gathered before and ``input``'s gradient is reduce-scattered
             after. The loss covers all ranks' tokens: for ``reduction="none"`` its shape is
@@ -683,30 +718,36 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
     if sequence_parallel and world > 1:
         t = _all_gather(t, group, world)
         lead = (world * lead[0],) + lead[1:]
-    x, w, b = _shard_operands(x, weight_local, bias_local, group, world, layout,
-                              bool(reduce_input_grad), bool(sequence_parallel))
+    w, b = _shard_rows(weight_local, bias_local, layout)
+    tokens = _tokens(group, world, bool(reduce_input_grad), bool(sequence_parallel))
     if world == 1:
         # flce.linear_cross_entropy's choice, which on the CPU depends on the shapes
         use_single = needs_grad and class_weight is None and not distribution and \
             _common.single_pass(single_pass, reduction, per_token, x, w)
     if use_single:
         # The single pass's own op, with the group: every chunk of rows all-gathers its
-        # statistics inside it; its gradients come back through the op's registered autograd.
+        # statistics inside it. One rank: its gradients through the op's registered autograd.
         mask = [x.requires_grad, w.requires_grad, b is not None and b.requires_grad]
-        return _ops.ops.sum_and_grad(x, w, t, b, *opts.op_args(), mask, reduction == "mean",
-                                     layout.vocab_start, layout.vocab_size,
-                                     group.group_name if world > 1 else None, world,
-                                     temperature=opts.temperature,
-                                     exact_bf16_grad=exact_bf16_grad)[0]
+
+        def call(x, w, b):
+            return _ops.ops.sum_and_grad(x, w, t, b, *opts.op_args(), mask, reduction == "mean",
+                                         layout.vocab_start, layout.vocab_size,
+                                         group.group_name if world > 1 else None, world,
+                                         temperature=opts.temperature,
+                                         exact_bf16_grad=exact_bf16_grad)
+        if world == 1:
+            return call(x, w, b)[0]
+        return _SinglePass.apply(tokens, call, x, w, b)
     row_weight = None if soft else _row_weights(class_weight, layout, t, opts.ignore_index)
     if distribution:
         y = q.narrow(1, 0, w.shape[0]) if soft else t
         tensors = (x, w, b, y, _shard_class_weight(class_weight, layout, w.shape[0]), row_weight)
-        loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts), tensors, group, world)
+        loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts), tensors, group, world,
+                                           tokens)
         return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
                                             return_lse, return_entropy)
     loss, lse, stats, entropy = _per_token(_linear_ops(layout, opts, exact_bf16_grad),
-                                           (x, w, b, t), group, world)
+                                           (x, w, b, t), group, world, tokens)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
                                       return_lse, return_entropy, return_accuracy)
 

@@ -44,6 +44,33 @@ def test_opcheck_backward(device, mask):
                           (gl, None, x, w, t, None, stats, 0, v, -100, 0.0, 0.0, 0.0, mask))
 
 
+def test_backward_grad_input_fp32(device):
+    """grad_input_fp32=True (the vocab-parallel path's dE, summed over ranks before it is
+    rounded): backward and soft_backward return dE in fp32, not rounded, whose rounding to the
+    input's dtype is the default call's dE bit for bit; opcheck of both."""
+    n, v, _, x, w, t, b = _op_args(device, torch.bfloat16)
+    _, _, stats, _ = flce.ops.forward(x, w, t, b, -100, 0.1, 1e-3, 5.0)
+    gl = torch.rand(n, device=device) + 0.5
+    args = (gl, None, x, w, t, b, stats, 0, v, -100, 0.1, 1e-3, 5.0, [True, True, False])
+    g16 = flce.ops.backward(*args)[0]
+    g32 = flce.ops.backward(*args, grad_input_fp32=True)[0]
+    assert g16.dtype == torch.bfloat16 and g32.dtype == torch.float32
+    assert torch.equal(g32.to(torch.bfloat16), g16)
+    assert not torch.equal(g32, g16.float())  # not rounded
+    torch.library.opcheck(torch.ops.flce.backward.default, args,
+                          {"grad_input_fp32": True})
+    q = torch.softmax(torch.randn(n, v, device=device), -1)
+    _, _, sstats, pivot, _ = flce.ops.soft_forward(x, w, q, b, None, None, -100, 0.0, 0.0, 0.0,
+                                                   1.0)
+    sargs = (gl, None, None, x, w, q, b, None, sstats, pivot, None, 0, v, -100, 0.0, 0.0, 0.0,
+             1.0, [True, False, False])
+    s16 = flce.ops.soft_backward(*sargs)[0]
+    s32 = flce.ops.soft_backward(*sargs, True)[0]
+    assert s32.dtype == torch.float32 and torch.equal(s32.to(torch.bfloat16), s16)
+    assert not torch.equal(s32, s16.float())
+    torch.library.opcheck(torch.ops.flce.soft_backward.default, sargs + (True,))
+
+
 @pytest.mark.parametrize("path", ["lse", "mean"])
 def test_compile_fullgraph(device, path):
     """A compiled function agrees with eager in forward and backward: "lse" returns the lse

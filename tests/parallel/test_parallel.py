@@ -306,6 +306,56 @@ def check_input_grad_left_to_caller(rank, world, group):
     assert torch.equal(partial, grads[0])
 
 
+def check_input_grad_rounded_once(rank, world, group):
+    """16-bit dE over the shards at its rounding floor, as on one device: the ranks' parts are
+    summed in fp32 and rounded once (the sum of each rank's part rounded first and added in
+    16 bits, what a caller's TP region does with reduce_input_grad=False, is measurably above
+    it: the check's own control). Class targets (the all-reduce and, under sequence
+    parallelism, the reduce-scatter) and probability targets."""
+    import torch.distributed as dist
+    import flce.parallel as fp
+    from flce import reference
+
+    n, v_shard, d = 128, 160, 48
+    sl = slice(rank * v_shard, (rank + 1) * v_shard)
+    cases = [(torch.bfloat16, "class", False), (torch.float16, "class", True),
+             (torch.bfloat16, "probabilities", False)]
+    for dtype, kind, seq_par in cases:
+        g = torch.Generator().manual_seed(31)
+        x = torch.randn(n * world, d, generator=g).to(dtype)
+        w = (torch.randn(v_shard * world, d, generator=g) / d ** 0.25).to(dtype)
+        if kind == "class":
+            target = torch.randint(0, v_shard * world, (n * world,), generator=g)
+            local_target = lambda rows: target[rows]
+        else:
+            target = torch.softmax(2 * torch.randn(n * world, v_shard * world, generator=g), -1)
+            local_target = lambda rows: target[rows, sl]
+        xr = x.double().requires_grad_()
+        if kind == "class":
+            reference.linear_cross_entropy(xr, w.double(), target).backward()
+        else:
+            reference.soft_cross_entropy(xr @ w.double().T, target.double()).backward()
+        ref = xr.grad
+        floor = ((ref.to(dtype).double() - ref).norm() / ref.norm()).item()
+        tok = slice(rank * n, (rank + 1) * n) if seq_par else slice(None)
+        errs = {}
+        for reduce in (True, False):
+            if seq_par and not reduce:
+                continue
+            xp = x[tok].clone().requires_grad_()
+            fp.vocab_parallel_linear_cross_entropy(
+                xp, w[sl], local_target(tok), group=group, reduce_input_grad=reduce,
+                sequence_parallel=seq_par).backward()
+            gx = xp.grad
+            if not reduce:
+                dist.all_reduce(gx, group=group)  # in 16 bits
+            errs[reduce] = ((gx.double() - ref[tok]).norm() / ref[tok].norm()).item() / floor
+        where = f"{dtype} {kind} sequence_parallel={seq_par}"
+        assert errs[True] <= 1.05, f"{where}: dE at {errs[True]:.3f}x its rounding floor"
+        if False in errs and world > 1:
+            assert errs[False] > 1.2, f"{where}: the control's 16-bit sum at {errs[False]:.3f}x"
+
+
 def check_dtensor(rank, world, group):
     """flce.linear_cross_entropy with a DTensor weight Shard(0) (uneven chunks) on a CPU mesh."""
     if world != 2:
@@ -1033,7 +1083,8 @@ def run_checks(rank, world):
         if rank == 0:
             print(f"{time.perf_counter() - t0:.1f}s", cfg,
                   {k: round(v, 2) for k, v in ratios.items()}, flush=True)
-    for check in (check_all_ignored, check_input_grad_left_to_caller, check_rank_disagreement,
+    for check in (check_all_ignored, check_input_grad_left_to_caller, check_input_grad_rounded_once,
+                  check_rank_disagreement,
                   check_group_errors, check_megatron_dropin, check_megatron_unequal_shards, check_fused_compiled,
                   check_dtensor, check_torchtitan_dropin, check_accuracy_and_shift,
                   check_class_weights, check_distributions, check_dtensor_distributions,
