@@ -143,6 +143,29 @@ def _check_fused(rank, sizes, start):
     print(f"rank {rank} fused logits: ok")
 
 
+def _check_compiled(rank, sizes, start):
+    """The single pass over the shards (its autograd Function, the fp32 dE all-reduce) under
+    torch.compile (aot_eager): the eager result bitwise."""
+    import flce.parallel as fp
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(N, D, generator=g).bfloat16()
+    w = (torch.randn(V, D, generator=g) / D ** 0.5).bfloat16()
+    t = torch.randint(0, V, (N,), generator=g)
+
+    def f(x, w):
+        return fp.vocab_parallel_linear_cross_entropy(x, w, t, label_smoothing=0.1)
+
+    out = []
+    for fn in (f, torch.compile(f, backend="aot_eager")):
+        xs, ws = x.clone().requires_grad_(), w[start:start + sizes[rank]].clone().requires_grad_()
+        loss = fn(xs, ws)
+        loss.backward()
+        out.append((loss.detach(), xs.grad, ws.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    print(f"rank {rank} compiled single pass: ok")
+
+
 def _worker():
     import torch.distributed as dist
 
@@ -208,6 +231,7 @@ def _worker():
         assert real_sum_and_grad is ops.sum_and_grad
         _check_rl_outputs(rank, sizes, start, "cuda-host")
         _check_fused(rank, sizes, start)
+        _check_compiled(rank, sizes, start)
         solo = dist.new_group([0])  # (on every rank)
         if rank == 0:
             check_one_rank(solo)  # the single pass of one rank: no group in the op
