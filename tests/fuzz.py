@@ -6,10 +6,16 @@ smoothing, z-loss, softcap, temperature, lse / entropy outputs, single_pass, exa
 confident rows (large target margins) and dominant non-target classes, leading dimensions,
 strided and transposed views of every tensor, and the backend: "cpu", or "cuda-host" (the CUDA
 backend's binding and kernels under the host emulation, tests/cuda_emulation.py; class weights
-with label smoothing there half the time on the opt-in soft ops, FLCE_CUDA_DISTRIBUTIONS=1).
-flce's loss, lse, entropy and every gradient are compared with ``flce.reference`` in float64,
-each element held to ``FACTOR`` times a first-order bound of an ideal implementation at the same
-precision (``bounds``):
+with label smoothing and probability targets there half the time on the opt-in soft ops,
+FLCE_CUDA_DISTRIBUTIONS=1). A case in ``SOFT_FRACTION`` has probability targets instead of
+class ids (``soft``): dense (a softmax of random logits), sharp (an fp32 softmax at a large
+inverse temperature: mostly exact zeros, some subnormals), one-hot or sparse (exact zeros), each
+centred on the class the confident rows favour, in fp32, bf16 or fp16, a quarter of them
+requiring grad (the composite path; their gradient is compared too); these draws come from
+streams of their own, so that a seed's other draws stay as they were.
+flce's loss, lse, entropy and every gradient are compared with ``flce.reference`` in float64
+(``soft_cross_entropy`` for probability targets), each element held to ``FACTOR`` times a
+first-order bound of an ideal implementation at the same precision (``bounds``):
 
 - logits: an fp32 GEMM of the inputs as flce computes with them, pairwise-summed, exact
   products: ``|du_j| <= ceil(log2 2D) 2^-24 (sum_k |x_k w_jk| + |b_j|)``; the softcap and the
@@ -17,13 +23,27 @@ precision (``bounds``):
   statistics (``lse_x = m + log s``) ``2^-24 (max_j |z_j| + log2 2V)``.
 - loss, lse, entropy: ``sum_j |d out / d z_j| dz_j`` plus a few ulps of the terms each formula
   adds (a label-smoothed loss: of ``lse`` and ``mean_j z_j`` too; the entropy: of ``q = 1 - p_t``,
-  the bound docs/numerics.md states for the fused kernels).
+  the bound docs/numerics.md states for the fused kernels). Probability targets: the
+  collapse-safe ``Y softplus(lse_x - z_a) + sum_c y_c (z_a - z_c)`` from the row's largest
+  logit ``a`` (the pivot) is a sum of terms >= 0, held to ``(8 + log2 2V)`` ulps of itself, plus
+  ``lse_x``'s rounding times ``Y q_a``; the lse and entropy are the class formulas' with target
+  ``a``.
 - gradient tile ``d loss / d u`` (after the softcap's and temperature's chain rule): its own
   first-order error through the softmax, ``(dz_j + mean_k dz_k) (|g_j| + c p_j)``, plus its
   rounding: to the compute dtype where the backend's GEMMs take it in 16 bits (the CUDA
   backend, and the CPU backend's bf16 tiles where it rounds them once; the target entry kept in
   fp32), else fp32; an fp16 tile's power-of-two scale comes
   from an a-priori bound of the rows' gradients, and what its subnormals cannot hold is lost.
+  Target distributions (probability targets; class weights with label smoothing on the fused
+  soft ops): the pivot's entry ``-g Y q_a + g y_rest`` cancels from terms of ``|g| Y`` whose
+  few roundings are absolute there (and the sum of the weights' accumulation, times ``p_a`` on
+  the fused ops, whole on the composite path); the CUDA soft ops keep the pivot's entry in fp32,
+  not the class target's, and round the rest; the CPU's soft ops and the composite path
+  (targets that require grad) keep fp32 tiles.
+- d target (probability targets that require grad): ``|g| (1 - eps) w_c`` times the error of
+  ``-log p_c = nll_a + (z_a - z_c)`` (``sum_{j != c} p_j dz_j + q_c dz_c``, ``lse_x``'s rounding
+  times ``q_a``, a few ulps) and of the z-loss's ``lse^2``, then one rounding to the targets'
+  dtype.
 - dE, dW, d bias: the tile's errors times ``|W|``, ``|X|`` or 1, summed (every term's sign
   against us), a pairwise fp32 accumulation of ``|g| |W|`` (``|g| |X|``), and one rounding to
   the gradient's dtype.
@@ -32,6 +52,7 @@ A failing case shrinks itself (options off, sizes halved, layouts made plain, wh
 fails) and prints a repro. The suite runs a short seeded run (tests/api/test_fuzz.py); a long one:
 
     python tests/fuzz.py --minutes 15 --backend cpu          # or cuda-host; --seed to vary
+    python tests/fuzz.py --minutes 5 --soft-fraction 1       # probability targets only
 
 (run from the repository with flce installed; it exits 1 on a failure, after printing it).
 """
@@ -60,6 +81,8 @@ TINY = {torch.float32: 2.0 ** -150, torch.bfloat16: 2.0 ** -134, torch.float16: 
 # error where float64 goes on.
 FLT_MIN = 2.0 ** -126
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SOFT_KINDS = ["dense", "sharp", "onehot", "sparse"]
+SOFT_FRACTION = 0.3  # of the cases: probability targets
 
 
 @dataclasses.dataclass
@@ -91,7 +114,12 @@ class Case:
     t_layout: str = "plain"       # plain | strided
     class_dim: int = 0            # logits: extra spatial dims (N, C, d1, ...)
     cuda_distributions: bool = False  # cuda-host: FLCE_CUDA_DISTRIBUTIONS=1 (class weights with
-                                      # label smoothing on the CUDA soft ops, not the composite)
+                                      # label smoothing, probability targets: the CUDA soft ops,
+                                      # not the composite)
+    soft: str = ""                # probability targets: "" (class ids) | dense | sharp | onehot
+                                  # | sparse
+    soft_dtype: str = "fp32"      # the probability targets' dtype
+    soft_grad: bool = False       # the probability targets require grad (the composite path)
 
     def code(self):
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -135,7 +163,13 @@ def draw(rng, backend):
         # From its own stream, so that the cases drawn after this one stay as they were. (The
         # CUDA backend refuses True for bf16: tests/api/test_bf16_grad.py.)
         c.exact_bf16_grad = random.Random(c.seed).choice([None, True, False])
-    if backend == "cuda-host" and c.class_weight and c.label_smoothing:
+    s = random.Random(f"soft-{c.seed}")  # (probability targets: a stream of their own too)
+    if s.random() < SOFT_FRACTION:
+        c.soft = s.choice(SOFT_KINDS)
+        c.soft_dtype = s.choice(list(DTYPES))
+        c.soft_grad = s.random() < 0.25
+        c.ignore = 0.0  # (no ignore_index for probability targets)
+    if backend == "cuda-host" and (c.soft or c.class_weight and c.label_smoothing):
         c.cuda_distributions = random.Random(c.seed + 1).random() < 0.5  # (its own stream too)
     return c
 
@@ -187,6 +221,9 @@ def make_inputs(c):
             col = torch.where(half.reshape(-1), t.reshape(-1).clamp_min(0), other)
             row_boost[torch.arange(n), col] = c.confident
     out["target"] = t
+    if c.soft:
+        # [..., V], class-last; the column-strided view before any move of the class dimension
+        out["target"] = _view(_soft_target(c, t).reshape(c.lead + (c.v,)), c.t_layout)
     if c.entry == "linear":
         x = torch.randn(c.lead + (c.d,), generator=g, dtype=torch.float64) * c.scale / c.d ** 0.25
         w = torch.randn((c.v, c.d), generator=g, dtype=torch.float64) / c.d ** 0.25
@@ -205,16 +242,45 @@ def make_inputs(c):
         logits = z.to(dt).reshape(c.lead + (c.v,))
         logits = _view(logits, c.x_layout)
         if c.class_dim and len(c.lead) == 1:
-            # (N, C, d1): torch's class dimension 1, targets (N, d1)
+            # (N, C, d1): torch's class dimension 1, targets (N, d1) (probabilities: like the
+            # logits)
             logits = logits.reshape(1, c.lead[0], c.v).permute(0, 2, 1)
-            out["target"] = t.reshape(1, c.lead[0])
+            out["target"] = out["target"].reshape(1, c.lead[0], c.v).permute(0, 2, 1) \
+                if c.soft else t.reshape(1, c.lead[0])
         elif len(c.lead) == 2:
             logits = logits.movedim(-1, 1)  # (N, C, d1)
+            if c.soft:
+                out["target"] = out["target"].movedim(-1, 1)
         out["input"] = logits
     if c.class_weight:
         out["class_weight"] = (torch.rand(c.v, generator=g, dtype=torch.float64) + 0.25).float()
-    out["target"] = _view(out["target"], c.t_layout)
+    if not c.soft:
+        out["target"] = _view(out["target"], c.t_layout)
     return out
+
+
+def _soft_target(c, t):
+    """Probability targets [rows, V] in the case's target dtype (values exact in float64 after
+    it), centred on the class ids ``t`` (which the confident rows' logits favour): "dense" a
+    softmax of random logits, "sharp" an fp32 softmax at a large inverse temperature (most
+    entries exactly 0 there, some subnormal), "onehot" the class, "sparse" the class and a few
+    others with random weights, the rest exactly 0."""
+    g = torch.Generator().manual_seed(c.seed + 3)
+    n, v = math.prod(c.lead), c.v
+    onehot = torch.zeros(n, v, dtype=torch.float64)
+    onehot[torch.arange(n), t.reshape(-1).clamp_min(0)] = 1.0
+    if c.soft == "dense":
+        y = torch.softmax(torch.randn(n, v, generator=g, dtype=torch.float64) * 2 + 3 * onehot, 1)
+    elif c.soft == "sharp":
+        r = torch.randn(n, v, generator=g, dtype=torch.float64) + 2 * onehot
+        y = torch.softmax((r * 40).float(), 1).double()
+    elif c.soft == "onehot":
+        y = onehot
+    else:
+        keep = (onehot > 0) | (torch.rand(n, v, generator=g, dtype=torch.float64) < 3.0 / v)
+        y = torch.where(keep, torch.rand(n, v, generator=g, dtype=torch.float64) + 0.05, 0.0)
+        y = y / y.sum(1, keepdim=True)
+    return y.to(DTYPES[c.soft_dtype])
 
 
 def _options(c):
@@ -229,19 +295,30 @@ def _upstreams(c, shape):
             "entropy": torch.rand(shape, generator=g, dtype=torch.float64) - 0.5}
 
 
+def _row_shape(c, inputs):
+    """The shape of the per-row outputs (the class targets', or the probabilities' without V)."""
+    if not c.soft:
+        return inputs["target"].shape
+    if c.entry == "linear":
+        return inputs["target"].shape[:-1]
+    shape = inputs["input"].shape
+    return shape[:1] + shape[2:]
+
+
 def run_flce(c, inputs):
     """flce's outputs and gradients: dict name -> float64 tensor (CPU), row-major [rows, ...]."""
-    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()
-              if k in ("input", "weight", "bias")}
+    grads = ("input", "weight", "bias") + (("target",) if c.soft_grad else ())
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items() if k in grads}
+    target = leaves.get("target", inputs["target"])
     opts = _options(c)
     if c.entry == "linear":
-        res = flce.linear_cross_entropy(leaves["input"], leaves["weight"], inputs["target"],
+        res = flce.linear_cross_entropy(leaves["input"], leaves["weight"], target,
                                         bias=leaves.get("bias"), return_lse=c.lse,
                                         return_entropy=c.entropy, single_pass=c.single_pass,
                                         exact_bf16_grad=c.exact_bf16_grad,
                                         class_weight=inputs.get("class_weight"), **opts)
     else:
-        res = flce.cross_entropy(leaves["input"], inputs["target"],
+        res = flce.cross_entropy(leaves["input"], target,
                                  weight=inputs.get("class_weight"), return_lse=c.lse,
                                  return_entropy=c.entropy, **opts)
     res = list(res) if (c.lse or c.entropy) else [res]
@@ -250,7 +327,7 @@ def run_flce(c, inputs):
         outs["lse"] = res.pop(0)
     if c.entropy:
         outs["entropy"] = res.pop(0)
-    up = _upstreams(c, inputs["target"].shape)
+    up = _upstreams(c, _row_shape(c, inputs))
     total = 0.0
     for k, o in outs.items():
         assert o.dtype == torch.float32, (k, o.dtype)
@@ -265,8 +342,13 @@ def run_flce(c, inputs):
 
 
 def _class_last(c, inputs):
-    """The logits' values as flce computes with them, float64 [rows, V], and targets [rows]."""
+    """The logits' values as flce computes with them, float64 [rows, V], and targets [rows]
+    (probabilities: [rows, V] float64)."""
     t = inputs["target"].reshape(-1)
+    if c.soft:
+        t = inputs["target"].detach()
+        t = (t.reshape(-1, c.v) if c.entry == "linear" or t.dim() == 1 else
+             t.movedim(1, -1).reshape(-1, c.v)).double()
     if c.entry == "linear":
         x = inputs["input"].double().reshape(-1, c.d)
         w = inputs["weight"].to(DTYPES[c.dtype]).double()
@@ -282,7 +364,7 @@ def reference_and_bounds(c, inputs):
     """float64 reference outputs and gradients and their element-wise first-order bounds."""
     x, w, b, t = _class_last(c, inputs)
     dt = DTYPES[c.dtype]
-    rows, v = t.numel(), c.v
+    rows, v = t.shape[0], c.v
     if c.entry == "linear":
         u = x @ w.T + (b if b is not None else 0.0)
         mag = x.abs() @ w.abs().T + (b.abs() if b is not None else 0.0)
@@ -303,40 +385,72 @@ def reference_and_bounds(c, inputs):
         chain = chain / c.temperature
         dz = dz / c.temperature + U32 * 2 * z.detach().abs()
     zmax = z.detach().abs().amax(1, keepdim=True) if v else torch.zeros(rows, 1)
-    dz = dz.detach() + U32 * (zmax + math.log2(2 * max(v, 1)) + 4)
+    # the row statistics' own rounding (lse_x = m + log s), as if every logit carried it
+    stat = U32 * (zmax + math.log2(2 * max(v, 1)) + 4)
+    dz = dz.detach() + stat
     zz = z.detach().requires_grad_()
     cw = inputs.get("class_weight")
     cw = None if cw is None else cw.double()
-    loss, lse, ent = flce.reference.logits_cross_entropy(
-        zz, t, reduction="none", label_smoothing=c.label_smoothing, z_loss=c.z_loss,
-        return_lse=True, return_entropy=True, weight=cw)
-    valid = t != -100
+    if c.soft:
+        # Probability targets: flce.reference's collapse-safe soft formula, every -log p_c
+        # taken from the row's largest logit a (the pivot), whose class-index formulas give the
+        # lse and entropy; below, the pivot stands in for the class target (t_key).
+        y = t.detach().requires_grad_(c.soft_grad)
+        loss, lse, ent = flce.reference.soft_cross_entropy(
+            zz, y, reduction="none", label_smoothing=c.label_smoothing, z_loss=c.z_loss,
+            weight=cw)
+        t_key = zz.detach().argmax(1) if v else torch.zeros(rows, dtype=torch.int64)
+        valid = torch.ones(rows, dtype=torch.bool)
+        # the target weights as the loss takes them, y'_c = w_c ((1 - eps) y_c + eps / V)
+        y_eff = ((1 - c.label_smoothing) * y.detach() + c.label_smoothing / max(v, 1)) * \
+            (cw if cw is not None else 1.0)
+    else:
+        loss, lse, ent = flce.reference.logits_cross_entropy(
+            zz, t, reduction="none", label_smoothing=c.label_smoothing, z_loss=c.z_loss,
+            return_lse=True, return_entropy=True, weight=cw)
+        t_key = t
+        valid = t != -100
     # first-order sensitivity of each per-row output to its row's logits
     def sens(o):
         (gz,) = torch.autograd.grad(o.sum(), zz, retain_graph=True, allow_unused=True)
         return gz if gz is not None else torch.zeros_like(zz)
     p = torch.softmax(zz.detach(), 1) if v else zz.detach()
-    q = torch.where(valid, 1 - p.gather(1, torch.where(valid, t, 0)[:, None])[:, 0], 1.0) \
+    # q: the mass off the target (probability targets: off the pivot)
+    q = torch.where(valid, 1 - p.gather(1, torch.where(valid, t_key, 0)[:, None])[:, 0], 1.0) \
         if v else torch.ones(rows, dtype=torch.float64)
+    if c.soft and v:
+        q = p.scatter(1, t_key[:, None], 0.0).sum(1)  # (1 - p_a is 0 in float64 past margin 37)
     lv = lse.detach()
     mean_abs_z = zz.detach().abs().mean(1) if v else torch.zeros(rows)
-    wrow = torch.ones(rows, dtype=torch.float64) if cw is None else \
-        torch.where(valid, cw[torch.where(valid, t, 0)], 0.0)
-    terms = ((1 - c.label_smoothing) * loss.detach().abs() +
-             c.label_smoothing * (cw.sum() / v if cw is not None else 1.0) *
-             (lv.abs() + math.log2(2 * max(v, 1)) * mean_abs_z) + c.z_loss * wrow * lv ** 2)
     ref, bound = {}, {}
     s_loss = sens(loss)
-    b_loss = (s_loss.abs() * dz).sum(1) + 8 * U32 * terms + 4 * FLT_MIN
-    b_loss = torch.where(valid, b_loss, 0.0)
+    if c.soft:
+        # wrow: the row's target mass Y = sum_c y'_c (the z-loss's weight). The loss
+        # Y softplus(lse_x - z_a) + sum_c y'_c (z_a - z_c) + z_loss Y lse^2 is a sum of terms
+        # >= 0: each y'_c (two or three roundings), gap and product a few ulps, their sum
+        # pairwise; and lse_x's own rounding (stat) enters softplus with weight Y q_a, which
+        # the logits' sensitivity need not cover (a target near softmax(z) has dL/dz ~ 0).
+        wrow = y_eff.sum(1) if v else torch.zeros(rows, dtype=torch.float64)
+        terms = loss.detach().abs() + c.z_loss * wrow * lv ** 2
+        b_loss = (s_loss.abs() * dz).sum(1) + wrow * q * stat[:, 0] + \
+            (8 + math.log2(2 * max(v, 1))) * U32 * terms + 4 * FLT_MIN * (1 + wrow)
+    else:
+        wrow = torch.ones(rows, dtype=torch.float64) if cw is None else \
+            torch.where(valid, cw[torch.where(valid, t, 0)], 0.0)
+        terms = ((1 - c.label_smoothing) * loss.detach().abs() +
+                 c.label_smoothing * (cw.sum() / v if cw is not None else 1.0) *
+                 (lv.abs() + math.log2(2 * max(v, 1)) * mean_abs_z) + c.z_loss * wrow * lv ** 2)
+        b_loss = (s_loss.abs() * dz).sum(1) + 8 * U32 * terms + 4 * FLT_MIN
+        b_loss = torch.where(valid, b_loss, 0.0)
     ref["lse"], bound["lse"] = lv, (sens(lse).abs() * dz).sum(1) + 8 * U32 * lv.abs() + FLT_MIN
     ent_d = ent.detach()
     bound["entropy"] = (sens(ent).abs() * dz).sum(1) + 8 * U32 * (
         ent_d.abs() + q * (math.log2(2 * max(v, 1)) + 2)) + \
         4 * FLT_MIN * (2 + 2 * zmax[:, 0])  # q underflowing, times softplus(z_t - lse_x)
     ref["entropy"] = ent_d
-    up = _upstreams(c, inputs["target"].shape)
-    count = wrow.sum() if cw is not None else valid.sum().double()
+    up = _upstreams(c, _row_shape(c, inputs))
+    # (probability targets: "mean" over every row, class weights or not)
+    count = float(rows) if c.soft else wrow.sum() if cw is not None else valid.sum().double()
     if c.reduction == "none":
         ref["loss"], bound["loss"] = loss.detach(), b_loss
         g_loss = up["loss"].reshape(-1)
@@ -357,17 +471,22 @@ def reference_and_bounds(c, inputs):
     g_lse = up["lse"].reshape(-1) if c.lse else torch.zeros(rows, dtype=torch.float64)
     g_ent = up["entropy"].reshape(-1) if c.entropy else torch.zeros(rows, dtype=torch.float64)
     obj = obj + (lse * g_lse).sum() + (ent * g_ent).sum()
-    (gz,) = torch.autograd.grad(obj, zz, allow_unused=True)
+    (gz, gy) = torch.autograd.grad(obj, [zz] + ([y] if c.soft_grad else []),
+                                   allow_unused=True) + ((None,) if not c.soft_grad else ())
     gz = torch.zeros_like(zz) if gz is None else gz
     logp = torch.log(p.clamp_min(1e-300))
-    coef = (g_loss.abs() * wrow * (1 + 2 * c.z_loss * (lv.abs() + 1)) + g_loss.abs() *
-            c.label_smoothing * (cw.sum() if cw is not None else v) / max(v, 1) + g_lse.abs())
+    # |A|, the coefficient of p_j in dz_j (probability targets: smoothing is in y', and
+    # A = g (Y + 2 z_loss Y lse) + g_lse; math.h soft_row_grad)
+    coef = (g_loss.abs() * wrow * (1 + 2 * c.z_loss * (lv.abs() + 1)) + g_lse.abs() +
+            (0.0 if c.soft else g_loss.abs() * c.label_smoothing *
+             (cw.sum() if cw is not None else v) / max(v, 1)))
     env = gz.abs() + p * (coef[:, None] + g_ent.abs()[:, None] * (2 + logp.abs() +
                                                                   ent_d[:, None]))
     # d(dz_j) = dz_j-ish * (du_j - sum_k p_k du_k) through the softmax: at most env_j (du_j + the
     # p-weighted mean of du; the target's collapse-safe -q: the non-target-weighted mean)
     if v:
-        rest = p.scatter(1, torch.where(valid, t, 0)[:, None], 0.0) / q.clamp_min(1e-300)[:, None]
+        rest = p.scatter(1, torch.where(valid, t_key, 0)[:, None], 0.0) / \
+            q.clamp_min(1e-300)[:, None]
         mean_dz = torch.maximum((p * dz).sum(1), (rest * dz).sum(1))[:, None]
         err_gz = env * (dz + mean_dz)
     else:
@@ -383,31 +502,80 @@ def reference_and_bounds(c, inputs):
         # d(dz/du) = 2 |z T| / cap^2 / T dz
         err_gu = err_gu + gz.abs() * 2 * (z.detach() * c.temperature).abs() / c.softcap ** 2 \
             / c.temperature * dz
+    # Where float64's largest two logits are within their errors of each other, either can be
+    # the row's pivot (its largest fp32 logit): a target distribution's collapse-safe entry.
+    zd = zz.detach()
+    if v:
+        ra, piv = torch.arange(rows), zd.argmax(1)
+        near = zd >= (zd[ra, piv] - dz[ra, piv])[:, None] - dz
+    # Target distributions on the fused soft ops (flce::soft_*: probability targets, and class
+    # targets with class weights and label smoothing, on the CPU and with
+    # FLCE_CUDA_DISTRIBUTIONS=1; not for targets that require grad) or, for probability targets,
+    # the composite path.
+    fused_dist = (c.backend == "cpu" or c.cuda_distributions) and (
+        not c.soft_grad if c.soft else bool(c.class_weight and c.label_smoothing))
+    if v and (c.soft or fused_dist):
+        # The pivot's collapse-safe entry, dz_a = (A - g Y) p_a - g Y q_a + g y_rest (math.h
+        # soft_row_grad; the composite: autograd's -g Y q_a + g sum_c y'_c - g y'_a), cancels
+        # to g (Y p_a - y'_a) from terms of |g| (Y q_a + y_rest) each: their roundings (Y, q_a,
+        # the products and sums: ~6 ulps) are absolute there. The fused ops' y_rest, a sum of
+        # V weights, enters twice (in Y = y_a + y_rest) and leaves its accumulation error times
+        # p_a only; the composite sums the weights apart from Y, and that error stays whole.
+        if c.soft:
+            y_w = y_eff
+        else:  # y'_c = w_c ((1 - eps) [c = t] + eps / V), none for an ignored row
+            onehot = torch.zeros_like(zd).scatter(1, torch.where(valid, t, 0)[:, None], 1.0)
+            y_w = torch.where(valid[:, None], (cw if cw is not None else 1.0) * (
+                (1 - c.label_smoothing) * onehot + c.label_smoothing / v), 0.0)
+        y_mass = y_w.sum(1, keepdim=True)
+        g_abs = g_loss.abs()[:, None]
+        y_rest = y_mass - y_w
+        lg = math.log2(2 * v)
+        if not fused_dist:
+            piv_err = U32 * g_abs * (6 * y_mass * (1 - p) + (4 + lg) * y_mass)
+        else:
+            piv_err = U32 * g_abs * (6 * (y_mass * (1 - p) + y_rest) + (3 + lg) * p * y_rest)
+        err_gu = err_gu + torch.where(near, chain_up * piv_err, 0.0)
     # the tile's rounding: the CUDA backend's 16-bit GEMMs take it in the compute dtype (its
     # target entry kept in fp32), as the CPU's bf16 GEMMs do where they round it once
-    # (csrc/cpu/tile_gemm.h bf16_grad); the CPU's other modes are fp32-exact
-    rounded = dt != torch.float32 and (c.backend != "cpu" or (
-        c.entry == "linear" and dt == torch.bfloat16 and
-        torch.ops.flce.cpu_bf16_grad(c.exact_bf16_grad) == "rounded"))
+    # (csrc/cpu/tile_gemm.h bf16_grad); the CPU's other modes are fp32-exact. Probability
+    # targets: the CPU's soft ops keep exact 16-bit gradients (fp32 GEMMs), the composite path
+    # (targets that require grad; the CUDA backend without FLCE_CUDA_DISTRIBUTIONS) has fp32
+    # GEMMs; only the CUDA soft ops round the tile.
+    fused_cuda = c.backend != "cpu" and (c.soft and c.cuda_distributions and not c.soft_grad
+                                         or not c.soft)
+    distribution = c.backend != "cpu" and c.cuda_distributions and (
+        not c.soft_grad if c.soft else c.class_weight and c.label_smoothing)
+    if c.soft:
+        rounded = dt != torch.float32 and fused_cuda
+    else:
+        rounded = dt != torch.float32 and (c.backend != "cpu" or (
+            c.entry == "linear" and dt == torch.bfloat16 and
+            torch.ops.flce.cpu_bf16_grad(c.exact_bf16_grad) == "rounded"))
     tile_unit = UNIT[dt] if rounded else U32
     tile = tile_unit * gu.abs()
-    if c.backend != "cpu" and dt == torch.float16 and gu.numel():
+    if fused_cuda and dt == torch.float16 and gu.numel():
         # The fp16 tile holds scale * dz, the scale a power of two that puts an a-priori bound of
         # every row's |dz| (flce_grad.cu, row_coef: |a| p_max + |u| + |dz_t| + the entropy's
-        # term, over T) in (2^13, 2^14]: what falls below fp16's subnormals there is lost. That
-        # bound, up to a factor 2 (2^-12 below):
-        own = torch.where(valid, t, 0)[:, None]
+        # term, over T; soft_coef, a target distribution's: |u| (|y_a| + |y_rest|) = |g| Y for
+        # |u|) in (2^13, 2^14]: what falls below fp16's subnormals there is lost. That bound, up
+        # to a factor 2 (2^-12 below):
+        own = torch.where(valid, t_key, 0)[:, None]
         p_max = p.scatter(1, own, 0.0).amax(1) if v else torch.zeros(rows)
         a_bound = (gz.abs().amax(1) + coef * p_max +
                    g_ent.abs() * (0.37 + ent_d.abs() + lv.abs())) / c.temperature
+        if distribution:
+            y_mass = wrow if c.soft else (1 - c.label_smoothing) * wrow + \
+                c.label_smoothing * (cw.sum() if cw is not None else v) / max(v, 1)
+            a_bound = a_bound + g_loss.abs() * y_mass / c.temperature
         tile = tile + TINY[dt] * 2.0 ** -12 * a_bound.max()
-    if rounded and v and c.backend != "cpu" and c.cuda_distributions and c.class_weight and \
-            c.label_smoothing:
+    if rounded and v and distribution:
         # The CUDA soft ops (a target distribution) keep their pivot's entry in fp32: each row's
-        # largest logit (docs/cuda.md "Target distributions"), not the class target's.
-        rows_all = torch.arange(rows)
-        piv = zz.detach().argmax(1)
-        tile[rows_all, piv] = U32 * gu.abs()[rows_all, piv]
+        # largest fp32 logit (docs/cuda.md "Target distributions"), not the class target's.
+        # Where float64's largest two are within their logits' errors of each other, either
+        # can be the pivot, and both keep their 16-bit rounding in the bound.
+        sure = near.sum(1) == 1
+        tile[ra[sure], piv[sure]] = U32 * gu.abs()[ra[sure], piv[sure]]
     elif rounded and v:
         own = valid.nonzero()[:, 0]
         tile[own, t[own]] = U32 * gu.abs()[own, t[own]]
@@ -443,6 +611,39 @@ def reference_and_bounds(c, inputs):
             e = err_gu
         ref["dinput"] = g
         bound["dinput"] = e + UNIT[dt] * g.abs() + TINY[dt]
+    if c.soft_grad:
+        # d obj / d y_c = g (1 - eps) w_c (-log p_c + z_loss lse^2) (the composite path, fp32):
+        # -log p_c = nll_a + (z_a - z_c) carries sum_j |p_j - [j = c]| dz_j from the logits,
+        # lse_x's rounding times q_a, a few ulps of both terms (and of the z-loss's lse^2, whose
+        # lse carries the lse's bound), then one rounding to the targets' dtype.
+        sdt = DTYPES[c.soft_dtype]
+        # -log p_c >= 0 from the pivot (lse - z_c in float64 would cancel where p_c ~ 1)
+        nll_a = flce.reference.logits_cross_entropy(zd, t_key, reduction="none") if v else lv
+        nlp = (nll_a[:, None] + (zd.gather(1, t_key[:, None]) - zd)) if v else zd
+        # sum_{j != c} p_j dz_j + q_c dz_c, q_c = 1 - p_c (the pivot's: q, summed, where
+        # 1 - p_a would cancel)
+        others = (p * dz).sum(1, keepdim=True) - p * dz
+        q_c = 1 - p
+        if v:
+            others[ra, t_key] = (p * dz).scatter(1, t_key[:, None], 0.0).sum(1)
+            q_c[ra, t_key] = q
+        err_lse = (p * dz).sum(1) + 8 * U32 * lv.abs() + FLT_MIN
+        err_nlp = others + q_c * dz + (q * stat[:, 0])[:, None] + 4 * U32 * nlp.abs() + \
+            4 * FLT_MIN
+        err_z = c.z_loss * (2 * lv.abs() * err_lse + 4 * U32 * lv ** 2)
+        per = (g_loss.abs() * (1 - c.label_smoothing))[:, None] * \
+            (cw if cw is not None else torch.ones(max(v, 1), dtype=torch.float64))[:v]
+        gy = torch.zeros_like(zd) if gy is None else gy
+        e_y = per * (err_nlp + err_z[:, None]) + 4 * U32 * gy.abs()
+        shape = inputs["target"].shape
+        if c.entry == "linear" or len(shape) == 2:
+            ref["dtarget"] = gy.reshape(shape)
+            e_y = e_y.reshape(shape)
+        else:
+            lead = (shape[0],) + tuple(shape[2:])
+            ref["dtarget"] = gy.reshape(lead + (shape[1],)).movedim(-1, 1)
+            e_y = e_y.reshape(lead + (shape[1],)).movedim(-1, 1)
+        bound["dtarget"] = e_y + UNIT[sdt] * ref["dtarget"].abs() + TINY[sdt]
     ref["loss"] = ref["loss"].reshape(-1)
     return ref, bound
 
@@ -474,7 +675,9 @@ def check(c):
     bad = []
     for k in ref:
         r, b, x = ref[k], bound[k], got[k].reshape(ref[k].shape)
-        if c.reduction == "mean" and k == "loss" and not (inputs["target"] != -100).any():
+        counted = math.prod(_row_shape(c, inputs)) > 0 if c.soft else \
+            bool((inputs["target"] != -100).any())
+        if c.reduction == "mean" and k == "loss" and not counted:
             ok = bool(torch.isnan(x).all())  # the mean of nothing: NaN, as torch
             if not ok:
                 bad.append(f"{k}: {x.tolist()} where the mean of no token is NaN")
@@ -507,7 +710,8 @@ def _simpler(c):
              "z_loss": 0.0, "softcap": 0.0, "temperature": 1.0, "lse": False, "entropy": False,
              "single_pass": None, "exact_bf16_grad": None, "confident": 0.0, "scale": 1.0, "x_layout": "plain",
              "w_layout": "plain", "t_layout": "plain", "class_dim": 0, "master": False,
-             "reduction": "sum", "cuda_distributions": False}
+             "reduction": "sum", "cuda_distributions": False, "soft_grad": False,
+             "soft_dtype": "fp32", "soft": ""}
     for k, val in plain.items():
         if getattr(c, k) != val:
             yield dataclasses.replace(c, **{k: val})
@@ -564,10 +768,18 @@ def main(argv=None):
     ap.add_argument("--minutes", type=float, default=1.0)
     ap.add_argument("--backend", choices=["cpu", "cuda-host"], default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--soft-fraction", type=float, default=None,
+                    help=f"the fraction of cases with probability targets (default "
+                    f"{SOFT_FRACTION}; 1: all of them)")
     a = ap.parse_args(argv)
+    if a.soft_fraction is not None:
+        globals()["SOFT_FRACTION"] = a.soft_fraction
     t0 = time.monotonic()
     n, fails = fuzz(a.backend, a.minutes * 60, a.seed, log=print)
-    print(f"{n} cases on {a.backend} in {time.monotonic() - t0:.0f} s: {len(fails)} failed")
+    rng = random.Random(f"{a.backend}-{a.seed}")  # (the same draws again, to count)
+    soft = sum(bool(draw(rng, a.backend).soft) for _ in range(n))
+    print(f"{n} cases on {a.backend} in {time.monotonic() - t0:.0f} s ({soft} with probability "
+          f"targets): {len(fails)} failed")
     return 1 if fails else 0
 
 

@@ -89,6 +89,15 @@ REGRESSIONS = {
     "composite_master_weights": Case(seed=665116219, backend="cuda-host", lead=(1,), v=1, d=1,
                                      dtype="bf16", master=True, class_weight=True,
                                      reduction="sum", label_smoothing=0.5, z_loss=0.1),
+    # (the bound's own completeness) a target distribution's pivot entry -g Y q_a + g y_rest
+    # cancels to ~Y/200 of its terms: their fp32 roundings (~1e-7, 5x the bound then) are
+    # absolute there. A probability target (pivot = target's largest class), and class
+    # weights with label smoothing on the CPU's soft ops where the pivot is not the class
+    "soft_pivot_cancellation": Case(seed=197624601, entry="logits", lead=(64,), v=400,
+                                    class_weight=True, reduction="sum", scale=0.5, soft="sharp"),
+    "distribution_pivot_cancellation": Case(seed=510952423, entry="logits", lead=(62,), v=400,
+                                            class_weight=True, reduction="none",
+                                            label_smoothing=0.1, scale=0.5),
 }
 
 
@@ -132,6 +141,20 @@ PLANTED = {
     # the lse 1e-4 off (some 200 fp32 ulps of an lse of ~4)
     "lse_shifted": (Case(seed=12, lead=(16,), v=64, d=16, lse=True, reduction="none"), "lse",
                     lambda x: x + 1e-4),
+    # probability targets: the target gradient -log p_c as torch's lse - z_c, which rounds to 0
+    # in fp32 for the dominant class at margin 60 (float64: ~1e-24)
+    "soft_target_grad_collapsed": (Case(seed=14, lead=(16,), v=64, d=16, reduction="none",
+                                        confident=60.0, soft="onehot", soft_grad=True),
+                                   "dtarget",
+                                   lambda x: torch.where(x.abs() < 1e-6, torch.zeros_like(x), x)),
+    # the soft loss as lse - sum_c y_c z_c: 0 where a sharp target sits on the dominant class
+    "soft_loss_collapsed": (Case(seed=15, entry="logits", lead=(16,), v=64, reduction="none",
+                                 confident=60.0, soft="sharp"), "loss",
+                            lambda x: torch.where(x < 1e-6, torch.zeros_like(x), x)),
+    # the soft target gradient 1e-5 off (bf16 logits, fp32 targets: some 100 fp32 ulps)
+    "soft_target_grad_scaled": (Case(seed=16, entry="logits", lead=(16,), v=64, dtype="bf16",
+                                     soft="dense", soft_grad=True), "dtarget",
+                                lambda x: x * (1 + 1e-5)),
 }
 
 
@@ -173,5 +196,6 @@ def test_cases_cover_the_options():
     for f, want in {"entry": 2, "dtype": 3, "master": 2, "bias": 2, "class_weight": 2,
                     "reduction": 3, "single_pass": 3, "x_layout": 3, "w_layout": 4,
                     "t_layout": 2, "class_dim": 2, "lse": 2, "entropy": 2, "softcap": 3,
-                    "temperature": 3, "confident": 4, "ignore": 3}.items():
+                    "temperature": 3, "confident": 4, "ignore": 3, "soft": 5, "soft_dtype": 3,
+                    "soft_grad": 2, "cuda_distributions": 2}.items():
         assert len(seen[f]) >= want, (f, seen[f])
