@@ -191,8 +191,10 @@ def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, ret
                             "targets before the call")
     v, d = weight.shape
     lead = tuple(target.shape[:-1])
-    x = input.reshape(-1, d)
-    q = target.reshape(-1, v)
+    # (reshape(-1, d) and reshape(-1, v) cannot infer the rows when D = 0 or V = 0)
+    rows = math.prod(lead)
+    x = input.reshape(rows, d)
+    q = target.reshape(rows, v)
     cw = _common.soft_class_weights(class_weight, v, input.dtype)
     if d > 0 and not return_accuracy and not q.requires_grad and \
             not _common.needs_composite(x, weight, bias, q) and _common.fused_distribution(x):

@@ -27,6 +27,7 @@ Entry points:
 Importing this module is cheap: ``torch.distributed`` is used only inside the functions.
 """
 import hashlib
+import math
 import struct
 import sys
 from typing import Callable, NamedTuple
@@ -126,7 +127,7 @@ class _Layout:
     __slots__ = ("vocab_start", "vocab_size", "valid_rows", "starts", "sizes")
 
     def __init__(self, vocab_start, vocab_size, valid_rows, starts, sizes):
-        self.vocab_start = vocab_start  # this rank's first global row
+        self.vocab_start = vocab_start  # this rank's first global row (at most vocab_size)
         self.vocab_size = vocab_size    # global real vocabulary (softmax and smoothing)
         self.valid_rows = valid_rows    # this shard's rows below vocab_size
         self.starts = starts
@@ -246,7 +247,9 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
             raise IndexError(f"flce.parallel: rank {r} has a target of {bad}, out of range for "
                              f"a vocabulary of {vocab_size} (and not ignore_index = "
                              f"{rr[_META_FIELDS.index('ignore_index')]})")
-    start = starts[rank]
+    # A shard wholly in the vocabulary's padding is an empty shard at its end (its ops, the CUDA
+    # single pass's shard check and the class weights' slice, see no row past vocab_size).
+    start = min(starts[rank], vocab_size)
     valid = max(0, min(sizes[rank], vocab_size - start))
     layout = _Layout(start, vocab_size, valid, tuple(starts), tuple(sizes))
     if len(_LAYOUTS) >= _LAYOUT_CACHE_SIZE:
@@ -696,7 +699,8 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             target = _common.shift_target(target, opts.ignore_index)
         if soft:
             lead = tuple(target.shape[:-1])
-            q = target.reshape(-1, weight_local.shape[0])
+            # (not reshape(-1, V_local): an empty shard must reach the exchange on every rank)
+            q = target.reshape(math.prod(lead), weight_local.shape[0])
             x = input.reshape(q.shape[0], d)
             t = None
         else:
@@ -873,7 +877,7 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
     meta, t = None, None
     if error is None:
         lead = tuple(target.shape[:-1] if soft else target.shape)
-        x = _local_rows(logits, logits[..., 0] if soft else target)
+        x = _local_rows(logits, math.prod(lead))
         error = _inplace_error(inplace_backward, x, "logits")
     if error is None:
         t = None if soft else target.reshape(-1).to(torch.int64)
@@ -883,7 +887,7 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
     layout = _layout(group, rank, world, meta, False, check_ranks, error=error, target=t,
                      ignore_index=None if error else opts.ignore_index)
     if distribution:
-        y = _local_rows(target, logits[..., 0]) if soft else t
+        y = _local_rows(target, x.shape[0]) if soft else t
         row_weight = None if soft else _row_weights(class_weight, layout, t, opts.ignore_index)
         tensors = (x, y, _shard_class_weight(class_weight, layout, x.shape[1]), row_weight)
         loss, lse, _, entropy = _per_token(_distribution_ops(layout, opts, logits_level=True),
@@ -976,10 +980,11 @@ def _row_weights(class_weight, layout, t, ignore_index):
                                  torch.float32)[1]
 
 
-def _local_rows(logits, target):
-    """[N, V_local] rows of the logits (a view where the layout allows one).
-    (Not reshape(-1, V_local): an empty shard must reach the exchange's checks on every rank.)"""
-    x = logits.reshape(target.numel(), logits.shape[-1])
+def _local_rows(logits, rows):
+    """[rows, V_local] rows of the logits (a view where the layout allows one).
+    (Not reshape(-1, V_local) nor logits[..., 0]: an empty shard must reach the exchange's checks
+    on every rank.)"""
+    x = logits.reshape(rows, logits.shape[-1])
     return x if x.stride(-1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
@@ -1029,7 +1034,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     meta, t = None, None
     if error is None:
         lead = target.shape
-        logits = _local_rows(vocab_parallel_logits, target)
+        logits = _local_rows(vocab_parallel_logits, target.numel())
         error = _inplace_error(inplace_backward, logits, "vocab_parallel_logits")
     if error is None:
         t = target.reshape(-1).to(torch.int64)

@@ -2,6 +2,8 @@
 option, class weights, label smoothing, every reduction, the gradients of the logits, the
 classifier and the targets themselves; and collapse safety where torch's formula rounds the
 loss to a wrong value (a target concentrated on the dominant class at a large margin)."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,6 +128,23 @@ def test_cross_entropy_layouts_and_outputs(device):
     _close(ent.reshape(-1), -(p * torch.log(p)).sum(1), torch.float32, "entropy")
     assert torch.equal(acc.reshape(-1).cpu(), (z.argmax(1) == yy.argmax(1)).float())
     assert loss.shape == lse.shape == ent.shape == acc.shape == (4, 6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_hidden_size(device):
+    """D = 0 (every logit 0): torch's loss, -sum_c y_c log(1 / V), at every leading shape and
+    reduction, and zero gradients (reshape(-1, 0) of the input raised before)."""
+    _, _, _, y, _ = _inputs(torch.float32, device)
+    for lead, reduction in (((N,), "mean"), ((4, 6), "none"), ((0,), "sum")):
+        target = y[:math.prod(lead)].reshape(*lead, V)
+        x = torch.zeros(*lead, 0, device=device, requires_grad=True)
+        w = torch.zeros(V, 0, device=device, requires_grad=True)
+        loss = flce.linear_cross_entropy(x, w, target, reduction=reduction)
+        ref = F.cross_entropy(torch.zeros(math.prod(lead), V, dtype=torch.float64),
+                              target.double().cpu().reshape(-1, V), reduction=reduction)
+        _close(loss, ref.reshape(loss.shape), torch.float32, f"loss {lead} {reduction}")
+        loss.sum().backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape and not w.grad.any()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -42,6 +42,18 @@ def test_world_size_4():
     _run(4)
 
 
+# The vocab-parallel fuzzer (fuzz_parallel.py): a short seeded run per world size, the same cases
+# every run (about 5 s each); the long run is on demand.
+@pytest.mark.parametrize("world", [2, 3])
+def test_fuzz_short_run(world):
+    import fuzz_parallel
+
+    cases = 400
+    ran, failed, out = fuzz_parallel.fuzz("cpu", world=world, seed=10 * world, minutes=2.0,
+                                          cases=cases)
+    assert failed == 0 and ran == cases, out
+
+
 def test_import_is_cheap_and_plain_tensors_are_not_sharded():
     import subprocess
 
@@ -996,7 +1008,48 @@ def check_distributions(rank, world, group):
     zr = (x[:1] @ w_full.T).detach().requires_grad_()
     flce.cross_entropy(zr, q[:1]).backward()
     torch.testing.assert_close(zl.grad, zr.grad[:, sl], rtol=1e-4, atol=1e-7)
-
+    # The last rank's shard empty: its [n, 0] probabilities and logits (which raised on that
+    # rank alone, an IndexError or a RuntimeError of reshape, while the others waited for it
+    # in the exchange until gloo's timeout).
+    cut = slice(rank * v // (world - 1), (rank + 1) * v // (world - 1)) if rank < world - 1 \
+        else slice(v, v)
+    xs, ws = x.clone().requires_grad_(), w_full[cut].clone().requires_grad_()
+    got = P.vocab_parallel_linear_cross_entropy(xs, ws, q[:, cut].contiguous(), group=group)
+    got.backward()
+    xr = x.clone().requires_grad_()
+    ref = flce.linear_cross_entropy(xr, w_full, q)
+    ref.backward()
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-6)
+    assert ws.grad.shape == (ws.shape[0], d)
+    z = (x @ w_full.T).detach()
+    zl = z[:, cut].contiguous().requires_grad_()
+    got = P.cross_entropy(zl, q[:, cut].contiguous(), group=group, reduction="none")
+    got.sum().backward()
+    zr = z.clone().requires_grad_()
+    ref = flce.cross_entropy(zr, q, reduction="none")
+    ref.sum().backward()
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(zl.grad, zr.grad[:, cut], rtol=1e-4, atol=1e-7)
+    # Vocabulary padding (3 rows past vocab_size) at the end of the second-to-last rank's shard,
+    # and the last rank's shard empty, after it: with class weights, the last rank's slice of
+    # them started past the vocabulary (an IndexError on that rank alone).
+    pad = torch.randn(3, d, generator=g) / d ** 0.5
+    w_local, q_local = w_full[cut], q[:, cut]
+    if rank == world - 2:
+        w_local, q_local = torch.cat([w_local, pad]), torch.cat([q_local, torch.zeros(n, 3)], 1)
+    for target, local in ((q, q_local), (t, t)):
+        xs, ws = x.clone().requires_grad_(), w_local.clone().requires_grad_()
+        got = P.vocab_parallel_linear_cross_entropy(xs, ws, local.contiguous(), group=group,
+                                                    vocab_size=v, class_weight=cw,
+                                                    label_smoothing=0.1)
+        got.backward()
+        xr = x.clone().requires_grad_()
+        ref = flce.linear_cross_entropy(xr, w_full, target, class_weight=cw, label_smoothing=0.1)
+        ref.backward()
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-6)
+        assert rank != world - 2 or not ws.grad[-3:].any()
 
 
 def check_dtensor_distributions(rank, world, group):

@@ -42,6 +42,23 @@ def test_single_pass_world_size_3_with_an_empty_shard():
     _run(3)
 
 
+def test_fuzz_short_run():
+    """fuzz_parallel.py on the emulated CUDA backend (its single pass and target distributions
+    over the shards): a short seeded run."""
+    import cuda_emulation
+    import fuzz_parallel
+
+    try:
+        cuda_emulation.load()
+    except cuda_emulation.Unavailable as e:
+        if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
+            raise
+        pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
+    cases = 150
+    ran, failed, out = fuzz_parallel.fuzz("cuda-host", world=2, seed=7, minutes=3.0, cases=cases)
+    assert failed == 0 and ran == cases, out
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker side.
 # ---------------------------------------------------------------------------------------------
