@@ -8,8 +8,8 @@ row statistics of its shard (``flce::partial_stats``: ``[N, 5]`` fp32, the non-t
 sum-exp, the target logit if the rank owns it, the logit sum, the entropy's sum), ONE
 all-gather, ``flce::combine`` into the collapse-safe loss (the same math as on one device), and
 a backward local to the rank from the combined statistics (``flce::backward``: ``dC`` stays
-local, ``dE`` is summed over the group in fp32 and rounded once). A group of one rank is the single-device call: the same
-ops, no collective. See docs/parallel.md.
+local, ``dE`` is summed over the group in fp32 and rounded once). A group of one rank is the
+single-device call: the same ops, no collective. See docs/parallel.md.
 
 Entry points:
 

@@ -1,25 +1,25 @@
 """Differential fuzzer of the vocab-parallel entry points (flce.parallel) over a gloo group.
 
 Each case is drawn from a seed, the same on every rank: the entry point
-(``vocab_parallel_linear_cross_entropy``, or ``flce.parallel.cross_entropy`` on the rank's logit
-columns), sizes with tails, dtype and fp32 master weights, bias, class targets with ignored rows
-or probability targets, class weights, reduction, label smoothing, z-loss, softcap, temperature,
-lse / entropy / accuracy outputs, ``shift``, ``sequence_parallel``, ``reduce_input_grad=False``,
-vocabulary padding rows (``vocab_size``), and even, uneven or empty shards; on "cuda-host" (the
-CUDA backend under the host emulation, tests/cuda_emulation.py, with its opt-in target
-distributions) also ``single_pass``. Every output and every gradient, through a random upstream
-of each output, is compared with float64 (flce's own single-device call on float64 copies of the
-inputs: the composite path, torch ops of the collapse-safe formulas, which the single-device
-tests hold to ``flce.reference``) and held, norm-wise, to ``(1 + R)`` times the larger of the
-single-device call's error in the same dtype and the output dtype's rounding floor, as
-tests/parallel/test_parallel.py ``_close_to_single`` (R ranks merge the row statistics with up to
-R roundings; a lost term, a wrong shard offset or a gradient rounded twice is far outside it),
-the floor at least 16 fp32 ulps. It checks the plumbing over the shards (offsets, padding, the
-exchange, the collectives, the reduction of dE); the per-element numerics of each op are
-tests/fuzz.py's.
-With ``reduce_input_grad=False`` the ranks' parts of dE are summed here in float64, and the bound
-gains their own rounding (each part is in the input's dtype). Padding rows must get exactly zero
-gradient.
+(``vocab_parallel_linear_cross_entropy``, ``flce.parallel.cross_entropy`` on the rank's logit
+columns, or ``flce.linear_cross_entropy`` with a DTensor classifier ``Shard(0)`` and a plain or
+replicated DTensor input), sizes with tails, dtype and fp32 master weights, bias, class targets
+with ignored rows or probability targets, class weights, reduction, label smoothing, z-loss,
+softcap, temperature, lse / entropy / accuracy outputs, ``shift``, ``sequence_parallel``,
+``reduce_input_grad=False``, vocabulary padding rows (``vocab_size``), and even, uneven or empty
+shards; on "cuda-host" (the CUDA backend under the host emulation, tests/cuda_emulation.py, with
+its opt-in target distributions) also ``single_pass``. Every output and every gradient, through
+a random upstream of each output, is compared with float64 (flce's own single-device call on
+float64 copies of the inputs: the composite path, torch ops of the collapse-safe formulas, which
+the single-device tests hold to ``flce.reference``) and held, norm-wise, to ``(1 + R)`` times
+the larger of the single-device call's error in the same dtype and the output dtype's rounding
+floor, as tests/parallel/test_parallel.py ``_close_to_single`` (R ranks merge the row statistics
+with up to R roundings; a lost term, a wrong shard offset or a gradient rounded twice is far
+outside it), the floor at least 16 fp32 ulps. It checks the plumbing over the shards (offsets,
+padding, the exchange, the collectives, the reduction of dE); the per-element numerics of each
+op are tests/fuzz.py's. With ``reduce_input_grad=False`` the ranks' parts of dE are summed here
+in float64, and the bound gains their own rounding (each part is in the input's dtype). Padding
+rows must get exactly zero gradient.
 
     python tests/parallel/fuzz_parallel.py --minutes 5 [--backend cuda-host] [--world 3]
                                            [--seed S] [--cases K]
@@ -31,6 +31,7 @@ the case). The suite runs a short seeded run of each backend
 (tests/parallel/test_parallel.py ``test_fuzz_short_run``).
 """
 import argparse
+import math
 import os
 import random
 import sys
@@ -46,11 +47,12 @@ UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0
 def draw(seed, world, backend):
     """The options of case ``seed`` (plain values: every rank draws the same)."""
     rng = random.Random(seed)
-    c = dict(seed=seed, entry=rng.choice(["linear", "linear", "logits"]),
+    c = dict(seed=seed, entry=rng.choice(["linear", "linear", "logits", "dtensor"]),
              n=rng.choice([1, 3, 9, 17, 40]), v=rng.choice([world, 5, 33, 130]),
              d=rng.choice([1, 4, 16]), dtype=rng.choice(["fp32", "bf16", "fp16"]))
-    c["master"] = c["dtype"] != "fp32" and c["entry"] == "linear" and rng.random() < 0.4
-    c["bias"] = c["entry"] == "linear" and rng.random() < 0.4
+    linear = c["entry"] != "logits"
+    c["master"] = c["dtype"] != "fp32" and linear and rng.random() < 0.4
+    c["bias"] = linear and rng.random() < 0.4
     c["soft"] = rng.random() < 0.3
     c["class_weight"] = rng.random() < 0.3
     c["reduction"] = rng.choice(["mean", "sum", "none"])
@@ -60,15 +62,17 @@ def draw(seed, world, backend):
     c["temperature"] = rng.choice([1.0, 0.5, 1.7])
     c["return_lse"], c["return_entropy"] = rng.random() < 0.3, rng.random() < 0.3
     c["ignore"] = rng.random() < 0.3
-    c["shards"] = rng.choice(["even", "uneven", "empty"])
+    # (a DTensor Shard(0) splits as torch.chunk: "even")
+    c["shards"] = rng.choice(["even", "uneven", "empty"]) if c["entry"] != "dtensor" else "even"
     distribution = c["soft"] or (c["class_weight"] and c["label_smoothing"] > 0)
     c["return_accuracy"] = rng.random() < 0.2 and not distribution
-    c["shift"] = rng.random() < 0.2 and not distribution and c["entry"] == "linear"
+    c["shift"] = rng.random() < 0.2 and not distribution and linear
     c["sequence_parallel"] = (c["entry"] == "linear" and not distribution and not c["shift"]
                               and world > 1 and rng.random() < 0.3)
     c["reduce_input_grad"] = not (c["entry"] == "linear" and not c["sequence_parallel"]
                                   and rng.random() < 0.25)
     c["padding"] = rng.choice([0, 0, 0, 3]) if c["entry"] == "linear" else 0
+    c["dtensor_input"] = c["entry"] == "dtensor" and rng.random() < 0.5
     c["single_pass"] = rng.choice([None, None, False]) if backend == "cuda-host" else None
     if c["sequence_parallel"]:
         c["n"] = world * max(1, c["n"] // world)
@@ -99,6 +103,18 @@ def _norm_err(a, ref):
         return float("inf")
     scale = ref.norm().item()
     return (a - ref).norm().item() / scale if scale > 0 else (a - ref).norm().item()
+
+
+_MESHES = {}
+
+
+def _mesh(world):
+    """The 1-D CPU device mesh of the group (made once per process)."""
+    if world not in _MESHES:
+        from torch.distributed.tensor import init_device_mesh
+
+        _MESHES[world] = init_device_mesh("cpu", (world,))
+    return _MESHES[world]
 
 
 def run_case(c, rank, world, group):
@@ -162,6 +178,21 @@ def run_case(c, rank, world, group):
 
     ref_out, ref_grads = single(torch.float64, torch.float64)
     one_out, one_grads = single(dtype, wdt)
+    acc = None
+    if c["entry"] != "logits":
+        # |d total / d u| in float64 (u = x w^T + b, the raw logits) and the magnitudes of the
+        # gradient GEMMs' sums: an fp32 accumulation (and a gradient tile rounded to a 16-bit
+        # compute dtype) errs by a few units of them, whatever the ranks' split of the sums,
+        # which may cancel (a single-device call can be luckier there).
+        x64, w64 = x.to(dtype).double(), w[:v].to(wdt).double()
+        u = x64 @ w64.T + (b[:v].to(wdt).double() if c["bias"] else 0)
+        target = q if c["soft"] else flce._common.shift_target(t, -100) if c["shift"] else t
+        up.manual_seed(c["seed"] + 1)
+        _, (gu,) = call(lambda u: flce.cross_entropy(u, target, cw, **opts),
+                        leaf(u, torch.float64))
+        dz = gu.abs()
+        k = (math.ceil(math.log2(2 * (v + n))) + 4 + world) * UNIT[dtype]
+        acc = (k * (dz @ w64.abs()), k * (dz.T @ x64.abs()), k * dz.sum(0))
 
     # The vocab-parallel call.
     cw32 = None if cw is None else cw.float()
@@ -172,7 +203,30 @@ def run_case(c, rank, world, group):
         tp_out, tp_grads = call(lambda z: fp.cross_entropy(z, target, group=group,
                                                            class_weight=cw32, **opts),
                                 leaf(z[:, lo:hi], dtype))
-        pairs = [("d logits", tp_grads[0], one_grads[0][:, lo:hi], ref_grads[0][:, lo:hi])]
+        pairs = [("d logits", tp_grads[0], one_grads[0][:, lo:hi], ref_grads[0][:, lo:hi],
+                  None)]
+    elif c["entry"] == "dtensor":
+        # flce.linear_cross_entropy with the classifier (and bias) a DTensor Shard(0) of the
+        # whole vocabulary; the input plain or a replicated DTensor; full targets.
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+        mesh = _mesh(world)
+
+        def dleaf(a, dt, placement):
+            return distribute_tensor(a.to(dt), mesh, [placement]).requires_grad_()
+
+        def full(a):
+            return a.full_tensor() if isinstance(a, DTensor) else a
+
+        target = q.float() if c["soft"] else t
+        xd = dleaf(x, dtype, Replicate()) if c["dtensor_input"] else leaf(x.to(dtype), dtype)
+        tp_out, tp_grads = call(
+            lambda x, w, b: flce.linear_cross_entropy(x, w, target, bias=b, class_weight=cw32,
+                                                      shift=c["shift"], **opts),
+            xd, dleaf(w[:v], wdt, Shard(0)), dleaf(b[:v], wdt, Shard(0)) if c["bias"] else None)
+        tp_out = [full(o) for o in tp_out]
+        pairs = [(name, full(a), o, r, slack) for name, a, o, r, slack in
+                 zip(("dE", "dW", "db"), tp_grads, one_grads, ref_grads, acc) if a is not None]
     else:
         m = n // world if c["sequence_parallel"] else n
         tok = slice(rank * m, (rank + 1) * m) if c["sequence_parallel"] else slice(None)
@@ -188,22 +242,23 @@ def run_case(c, rank, world, group):
                 reduce_input_grad=c["reduce_input_grad"], **opts, **extra),
             leaf(x.to(dtype)[tok], dtype), leaf(w[lo:hi].to(wdt), wdt),
             leaf(b[lo:hi], wdt) if c["bias"] else None)
-        k = max(0, min(hi, v) - lo)  # the shard's rows in the vocabulary; padding after them
-        ge, parts = tp_grads[0], None
+        rows_in = max(0, min(hi, v) - lo)  # the shard's rows in the vocabulary; padding after
+        ge, slack = tp_grads[0], acc[0][tok]
         if not c["reduce_input_grad"] and ge is not None:
+            # the caller's sum of the ranks' parts, each rounded to the input's dtype
             parts = ge.double()
             gathered = [torch.empty_like(parts) for _ in range(world)]
             dist.all_gather(gathered, parts, group=group)
             ge = torch.stack(gathered).sum(0)
-            parts = torch.stack(gathered).abs().sum(0)
-        pairs = [("dE", ge, one_grads[0][tok], ref_grads[0][tok], parts)]
+            slack = slack + UNIT[dtype] * torch.stack(gathered).abs().sum(0)
+        pairs = [("dE", ge, one_grads[0][tok], ref_grads[0][tok], slack)]
         for i, name in ((1, "dW"), (2, "db")):
             if tp_grads[i] is None:
                 continue
-            if tp_grads[i][k:].ne(0).any():
-                pairs.append((f"{name} padding rows", float("inf"), None, None))
-            pairs.append((name, tp_grads[i][:k], one_grads[i][lo:lo + k],
-                          ref_grads[i][lo:lo + k]))
+            if tp_grads[i][rows_in:].ne(0).any():
+                pairs.append((f"{name} padding rows", float("inf"), None, None, None))
+            pairs.append((name, tp_grads[i][:rows_in], one_grads[i][lo:lo + rows_in],
+                          ref_grads[i][lo:lo + rows_in], acc[i][lo:lo + rows_in]))
 
     bad = []
     # An fp32 computation's own error: each row's logsumexp (m + log s) carries a few ulps of its
@@ -215,7 +270,7 @@ def run_case(c, rank, world, group):
         floor = max(_norm_err(r.to(a.dtype), r), floor_min)
         if not e_tp <= (1 + world) * max(e_one, floor):
             bad.append(f"output {i}: {e_tp:.3g} vs single-device {e_one:.3g}, floor {floor:.3g}")
-    for name, a, o, r, *rest in pairs:
+    for name, a, o, r, slack in pairs:
         if isinstance(a, float):
             bad.append(name + " not zero")
             continue
@@ -224,9 +279,9 @@ def run_case(c, rank, world, group):
         e_tp, e_one = _norm_err(a, r), _norm_err(o, r)
         floor = max(_norm_err(r.to(o.dtype), r), floor_min)
         bound = (1 + world) * max(e_one, floor)
-        if rest and rest[0] is not None:  # the caller-reduced parts, each rounded
+        if slack is not None:  # absolute, per element: relative to ref's norm as e_tp
             scale = r.double().norm().item()
-            bound += UNIT[dtype] * rest[0].norm().item() / (scale if scale > 0 else 1.0)
+            bound += slack.norm().item() / (scale if scale > 0 else 1.0)
         if not e_tp <= bound:
             bad.append(f"{name}: {e_tp:.3g} > bound {bound:.3g} (single-device {e_one:.3g}, "
                        f"floor {floor:.3g})")
@@ -276,6 +331,11 @@ def worker(args):
     if rank == 0:
         print(f"cases {cases} failures {failures}", flush=True)
     dist.destroy_process_group()
+    # (interpreter teardown skipped: a process group's background thread still joinable at exit
+    # can abort a finished run, as tests/parallel/test_parallel.py's workers say)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def fuzz(backend="cpu", world=2, seed=0, minutes=1.0, cases=10 ** 9, trace=False):
@@ -290,8 +350,11 @@ def fuzz(backend="cpu", world=2, seed=0, minutes=1.0, cases=10 ** 9, trace=False
     args = ["--worker", "--backend", backend, "--seed", str(seed), "--minutes", str(minutes),
             "--cases", str(cases)] + (["--trace"] if trace else [])
     results = launch(HERE, world, args=args, timeout=minutes * 60 + 180)
-    out = "\n".join(f"--- rank {r} (exit {rc}) ---\n{text[-8000:]}"
-                    for r, (rc, text) in enumerate(results))
+    # Every failure's lines in full (a long --trace run's tail would lose them), then the tails.
+    fails = [line for _, text in results for line in text.splitlines()
+             if line.startswith(("FAIL", "  "))]
+    out = "\n".join(fails[:400] + [f"--- rank {r} (exit {rc}) ---\n{text[-8000:]}"
+                                   for r, (rc, text) in enumerate(results)])
     summary = [line for line in results[0][1].splitlines() if line.startswith("cases ")]
     if not summary or any(rc != 0 for rc, _ in results):
         return 0, -1, out
