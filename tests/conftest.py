@@ -51,11 +51,6 @@ def _cuda_host_routing(request):
                                                   "too large for the host emulation"))
     import cuda_emulation as cuda_host
 
-    try:
-        cuda_host.load()
-    except cuda_host.Unavailable as e:
-        if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
-            raise
-        pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
+    cuda_host.load_or_skip()
     with cuda_host.routed():
         yield

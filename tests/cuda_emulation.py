@@ -9,7 +9,8 @@ for cuBLAS.
 
 ``load()`` builds it once per source state under ``build/cuda_host/`` (torch's JIT extension
 builder, ninja) and registers its fake kernels and autograd. The build needs the CUDA headers
-(cuda_runtime.h, cuda_bf16.h), not a GPU; without them ``load()`` raises ``Unavailable``.
+(cuda_runtime.h, cuda_bf16.h), not a GPU; without them ``load()`` raises ``Unavailable``
+(``load_or_skip()``: a test skips, or fails under FLCE_REQUIRE_CUDA_HOST=1).
 FLCE_CUDA_HOST_RACECHECK=1 builds the kernels with the shared-memory race detector;
 FLCE_CUDA_HOST_MUTANT=PATH builds it with one launch-sequence file (csrc/cuda/NAME.cpp) replaced by
 PATH, a mutated copy (tests/cuda/test_driver_mutations.py).
@@ -108,6 +109,19 @@ def load():
         flce._ops.register(NAMESPACE, lambda t: True)
         load._registered = True
     return getattr(torch.ops, NAMESPACE)
+
+
+def load_or_skip():
+    """load() for a test: where the emulation cannot be built here, skip the test, or (CI:
+    FLCE_REQUIRE_CUDA_HOST=1) fail it."""
+    import pytest
+
+    try:
+        return load()
+    except Unavailable as e:
+        if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
+            raise
+        pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
 
 
 @contextlib.contextmanager

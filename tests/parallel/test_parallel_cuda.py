@@ -10,7 +10,6 @@ match one process on the whole vocabulary (the same emulated backend) and float6
 import os
 import sys
 
-import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,12 +24,7 @@ HERE = os.path.abspath(__file__)
 def _run(world_size, timeout=240.0):
     import cuda_emulation
 
-    try:
-        cuda_emulation.load()  # built once here; the ranks load the cached module
-    except cuda_emulation.Unavailable as e:
-        if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
-            raise
-        pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
+    cuda_emulation.load_or_skip()  # built once here; the ranks load the cached module
     run_checked(HERE, world_size, timeout=timeout)
 
 
@@ -48,12 +42,7 @@ def test_fuzz_short_run():
     import cuda_emulation
     import fuzz_parallel
 
-    try:
-        cuda_emulation.load()
-    except cuda_emulation.Unavailable as e:
-        if os.environ.get("FLCE_REQUIRE_CUDA_HOST") == "1":
-            raise
-        pytest.skip(f"host-emulated CUDA backend unavailable: {e}")
+    cuda_emulation.load_or_skip()
     cases = 150
     ran, failed, out = fuzz_parallel.fuzz("cuda-host", world=2, seed=7, minutes=3.0, cases=cases)
     assert failed == 0 and ran == cases, out
