@@ -172,6 +172,33 @@ def _check_compiled(rank, sizes, start):
     print(f"rank {rank} compiled single pass: ok")
 
 
+def _check_padding_shard(rank, world):
+    """Vocabulary padding on the single pass: at 3 ranks the last rank's shard is wholly in it,
+    its start past vocab_size (the op's shard check raised on that rank alone, the others
+    waiting in the op's all-gather); at 2, partly. The loss and gradients of one process on the
+    real vocabulary, and zero gradient on the padding rows."""
+    import flce
+    import flce.parallel as fp
+
+    g = torch.Generator().manual_seed(5)
+    v, rows = 90, 48  # rows per rank: the last rank holds rows [48 (R - 1), 48 R), past v
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(rows * world, D, generator=g) / D ** 0.5
+    t = torch.randint(0, v, (N,), generator=g)
+    xs, ws = x.clone().requires_grad_(), w[rank * rows:(rank + 1) * rows].clone().requires_grad_()
+    loss = fp.vocab_parallel_linear_cross_entropy(xs, ws, t, vocab_size=v)
+    loss.backward()
+    x1, w1 = x.clone().requires_grad_(), w[:v].clone().requires_grad_()
+    loss1 = flce.linear_cross_entropy(x1, w1, t)
+    loss1.backward()
+    assert abs(loss.item() - loss1.item()) <= 1e-6 * abs(loss1.item()), (loss, loss1)
+    assert _rel(xs.grad, x1.grad) < 1e-5
+    real = max(0, min(rows, v - rank * rows))
+    assert real == 0 or _rel(ws.grad[:real], w1.grad[rank * rows:rank * rows + real]) < 1e-5
+    assert not ws.grad[real:].any()
+    print(f"rank {rank} padding shard: ok")
+
+
 def _worker():
     import torch.distributed as dist
 
@@ -238,6 +265,7 @@ def _worker():
         _check_rl_outputs(rank, sizes, start, "cuda-host")
         _check_fused(rank, sizes, start)
         _check_compiled(rank, sizes, start)
+        _check_padding_shard(rank, world)
         solo = dist.new_group([0])  # (on every rank)
         if rank == 0:
             check_one_rank(solo)  # the single pass of one rank: no group in the op
