@@ -268,12 +268,9 @@ def run_case(c, rank, world, group):
     # largest logit, merged over the ranks with up to R more roundings, and a reduced loss adds
     # the rows' (the single-device call may be luckier on a given case).
     floor_min = 16 * UNIT[torch.float32]
-    for i, (a, o, r) in enumerate(zip(tp_out, one_out, ref_out)):
-        e_tp, e_one = _norm_err(a, r), _norm_err(o, r)
-        floor = max(_norm_err(r.to(a.dtype), r), floor_min)
-        if not e_tp <= (1 + world) * max(e_one, floor):
-            bad.append(f"output {i}: {e_tp:.3g} vs single-device {e_one:.3g}, floor {floor:.3g}")
-    for name, a, o, r, slack in pairs:
+    outputs = [(f"output {i}", a, o, r, None)
+               for i, (a, o, r) in enumerate(zip(tp_out, one_out, ref_out))]
+    for name, a, o, r, slack in outputs + pairs:
         if isinstance(a, float):
             bad.append(name + " not zero")
             continue
