@@ -99,10 +99,29 @@ def test_family_loss_and_grads_match_unpatched(family):
     _assert_close_to_oracle(family + " grad-accum", got, ref, oracle)
 
 
-def test_moe_router_aux_loss_is_added():
-    config = transformers.AutoConfig.for_model(
-        "mixtral", **{**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2,
-                      "output_router_logits": True, "router_aux_loss_coef": 0.5})
+def _moe_config(kind):
+    """Tiny MoE configs whose router loss is added with a coefficient of 0.5, spelt as each
+    model spells it: Mixtral's config.router_aux_loss_coef, JetMoE's config.aux_loss_coef,
+    DBRX's config.ffn_config.moe_loss_weight (each model keeps it as an attribute)."""
+    if kind == "mixtral":
+        return transformers.AutoConfig.for_model(
+            "mixtral", **{**COMMON, "num_local_experts": 4, "num_experts_per_tok": 2,
+                          "output_router_logits": True, "router_aux_loss_coef": 0.5})
+    if kind == "jetmoe":
+        return transformers.JetMoeConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+            kv_channels=16, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1,
+            output_router_logits=True, aux_loss_coef=0.5)
+    return transformers.DbrxConfig(
+        vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=1, max_seq_len=64,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        output_router_logits=True,
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=2, moe_top_k=1, moe_loss_weight=0.5))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "jetmoe", "dbrx"])
+def test_moe_router_aux_loss_is_added(kind):
+    config = _moe_config(kind)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     ids, mask, labels = batch()
@@ -153,6 +172,10 @@ def test_logits_only_when_asked_and_inference_unchanged():
     tup = model(ids, mask, labels=labels, return_dict=False)
     assert isinstance(tup, tuple) and tup[0].dim() == 0
     torch.testing.assert_close(tup[0], ref.loss, rtol=1e-5, atol=0)
+    # the unpatched tuple's places: (loss, logits, cache), the logits None in training
+    assert tup[1] is None and len(tup) == len(ref.to_tuple())
+    tup = model(ids, mask, labels=labels, return_dict=False, return_logits=True)
+    torch.testing.assert_close(tup[1], ref.logits, rtol=0, atol=0)
 
 
 def test_logits_to_keep_and_shift_labels():
@@ -196,6 +219,33 @@ def test_patch_class_string_context_manager_and_unpatch():
         with flce.patched(cls):
             assert model(input_ids=ids, labels=labels).logits is None
         assert cls.forward is original
+    finally:
+        flce.unpatch(cls)
+
+
+def test_patching_again_sets_return_logits_and_class_patches_check_instances():
+    ids, mask, labels = batch()
+    model = flce.patch(tiny_model("llama"), return_logits=True)
+    assert model(input_ids=ids, labels=labels).logits is not None
+    flce.patch(model, return_logits=False)  # (ignored before: the first setting stayed)
+    assert model(input_ids=ids, labels=labels).logits is None
+    with flce.patched(model, return_logits=True):
+        assert model(input_ids=ids, labels=labels).logits is not None
+    assert model(input_ids=ids, labels=labels).logits is None  # (the setting before the block)
+    flce.unpatch(model)
+    cls = transformers.LlamaForCausalLM
+    try:
+        flce.patch(cls)
+        # an instance the instance patch would refuse (its own loss_function) is refused here too
+        odd = tiny_model("llama")
+        odd.loss_function = lambda *a, **k: torch.zeros(())
+        with pytest.raises(TypeError, match="loss_function"):
+            odd(input_ids=ids, labels=labels)
+        model = tiny_model("llama")
+        flce.patch(model, return_logits=True)  # the instance's setting, over its class's
+        assert model(input_ids=ids, labels=labels).logits is not None
+        with pytest.raises(ValueError, match="unpatch the class"):
+            flce.unpatch(model)
     finally:
         flce.unpatch(cls)
 
@@ -253,6 +303,17 @@ def test_unknown_logit_transform_is_refused_not_dropped():
     ids, mask, labels = batch()
     with pytest.raises(RuntimeError, match="changes them in a way flce does not reproduce"):
         model(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_unknown_logit_transform_is_refused_in_eval_too():
+    # The first call may keep its logits (eval mode, return_logits=True): they are checked
+    # there, rather than an evaluation before the first training step reporting another loss.
+    for call in (lambda m, *a: m.eval()(input_ids=a[0], attention_mask=a[1], labels=a[2]),
+                 lambda m, *a: m(input_ids=a[0], attention_mask=a[1], labels=a[2],
+                                 return_logits=True)):
+        model = flce.patch(_DoubledLogits(tiny_model("llama").config))
+        with pytest.raises(RuntimeError, match="changes them in a way flce does not reproduce"):
+            call(model, *batch())
 
 
 def test_models_with_their_own_loss_are_refused():

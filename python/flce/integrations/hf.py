@@ -32,8 +32,9 @@ from ..api import linear_cross_entropy
 __all__ = ["patch", "unpatch", "patched", "causal_lm_loss"]
 
 _IGNORE_INDEX = -100
-# Classes patched with ``patch(cls)``: class -> its original forward.
+# Classes patched with ``patch(cls)``: class -> its original forward, and its return_logits.
 _PATCHED_CLASSES = {}
+_CLASS_RETURN_LOGITS = {}
 
 
 class _HeadState:
@@ -161,6 +162,8 @@ def patch(model, *, return_logits=None):
         return_logits: whether forward calls that get ``labels`` also return the logits. ``None``
             (default): only in eval mode (``model.training`` False); in training ``logits`` is
             ``None`` and never materialized. A call can override it with ``return_logits=``.
+            Patching a patched model again sets it anew (an instance's setting wins over its
+            class's).
 
     Calls without ``labels`` (generation, inference) are unchanged.
     """
@@ -171,18 +174,25 @@ def patch(model, *, return_logits=None):
         model = _resolve_class(model)
     if isinstance(model, type):
         _check_class(model)
+        _CLASS_RETURN_LOGITS[model] = return_logits
         if model not in _PATCHED_CLASSES:
             original = model.forward
             _PATCHED_CLASSES[model] = original
+            cls = model
 
             @functools.wraps(original)
             def forward(self, *args, **kwargs):
-                return _forward(self, original.__get__(self), args, kwargs, return_logits)
+                if not vars(self).get("_flce_checked"):
+                    _check_instance(self)  # (its head and loss_function, once per instance)
+                    self._flce_checked = True
+                keep = vars(self).get("_flce_return_logits", _CLASS_RETURN_LOGITS[cls])
+                return _forward(self, original.__get__(self), args, kwargs, keep)
 
             model.forward = forward
         return model
     head = _check_instance(model)
     if _is_patched(model):
+        model._flce_return_logits = return_logits
         return model
     _install_hook(head)
     # Keep a forward someone else set on the instance (accelerate's autocast wrapper, say).
@@ -211,12 +221,16 @@ def unpatch(model):
         model = _resolve_class(model)
     if isinstance(model, type):
         original = _PATCHED_CLASSES.pop(model, None)
+        _CLASS_RETURN_LOGITS.pop(model, None)
         if original is not None:
             model.forward = original
         return model
+    if "_flce_previous_forward" not in vars(model) and type(model) in _PATCHED_CLASSES:
+        raise ValueError(f"flce.unpatch: {type(model).__name__} is patched as a class "
+                         f"(flce.patch({type(model).__name__})): unpatch the class")
+    vars(model).pop("_flce_return_logits", None)
     if "_flce_previous_forward" in vars(model):
         previous = vars(model).pop("_flce_previous_forward")
-        vars(model).pop("_flce_return_logits", None)
         if previous is None:
             del model.forward
         else:
@@ -237,18 +251,32 @@ class patched:
         self.model = model
         self.return_logits = return_logits
         self._was_patched = False
+        self._restore = None
 
     def __enter__(self):
         m = self.model
         cls = _resolve_class(m) if isinstance(m, str) else m
-        self._was_patched = (cls in _PATCHED_CLASSES if isinstance(cls, type)
-                             else _is_patched(cls))
+        if isinstance(cls, type):
+            self._was_patched = cls in _PATCHED_CLASSES
+            keep = _CLASS_RETURN_LOGITS.get(cls)
+            self._restore = lambda: _CLASS_RETURN_LOGITS.__setitem__(cls, keep)
+        else:
+            self._was_patched = _is_patched(cls)
+            keep = vars(cls).get("_flce_return_logits", _patch_missing)
+            self._restore = lambda: (vars(cls).pop("_flce_return_logits", None)
+                                     if keep is _patch_missing
+                                     else setattr(cls, "_flce_return_logits", keep))
         return patch(m, return_logits=self.return_logits)
 
     def __exit__(self, *exc):
         if not self._was_patched:
             unpatch(self.model)
+        else:
+            self._restore()  # (the setting the model had before the block)
         return False
+
+
+_patch_missing = object()
 
 
 def _forward(model, original, args, kwargs, return_logits):
@@ -272,9 +300,9 @@ def _forward(model, original, args, kwargs, return_logits):
     head = model.get_output_embeddings()
     state = _install_hook(head)
     # Once per model, in eager mode: check that its logits are what flce computes from the
-    # config (catches a logit transform this module does not know, instead of dropping it).
-    probe = not (state.verified or want_logits or torch.compiler.is_compiling()
-                 or _is_dtensor(head.weight))
+    # config (catches a logit transform this module does not know, instead of dropping it): one
+    # position per sequence, or the first of the logits a call keeps.
+    probe = not (state.verified or torch.compiler.is_compiling() or _is_dtensor(head.weight))
     state.active, state.keep_logits, state.probe, state.hidden = True, bool(want_logits), probe, None
     try:
         out = original(*args, labels=None, return_dict=True, **kwargs)
@@ -296,14 +324,33 @@ def _forward(model, original, args, kwargs, return_logits):
                           logits_to_keep=kwargs.get("logits_to_keep", 0))
     aux_loss = getattr(out, "aux_loss", None)
     if aux_loss is not None:
-        coef = getattr(_text_config(model), "router_aux_loss_coef", 0.0)
-        loss = loss + coef * aux_loss.to(loss.device)
+        loss = loss + _aux_loss_coef(model) * aux_loss.to(loss.device)
 
     fields = dict(out)
     fields["loss"] = loss
     fields["logits"] = out.logits if want_logits else None
     out = type(out)(**fields)
-    return out if return_dict else out.to_tuple()
+    if return_dict:
+        return out
+    # transformers' tuple (to_tuple drops None fields): loss, then the logits' place kept (None
+    # where they are not returned), then the rest, as the unpatched model's (loss, logits, ...).
+    rest = type(out)(**{k: v for k, v in fields.items() if k not in ("loss", "logits")})
+    return (loss, fields["logits"]) + rest.to_tuple()
+
+
+def _aux_loss_coef(model):
+    """The coefficient the model adds its MoE router loss with (``loss += coef * aux_loss`` in
+    its forward): the attribute its ``__init__`` sets (``router_aux_loss_coef``; JetMoE's
+    ``aux_loss_coef``; DBRX's from ``ffn_config.moe_loss_weight``), else its config's."""
+    config = _text_config(model)
+    for owner, name in ((model, "router_aux_loss_coef"), (model, "aux_loss_coef"),
+                        (config, "router_aux_loss_coef"), (config, "aux_loss_coef")):
+        coef = getattr(owner, name, None)
+        if isinstance(coef, (int, float)):
+            return coef
+    raise RuntimeError(f"flce.patch: {type(model).__name__} returns a router aux_loss, but flce "
+                       "does not know the coefficient it adds it with; it is not supported "
+                       "(unpatch it)")
 
 
 def _text_config(model):
@@ -343,6 +390,7 @@ def _check_logits(model, logits, hidden, weight, bias, scale, softcap):
     """Compare the model's logits for the probed positions with flce's view of its head."""
     probe = hidden[..., :1, :]
     expected = F.linear(probe, weight, bias).float()
+    logits = None if logits is None else logits[..., :1, :]
     if scale is not None:
         expected = expected * scale
     if softcap is not None:
