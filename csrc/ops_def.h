@@ -117,6 +117,10 @@ inline void define_ops(torch::Library& m) {
       "Tensor? class_weight, Tensor? z_weight, int ignore_index, float label_smoothing, "
       "float z_loss, float softcap, float temperature, bool[3] output_mask, bool mean) -> "
       "(Tensor loss, Tensor divisor, Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // Raises IndexError for a target outside [0, vocab_size) that is not ignore_index, as combine
+  // does (on CUDA without a host sync: at the first flce call after the GPU has run it), for the
+  // paths whose loss torch ops compute (python/flce/_composite.py).
+  m.def("check_target(Tensor target, int vocab_size, int ignore_index) -> ()");
   // dtype(sum_k deferred[k] * scale): the slices added and scaled in double, rounded once.
   m.def("scale_grad(Tensor deferred, Tensor scale, ScalarType dtype) -> Tensor");
   // The same for one slice [1, ...] already in the gradient's dtype, in place: the gradient is

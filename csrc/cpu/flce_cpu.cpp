@@ -887,7 +887,7 @@ Tensor5Out single_pass_cpu(const at::Tensor& input, const at::Tensor& weight,
           RowState row = parts[r];
           for (int64_t p = 1; p < workers; ++p) row.merge(parts[p * bn_f + r]);
           const bool ign = tw.ts[r] < 0;
-          loss = row_loss(lse_value(row.lse), row.z_t, row.sum(), ign, opt).loss;
+          loss = row_loss(row.lse, row.z_t, row.sum(), ign, opt).loss;
           tw.rg[r] = row_grad(row.lse, row.z_t, ign, g_row, 0.f, opt);
         }
         if (w == 0) kahan_add(ls, lc, loss);  // as combine with one shard
@@ -1094,8 +1094,7 @@ Tensor4 combine_cpu(const at::Tensor& partials, const at::Tensor& target, int64_
         st.merge(RowState{OnlineLse{q[0], q[1], q[4]}, q[2], q[3], 0.f});
       }
       const bool ign = row_ignored(t[i], ignore_index);
-      const float lse_x = lse_value(st.lse);
-      const RowLoss rl = row_loss(lse_x, st.z_t, st.sum(), ign, opt);
+      const RowLoss rl = row_loss(st.lse, st.z_t, st.sum(), ign, opt);
       lo[i] = rl.loss;
       ls[i] = rl.lse;
       ep[i] = row_entropy(st.lse, st.z_t, ign);
@@ -1182,7 +1181,13 @@ Tensor5 soft_combine_cpu(const at::Tensor& partials, const at::Tensor& pivot,
 
 }  // namespace cpu
 
+void check_target_cpu(const at::Tensor& target, int64_t vocab_size, int64_t ignore_index) {
+  const at::Tensor t = target.to(at::kLong).contiguous();
+  cpu::check_targets(t.data_ptr<int64_t>(), t.numel(), vocab_size, ignore_index);
+}
+
 TORCH_LIBRARY_IMPL(flce, CPU, m) {
+  m.impl("check_target", &check_target_cpu);
   m.impl("soft_partial_stats", &soft_partial_stats_cpu);
   m.impl("soft_combine", &cpu::soft_combine_cpu);
   m.impl("soft_backward", &soft_backward_cpu);

@@ -171,6 +171,16 @@ void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t voc
                      g_checks.size() > heuristics::kMaxPendingChecks);
 }
 
+// flce::check_target: the same check of targets whose loss torch ops compute (the composite path).
+void check_target_cuda(const at::Tensor& target, int64_t vocab_size, int64_t ignore_index) {
+  check_device_tensor(target, target, "target");
+  const dev::Guard guard(target);
+  poll_target_checks();
+  const at::Tensor t = target.reshape(-1);
+  const at::Tensor flag = ((t != ignore_index) & ((t < 0) | (t >= vocab_size))).any().to(at::kInt);
+  check_targets(flag, t, vocab_size, ignore_index);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward (logit tiles folded into row statistics) and combine.
 // ---------------------------------------------------------------------------------------------
@@ -610,6 +620,7 @@ void scale_grad_inplace_cuda(const at::Tensor& deferred, const at::Tensor& scale
 }  // namespace binding
 
 FLCE_CUDA_IMPL(m) {
+  m.impl("check_target", &binding::check_target_cuda);
   m.impl("partial_stats", &binding::partial_stats_cuda);
   m.impl("combine", &binding::combine_cuda);
   m.impl("forward", &binding::forward_cuda);

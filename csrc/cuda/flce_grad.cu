@@ -35,12 +35,13 @@ __global__ void row_coef_kernel(const RowCoefParams p) {
   // p_j a is at most p_max |a|, p_max = exp(m_x - lse) the row's largest non-target probability:
   // a confident row's tile is ~q, far below |a| ~ g, and a scale taken from |a| pushed it under
   // fp16's subnormals (a chunk of confident rows lost its whole gradient). The entropy's term
-  // p_j |log p_j + H| is at most 1/e + H, H = lse - k. The stored dz is times the chain rule
+  // p_j |log p_j + H| is at most 1/e + H, H = log div - k. The stored dz is times the chain rule
   // softcap' / T, softcap' in [0, 1]: a temperature below 1 raises it (missing that 1/T, the
   // fp16 tile's scale overflowed to inf at T = 0.05).
   const float lse = logaddexp(lse_value(x), z_t);
   const float p_max = x.m == neg_inf() ? 0.f : fminf(expf(x.m - lse), 1.f);
-  const float ent_bound = rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(lse - rg.k)) : 0.f;
+  const float ent = logf(rg.div) - rg.k;
+  const float ent_bound = rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(ent)) : 0.f;
   p.bound[row] = (fabsf(rg.a) * p_max + fabsf(rg.u) + (ignored ? 0.f : fabsf(rg.dz_t)) +
                   ent_bound) / p.temperature;
 }
@@ -68,7 +69,8 @@ __global__ void soft_coef_kernel(const RowCoefParams p) {
   *reinterpret_cast<float4*>(p.coef + row * 8 + 4) = make_float4(rg.div, rg.h, rg.k, rg.rdiv);
   const float lse = logaddexp(lse_value(x), piv);
   const float p_max = x.m == neg_inf() ? 0.f : fminf(expf(x.m - lse), 1.f);
-  const float ent_bound = rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(lse - rg.k)) : 0.f;
+  const float ent = logf(rg.div) - rg.k;
+  const float ent_bound = rg.h != 0.f ? fabsf(rg.h) * (0.36788f + fabsf(ent)) : 0.f;
   const float dz_max = fabsf(rg.a) * p_max + fabsf(rg.u) * (fabsf(y_a) + fabsf(y_rest)) +
                        fabsf(rg.dz_t) + ent_bound;
   p.bound[row] = dz_max / p.temperature;

@@ -41,8 +41,7 @@ __global__ void combine_kernel(const CombineParams p) {
     // A benign race: every offending thread stores the same value.
     if (!ignored && (t < 0 || t >= p.vocab_size)) *p.error_flag = 1;
     const LossOptions opt{p.label_smoothing, p.z_loss, 0.f, p.vocab_size};
-    const float lse_x = lse_value(st);
-    const RowLoss rl = row_loss(lse_x, zt, kahan_result(sum, comp), ignored, opt);
+    const RowLoss rl = row_loss(st, zt, kahan_result(sum, comp), ignored, opt);
     p.loss[row] = rl.loss;
     p.lse[row] = rl.lse;
     if (p.entropy != nullptr) p.entropy[row] = row_entropy(st, zt, ignored);

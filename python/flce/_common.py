@@ -100,6 +100,21 @@ def check_tensor(name, t):
         raise TypeError(f"flce: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def check_flags(**flags):
+    """TypeError for a flag that is not True or False (a string such as 'no' would be truthy)."""
+    for name, flag in flags.items():
+        if flag not in (True, False):
+            raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
+
+
+def check_soft_ignore_index(ignore_index):
+    """Probability targets have no ignored rows: an ignore_index other than the default is
+    refused, as torch's F.cross_entropy refuses it, rather than silently left unused."""
+    if ignore_index not in (None, -100):
+        raise ArgumentError(f"flce: ignore_index is not supported with probability targets, got "
+                            f"ignore_index={ignore_index} (as torch's F.cross_entropy)")
+
+
 def is_soft(target):
     """Probability (soft) targets: a floating-point target tensor."""
     return isinstance(target, torch.Tensor) and target.dtype.is_floating_point
@@ -142,22 +157,25 @@ def check_target(target, lead, lead_name):
                             f"{tuple(target.shape)}")
 
 
-def check_inplace_target(logits, name):
-    """``inplace_backward=True`` writes the gradient over the storage of ``logits`` (the rows the
-    backward kernel reads): refused where that would be silently wrong rather than merely
-    overwrite what the caller gave up. The backward also bumps the logits' version counter
-    (``increment_version``), so that anything else that saved them (a softcap's tanh, a second
-    loss, a retained graph's second backward) raises torch's "modified by an inplace operation"
-    error instead of reading the gradient as logits."""
+def check_inplace_target(logits, input, name):
+    """``inplace_backward=True`` writes the gradient over the storage of ``logits`` ``[rows, C]``
+    with a unit column stride (``input``'s rows, or a copy of them): refused where that would be
+    silently wrong rather than merely overwrite what the caller gave up. Called only where the
+    in-place backward will run (gradients enabled, the fused ops). The backward also bumps the
+    logits' version counter (``increment_version``), so that anything else that saved them (a
+    softcap's tanh, a second loss, a retained graph's second backward) raises torch's "modified
+    by an inplace operation" error instead of reading the gradient as logits. Sizes and strides
+    only: torch.compile traces it."""
     if not logits.requires_grad:
         return  # no backward, nothing written
-    root = logits if logits._base is None else logits._base
+    root = input if input._base is None else input._base
     if root.is_leaf:
         raise ArgumentError(f"flce: inplace_backward=True would write the gradient over {name}, "
-                            f"which is {'a view of ' if root is not logits else ''}a leaf tensor "
-                            f"that requires grad (its data would become its gradient); pass "
-                            f"inplace_backward=False")
-    if torch._debug_has_internal_overlap(logits) != 0:
+                            f"which is {'a view of ' if input._base is not None else ''}a leaf "
+                            f"tensor that requires grad (its data would become its gradient); "
+                            f"pass inplace_backward=False")
+    rows, c = logits.shape
+    if rows > 1 and c > 1 and abs(logits.stride(0)) < c:
         raise ArgumentError(f"flce: inplace_backward=True needs {name} whose elements do not share "
                             f"memory (an expand()ed or broadcast view would sum several rows' "
                             f"gradients into one); pass inplace_backward=False")
@@ -167,6 +185,7 @@ def _cast_class_weights(weight, c, dtype):
     """Per-class weights ``(c,)``, checked, in the computation dtype (float64 for float64 inputs,
     else float32)."""
     check_tensor("weight", weight)
+    check_class_weight_grad(weight)
     if tuple(weight.shape) != (c,) or not weight.dtype.is_floating_point:
         raise ArgumentError(f"flce: weight must be a floating-point tensor of shape ({c},) "
                             f"(per-class weights, one per class), got {weight.dtype} "
@@ -181,11 +200,37 @@ def class_weights(weight, c, target, ignore_index, dtype):
         return None, None
     w = _cast_class_weights(weight, c, dtype)
     valid = target != ignore_index
-    row = torch.where(valid, w[torch.where(valid, target, 0).clamp(0, max(c - 1, 0))], 0.0)
+    if c == 0:  # (no class to index: every valid target is out of range, which is raised later)
+        return w, torch.zeros(target.shape, dtype=w.dtype, device=w.device)
+    row = torch.where(valid, w[torch.where(valid, target, 0).clamp(0, c - 1)], 0.0)
     return w, row
 
 
+def check_target_range(target, c, ignore_index):
+    """IndexError for a class target outside ``[0, c)`` that is not ``ignore_index``, where torch
+    ops compute the loss (the composite path), as the fused ops raise it: at once on the CPU, on
+    CUDA without a host sync (flce::check_target). Under a functorch transform the check reads
+    the tensor beneath the wrappers (every batch's targets under vmap)."""
+    if not torch.compiler.is_compiling():
+        while torch._C._functorch.is_functorch_wrapped_tensor(target):
+            target = torch._C._functorch.get_unwrapped(target)
+    if target.numel():
+        _ops.ops.check_target(target, c, ignore_index)
+
+
+def check_class_weight_grad(weight):
+    """Per-class weights are constants of the loss, as in torch's F.cross_entropy (which refuses
+    them too): their gradient is not computed, and a weight that requires grad would otherwise
+    get None or a partial one."""
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ArgumentError("flce: the per-class weights (weight / class_weight) are not "
+                            "differentiable, as in torch's F.cross_entropy; pass them detached")
+
+
 def check_one_device(named):
+    for n, t in named:
+        if t is not None:
+            check_tensor(n, t)
     devices = {(n, t.device) for n, t in named if t is not None}
     if len({d for _, d in devices}) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in sorted(devices, key=lambda x: x[0]))
@@ -421,8 +466,9 @@ def shift_target(target, ignore_index):
 
 def accuracy_from_stats(stats, target, ignore_index):
     """The per-token accuracy (_composite.token_accuracy) from the row statistics (m_x, s_x,
-    z_t, u_x): m_x is the largest non-target logit."""
-    return _composite.token_accuracy(stats[:, 2], stats[:, 0], target, ignore_index)
+    z_t, u_x): m_x is the largest non-target logit, and a NaN logit makes s_x or z_t NaN."""
+    return _composite.token_accuracy(stats[:, 2], stats[:, 0], target, ignore_index,
+                                     torch.isnan(stats[:, 1]) | torch.isnan(stats[:, 2]))
 
 
 def reduce_accuracy(accuracy, target, ignore_index, reduction, shape, wanted):

@@ -38,11 +38,14 @@ def per_token(input, weight, target, bias, opts, vocab_size=None, class_weight=N
                             class_weight)
 
 
-def token_accuracy(z_t, max_other, target, ignore_index):
+def token_accuracy(z_t, max_other, target, ignore_index, nan_row):
     """1.0 where the target's logit is above every other logit (the target is the argmax; a
-    tie counts as a miss), 0.0 elsewhere and for ignored tokens; float32, not differentiable.
-    The softcap and temperature are increasing maps: the raw logits give the same argmax."""
-    return ((z_t > max_other) & (target != ignore_index)).to(torch.float32).detach()
+    tie counts as a miss), 0.0 elsewhere and for ignored tokens, NaN for a token whose logits
+    hold a NaN (``nan_row``: as its loss); float32, not differentiable. The softcap and
+    temperature are increasing maps: the raw logits give the same argmax."""
+    valid = target != ignore_index
+    hit = ((z_t > max_other) & valid).to(torch.float32)
+    return torch.where(nan_row & valid, float("nan"), hit).detach()
 
 
 def accuracy_from_logits(logits, target, ignore_index):
@@ -55,7 +58,8 @@ def accuracy_from_logits(logits, target, ignore_index):
         safe = torch.where(valid, target, torch.zeros_like(target))[:, None]
         z_t = logits.gather(1, safe)[:, 0]
         others = logits.scatter(1, safe, float("-inf")).amax(1)
-        return token_accuracy(z_t, others, target, ignore_index) * valid
+        return token_accuracy(z_t, others, target, ignore_index,
+                              torch.isnan(logits).any(1)) * valid
 
 
 def logits_per_token(logits, target, opts, vocab_size=None, weight=None):

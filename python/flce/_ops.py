@@ -5,6 +5,7 @@
 emulation of its kernels (tests/cuda_emulation.py). ``ops`` is the namespace the API calls.
 """
 import torch
+from torch.fx.node import has_side_effect
 
 from . import _C  # noqa: F401  (registers torch.ops.flce.*)
 from . import _composite
@@ -248,6 +249,13 @@ def register(namespace, cuda_format):
     @torch.library.register_fake(name("scale_grad_"))
     def _scale_grad_inplace_fake(deferred, scale):
         return None
+
+    @torch.library.register_fake(name("check_target"))
+    def _check_target_fake(target, vocab_size, ignore_index):
+        return None
+
+    # (no output: without this a compiled graph would drop the check as dead code)
+    has_side_effect(nsops.check_target.default)
 
     @torch.library.register_fake(name("soft_sum_and_grad"))
     def _soft_sum_and_grad_fake(input, weight, target, bias, class_weight, z_weight,

@@ -114,9 +114,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                            temperature)
     _common.validate_linear(input, weight, target, bias)
     _common.check_one_device((("input", input), ("class_weight", class_weight)))
-    for name, flag in (("return_accuracy", return_accuracy), ("shift", shift)):
-        if flag not in (True, False):
-            raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
+    _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
+                        return_accuracy=return_accuracy, shift=shift)
     if input.is_cuda:
         _build.check_cuda_device(input.device)
     exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
@@ -134,6 +133,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                 class_weight=class_weight, exact_bf16_grad=exact_bf16_grad)
 
     if _common.is_soft(target):
+        _common.check_soft_ignore_index(ignore_index)
         return _soft_linear(input, weight, target, bias, opts, reduction, class_weight,
                             return_lse, return_entropy, return_accuracy, shift, single_pass)
     if shift:
@@ -144,7 +144,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(class_weight, weight.shape[0], t, opts.ignore_index,
                                            input.dtype)
-    composite = x.shape[1] == 0 or _common.needs_composite(x, weight, bias)
+    composite = 0 in weight.shape or _common.needs_composite(x, weight, bias)
     if not composite and cw is not None and opts.label_smoothing and not return_accuracy and \
             _common.fused_distribution(x):
         # Class weights with label smoothing: a target distribution (y_c = w_c ((1 - eps)
@@ -153,9 +153,10 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                              return_lse, return_entropy)
     if composite or (cw is not None and opts.label_smoothing):
         # float64, functorch transforms, forward-mode AD, D = 0 (the logits are the bias, or 0,
-        # as torch's composition has them), and class weights with label smoothing where the
-        # fused target distributions do not serve it (the CUDA backend, the accuracy output):
-        # flce's formulas in differentiable torch ops.
+        # as torch's composition has them), V = 0 (the empty sums), and class weights with label
+        # smoothing where the fused target distributions do not serve it (the CUDA backend, the
+        # accuracy output): flce's formulas in differentiable torch ops.
+        _common.check_target_range(t, weight.shape[0], opts.ignore_index)
         logits = _composite.linear_logits(x, weight, bias)
         loss, lse, entropy = _composite.logits_per_token(logits, t, opts, weight=cw)
         acc = _common.reduce_accuracy(
@@ -196,7 +197,7 @@ def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, ret
     x = input.reshape(rows, d)
     q = target.reshape(rows, v)
     cw = _common.soft_class_weights(class_weight, v, input.dtype)
-    if d > 0 and not return_accuracy and not q.requires_grad and \
+    if d > 0 and v > 0 and not return_accuracy and not q.requires_grad and \
             not _common.needs_composite(x, weight, bias, q) and _common.fused_distribution(x):
         return _distribution(x, weight, q, bias, cw, None, opts, lead, single_pass, return_lse,
                              return_entropy)
@@ -306,14 +307,13 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     if input.dtype not in _common.FLOAT_DTYPES:
         raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
                         f"{input.dtype}")
-    for name, flag in (("inplace_backward", inplace_backward),
-                       ("return_accuracy", return_accuracy)):
-        if flag not in (True, False):
-            raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
+    _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
+                        return_accuracy=return_accuracy, inplace_backward=inplace_backward)
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
     lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
     soft = _common.is_soft(target)
     if soft:
+        _common.check_soft_ignore_index(ignore_index)
         _common.check_soft_target(target, input.shape, "input's shape")
         if inplace_backward:
             raise ArgumentError("flce: inplace_backward=True takes class-index targets (the "
@@ -348,8 +348,6 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
             return_entropy,
             _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
-    if inplace_backward:
-        _common.check_inplace_target(logits, "input")
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(weight, c, t, opts.ignore_index, input.dtype)
     composite = _common.needs_composite(logits, weight)
@@ -361,12 +359,15 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
                                             return_lse, return_entropy)
     if composite or (weight is not None and opts.label_smoothing):
+        _common.check_target_range(t, c, opts.ignore_index)
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(
             logits.to(cdt), t, opts, weight=cw)
         acc = _composite.accuracy_from_logits(logits, t, opts.ignore_index) \
             if return_accuracy else None
     else:
+        if inplace_backward and torch.is_grad_enabled():
+            _common.check_inplace_target(logits, input, "input")
         loss, lse, stats, entropy = _ops.ops.logits_forward(
             logits, t, opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
             opts.temperature, return_entropy, inplace_backward)
@@ -389,16 +390,21 @@ def _alias(name, value, torch_name, torch_value):
 
 
 class LinearCrossEntropy(torch.nn.Module):
-    """``nn.Module`` form of :func:`linear_cross_entropy`; call as ``module(input, weight, target)``."""
+    """``nn.Module`` form of :func:`linear_cross_entropy`; call as ``module(input, weight, target)``.
+    ``class_weight`` (per-class weights, as ``torch.nn.CrossEntropyLoss``'s ``weight``) is a
+    buffer: it follows the module's ``.to()`` and ``state_dict``."""
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
                  softcap=None, temperature=1.0, return_lse=False, return_entropy=False,
-                 return_accuracy=False, shift=False, single_pass=None, exact_bf16_grad=None):
+                 return_accuracy=False, shift=False, single_pass=None, exact_bf16_grad=None,
+                 class_weight=None):
         super().__init__()
         _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature)
-        for name, flag in (("return_accuracy", return_accuracy), ("shift", shift)):
-            if flag not in (True, False):
-                raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
+        _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
+                            return_accuracy=return_accuracy, shift=shift)
+        if class_weight is not None:
+            _common.check_tensor("class_weight", class_weight)
+        self.register_buffer("class_weight", class_weight)
         _common.check_single_pass(single_pass, reduction,
                                   return_lse or return_entropy or return_accuracy)
         _common.exact_bf16_grad(exact_bf16_grad)
@@ -424,9 +430,17 @@ class LinearCrossEntropy(torch.nn.Module):
                                     return_entropy=self.return_entropy,
                                     return_accuracy=self.return_accuracy, shift=self.shift,
                                     single_pass=self.single_pass,
-                                    exact_bf16_grad=self.exact_bf16_grad)
+                                    exact_bf16_grad=self.exact_bf16_grad,
+                                    class_weight=self.class_weight)
 
     def extra_repr(self):
-        return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
-                f"softcap={self.softcap}, temperature={self.temperature}")
+        # (the options set away from their defaults, as torch's modules print theirs)
+        shown = [f"reduction={self.reduction!r}", f"ignore_index={self.ignore_index}"]
+        for name, default in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None),
+                              ("temperature", 1.0), ("return_lse", False),
+                              ("return_entropy", False), ("return_accuracy", False),
+                              ("shift", False), ("single_pass", None),
+                              ("exact_bf16_grad", None)):
+            if getattr(self, name) != default:
+                shown.append(f"{name}={getattr(self, name)!r}")
+        return ", ".join(shown)

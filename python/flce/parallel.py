@@ -560,6 +560,8 @@ def _check_distribution(target, soft, class_weight, opts, x, shift=False,
     if not (soft or (class_weight is not None and opts.label_smoothing)):
         return False
     what = "probability targets" if soft else "class weights with label smoothing"
+    if soft:
+        _common.check_soft_ignore_index(opts.ignore_index)
     if soft and target.requires_grad and torch.is_grad_enabled():
         # (the shards' ops return no gradient for the targets: refused, never left out silently)
         raise ArgumentError("flce.parallel: probability targets that require grad are not "
@@ -669,15 +671,15 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         _check_vocab_start(vocab_start)
         exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
         if vocab_size is not None and (not isinstance(vocab_size, int) or
+                                       isinstance(vocab_size, bool) or
                                        not 0 < vocab_size <= _common.INT64_MAX):
             raise ArgumentError(f"flce.parallel: vocab_size must be a positive int64, got "
                                 f"{vocab_size!r}")
         if sequence_parallel and not reduce_input_grad:
             raise ArgumentError("flce.parallel: sequence_parallel=True reduce-scatters input's "
                                 "gradient itself; reduce_input_grad=False is not supported with it")
-        for name, flag in (("return_accuracy", return_accuracy), ("shift", shift)):
-            if flag not in (True, False):
-                raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
+        _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
+                            return_accuracy=return_accuracy, shift=shift)
         if shift and sequence_parallel:
             raise ArgumentError("flce.parallel: shift=True is not supported with "
                                 "sequence_parallel (each rank holds a piece of the sequences)")
@@ -860,10 +862,8 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
         soft = _check_logits(logits, target, "logits")
-        for name, flag in (("inplace_backward", inplace_backward),
-                           ("return_accuracy", return_accuracy)):
-            if flag not in (True, False):
-                raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
+        _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
+                            return_accuracy=return_accuracy, inplace_backward=inplace_backward)
         _check_vocab_start(vocab_start)
         _check_class_weight(class_weight)
         distribution = _check_distribution(target, soft, class_weight, opts, logits,
@@ -878,7 +878,7 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
     if error is None:
         lead = tuple(target.shape[:-1] if soft else target.shape)
         x = _local_rows(logits, math.prod(lead))
-        error = _inplace_error(inplace_backward, x, "logits")
+        error = _inplace_error(inplace_backward, x, logits, "logits")
     if error is None:
         t = None if soft else target.reshape(-1).to(torch.int64)
         meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
@@ -903,11 +903,12 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
                                       return_lse, return_entropy, return_accuracy)
 
 
-def _inplace_error(inplace, x, name):
-    """This rank's refusal of inplace_backward over x (None if it may), for the exchange."""
+def _inplace_error(inplace, x, logits, name):
+    """This rank's refusal of inplace_backward over x, the rows of logits (None if it may), for
+    the exchange."""
     try:
-        if inplace:
-            _common.check_inplace_target(x, name)
+        if inplace and torch.is_grad_enabled():
+            _common.check_inplace_target(x, logits, name)
     except ValueError as e:
         return e
     return None
@@ -951,6 +952,7 @@ def _check_class_weight(class_weight):
     if class_weight is None:
         return
     _common.check_tensor("class_weight", class_weight)
+    _common.check_class_weight_grad(class_weight)
     if class_weight.dim() != 1 or not class_weight.dtype.is_floating_point:
         raise ArgumentError(f"flce.parallel: class_weight must be a 1-D floating-point tensor "
                             f"(one weight per class of the whole vocabulary, the same on every "
@@ -1035,7 +1037,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     if error is None:
         lead = target.shape
         logits = _local_rows(vocab_parallel_logits, target.numel())
-        error = _inplace_error(inplace_backward, logits, "vocab_parallel_logits")
+        error = _inplace_error(inplace_backward, logits, vocab_parallel_logits,
+                               "vocab_parallel_logits")
     if error is None:
         t = target.reshape(-1).to(torch.int64)
         meta = _logits_meta(logits, vocab_start, -100, smoothing, 0.0, 0.0, "none", 1.0)

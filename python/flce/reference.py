@@ -33,19 +33,42 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
     n, v = logits.shape
     vocab_size = v if vocab_size is None else vocab_size
     valid = target != ignore_index
+    if v == 0:
+        # No class: an ignored row's loss and entropy are the empty sums (zeros that keep the
+        # graph), its lse -inf; a target (out of every range) has no probability: NaN.
+        zero = logits.sum(1)
+        loss = torch.where(valid, float("nan"), zero)
+        row_weight = None if weight is None else zero
+        out = (_reduce(loss, valid, reduction, row_weight),)
+        out += (zero - float("inf"),) if return_lse else ()
+        out += (zero,) if return_entropy else ()
+        return out if len(out) > 1 else out[0]
+    # A target outside [0, V) has no logit: its row is NaN (flce's ops raise IndexError for it
+    # first); safe_t keeps the gather and scatter inside the row.
+    bad = valid & ((target < 0) | (target >= v))
+    valid = valid & ~bad
     safe_t = torch.where(valid, target, torch.zeros_like(target))
     z_t = logits.gather(1, safe_t[:, None])[:, 0]
     is_t = torch.zeros_like(logits, dtype=torch.bool)
     is_t.scatter_(1, safe_t[:, None], valid[:, None])
-    # Ignored rows have no target: every logit enters lse_x.
-    lse_x = torch.logsumexp(logits.masked_fill(is_t, float("-inf")), dim=1)
+    # Every logsumexp is taken of the logits less the row's largest one, M (a constant of the
+    # graph: the shift cancels from every formula and its derivatives), and lse_x - z_t as
+    # (lse_x - M) - (z_t - M): lse_x itself is rounded at the logits' scale, which a common
+    # offset of the row's logits makes far larger than the loss (math.h lse_gap). A row whose
+    # largest logit is not finite keeps M = 0. Ignored rows have no target: every logit enters
+    # lse_x.
+    top = logits.detach().amax(dim=1)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    lse_xs = torch.logsumexp((logits - shift[:, None]).masked_fill_(is_t, float("-inf")), dim=1)
+    lse_x = lse_xs + shift
     # An ignored row has no target logit (lse = lse_x, loss 0). Its z_t stays a finite stand-in
     # inside the formulas, selected away by torch.where: an infinite one would put 0 * inf into
     # their higher derivatives (double backward, jvp).
     z_t = torch.where(valid, z_t, torch.zeros_like(z_t))
-    lse = torch.where(valid, torch.logaddexp(lse_x, z_t), lse_x)
+    z_ts = z_t - shift
+    lse = torch.where(valid, torch.logaddexp(lse_xs, z_ts) + shift, lse_x)
     # (a +inf target logit: NaN, as torch's inf - inf, not softplus(-inf) = 0)
-    nll = torch.where(z_t == float("inf"), float("nan"), _softplus(lse_x - z_t))
+    nll = torch.where(z_t == float("inf"), float("nan"), _softplus(lse_xs - z_ts))
     row_weight = None
     if weight is not None:
         w = weight.to(logits.dtype)
@@ -60,8 +83,8 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
         loss = (1 - label_smoothing) * nll + label_smoothing * smooth
     if z_loss:
         loss = loss + z_loss * lse * lse * (1.0 if weight is None else row_weight)
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
-    loss = _reduce(loss, valid, reduction, row_weight)
+    loss = torch.where(valid, loss, torch.where(bad, float("nan"), torch.zeros_like(loss)))
+    loss = _reduce(loss, valid | bad, reduction, row_weight)
     out = (loss,)
     if return_lse:
         out += (lse,)
@@ -85,7 +108,7 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
         h_x = torch.log1p(r) + u / (1 + r)
         # q softplus(-d) -> 0 as d -> -inf (V = 1: p_t = 1), where 0 * inf would be NaN; no
         # finite margin comes near the clamp.
-        d = (lse_x - z_t).clamp(min=-1e4)
+        d = (lse_xs - z_ts).clamp(min=-1e4)
         ent = torch.sigmoid(-d) * _softplus(d) + torch.sigmoid(d) * (_softplus(-d) + h_x)
         out += (torch.where(valid, ent, torch.zeros_like(ent)),)
     return out if len(out) > 1 else loss
@@ -116,16 +139,22 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
     if weight is not None:
         y = y * weight.to(logits.dtype)
     if v == 0:
-        zero = logits.new_zeros(n)
-        loss, lse, entropy = zero, logits.new_full((n,), float("-inf")), zero
+        # (the empty sums: zeros that keep the autograd graph of the logits and targets)
+        zero = logits.sum(1) + y.sum(1)
+        loss, lse, entropy = zero, zero - float("inf"), zero
     else:
         a = logits.detach().argmax(dim=1)
         nll_a, lse, entropy = logits_cross_entropy(logits, a, reduction="none", return_lse=True,
                                                    return_entropy=True, ignore_index=-1)
         gap = logits.gather(1, a[:, None]) - logits  # z_a - z_c >= 0
+        # The pivot's own term (z_a - z_a = 0) is left out of the sum: through it the gradient
+        # of z_a would be (sum_c y_c) - y_a, which loses the other columns' mass where it is
+        # below y_a's ulp (and may come out of the wrong sign); without it, sum_{c != a} y_c.
+        y_rest = y.scatter(1, a[:, None], 0.0)
         # (a column without target weight adds nothing, also where its logit is -inf: 0, not
         # 0 * inf; elsewhere y * gap, whose gradient in y is the gap also where y is 0)
-        loss = nll_a * y.sum(1) + torch.where((y == 0) & torch.isinf(gap), 0.0, y * gap).sum(1)
+        loss = nll_a * y.sum(1) + torch.where((y_rest == 0) & torch.isinf(gap), 0.0,
+                                              y_rest * gap).sum(1)
         if z_loss:
             loss = loss + z_loss * lse * lse * y.sum(1)
     if reduction == "none":

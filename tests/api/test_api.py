@@ -97,3 +97,19 @@ def test_module_matches_function(device, opts):
     out_m.sum().backward()
     out_f.sum().backward()
     assert torch.equal(xm.grad, xf.grad)
+
+
+def test_module_repr_flags_and_class_weight():
+    m = flce.LinearCrossEntropy(return_lse=True, shift=True, z_loss=1e-4)
+    assert all(s in repr(m) for s in ("return_lse=True", "shift=True", "z_loss=0.0001"))
+    assert "temperature" not in repr(m)  # (defaults are not printed)
+    for bad in ({"return_lse": "y"}, {"return_entropy": 2}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            flce.LinearCrossEntropy(**bad)
+    # class_weight: a buffer (state_dict, .to()), used as the function's class_weight=
+    x, w, t, _ = rand_inputs(12, 50, 8, torch.float32, "cpu", seed=3)
+    cw = torch.rand(50, dtype=torch.float64)
+    m = flce.LinearCrossEntropy(class_weight=cw, label_smoothing=0.1).float()
+    assert m.class_weight.dtype == torch.float32 and "class_weight" in m.state_dict()
+    assert torch.equal(m(x, w, t), flce.linear_cross_entropy(x, w, t, class_weight=cw.float(),
+                                                             label_smoothing=0.1))

@@ -392,7 +392,13 @@ def test_opcheck_and_compile(device):
     a, b = compiled(xg, t), step(xe, t)
     a.backward()
     b.backward()
-    assert torch.equal(a, b) and torch.equal(xg.grad, xe.grad)
+    # (the op's rows and gradient bit for bit; the mean is inductor's sum of the rows, whose order
+    # may differ from eager's by an ulp)
+    assert torch.equal(xg.grad, xe.grad) and a.item() == pytest.approx(b.item(), rel=2 ** -21)
+    rows = torch.compile(lambda z, y: flce.cross_entropy(z, y, label_smoothing=0.1,
+                                                         reduction="none"), fullgraph=True)
+    assert torch.equal(rows(x, t), flce.cross_entropy(x, t, label_smoothing=0.1,
+                                                      reduction="none"))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -408,3 +414,62 @@ def test_empty_batch_of_strided_logits(device, reduction):
     assert torch.equal(torch.nan_to_num(got.detach()), torch.nan_to_num(want))
     got.sum().backward()
     assert base.grad.shape == (0, 10)
+
+
+def test_a_common_offset_changes_nothing(device):
+    # A common offset of a row's logits leaves its softmax as it is. Logits on a grid of 2^-10 in
+    # [-8, 56) are exact in fp32 with and without an offset of 10240 (ulp 2^-10 there), and so is
+    # every difference of two of them: the loss, entropy and gradient must come out the same bits
+    # at both. The fp32 lse (rounded at 10240 * 2^-24 = 6e-4) must not enter the loss as a value:
+    # softplus(lse_x - z_t) missed by 1e-4 at this offset, and gave log 2 for log 10 at 1e8.
+    g = gen(5)
+    n, c = 12, 5000
+    z = torch.round((torch.rand(n, c, generator=g) * 16 - 8) * 1024) / 1024
+    t = torch.randint(0, c, (n,), generator=g)
+    z[torch.arange(n), t] += torch.arange(n, dtype=torch.float32) * 4  # margins to ~50
+    t[3] = -100
+    up, up_ent = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    got = []
+    for off in (0.0, 10240.0):
+        x = (z + off).to(device).requires_grad_()
+        loss, ent = flce.cross_entropy(x, t.to(device), reduction="none", return_entropy=True)
+        # (the entropy's gradient too: its z_j - lse was rounded at the offset's scale, 5e-4 of it)
+        (loss * up.to(device) + ent * up_ent.to(device)).sum().backward()
+        got.append((loss, ent, x.grad))
+    for a, b, what in zip(*got, ("loss", "entropy", "gradient")):
+        assert torch.equal(a, b), what
+    want = flce.reference.logits_cross_entropy(z.double(), t, reduction="none")
+    assert rel_err(got[0][0], want) < 1e-6
+    assert flce.cross_entropy(torch.full((6, 10), 1e8, device=device),
+                              torch.arange(6, device=device)).item() == \
+        pytest.approx(math.log(10), rel=2 ** -22)
+
+
+def test_a_common_offset_changes_nothing_on_the_composite_path():
+    # The same on the differentiable composite (a functorch transform): flce.reference in fp32.
+    g = gen(6)
+    z = torch.round((torch.rand(8, 300, generator=g) * 16 - 8) * 1024) / 1024
+    t = torch.randint(0, 300, (8,), generator=g)
+    z[torch.arange(8), t] += torch.arange(8, dtype=torch.float32) * 5
+
+    def loss(x):
+        return flce.cross_entropy(x, t, reduction="sum")
+
+    a = torch.func.grad_and_value(loss)(z)
+    b = torch.func.grad_and_value(loss)(z + 10240)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_z_loss_gradient_of_a_collapsed_row(device):
+    # dz_t = (A - B) p_t - B q_t with A - B = 2 w lse g formed as such: A rounded first left
+    # ulp(g) in it, 1.7e-4 of dz_t at w = 1e-4 and 5% at w = 1e-6 (torch's own autograd of
+    # F.cross_entropy + w lse^2 is exact here).
+    z = torch.full((3, 16), -40.0)
+    z[:, 3] = 0.5
+    t = torch.full((3,), 3)
+    for w in (1e-4, 1e-6):
+        x = z.clone().to(device).requires_grad_()
+        flce.cross_entropy(x, t.to(device), z_loss=w, reduction="sum").backward()
+        x64 = z.double().requires_grad_()
+        flce.reference.logits_cross_entropy(x64, t, z_loss=w, reduction="sum").backward()
+        assert rel_err(x.grad[:, 3], x64.grad[:, 3]) < 1e-6, w

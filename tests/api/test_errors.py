@@ -228,3 +228,125 @@ def test_d_zero_is_the_composition(device, bias):
         lr = logits.clone().requires_grad_()
         torch.nn.functional.cross_entropy(lr, t.cpu(), label_smoothing=0.1).backward()
         assert torch.allclose(b0.grad.double().cpu(), lr.grad.sum(0), atol=1e-6)
+
+
+def test_class_weights_that_require_grad_are_refused():
+    # As torch: per-class weights are constants of the loss. (flce computed a partial gradient
+    # with label smoothing, and none for probability targets.)
+    x, w, t, _ = _inputs("cpu")
+    cw = torch.rand(V, requires_grad=True)
+    for call in (lambda: _call(x, w, t, class_weight=cw, label_smoothing=0.1),
+                 lambda: _call(x, w, torch.softmax(torch.randn(N, V), 1), class_weight=cw),
+                 lambda: flce.cross_entropy(x @ w.T, t, cw)):
+        with pytest.raises(ValueError, match="not differentiable"):
+            call()
+    with torch.no_grad():
+        assert torch.isfinite(_call(x, w, t, class_weight=cw, label_smoothing=0.1))
+
+
+def test_probability_targets_with_an_ignore_index_are_refused():
+    x, w, _, _ = _inputs("cpu")
+    q = torch.softmax(torch.randn(N, V), 1)
+    for call in (lambda: _call(x, w, q, ignore_index=3),
+                 lambda: flce.cross_entropy(x @ w.T, q, ignore_index=0)):
+        with pytest.raises(ValueError, match="ignore_index is not supported with probability"):
+            call()
+    assert torch.isfinite(_call(x, w, q, ignore_index=-100))
+
+
+@pytest.mark.parametrize("flag", ["return_lse", "return_entropy"])
+def test_output_flags_must_be_bools(flag):
+    x, w, t, _ = _inputs("cpu")
+    with pytest.raises(TypeError, match=flag):
+        _call(x, w, t, **{flag: "no"})
+    with pytest.raises(TypeError, match=flag):
+        flce.cross_entropy(x @ w.T, t, **{flag: "yes"})
+
+
+def test_class_weights_not_a_tensor():
+    x, w, t, _ = _inputs("cpu")
+    with pytest.raises(TypeError, match="class_weight must be a torch.Tensor"):
+        _call(x, w, t, class_weight=[1.0] * V)
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        flce.cross_entropy(x @ w.T, t, [1.0] * V)
+
+
+@pytest.mark.parametrize("case", ["float64", "smoothed_weights_accuracy", "functorch",
+                                  "compiled"])
+def test_target_out_of_range_on_the_composite_path(device, case):
+    # The paths whose loss torch ops compute check the targets as the fused ops do (before: an
+    # indexing error naming no argument on the CPU, a device-side assert on a GPU).
+    x, w, t, _ = _inputs(device)
+    t = t.clone()
+    t[5] = V
+    if case == "float64":
+        call = lambda: _call(x.double(), w.double(), t)
+    elif case == "smoothed_weights_accuracy":
+        call = lambda: _call(x, w, t, class_weight=torch.rand(V, device=device),
+                             label_smoothing=0.1, return_accuracy=True)
+    elif case == "functorch":
+        call = lambda: torch.func.grad(lambda a: _call(a, w, t))(x)
+    else:  # (an op without outputs, kept in the graph: torch.fx has_side_effect)
+        call = lambda: torch.compile(lambda a, b: _call(a.double(), b.double(), t),
+                                     fullgraph=True, backend="aot_eager")(x, w)
+    raises_within_two_calls(call, "target[5] = 50 is out of range")
+    if case == "float64":
+        raises_within_two_calls(lambda: flce.cross_entropy((x @ w.T).double(), t),
+                                "target[5] = 50 is out of range")
+
+
+def test_an_empty_vocabulary():
+    # V = 0: the empty sums. Ignored rows (every row: no class id is in range) have loss 0, and
+    # probability targets over no class give 0; gradients are zeros, never an indexing error.
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(0, 4, requires_grad=True)
+    ignored = torch.full((3,), -100)
+    for kw in ({}, {"class_weight": torch.rand(0)}, {"label_smoothing": 0.1},
+               {"class_weight": torch.rand(0), "label_smoothing": 0.1, "return_accuracy": True}):
+        loss = _call(x, w, ignored, reduction="sum", **kw)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        loss.backward()
+        assert loss.item() == 0 and torch.equal(x.grad, torch.zeros(3, 4))
+        x.grad = None
+    for target in (torch.rand(3, 0), torch.rand(3, 0).requires_grad_()):
+        loss, lse, ent = _call(x, w, target, reduction="none", return_lse=True,
+                               return_entropy=True)
+        loss.sum().backward()
+        assert torch.equal(loss, torch.zeros(3)) and torch.equal(ent, torch.zeros(3))
+        assert (lse == float("-inf")).all() and torch.equal(x.grad, torch.zeros(3, 4))
+        x.grad = None
+    with pytest.raises(IndexError, match="out of range"):
+        _call(x, w, torch.tensor([0, -100, -100]))
+
+
+def test_a_nan_logit_makes_the_accuracy_nan(device):
+    # As the loss: a token whose logits hold a NaN has a NaN accuracy (not a miss), and so has the
+    # mean; an ignored token stays 0.
+    x, w, t, _ = _inputs(device)
+    x, t = x.detach().clone(), t.clone()
+    x[1, 1] = float("nan")
+    t[2] = -100
+    x[2, 0] = float("nan")
+    for acc in (_call(x, w, t, return_accuracy=True, reduction="none")[1],
+                _call(x.double(), w.double(), t, return_accuracy=True, reduction="none")[1],
+                flce.cross_entropy(x @ w.T, t, return_accuracy=True, reduction="none")[1]):
+        assert torch.isnan(acc[1]) and acc[2] == 0 and not torch.isnan(acc[3:]).any()
+    assert torch.isnan(_call(x, w, t, return_accuracy=True)[1])
+
+
+def test_a_masked_column_with_label_smoothing_gives_inf(device):
+    # A -inf bias (a masked vocabulary column) under label smoothing puts weight on an infinite
+    # -log p: the loss is +inf, as torch's and flce's float64 path give (the logits' compensated
+    # sum made it NaN).
+    x, w, t, b = _inputs(device)
+    b = b.detach().clone()
+    b[7] = float("-inf")
+    t = torch.where(t == 7, 0, t)
+    want = torch.nn.functional.cross_entropy(x @ w.T + b, t, label_smoothing=0.1,
+                                             reduction="none")
+    assert torch.isinf(want).all()
+    for got in (_call(x, w, t, b, label_smoothing=0.1, reduction="none"),
+                flce.cross_entropy(x @ w.T + b, t, label_smoothing=0.1, reduction="none"),
+                _call(x.double(), w.double(), t, b.double(), label_smoothing=0.1,
+                      reduction="none")):
+        assert torch.equal(got.float(), want)

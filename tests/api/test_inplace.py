@@ -126,3 +126,40 @@ def test_plain_inplace_is_exact_and_reuses_storage(device):
         lambda x, inplace: flce.cross_entropy(x * 1, t, inplace_backward=inplace,
                                               label_smoothing=0.1), h)
     assert torch.equal(h.grad, want)
+
+
+def test_strided_rows_that_do_not_overlap_are_accepted(device):
+    # A padded vocabulary's columns (a row stride above C) and every other row: no two elements
+    # share memory, and the kernel takes any row stride. (Refused before: torch's overlap probe
+    # answers "too hard" for any non-contiguous tensor.)
+    h = _logits(device, n=24, c=60)
+    t = _targets(device, n=12)
+    for view in (lambda z: z[:12, :40], lambda z: z[::2, :40]):
+        fn = lambda x, inplace: flce.cross_entropy(view(x * 1), t, inplace_backward=inplace)
+        want = _out_of_place_grad(fn, h)
+        fn(h, True).backward()
+        assert torch.equal(h.grad, want)
+        h.grad = None
+
+
+def test_no_refusal_where_nothing_is_written_in_place(device):
+    # Without gradients, and on the composite path (float64, a functorch transform), no gradient
+    # is written over the logits: a leaf is accepted.
+    h = _logits(device)
+    t = _targets(device)
+    with torch.no_grad():
+        flce.cross_entropy(h, t, inplace_backward=True)
+    flce.cross_entropy(h.double().detach().requires_grad_(), t, inplace_backward=True).backward()
+    got = torch.func.grad(lambda z: flce.cross_entropy(z, t, inplace_backward=True))(h.detach())
+    assert torch.allclose(got, _out_of_place_grad(
+        lambda x, inplace: flce.cross_entropy(x, t, inplace_backward=inplace), h))
+
+
+def test_inplace_under_torch_compile(device):
+    h = _logits(device)
+    t = _targets(device)
+    f = torch.compile(lambda z: flce.cross_entropy(z * 1, t, inplace_backward=True),
+                      fullgraph=True, backend="aot_eager")
+    f(h).backward()
+    assert torch.allclose(h.grad, _out_of_place_grad(
+        lambda x, inplace: flce.cross_entropy(x * 1, t, inplace_backward=inplace), h))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import flce
 from flce import reference
-from helpers import DEVICES
+from helpers import DEVICES, rel_err
 
 N, V, D = 24, 40, 16
 
@@ -180,3 +180,20 @@ def test_refusals():
         flce.linear_cross_entropy(x.reshape(4, 6, D), w, y.reshape(4, 6, V), shift=True)
     with pytest.raises(TypeError, match="class indices .* or probabilities"):
         flce.cross_entropy(x @ w.T, y.to(torch.complex64))
+
+
+def test_composite_pivot_gradient_with_tiny_off_pivot_mass():
+    # The composite path (a functorch transform here; also targets that require grad and float64)
+    # left the pivot's own term in its sum of y_c (z_a - z_c): the pivot's gradient then came out
+    # as (sum_c y_c) - y_a, which loses off-pivot mass below y_a's ulp: -5.3e-13 where the answer
+    # is +5.0e-9 (the fused path's).
+    z = torch.tensor([[30.0, 0.5, -0.3, 0.1, 0.0, 0.2]])
+    y = torch.full((1, 6), 1e-9)
+    y[0, 0] = 1 - 5e-9
+    got = torch.func.grad(lambda a: flce.cross_entropy(a, y, reduction="sum"))(z)
+    fused = z.clone().requires_grad_()
+    flce.cross_entropy(fused, y, reduction="sum").backward()
+    want = torch.func.grad(lambda a: flce.reference.soft_cross_entropy(a, y.double(),
+                                                                       reduction="sum"))(z.double())
+    assert want[0, 0] > 0 and got[0, 0] > 0
+    assert rel_err(got, want) < 1e-5 and rel_err(fused.grad, want) < 1e-5

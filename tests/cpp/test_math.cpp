@@ -43,6 +43,10 @@ LD logsumexp_ld(const std::vector<float>& z) {
   return m + std::log(s);
 }
 
+// A state whose lse_value is lse_x exactly (m = lse_x, s = 1), for the row formulas' tests of
+// given statistics.
+flce::OnlineLse lse_state(float lse_x) { return flce::OnlineLse{lse_x, 1.f, 0.f}; }
+
 float lse_sequential(const std::vector<float>& z) {
   flce::OnlineLse st = flce::lse_empty();
   for (float v : z) flce::lse_add(st, v);
@@ -391,7 +395,7 @@ TEST(row_loss_matches_long_double_at_all_margins) {
   for (const auto& o : variants) {
     for (float margin : kMargins) {
       const Row r = make_row(margin, 4099);
-      const flce::RowLoss got = flce::row_loss(r.lse_x, r.z_t, r.sum_z, false, o);
+      const flce::RowLoss got = flce::row_loss(lse_state(r.lse_x), r.z_t, r.sum_z, false, o);
       const LossRef ref = loss_ref(r, o);
       EXPECT(near_abs(got.loss, ref.loss, ref.tol),
              "margin %g eps %g w %g: loss %.9g, long double %.12Lg (tol %.3Lg)", margin,
@@ -412,17 +416,63 @@ TEST(row_loss_matches_long_double_at_all_margins) {
          naive_rejected, naive_tried);
   // Zero only where the exact value is below fp32's range (margins past ~104 for this row).
   const Row far = make_row(80.f, 4099);
-  EXPECT(flce::row_loss(far.lse_x, far.z_t, far.sum_z, false, variants[0]).loss > 0.f,
+  EXPECT(flce::row_loss(lse_state(far.lse_x), far.z_t, far.sum_z, false, variants[0]).loss > 0.f,
          "the loss at margin 80 must not collapse to 0");
+}
+
+// A common offset of a row's logits leaves its softmax, loss and gradients as they are. Logits on
+// a grid of 2^-10 in [-8, 56) are exact in fp32 with and without an offset of 10240 (whose ulp is
+// 2^-10): every difference of two of them is exact at both, so the row formulas must give the
+// same bits at both. lse_x itself (m + log s, rounded at |m| 2^-24 = 6e-4 at 10240) may not
+// enter as a value: softplus(lse_x - z_t) misses the float64 loss by ~1e-4 there.
+TEST(row_formulas_do_not_depend_on_a_common_offset) {
+  const float kOffset = 10240.f;
+  const flce::LossOptions o{0.f, 0.f, 0.f, 1000};
+  int naive_rejected = 0;
+  for (float margin : {-3.f, 0.f, 2.f, 10.f, 20.f, 40.f}) {
+    std::vector<float> others(999);
+    for (float& z : others) z = std::round(check::uniform(-8.f, 8.f) * 1024.f) / 1024.f;
+    const float best = *std::max_element(others.begin(), others.end());
+    const float z_t = best + margin;
+    const LD want = softplus_ld(logsumexp_ld(others) - z_t);
+    flce::OnlineLse x0 = flce::lse_empty(), x1 = flce::lse_empty();
+    for (float z : others) {
+      flce::lse_add(x0, z);
+      flce::lse_add(x1, z + kOffset);
+    }
+    const float l0 = flce::row_loss(x0, z_t, 0.f, false, o).loss;
+    const float l1 = flce::row_loss(x1, z_t + kOffset, 0.f, false, o).loss;
+    EXPECT(l0 == l1, "margin %g: loss %.9g at offset 0, %.9g at %g", margin, l0, l1, kOffset);
+    EXPECT(near_abs(l0, want, 64 * kU * static_cast<float>(want)),
+           "margin %g: loss %.9g, long double %.12Lg", margin, l0, want);
+    const flce::RowGrad g0 = flce::row_grad(x0, z_t, false, 1.f, 0.f, o, 0.5f);
+    const flce::RowGrad g1 = flce::row_grad(x1, z_t + kOffset, false, 1.f, 0.f, o, 0.5f);
+    EXPECT(g0.dz_t == g1.dz_t && g0.rdiv == g1.rdiv && g0.ref + kOffset == g1.ref &&
+               g0.k == g1.k,
+           "margin %g: dz_t %.9g / %.9g, rdiv %.9g / %.9g", margin, g0.dz_t, g1.dz_t, g0.rdiv,
+           g1.rdiv);
+    for (size_t j = 0; j < 16; ++j) {
+      const float a = flce::logit_grad(g0, others[j]), b = flce::logit_grad(g1, others[j] + kOffset);
+      EXPECT(a == b, "margin %g: dz of logit %g: %.9g at offset 0, %.9g (entropy term)", margin,
+             others[j], a, b);
+    }
+    const float h0 = flce::row_entropy(x0, z_t, false), h1 = flce::row_entropy(x1, z_t + kOffset,
+                                                                              false);
+    EXPECT(h0 == h1, "margin %g: entropy %.9g at offset 0, %.9g at %g", margin, h0, h1, kOffset);
+    const float naive = flce::softplus(flce::lse_value(x1) - (z_t + kOffset));
+    naive_rejected += !near_abs(naive, want, 64 * kU * static_cast<float>(want));
+  }
+  EXPECT(naive_rejected >= 4, "softplus(lse_value(x) - z_t) must miss at an offset of %g (%d of 6)",
+         kOffset, naive_rejected);
 }
 
 TEST(row_loss_of_an_infinite_target_logit_is_nan) {
   const Row r = make_row(3.f, 4099);
   for (const flce::LossOptions& o : {flce::LossOptions{0.f, 0.f, 0.f, 4099},
                                      flce::LossOptions{0.1f, 1e-4f, 0.f, 4099}}) {
-    const float got = flce::row_loss(r.lse_x, kInf, r.sum_z, false, o).loss;
+    const float got = flce::row_loss(lse_state(r.lse_x), kInf, r.sum_z, false, o).loss;
     EXPECT(std::isnan(got), "a +inf target logit must give NaN (torch's inf - inf), got %g", got);
-    EXPECT(std::isinf(flce::row_loss(r.lse_x, -kInf, r.sum_z, false, o).loss),
+    EXPECT(std::isinf(flce::row_loss(lse_state(r.lse_x), -kInf, r.sum_z, false, o).loss),
            "a -inf target logit gives +inf, as torch");
   }
 }
@@ -430,11 +480,11 @@ TEST(row_loss_of_an_infinite_target_logit_is_nan) {
 TEST(row_loss_ignored_rows) {
   const Row r = make_row(3.f, 4099);
   const flce::LossOptions o{0.1f, 1e-4f, 0.f, 4099};
-  const flce::RowLoss got = flce::row_loss(r.lse_x, r.z_t, r.sum_z, true, o);
+  const flce::RowLoss got = flce::row_loss(lse_state(r.lse_x), r.z_t, r.sum_z, true, o);
   EXPECT(got.loss == 0.f, "an ignored row's loss must be exactly 0, got %g", got.loss);
   EXPECT(near_ulps(got.lse, logaddexp_ld(r.lse_x, r.z_t), 2), "an ignored row still has an lse");
   // An ignored row has no target: the backends pass z_t = -inf and lse_x = the row's lse.
-  const flce::RowLoss none = flce::row_loss(r.lse_x, -kInf, r.sum_z, true, o);
+  const flce::RowLoss none = flce::row_loss(lse_state(r.lse_x), -kInf, r.sum_z, true, o);
   EXPECT(none.loss == 0.f && none.lse == r.lse_x, "ignored row with z_t = -inf: loss %g lse %g",
          none.loss, none.lse);
 }
@@ -763,6 +813,23 @@ TEST(kahan_bf16c_propagates_nan_and_inf) {
            "a %g term must not give a finite sum (%g)", bad, bf16c_sum(xs));
   }
   EXPECT(std::isnan(bf16c_sum({1.f, NAN, 2.f})), "NaN in, NaN out");
+}
+
+TEST(kahan_sum_of_an_infinity_is_that_infinity) {
+  // (a masked logit, -inf, in the logits' sum of label smoothing: the loss is +inf, as torch's,
+  // not NaN; the compensation alone is NaN there)
+  for (float bad : {INFINITY, -INFINITY}) {
+    float s = 0.f, c = 0.f;
+    for (float x : {1.f, bad, 2.f, 3.f}) flce::kahan_add(s, c, x);
+    EXPECT(std::isnan(c), "the compensation of an infinite sum is NaN (%g)", c);
+    EXPECT(flce::kahan_result(s, c) == bad, "sum with %g: %g", bad, flce::kahan_result(s, c));
+  }
+  float s = 0.f, c = 0.f;
+  for (float x : {1.f, INFINITY, -INFINITY}) flce::kahan_add(s, c, x);
+  EXPECT(std::isnan(flce::kahan_result(s, c)), "inf + -inf: NaN");
+  s = 0.f, c = 0.f;
+  for (float x : {1.f, NAN, 2.f}) flce::kahan_add(s, c, x);
+  EXPECT(std::isnan(flce::kahan_result(s, c)), "NaN in, NaN out");
 }
 
 

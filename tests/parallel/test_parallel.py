@@ -645,6 +645,19 @@ def check_one_rank(group):
         _expect(ValueError, "tile [0, V)",
                 lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
                                                                vocab_start=3))
+        # (True was taken as a vocabulary of 1, and a return_lse of "no" as True)
+        _expect(ValueError, "vocab_size must be a positive int64",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
+                                                               vocab_size=True))
+        _expect(TypeError, "return_lse must be True or False",
+                lambda: fp.vocab_parallel_linear_cross_entropy(x, w, t, group=group,
+                                                               return_lse="no"))
+        _expect(ValueError, "ignore_index is not supported with probability targets",
+                lambda: fp.cross_entropy(logits, torch.softmax(logits, 1), group=group,
+                                         ignore_index=0))
+        _expect(ValueError, "not differentiable",
+                lambda: fp.cross_entropy(logits, t, group=group, label_smoothing=0.1,
+                                         class_weight=torch.rand(v, requires_grad=True)))
     finally:
         restore()
 

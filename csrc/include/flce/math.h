@@ -114,6 +114,16 @@ FLCE_HD float lse_value(OnlineLse st) {
   return st.m + logf(st.s);
 }
 
+// lse_value(st) - z, as (m - z) + log s: the logsumexp itself is rounded at the logits' scale
+// (|m| 2^-24), which a common offset of the row's logits (their softmax does not change) makes
+// far larger than the gap's own ulp: 1.5e-5 in a loss of logits near 1e3, and log 2 for log 10 at
+// 1e8. m - z is exact where m and z are within a factor of 2 (Sterbenz). As lse_value(st) - z at
+// the empty state, the infinities and NaN.
+FLCE_HD float lse_gap(OnlineLse st, float z) {
+  if (st.s == 0.f) return neg_inf() - z;
+  return (st.m - z) + logf(st.s);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scalar helpers, stable at every argument.
 // ---------------------------------------------------------------------------------------------
@@ -166,10 +176,12 @@ FLCE_HD float logit_transform_grad(float z, float cap, float temp) {
 // ---------------------------------------------------------------------------------------------
 // Per-row loss and gradient coefficients.
 //
-// Row statistics (fp32): lse_x = logsumexp over j != t, z_t = target logit, sum_z = sum over all
-// j of z_j (label smoothing only). An ignored row has no target: z_t = -inf, lse_x = lse.
+// Row statistics (fp32): x = the online state of the logits j != t (lse_x = lse_value(x)), z_t =
+// target logit, sum_z = sum over all j of z_j (label smoothing only). An ignored row has no
+// target: z_t = -inf, lse_x = lse.
 //
-//   nll   = softplus(lse_x - z_t)                         (collapse-safe lse - z_t)
+//   nll   = softplus(lse_x - z_t)                         (collapse-safe lse - z_t; lse_x - z_t
+//                                                          is lse_gap(x, z_t))
 //   lse   = logaddexp(lse_x, z_t)
 //   loss  = (1 - eps) nll + eps (lse - sum_z / V) + w lse^2
 // ---------------------------------------------------------------------------------------------
@@ -186,13 +198,13 @@ struct RowLoss {
   float lse;
 };
 
-FLCE_HD RowLoss row_loss(float lse_x, float z_t, float sum_z, bool ignored, const LossOptions& o) {
-  const float lse = logaddexp(lse_x, z_t);
+FLCE_HD RowLoss row_loss(OnlineLse x, float z_t, float sum_z, bool ignored, const LossOptions& o) {
+  const float lse = logaddexp(lse_value(x), z_t);
   if (ignored) return RowLoss{0.f, lse};
   // A +inf target logit: NaN, as torch's lse - z_t = inf - inf, where softplus(-inf) = 0 would
   // give a finite loss beside the NaN gradients (p_j = exp(z_j - inf) / NaN) and get past a
   // training loop's check of the loss.
-  float loss = z_t == INFINITY ? NAN : softplus(lse_x - z_t);
+  float loss = z_t == INFINITY ? NAN : softplus(lse_gap(x, z_t));
   if (o.label_smoothing != 0.f) {
     const float eps = o.label_smoothing;
     loss = (1.f - eps) * loss + eps * (lse - sum_z / static_cast<float>(o.vocab_size));
@@ -211,7 +223,9 @@ FLCE_HD RowLoss row_loss(float lse_x, float z_t, float sum_z, bool ignored, cons
 // With an upstream g_H = dL/dH_row of the row's entropy H (return_entropy), each column also gets
 // dH/dz_j = -p_j (log p_j + H) times g_H: for j != t, log p_j = z_j - lse, so
 //   dz_j = p_j (A - h (z_j - k)) - U     with h = g_H, k = lse - H,
-// and the target's log p_t = -nll goes into dz_t.
+// and the target's log p_t = -nll goes into dz_t. k is kept relative to RowGrad::ref, k = (lse -
+// ref) - H with lse - ref = log div, and z_j - k as (z_j - ref) - k: z_j - lse itself is rounded
+// at the logits' scale, which a common offset of the logits makes far larger than log p_j + H.
 struct RowGrad {
   // p_j = exp(z_j - ref) / div, evaluated as exp(z_j - ref) * rdiv with rdiv = 1 / div rounded
   // once per row: a multiply per element where a division would cost the element loops (CPU
@@ -226,13 +240,14 @@ struct RowGrad {
   float dz_t;  // the whole target-column gradient (before softcap)
   float div = 1.f;
   float h = 0.f;  // the entropy's upstream gradient (0: no entropy term)
-  float k = 0.f;  // lse - H
+  float k = 0.f;  // (lse - ref) - H
   float rdiv = 1.f;  // 1 / div
 };
 
 namespace detail {
-FLCE_HD RowGrad row_grad_coef(float ref, float div, float lse, float lse_x, float z_t, bool ignored,
-                              float g, float g_lse, const LossOptions& o) {
+// gap = lse_x - z_t (lse_gap).
+FLCE_HD RowGrad row_grad_coef(float ref, float div, float lse, float gap, bool ignored, float g,
+                              float g_lse, const LossOptions& o) {
   RowGrad r;
   r.ref = ref;
   r.div = div;
@@ -242,18 +257,21 @@ FLCE_HD RowGrad row_grad_coef(float ref, float div, float lse, float lse_x, floa
   r.a = g * (1.f + 2.f * o.z_loss * lse) + g_lse;
   const float b = g * (1.f - eps);
   r.u = g * eps / static_cast<float>(o.vocab_size);
-  const float p_t = sigmoid(z_t - lse_x);
-  const float q_t = sigmoid(lse_x - z_t);
-  r.dz_t = (r.a - b) * p_t - b * q_t - r.u;
+  const float p_t = sigmoid(-gap);
+  const float q_t = sigmoid(gap);
+  // A - B formed as such, not from the rounded A: that would leave ulp(g) in dz_t of a collapsed
+  // row, where dz_t ~ (2 w lse g + g_lse) and the z-loss keeps lse small.
+  const float a_minus_b = g * (2.f * o.z_loss * lse + eps) + g_lse;
+  r.dz_t = a_minus_b * p_t - b * q_t - r.u;
   return r;
 }
 }  // namespace detail
 
-// From the stored row statistics (lse_x, z_t).
+// From a row's lse_x and z_t alone (p_j = exp(z_j - lse), the lse form of RowGrad::ref).
 FLCE_HD RowGrad row_grad(float lse_x, float z_t, bool ignored, float g, float g_lse,
                          const LossOptions& o) {
   const float lse = logaddexp(lse_x, z_t);
-  return detail::row_grad_coef(lse, 1.f, lse, lse_x, z_t, ignored, g, g_lse, o);
+  return detail::row_grad_coef(lse, 1.f, lse, lse_x - z_t, ignored, g, g_lse, o);
 }
 
 // The entropy H = -sum_j p_j log p_j of the row's softmax, from the non-target state (m_x, s_x,
@@ -264,13 +282,13 @@ FLCE_HD RowGrad row_grad(float lse_x, float z_t, bool ignored, float g, float g_
 // margin m). 0 for an ignored row.
 FLCE_HD float row_entropy(OnlineLse x, float z_t, bool ignored) {
   if (ignored) return 0.f;
-  const float lse_x = lse_value(x);
-  const float nll = softplus(lse_x - z_t);
-  const float p_t = sigmoid(z_t - lse_x);
+  const float gap = lse_gap(x, z_t);
+  const float nll = softplus(gap);
+  const float p_t = sigmoid(-gap);
   if (x.s == 0.f) return p_t * nll;  // only the target (V = 1): H = 0
-  const float q = sigmoid(lse_x - z_t);
+  const float q = sigmoid(gap);
   const float h_x = logf(x.s) + x.u / x.s;
-  return p_t * nll + q * (softplus(z_t - lse_x) + h_x);
+  return p_t * nll + q * (softplus(-gap) + h_x);
 }
 
 namespace detail {
@@ -290,13 +308,13 @@ FLCE_HD void row_ref(OnlineLse x, float z_t, float lse, float& ref, float& div) 
 }
 
 // The entropy's terms of a row's gradient (upstream g_ent), pivoted on column t.
-FLCE_HD void row_grad_entropy(RowGrad& r, OnlineLse x, float z_t, float lse, float lse_x,
+FLCE_HD void row_grad_entropy(RowGrad& r, OnlineLse x, float z_t, float lse, float gap,
                               float g_ent) {
   const float ent = row_entropy(x, z_t, false);
   r.h = g_ent;
-  r.k = lse - ent;
+  r.k = logf(r.div) - ent;  // lse - ref = log div (row_ref); the lse form: div = 1
   // dH/dz_t = -p_t (log p_t + H) with log p_t = -nll.
-  r.dz_t -= g_ent * sigmoid(z_t - lse_x) * (ent - softplus(lse_x - z_t));
+  r.dz_t -= g_ent * sigmoid(-gap) * (ent - softplus(gap));
 }
 }  // namespace detail
 
@@ -305,12 +323,12 @@ FLCE_HD void row_grad_entropy(RowGrad& r, OnlineLse x, float z_t, float lse, flo
 // the upstream gradient of the row's entropy.
 FLCE_HD RowGrad row_grad(OnlineLse x, float z_t, bool ignored, float g, float g_lse,
                          const LossOptions& o, float g_ent = 0.f) {
-  const float lse_x = lse_value(x);
-  const float lse = logaddexp(lse_x, z_t);
+  const float lse = logaddexp(lse_value(x), z_t);
+  const float gap = lse_gap(x, z_t);
   float ref, div;
   detail::row_ref(x, z_t, lse, ref, div);
-  RowGrad r = detail::row_grad_coef(ref, div, lse, lse_x, z_t, ignored, g, g_lse, o);
-  if (g_ent != 0.f && !ignored) detail::row_grad_entropy(r, x, z_t, lse, lse_x, g_ent);
+  RowGrad r = detail::row_grad_coef(ref, div, lse, gap, ignored, g, g_lse, o);
+  if (g_ent != 0.f && !ignored) detail::row_grad_entropy(r, x, z_t, lse, gap, g_ent);
   return r;
 }
 
@@ -392,10 +410,9 @@ struct SoftLoss {
 // The row's loss from its merged state. A +inf pivot gives NaN, as a +inf target logit does
 // (row_loss).
 FLCE_HD SoftLoss soft_row_loss(const SoftRow& r, float zw, float z_loss) {
-  const float lse_x = lse_value(r.x);
-  const float lse = logaddexp(lse_x, r.p);
+  const float lse = logaddexp(lse_value(r.x), r.p);
   if (r.p == INFINITY) return SoftLoss{NAN, lse};
-  float loss = (r.y_a + r.y_rest) * softplus(lse_x - r.p) + r.g;
+  float loss = (r.y_a + r.y_rest) * softplus(lse_gap(r.x, r.p)) + r.g;
   if (z_loss != 0.f) loss += z_loss * lse * lse * zw;
   return SoftLoss{loss, lse};
 }
@@ -411,8 +428,8 @@ FLCE_HD SoftLoss soft_row_loss(const SoftRow& r, float zw, float z_loss) {
 // has g = 1/0, which would otherwise make its gradients 0 * inf = NaN).
 FLCE_HD RowGrad soft_row_grad(OnlineLse x, float p, float y_a, float y_rest, float zw, float g,
                               float g_lse, float z_loss, float g_ent = 0.f) {
-  const float lse_x = lse_value(x);
-  const float lse = logaddexp(lse_x, p);
+  const float lse = logaddexp(lse_value(x), p);
+  const float gap = lse_gap(x, p);
   RowGrad r;
   detail::row_ref(x, p, lse, r.ref, r.div);
   r.rdiv = 1.f / r.div;
@@ -421,8 +438,9 @@ FLCE_HD RowGrad soft_row_grad(OnlineLse x, float p, float y_a, float y_rest, flo
   r.a = g * (y + 2.f * z_loss * zw * lse) + g_lse;
   r.u = g;
   const float b = g * y;
-  r.dz_t = (r.a - b) * sigmoid(p - lse_x) - b * sigmoid(lse_x - p) + g * y_rest;
-  if (g_ent != 0.f) detail::row_grad_entropy(r, x, p, lse, lse_x, g_ent);
+  const float a_minus_b = g * (2.f * z_loss * zw * lse) + g_lse;  // (row_grad_coef's)
+  r.dz_t = a_minus_b * sigmoid(-gap) - b * sigmoid(gap) + g * y_rest;
+  if (g_ent != 0.f) detail::row_grad_entropy(r, x, p, lse, gap, g_ent);
   return r;
 }
 
@@ -434,19 +452,21 @@ FLCE_HD float logit_grad_plain(const RowGrad& r, float z) {
 
 // Gradient of a non-target logit z (capped), before the softcap chain rule.
 FLCE_HD float logit_grad(const RowGrad& r, float z) {
-  const float p = vexp(z - r.ref) * r.rdiv;
+  const float d = z - r.ref;
+  const float p = vexp(d) * r.rdiv;
   // h = 0 keeps the plain form; p = 0 (z = -inf, a masked column, or an underflow) too, since
-  // 0 * h (z - k) would be NaN there.
+  // 0 * h (d - k) would be NaN there.
   if (r.h == 0.f || p == 0.f) return r.a * p - r.u;
-  return p * (r.a - r.h * (z - r.k)) - r.u;
+  return p * (r.a - r.h * (d - r.k)) - r.u;
 }
 
 // Gradient of a non-pivot logit z (capped) with target weight y, before the softcap chain rule,
 // from soft_row_grad's coefficients: logit_grad with the row's u times the column's y.
 FLCE_HD float soft_logit_grad(const RowGrad& r, float z, float y) {
-  const float p = vexp(z - r.ref) * r.rdiv;
+  const float d = z - r.ref;
+  const float p = vexp(d) * r.rdiv;
   if (r.h == 0.f || p == 0.f) return r.a * p - r.u * y;
-  return p * (r.a - r.h * (z - r.k)) - r.u * y;
+  return p * (r.a - r.h * (d - r.k)) - r.u * y;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -470,7 +490,10 @@ FLCE_HD void kahan_add(float& s, float& c, float x) {
   s = t;
 }
 
-FLCE_HD float kahan_result(float s, float c) { return s + c; }
+// An infinite sum is the sum: its compensation is NaN there ((x - inf) + s = inf - inf), which
+// would turn a masked (-inf) logit's place in the logits' sum into a NaN loss. (s - s is 0 for
+// a finite s, NaN for an infinite or NaN one.)
+FLCE_HD float kahan_result(float s, float c) { return s - s == 0.f ? s + c : s; }
 
 // bfloat16 bit patterns, round to nearest even; NaN stays NaN (the rounding carry could turn
 // its payload into an infinity).
