@@ -107,6 +107,16 @@ def check_flags(**flags):
             raise TypeError(f"flce: {name} must be True or False, got {flag!r}")
 
 
+def unbatched_target(input, target):
+    """A 1-D input (one token) takes its class id as a 0-d target, or, as torch takes it, a
+    ``(1,)`` one (the result is 0-d either way)."""
+    if isinstance(input, torch.Tensor) and input.dim() == 1 and \
+            isinstance(target, torch.Tensor) and not is_soft(target) and \
+            tuple(target.shape) == (1,):
+        return target.reshape(())
+    return target
+
+
 def check_soft_ignore_index(ignore_index):
     """Probability targets have no ignored rows: an ignore_index other than the default is
     refused, as torch's F.cross_entropy refuses it, rather than silently left unused."""

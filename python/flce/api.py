@@ -112,6 +112,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     del options
     opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                            temperature)
+    target = _common.unbatched_target(input, target)
     _common.validate_linear(input, weight, target, bias)
     _common.check_one_device((("input", input), ("class_weight", class_weight)))
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
@@ -311,6 +312,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
                         return_accuracy=return_accuracy, inplace_backward=inplace_backward)
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
     lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
+    target = _common.unbatched_target(input, target)
     soft = _common.is_soft(target)
     if soft:
         _common.check_soft_ignore_index(ignore_index)

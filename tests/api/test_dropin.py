@@ -164,3 +164,16 @@ def test_class_weights_check_every_element(device):
     ones = flce.linear_cross_entropy(x, w, t, reduction="none",
                                      class_weight=torch.ones(97, device=device))
     assert torch.equal(base, ones)
+
+
+def test_one_token_with_a_target_of_shape_1():
+    # torch takes a (C,) input (a (D,) hidden state) with a 0-d or a (1,) class id; 0-d result.
+    x, w = torch.randn(9), torch.randn(12, 9)
+    for red in ("none", "mean", "sum"):
+        for t in (torch.tensor(4), torch.tensor([4])):
+            got, want = flce.cross_entropy(x, t, reduction=red), F.cross_entropy(x, t,
+                                                                                reduction=red)
+            assert got.shape == want.shape == () and torch.allclose(got, want)
+            got = flce.linear_cross_entropy(x, w, t, reduction=red)
+            want = F.linear_cross_entropy(x, w, t, reduction=red)
+            assert got.shape == want.shape == () and torch.allclose(got, want)
