@@ -587,12 +587,17 @@ def reference_and_bounds(c, inputs):
         w_tiny = TINY[torch.float32] if c.master else TINY[dt]
         acc_v = math.ceil(math.log2(2 * max(v, 1))) * U32
         acc_n = math.ceil(math.log2(2 * max(rows, 1))) * U32
+        # A bf16 GEMM on hardware that multiplies bf16 natively (AVX512-BF16's VDPBF16PS, AMX's
+        # TDPBF16PS) flushes subnormal products and sums to zero: each term may lose FLT_MIN
+        # (seed 1123681288: a dW element of -3.5e-39, one product, came out 0).
+        ftz = FLT_MIN if dt == torch.bfloat16 else 0.0
         ref["dinput"] = (gu @ w).reshape(inputs["input"].shape)
         bound["dinput"] = ((err_gu @ w.abs() + acc_v * (gu.abs() @ w.abs())) +
-                           out_unit * (gu @ w).abs() + TINY[dt]).reshape(inputs["input"].shape)
+                           out_unit * (gu @ w).abs() + TINY[dt] + ftz * v
+                           ).reshape(inputs["input"].shape)
         ref["dweight"] = gu.T @ x
         bound["dweight"] = err_gu.T @ x.abs() + acc_n * (gu.abs().T @ x.abs()) + \
-            w_unit * (gu.T @ x).abs() + w_tiny
+            w_unit * (gu.T @ x).abs() + w_tiny + ftz * rows
         if "bias" in inputs:
             ref["dbias"] = gu.sum(0)
             bound["dbias"] = err_gu.sum(0) + acc_n * gu.abs().sum(0) + w_unit * gu.sum(0).abs() + \

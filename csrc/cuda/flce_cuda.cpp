@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -283,8 +284,14 @@ Tensor4 forward_cuda(const at::Tensor& input, const at::Tensor& weight, const at
 // logits and gradient buffers.
 int64_t workspace_bytes() {
   const char* s = std::getenv("FLCE_CUDA_WORKSPACE_MB");
-  const double mb = s != nullptr ? std::atof(s) : 0.0;  // fractions too (tests of the chunking)
-  return static_cast<int64_t>((mb > 0 ? mb : heuristics::kWorkspaceMb) * (1 << 20));
+  if (s == nullptr || *s == '\0') return static_cast<int64_t>(heuristics::kWorkspaceMb) << 20;
+  char* end = nullptr;
+  const double mb = std::strtod(s, &end);  // fractions too (tests of the chunking)
+  TORCH_CHECK_VALUE(end != s && *end == '\0' && mb > 0 && std::isfinite(mb),
+                    "flce: FLCE_CUDA_WORKSPACE_MB must be a positive number of MiB, got '", s,
+                    "'");
+  // (at most 2^50 bytes: a larger value, cast to int64, would wrap around to the smallest plan)
+  return static_cast<int64_t>(std::min(mb, 1073741824.0) * (1 << 20));
 }
 
 // out [m, k] fp32 (or the compute dtype) = a [m, j] @ b [j, k] with fp32 accumulation.

@@ -98,6 +98,12 @@ REGRESSIONS = {
     "distribution_pivot_cancellation": Case(seed=510952423, entry="logits", lead=(62,), v=400,
                                             class_weight=True, reduction="none",
                                             label_smoothing=0.1, scale=0.5),
+    # (the bound's own completeness) a bf16 GEMM that multiplies bf16 natively (AVX512-BF16,
+    # AMX) flushes a subnormal product to 0: a dW element of -3.5e-39 (one row) came out 0
+    "bf16_gemm_flushes_subnormal_products": Case(seed=1123681288, lead=(1,), v=13, d=40,
+                                                 dtype="bf16", reduction="sum", temperature=1.7,
+                                                 entropy=True, exact_bf16_grad=False,
+                                                 confident=150.0),
 }
 
 

@@ -461,3 +461,23 @@ def test_fp32_gradients_in_fp64_at_the_ideal(dev, n, v, d, single_pass, monkeypa
         # vocabulary are held to 1.5x of it.
         bound = 1.5
         assert rel_err(got, ref) <= bound * ideal, (name, rel_err(got, ref), ideal)
+
+
+def test_workspace_variable_is_parsed(dev, monkeypatch):
+    # A huge budget is the whole batch in one chunk (cast to int64 it wrapped around to the
+    # smallest plan: one row per GEMM); what is not a positive number raises, naming it.
+    x, w, t, _ = _make(600, 64, 8, torch.float32, device=dev)
+
+    def gemms():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss = flce.linear_cross_entropy(x, w, t, reduction="none")
+        return loss, sum(e.count for e in prof.key_averages() if e.key == "aten::mm")
+
+    want, n_default = gemms()
+    monkeypatch.setenv("FLCE_CUDA_WORKSPACE_MB", "1e14")
+    got, n_huge = gemms()
+    assert n_huge == n_default and torch.equal(got, want)
+    for bad in ("inf", "abc", "-1", "0"):
+        monkeypatch.setenv("FLCE_CUDA_WORKSPACE_MB", bad)
+        with pytest.raises(ValueError, match="FLCE_CUDA_WORKSPACE_MB must be a positive number"):
+            flce.linear_cross_entropy(x, w, t)
