@@ -63,7 +63,7 @@ inline at::TensorOptions f32_of(const at::Tensor& t) { return t.options().dtype(
 at::Tensor aligned_contiguous(const at::Tensor& t);
 
 // Target checks without a host sync (flce_cuda.cpp): poll raises for the oldest landed failure;
-// check_targets queues the check of a combine's error flag.
+// check_targets queues the check of a combine's error flag (undefined: of the targets alone).
 void poll_target_checks(bool wait_all = false);
 void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t vocab_size,
                    int64_t ignore_index);

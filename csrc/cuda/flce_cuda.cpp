@@ -162,7 +162,9 @@ void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t voc
   // The first offending row and its target, found on the device (argmax: the first maximum).
   const at::Tensor bad = ((target != ignore_index) & ((target < 0) | (target >= vocab_size)));
   const at::Tensor row = bad.to(at::kInt).argmax().reshape({1});
-  const at::Tensor info = at::cat({flag.to(at::kLong).reshape({1}), row, target.index_select(0, row)});
+  // (no kernel's flag: the targets' own, any offending row)
+  const at::Tensor raised = flag.defined() ? flag.to(at::kLong) : bad.any().to(at::kLong);
+  const at::Tensor info = at::cat({raised.reshape({1}), row, target.index_select(0, row)});
   {
     std::lock_guard<std::mutex> lock(g_checks_mutex);
     g_checks.push_back(PendingCheck{dev::PendingCopy(info), vocab_size, ignore_index});
@@ -177,9 +179,7 @@ void check_target_cuda(const at::Tensor& target, int64_t vocab_size, int64_t ign
   check_device_tensor(target, target, "target");
   const dev::Guard guard(target);
   poll_target_checks();
-  const at::Tensor t = target.reshape(-1);
-  const at::Tensor flag = ((t != ignore_index) & ((t < 0) | (t >= vocab_size))).any().to(at::kInt);
-  check_targets(flag, t, vocab_size, ignore_index);
+  check_targets(at::Tensor(), target.reshape(-1), vocab_size, ignore_index);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -407,9 +407,7 @@ SoftJob soft_job(const at::Tensor& target, const std::optional<at::Tensor>& clas
   SoftJob j;
   if (target.scalar_type() == at::kLong) {
     j.t = target;
-    // The async target check of combine, its flag from torch ops (no host sync).
-    const at::Tensor bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size));
-    check_targets(bad.any().to(at::kInt).reshape({1}), target, vocab_size, ignore_index);
+    check_targets(at::Tensor(), target, vocab_size, ignore_index);  // (combine's, no host sync)
   } else {
     // Rows may be strided (a slice of a wider tensor); the columns are read one by one.
     j.q = target.stride(1) == 1 || v_local <= 1 ? target : target.contiguous();

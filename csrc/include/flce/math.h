@@ -308,8 +308,7 @@ FLCE_HD void row_ref(OnlineLse x, float z_t, float lse, float& ref, float& div) 
 }
 
 // The entropy's terms of a row's gradient (upstream g_ent), pivoted on column t.
-FLCE_HD void row_grad_entropy(RowGrad& r, OnlineLse x, float z_t, float lse, float gap,
-                              float g_ent) {
+FLCE_HD void row_grad_entropy(RowGrad& r, OnlineLse x, float z_t, float gap, float g_ent) {
   const float ent = row_entropy(x, z_t, false);
   r.h = g_ent;
   r.k = logf(r.div) - ent;  // lse - ref = log div (row_ref); the lse form: div = 1
@@ -328,7 +327,7 @@ FLCE_HD RowGrad row_grad(OnlineLse x, float z_t, bool ignored, float g, float g_
   float ref, div;
   detail::row_ref(x, z_t, lse, ref, div);
   RowGrad r = detail::row_grad_coef(ref, div, lse, gap, ignored, g, g_lse, o);
-  if (g_ent != 0.f && !ignored) detail::row_grad_entropy(r, x, z_t, lse, gap, g_ent);
+  if (g_ent != 0.f && !ignored) detail::row_grad_entropy(r, x, z_t, gap, g_ent);
   return r;
 }
 
@@ -440,7 +439,7 @@ FLCE_HD RowGrad soft_row_grad(OnlineLse x, float p, float y_a, float y_rest, flo
   const float b = g * y;
   const float a_minus_b = g * (2.f * z_loss * zw * lse) + g_lse;  // (row_grad_coef's)
   r.dz_t = a_minus_b * sigmoid(-gap) - b * sigmoid(gap) + g * y_rest;
-  if (g_ent != 0.f) detail::row_grad_entropy(r, x, p, lse, gap, g_ent);
+  if (g_ent != 0.f) detail::row_grad_entropy(r, x, p, gap, g_ent);
   return r;
 }
 
