@@ -110,6 +110,19 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     if weight is None or target is None:
         raise TypeError("flce: linear_cross_entropy needs input, weight and target")
     del options
+    # DTensor weights sharded over the vocabulary go to the vocab-parallel path, before any
+    # argument check here: its checks run in the ranks' exchange, so that a bad argument on one
+    # rank raises on every rank (raised here, it left the others waiting in the exchange).
+    if _common.is_dtensor(weight):
+        from . import parallel
+
+        if parallel.is_vocab_sharded(weight):
+            return parallel.linear_cross_entropy_dtensor(
+                input, weight, target, bias=bias, ignore_index=ignore_index,
+                reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+                softcap=softcap, temperature=temperature, return_lse=return_lse,
+                return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
+                class_weight=class_weight, exact_bf16_grad=exact_bf16_grad)
     opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                            temperature)
     target = _common.unbatched_target(input, target)
@@ -120,18 +133,6 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     if input.is_cuda:
         _build.check_cuda_device(input.device)
     exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
-
-    # DTensor weights sharded over the vocabulary go to the vocab-parallel path.
-    if _common.is_dtensor(weight):
-        from . import parallel
-
-        if parallel.is_vocab_sharded(weight):
-            return parallel.linear_cross_entropy_dtensor(
-                input, weight, target, bias=bias, ignore_index=opts.ignore_index,
-                reduction=reduction, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss,
-                softcap=softcap, temperature=opts.temperature, return_lse=return_lse,
-                return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-                class_weight=class_weight, exact_bf16_grad=exact_bf16_grad)
 
     if _common.is_soft(target):
         _common.check_soft_ignore_index(ignore_index)
@@ -291,17 +292,18 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     """
     if size_average is not None or reduce is not None:
         reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
-    opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
-                           temperature)
     _common.check_tensor("input", input)
     if _common.is_dtensor(input):
+        # (its argument checks run in the ranks' exchange: linear_cross_entropy's note)
         from . import parallel
 
         return parallel.cross_entropy_dtensor(
-            input, target, weight=weight, ignore_index=opts.ignore_index, reduction=reduction,
-            label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=softcap,
-            temperature=opts.temperature, return_lse=return_lse, return_entropy=return_entropy,
+            input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            temperature=temperature, return_lse=return_lse, return_entropy=return_entropy,
             return_accuracy=return_accuracy, inplace_backward=inplace_backward)
+    opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                           temperature)
     if input.dim() == 0:
         raise ArgumentError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a "
                             "0-d tensor")

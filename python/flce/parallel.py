@@ -139,11 +139,13 @@ _LAYOUT_CACHE_SIZE = 256
 # Fields of the metadata row; those from N to temperature must agree across ranks. "error": this
 # rank's own arguments failed a check (its message follows in a second exchange); "target min"
 # and "target max": the range of its non-ignored targets (ignored ones count as 0).
+# (shift, reduce_input_grad and whether input needs a gradient: ranks that differ there meet
+# different collectives in the backward, or own different target columns)
 _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype", "weight dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
                 "sequence_parallel", "temperature", "single pass", "class weights", "targets",
-                "exact_bf16_grad", "group size", "group members", "error", "target min",
-                "target max")
+                "exact_bf16_grad", "shift", "reduce_input_grad", "input requires grad",
+                "group size", "group members", "error", "target min", "target max")
 _AGREED = range(3, _META_FIELDS.index("error"))
 _ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
 
@@ -716,7 +718,9 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
                 int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
                 _weights_meta(class_weight), int(soft),
-                -1 if exact_bf16_grad is None else int(exact_bf16_grad)]
+                -1 if exact_bf16_grad is None else int(exact_bf16_grad), int(bool(shift)),
+                int(bool(reduce_input_grad)),
+                int(torch.is_grad_enabled() and input.requires_grad)]
     else:
         t, meta = None, None
     layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
@@ -938,7 +942,7 @@ def _logits_meta(x, vocab_start, ignore_index, smoothing, z_loss, softcap, reduc
     return [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
             code, 0, ignore_index, _float_bits(smoothing), _float_bits(z_loss),
             _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0,
-            _weights_meta(class_weight), int(soft), -1]
+            _weights_meta(class_weight), int(soft), -1, 0, 1, 0]
 
 
 def _weights_meta(class_weight):

@@ -401,6 +401,14 @@ def check_dtensor(rank, world, group):
             err = _rel_err(got, want)
             assert err < 16 * F32_ULP, f"DTensor {name}: rel err vs one process {err:.3g}"
         assert tuple(w.grad.placements) == (Shard(0),)
+    # One rank's bad option: every rank raises it (checked here before the exchange, it left the
+    # other ranks waiting there)
+    w = distribute_tensor(w64.float(), mesh, [Shard(0)])
+    _expect(ValueError, "rank 1's arguments are invalid: flce: label_smoothing must be in",
+            lambda: flce.linear_cross_entropy(x64.float(), w, t, label_smoothing=1.5 * rank))
+    logits = distribute_tensor(x64.float() @ w64.float().T, mesh, [Shard(1)])
+    _expect(ValueError, "rank 1's arguments are invalid: flce: reduction must be",
+            lambda: flce.cross_entropy(logits, t, reduction="bogus" if rank else "mean"))
     # Placements flce cannot take: a clear error, not a wrong answer.
     w_rep = distribute_tensor(w64.float(), mesh, [Replicate()])
     try:
@@ -538,6 +546,16 @@ def check_rank_disagreement(rank, world, group):
                 lambda: entry(torch.tanh(leaf)).sum().backward())
     # Explicit offsets in reverse rank order are a valid layout.
     call(vocab_start=16 * (world - 1 - rank))
+    # Options whose disagreement met different collectives in the backward (the dE all-reduce
+    # on some ranks only: a hang), or gave each rank other target columns (shift: inf, silently)
+    _expect(ValueError, "disagree on shift", lambda: call(shift=mine))
+    _expect(ValueError, "disagree on reduce_input_grad", lambda: call(reduce_input_grad=not mine))
+    g = torch.Generator().manual_seed(31)
+    x, w = torch.randn(20, 8, generator=g), torch.randn(16, 8, generator=g).requires_grad_()
+    _expect(ValueError, "disagree on input requires grad",
+            lambda: fp.vocab_parallel_linear_cross_entropy(
+                x.clone().requires_grad_(not mine), w, torch.zeros(20, dtype=torch.int64),
+                group=group).backward())
     call()  # the group still works
 
 
