@@ -326,16 +326,15 @@ def _forward(model, original, args, kwargs, return_logits):
     if aux_loss is not None:
         loss = loss + _aux_loss_coef(model) * aux_loss.to(loss.device)
 
-    fields = dict(out)
+    fields = dict(out)  # (the fields that are set, in order)
     fields["loss"] = loss
     fields["logits"] = out.logits if want_logits else None
-    out = type(out)(**fields)
     if return_dict:
-        return out
-    # transformers' tuple (to_tuple drops None fields): loss, then the logits' place kept (None
-    # where they are not returned), then the rest, as the unpatched model's (loss, logits, ...).
-    rest = type(out)(**{k: v for k, v in fields.items() if k not in ("loss", "logits")})
-    return (loss, fields["logits"]) + rest.to_tuple()
+        return type(out)(**fields)
+    # transformers' tuple (its to_tuple drops None fields): loss, then the logits' place kept
+    # (None where they are not returned), then the rest, as the unpatched model's.
+    return (loss, fields["logits"]) + tuple(v for k, v in fields.items()
+                                            if k not in ("loss", "logits"))
 
 
 def _aux_loss_coef(model):
