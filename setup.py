@@ -18,7 +18,7 @@ Environment:
                           cores MAX_JOBS leaves idle when there are fewer .cu files than jobs.
   FLCE_PTXAS_VERBOSE=1    pass -Xptxas -v (registers and spills per kernel, used by CI).
   FLCE_CUTLASS            unset: CUTLASS's headers from the nvidia-cutlass wheel when found
-                          (the fused logits GEMMs, sm_90a / sm_100a); 0: build without; 1:
+                          (the fused logits GEMM, sm_90a); 0: build without; 1:
                           require them; a path: that include directory.
 See docs/build.md.
 """
@@ -164,9 +164,8 @@ if use_cuda:
     except _build.ArchError as e:
         sys.exit(f"error: {e}")
     cu_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    # The fused logits GEMMs (CUTLASS's sm90 / sm100 warp-specialized mainloops, our epilogue)
-    # where the arch list has sm_90a / sm_100a and CUTLASS's headers are there; elsewhere their
-    # SIMT stand-in.
+    # The fused logits GEMM (CUTLASS's sm90 warp-specialized mainloop, our epilogue) where the
+    # arch list has sm_90a and CUTLASS's headers are there; elsewhere its SIMT stand-in.
     try:
         cutlass = _build.cutlass_include(archs)
     except _build.ArchError as e:

@@ -1,9 +1,8 @@
 """The fused logits path on a GPU (FLCE_CUDA_FUSED_LOGITS=1; docs/cuda.md "Fused logits").
 
-1. Which epilogue ran: a CUTLASS GEMM (sm_90a or sm_100a: a kernel named
-   ...FusedLogitsEpilogue... in the profiler) or its SIMT stand-in (logits_epilogue_kernel). On
-   an H100/H200 with a 9.0a build (a B200 with 10.0a) the CUTLASS kernel must run; a silent
-   fallback is reported as a failure.
+1. Which epilogue ran: the CUTLASS GEMM (sm_90a: a kernel named ...FusedLogitsEpilogue... in
+   the profiler) or its SIMT stand-in (logits_epilogue_kernel). On an H100/H200 with a 9.0a
+   build the CUTLASS kernel must run; a silent fallback is reported as a failure.
 2. The CUTLASS kernel against the stand-in on the same inputs (FLCE_CUDA_FUSED_GEMM=0), shapes
    with tails in N, V and D: the loss within fp32 rounding of each other, the gradients within
    bf16's (the two differ only in the GEMM's fp32 summation order, and E's rounding where that
@@ -43,7 +42,7 @@ def kernels_of(fn):
 
 
 # The GPU's CUTLASS kernel: the build's SASS target and CUTLASS kernel for it.
-KERNELS = {(9, 0): ("sm_90a", "sm90"), (10, 0): ("sm_100a", "sm100")}
+KERNELS = {(9, 0): ("sm_90a", "sm90")}
 
 
 def wants_cutlass():
@@ -74,7 +73,7 @@ def main():
                                         FLCE_CUDA_FUSED_GEMM="1"))
         cutlass = any("FusedLogitsEpilogue" in k for k in names)
         stand_in = any("logits_epilogue_kernel" in k for k in names)
-        # An H100/H200 with a build for 9.0a (a B200 with 10.0a) must run the CUTLASS kernel: a
+        # An H100/H200 with a build for 9.0a must run the CUTLASS kernel: a
         # build that left it out (no CUTLASS headers where it was built) fails here too.
         want_cutlass = wants_cutlass() and d % 8 == 0
         if want_cutlass and not has_cutlass():

@@ -301,7 +301,7 @@ class FusedLogits {
           job.input.scalar_type() == at::kBFloat16 &&
           job.weight.scalar_type() == at::kBFloat16 && job.label_smoothing == 0.0 && v > 0;
     if (!on_) return;
-    // Its GEMM (CUTLASS, sm_90a or sm_100a) where it takes the operands: x row-major (TMA; a
+    // Its GEMM (CUTLASS, sm_90a) where it takes the operands: x row-major (TMA; a
     // column-major x is copied once the GEMM is sure to run), every sub-chunk the whole group
     // (no fp32 scratch to bound it; vocab-parallel ranks keep the common plan).
     // FLCE_CUDA_FUSED_GEMM=0: the stand-in everywhere, to compare the two on a GPU.
@@ -322,7 +322,6 @@ class FusedLogits {
     p.e_ld = logits_ld(v);
     const bool try_gemm = w.stride(1) == 1 && env_flag("FLCE_CUDA_FUSED_GEMM", true);
     sm90_ = try_gemm && cuda::fused_logits_sm90_supported(p);
-    sm100_ = try_gemm && !sm90_ && cuda::fused_logits_sm100_supported(p);
     if (library_gemm() && !x_row_major) x_ = x.contiguous();
     sub_rows_ = library_gemm() && !job.shard.group ? plan.group_rows : plan.sub_rows;
     tiles_ = ceil_div(v, cuda::kFusedTileCols);
@@ -331,7 +330,7 @@ class FusedLogits {
   }
   bool on() const { return on_; }
   // The CUTLASS GEMM stores E itself: no fp32 logits scratch.
-  bool library_gemm() const { return sm90_ || sm100_; }
+  bool library_gemm() const { return sm90_; }
   int64_t sub_rows() const { return sub_rows_; }
 
   // E of rows [s0, s0 + sn) into e (row stride logits_ld(v)), their merged [sn, 5] partials
@@ -348,8 +347,6 @@ class FusedLogits {
     fp.partials = tile_partials_.data_ptr<float>();
     if (sm90_) {
       check_launch(cuda::launch_fused_logits_sm90(fp, stream), "fused_logits_sm90");
-    } else if (sm100_) {
-      check_launch(cuda::launch_fused_logits_sm100(fp, stream), "fused_logits_sm100");
     } else {
       gemm_into(at::from_blob(scratch, {sn, base_.v}, {base_.e_ld, 1}, f32_of(job_.input)),
                 x_.narrow(0, s0, sn), w_.t());
@@ -389,7 +386,7 @@ class FusedLogits {
   const LinearJob& job_;
   at::Tensor x_, w_, tile_partials_;
   cuda::FusedLogitsParams base_{};
-  bool on_ = false, sm90_ = false, sm100_ = false;
+  bool on_ = false, sm90_ = false;
   int64_t sub_rows_ = 0, tiles_ = 0;
 };
 

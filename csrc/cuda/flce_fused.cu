@@ -212,16 +212,10 @@ unsigned grid_for(int64_t pairs) {
 }  // namespace
 
 // A build without CUTLASS's headers or without the arch in its list, and the host emulation
-// (no WGMMA, tcgen05 or TMA): that fused GEMM is never available, the stand-in runs.
+// (no WGMMA or TMA): that fused GEMM is never available, the stand-in runs.
 #if !defined(FLCE_WITH_CUTLASS_SM90)
 bool fused_logits_sm90_supported(const FusedLogitsParams&) { return false; }
 cudaError_t launch_fused_logits_sm90(const FusedLogitsParams&, cudaStream_t) {
-  return cudaErrorNotSupported;
-}
-#endif
-#if !defined(FLCE_WITH_CUTLASS_SM100)
-bool fused_logits_sm100_supported(const FusedLogitsParams&) { return false; }
-cudaError_t launch_fused_logits_sm100(const FusedLogitsParams&, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 #endif

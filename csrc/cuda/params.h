@@ -302,9 +302,6 @@ cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t st
 // Whether launch_fused_logits_sm90 takes these operands (no launch; e, partials and target may
 // still be null): the caller asks before it plans, and takes the stand-in otherwise.
 bool fused_logits_sm90_supported(const FusedLogitsParams& p);
-// The same for Blackwell (CUTLASS, sm_100a, tcgen05 with TMEM accumulators; csrc/cuda/sm100).
-cudaError_t launch_fused_logits_sm100(const FusedLogitsParams& p, cudaStream_t stream);
-bool fused_logits_sm100_supported(const FusedLogitsParams& p);
 // The stand-in: the same epilogue over fp32 logits from cuBLAS (sm_80, the host emulation, and
 // what the fused kernel is checked against).
 cudaError_t launch_logits_epilogue(const FusedLogitsParams& p, cudaStream_t stream);

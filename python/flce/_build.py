@@ -177,15 +177,11 @@ def cutlass_kernels(archs):
     """The fused logits GEMMs this arch list can hold: "sm90" (csrc/cuda/sm90, sm_90a code) where
     it has 9.0a and no plain 9.0 target (sm_90 SASS or compute_90 PTX: that image would hold
     CUTLASS's stub body, which stores nothing, and the launcher could not tell which of the two
-    the driver picked); "sm100" (csrc/cuda/sm100, sm_100a code) where it has 10.0a (its stub
-    carries a marker the launcher checks, so a plain 10.0 beside it is fine)."""
-    out = []
+    the driver picked)."""
     if any(a.sm == "sm_90a" for a in archs) and not any(
             (a.major, a.minor) == (9, 0) and a.suffix != "a" for a in archs):
-        out.append("sm90")
-    if any(a.sm == "sm_100a" for a in archs):
-        out.append("sm100")
-    return out
+        return ["sm90"]
+    return []
 
 
 def cutlass_include(archs):
@@ -339,7 +335,7 @@ def check_cuda_device(device):
 def _main(argv):
     """CLI for CMake: ``gencode ARCH_LIST NVCC`` prints the nvcc flags (a CMake list) after
     validating; ``cutlass ARCH_LIST`` prints CUTLASS's include directory, its version and the
-    fused GEMMs to build (``PATH|4.2.0|sm90,sm100``, or nothing); ``write-info PATH key=value ...`` writes the build-info
+    fused GEMMs to build (``PATH|4.2.0|sm90``, or nothing); ``write-info PATH key=value ...`` writes the build-info
     module."""
     try:
         if argv[:1] == ["gencode"] and len(argv) == 3:

@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <climits>
 #include <cstdint>
 
 // CUTLASS 4.2's sm100 collectives (pulled in by the builder's umbrella header) trip nvcc's
@@ -47,13 +48,62 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #pragma nv_diagnostic pop
 
-#include "cuda/fused_gemm_host.h"
-
 namespace flce {
 namespace cuda {
 namespace {
 
 using namespace cute;
+
+// ---------------------------------------------------------------------------------------------
+// What the epilogue reads, per launch, and the CUTLASS plumbing of an operator-style collective
+// epilogue that stores E and the partials itself: no C / D tensor for CUTLASS to load or store,
+// no workspace, its parameters as given.
+// ---------------------------------------------------------------------------------------------
+struct EpilogueParams {
+  const float* bias;  // [v] or nullptr
+  float softcap;      // <= 0: none
+  float temperature;
+  const int64_t* target;
+  int64_t target_stride;
+  int64_t col_offset;
+  int64_t ignore_index;
+  int64_t v;
+  __nv_bfloat16* e;  // [n, v], row stride e_ld
+  int64_t e_ld;
+  float* partials;   // [n, tiles, kPartialCols]
+  int64_t tiles;     // ceil(v / kFusedTileCols)
+};
+
+// The operands' type (x, w and E alike) and the elements of one 16-byte access of it: TMA's
+// rule for x's and w's base pointers and row strides.
+using Element = cutlass::bfloat16_t;
+constexpr int kAlignment = 16 / sizeof(Element);
+
+struct EpilogueBase {
+  using ElementC = Element;
+  using ElementD = Element;
+  using StrideC = cute::Stride<int64_t, cute::_1, int64_t>;
+  using StrideD = cute::Stride<int64_t, cute::_1, int64_t>;
+  using ThreadEpilogueOp = void;
+  struct SharedStorage {};
+  using Arguments = EpilogueParams;
+  using Params = EpilogueParams;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Configuration.
@@ -82,10 +132,9 @@ constexpr int kNumStages = 4;
 using ClusterShape = Shape<_1, _1, _1>;
 using TileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
 
-using ElementX = fused_gemm::Element;  // A operand: x [n, d], K-major
-using ElementW = fused_gemm::Element;  // B operand: w [v, d], K-major
+using ElementX = Element;  // A operand: x [n, d], K-major
+using ElementW = Element;  // B operand: w [v, d], K-major
 using ElementAccumulator = float;
-constexpr int kAlignment = fused_gemm::kAlignment;  // TMA: 16-byte aligned rows
 
 // ---------------------------------------------------------------------------------------------
 // The accumulator fragment viewed as (row, column).
@@ -168,15 +217,18 @@ constexpr bool verify_row_quads() {
 // kernels: no epilogue producer warp, no shared memory).
 // ---------------------------------------------------------------------------------------------
 
-class FusedLogitsEpilogue : public fused_gemm::EpilogueBase {
+class FusedLogitsEpilogue : public EpilogueBase {
  public:
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
 
+  // E, the partials and the targets given, N the shard's columns, and E's rows 4-byte aligned
+  // for the paired bf16 stores (operands_ok checks 16).
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
-    // Paired bf16 stores: E's rows 4-byte aligned (operands_ok checks 16).
-    return args_ok(problem_shape, args, 2);
+    return args.e != nullptr && args.partials != nullptr && args.target != nullptr &&
+           args.e_ld % 2 == 0 && reinterpret_cast<uintptr_t>(args.e) % 4 == 0 &&
+           args.v == int64_t(cute::get<1>(problem_shape));
   }
 
   CUTLASS_HOST_DEVICE
@@ -333,28 +385,104 @@ using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 static_assert(GemmKernel::SharedStorageSize <= 227 * 1024, "kNumStages do not fit");
 
-// Whether the current device runs this module's sm_90a kernel, asked once per device
-// (fused_gemm::once_per_device). An sm_90a cubin reports binary and PTX version 9.0; anything
-// else here (an sm_80 cubin, PTX of another arch
+// ---------------------------------------------------------------------------------------------
+// The host side.
+// ---------------------------------------------------------------------------------------------
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Shapes CUTLASS takes as int, and TMA's 16-byte rule for x, w and E.
+bool operands_ok(const FusedLogitsParams& p) {
+  if (p.n <= 0 || p.v <= 0 || p.d <= 0 || p.n > INT_MAX || p.v > INT_MAX || p.d > INT_MAX) {
+    return false;
+  }
+  return aligned16(p.x) && aligned16(p.w) && aligned16(p.e) && p.x_ld % kAlignment == 0 &&
+         p.w_ld % kAlignment == 0 && p.e_ld % kAlignment == 0 && p.d % kAlignment == 0 &&
+         p.x_ld >= p.d && p.w_ld >= p.d && p.e_ld >= p.v;
+}
+
+int sm_count_of(int device) {
+  int sm_count = 0;
+  if (cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return sm_count;
+}
+
+// Whether the device runs this module's sm_90a kernel, asked once per device and process (a few
+// microseconds of host work, no stream work: safe under graph capture). An sm_90a cubin reports
+// binary and PTX version 9.0; anything else here (an sm_80 cubin, PTX of another arch
 // JIT-compiled) would run CUTLASS's stub body, which prints an error and stores nothing. (An
 // sm_90 cubin or compute_90 PTX without 'a' would report 9.0 / 9.0 as well: the build leaves
 // this file out when the arch list has one, python/flce/_build.py cutlass_include.)
 bool device_runs_kernel(int device) {
-  static std::atomic<int> known[64] = {};
-  return fused_gemm::once_per_device(known, device, [](int dev) {
-    int major = 0, minor = 0;
-    fused_gemm::capability(dev, major, minor);
-    cudaFuncAttributes attr{};
-    return major == 9 && minor == 0 &&
-           cudaFuncGetAttributes(&attr, cutlass::device_kernel<GemmKernel>) == cudaSuccess &&
-           attr.binaryVersion == 90 && attr.ptxVersion == 90;
-  });
+  static std::atomic<int> known[64] = {};  // 0 unknown, 1 yes, 2 no
+  if (device < 0 || device >= 64) return false;
+  const int k = known[device].load(std::memory_order_relaxed);
+  if (k != 0) return k == 1;
+  int major = 0, minor = 0;
+  cudaFuncAttributes attr{};
+  const bool yes =
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+      major == 9 && minor == 0 &&
+      cudaFuncGetAttributes(&attr, cutlass::device_kernel<GemmKernel>) == cudaSuccess &&
+      attr.binaryVersion == 90 && attr.ptxVersion == 90;
+  (void)cudaGetLastError();  // a failed query is not the next launch's error
+  known[device].store(yes ? 1 : 2, std::memory_order_relaxed);
+  return yes;
+}
+
+// CUTLASS's arguments for p on a device of sm_count SMs: x [n, d] is A = (M, K) K-major, w [v, d]
+// is B = (N, K) K-major.
+Gemm::Arguments make_args(const FusedLogitsParams& p, int device, int sm_count) {
+  Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = cute::make_shape(int(p.n), int(p.v), int(p.d), 1);
+  args.mainloop.ptr_A = static_cast<const ElementX*>(p.x);
+  args.mainloop.dA = cute::make_stride(p.x_ld, cute::_1{}, int64_t(0));
+  args.mainloop.ptr_B = static_cast<const ElementW*>(p.w);
+  args.mainloop.dB = cute::make_stride(p.w_ld, cute::_1{}, int64_t(0));
+  args.epilogue = EpilogueParams{p.bias,          p.softcap,
+                                 p.temperature,   p.target,
+                                 p.target_stride, p.col_offset,
+                                 p.ignore_index,  p.v,
+                                 static_cast<__nv_bfloat16*>(p.e), p.e_ld,
+                                 p.partials,      (p.v + kFusedTileCols - 1) / kFusedTileCols};
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+cudaError_t status_error(cutlass::Status s) {
+  if (s == cutlass::Status::kSuccess) return cudaSuccess;
+  const cudaError_t last = cudaGetLastError();
+  return last != cudaSuccess ? last : cudaErrorUnknown;
 }
 
 }  // namespace
 
+// The operands, the device, then CUTLASS's own checks and no workspace (there is no allocator
+// here: a configuration that needed one is refused rather than run without it). The caller may
+// ask before it has E, the partials or the targets: stand-ins at an aligned address (only their
+// alignment is read).
 bool fused_logits_sm90_supported(const FusedLogitsParams& p) {
-  return fused_gemm::supported<Gemm>(p, device_runs_kernel);
+  if (!operands_ok(p)) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const int sm_count = sm_count_of(device);
+  if (sm_count <= 0 || !device_runs_kernel(device)) return false;
+  FusedLogitsParams q = p;
+  void* const stand_in = reinterpret_cast<void*>(uintptr_t{256});
+  if (q.e == nullptr) q.e = stand_in;
+  if (q.partials == nullptr) q.partials = static_cast<float*>(stand_in);
+  if (q.target == nullptr) q.target = static_cast<const int64_t*>(stand_in);
+  const Gemm::Arguments args = make_args(q, device, sm_count);
+  return Gemm::get_workspace_size(args) == 0 &&
+         Gemm::can_implement(args) == cutlass::Status::kSuccess;
 }
 
 cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t stream) {
@@ -362,7 +490,15 @@ cudaError_t launch_fused_logits_sm90(const FusedLogitsParams& p, cudaStream_t st
       !fused_logits_sm90_supported(p)) {
     return cudaErrorNotSupported;
   }
-  return fused_gemm::launch<Gemm>(p, stream);
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  Gemm gemm;
+  cutlass::Status s = gemm.initialize(make_args(p, device, sm_count_of(device)), nullptr, stream);
+  if (s != cutlass::Status::kSuccess) return status_error(s);
+  s = gemm.run(stream);
+  if (s != cutlass::Status::kSuccess) return status_error(s);
+  return cudaGetLastError();
 }
 
 }  // namespace cuda
