@@ -413,9 +413,10 @@ def check_single_pass(requested, reduction, per_token):
     if requested not in (True, False):
         raise TypeError(f"flce: single_pass must be None, True or False, got {requested!r}")
     if requested and (reduction == "none" or per_token):
-        raise ArgumentError("flce: single_pass needs reduction 'mean' or 'sum' and neither "
-                            f"return_lse nor return_entropy; got reduction={reduction!r}, "
-                            f"per-token outputs: {per_token}")
+        raise ArgumentError("flce: single_pass=True needs reduction 'mean' or 'sum' and none of "
+                            "return_lse, return_entropy, return_accuracy (it returns the loss "
+                            f"alone); got reduction={reduction!r}, per-token outputs asked: "
+                            f"{bool(per_token)}")
 
 
 def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accuracy=None):

@@ -87,9 +87,11 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             ``FLCE_CPU_MEMORY_MB``, by default
             half an fp32 ``[N, V]`` buffer, except bf16 where its GEMMs run on AMX (the
             recompute path is faster there); off for fp16 and otherwise
-            (docs/cpu-backend.md). ``True``/``False`` force it on either backend (``True``
-            needs reduction ``"mean"``/``"sum"`` and neither ``return_lse`` nor
-            ``return_entropy``).
+            (docs/cpu-backend.md). ``False`` forces the recompute path; ``True`` the single
+            pass wherever the entry has one (it needs reduction ``"mean"``/``"sum"`` and none
+            of ``return_lse``, ``return_entropy``, ``return_accuracy``; per-class weights
+            without label smoothing, and target distributions on CUDA, have none and take the
+            recompute path, as does a call without gradients to compute).
         exact_bf16_grad: how bfloat16 inputs' gradients are computed (docs/numerics.md; other
             dtypes ignore it). ``None`` (default): the backend's choice, which
             ``flce.build_info()["cpu_bf16_grad"]`` reports for the CPU: on a CPU whose bf16

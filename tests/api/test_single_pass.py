@@ -34,6 +34,9 @@ def test_single_pass_refuses_what_it_cannot_do():
         flce.linear_cross_entropy(x, w, t, reduction="none", single_pass=True)
     with pytest.raises(ValueError, match="single_pass"):
         flce.linear_cross_entropy(x, w, t, return_lse=True, single_pass=True)
+    # (the message names every per-token output, the accuracy too)
+    with pytest.raises(ValueError, match="single_pass=True.*return_accuracy"):
+        flce.linear_cross_entropy(x, w, t, return_accuracy=True, single_pass=True)
 
 
 def test_module_passes_single_pass():
