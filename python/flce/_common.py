@@ -118,9 +118,10 @@ def unbatched_target(input, target):
 
 
 def check_soft_ignore_index(ignore_index):
-    """Probability targets have no ignored rows: an ignore_index other than the default is
-    refused, as torch's F.cross_entropy refuses it, rather than silently left unused."""
-    if ignore_index not in (None, -100):
+    """Probability targets have no ignored rows: an ignore_index that could name a class (>= 0)
+    is refused, as torch's F.cross_entropy refuses it, rather than silently left unused; a
+    negative one names none and is accepted, as torch accepts it."""
+    if ignore_index is not None and ignore_index >= 0:
         raise ArgumentError(f"flce: ignore_index is not supported with probability targets, got "
                             f"ignore_index={ignore_index} (as torch's F.cross_entropy)")
 
@@ -184,8 +185,10 @@ def check_inplace_target(logits, input, name):
                             f"which is {'a view of ' if input._base is not None else ''}a leaf "
                             f"tensor that requires grad (its data would become its gradient); "
                             f"pass inplace_backward=False")
+    # (unit column stride: rows overlap where one row's stride is shorter than a row, a stride
+    # of 0 included, for one column too)
     rows, c = logits.shape
-    if rows > 1 and c > 1 and abs(logits.stride(0)) < c:
+    if rows > 1 and abs(logits.stride(0)) < c:
         raise ArgumentError(f"flce: inplace_backward=True needs {name} whose elements do not share "
                             f"memory (an expand()ed or broadcast view would sum several rows' "
                             f"gradients into one); pass inplace_backward=False")

@@ -55,11 +55,19 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
     # graph: the shift cancels from every formula and its derivatives), and lse_x - z_t as
     # (lse_x - M) - (z_t - M): lse_x itself is rounded at the logits' scale, which a common
     # offset of the row's logits makes far larger than the loss (math.h lse_gap). A row whose
-    # largest logit is not finite keeps M = 0. Ignored rows have no target: every logit enters
+    # largest logit is -inf keeps M = 0; a +inf (or NaN) one makes the row NaN (inf - inf), as in
+    # flce's kernels and torch's log_softmax. Ignored rows have no target: every logit enters
     # lse_x.
     top = logits.detach().amax(dim=1)
-    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    lse_xs = torch.logsumexp((logits - shift[:, None]).masked_fill_(is_t, float("-inf")), dim=1)
+    shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    zx = (logits - shift[:, None]).masked_fill_(is_t, float("-inf"))
+    # A row with no non-target logit above -inf (a masked vocabulary but its target) has
+    # lse_x = -inf; its logsumexp is taken of zeros instead, whose backward is finite (the
+    # logsumexp of -inf only has exp(-inf - -inf) = NaN in its backward, which the GEMM spreads
+    # over dE and dW).
+    empty = zx.detach().amax(dim=1) == float("-inf")
+    lse_xs = torch.where(empty, float("-inf"),
+                         torch.logsumexp(zx.masked_fill(empty[:, None], 0.0), dim=1))
     lse_x = lse_xs + shift
     # An ignored row has no target logit (lse = lse_x, loss 0). Its z_t stays a finite stand-in
     # inside the formulas, selected away by torch.where: an infinite one would put 0 * inf into
@@ -106,9 +114,10 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
         r = e.scatter(1, pivot, torch.zeros_like(m)).sum(1)
         u = (e * gap).sum(1)
         h_x = torch.log1p(r) + u / (1 + r)
-        # q softplus(-d) -> 0 as d -> -inf (V = 1: p_t = 1), where 0 * inf would be NaN; no
-        # finite margin comes near the clamp.
-        d = (lse_xs - z_ts).clamp(min=-1e4)
+        # q softplus(-d) -> 0 as d -> -inf (V = 1: p_t = 1), and p_t softplus(d) -> 0 as
+        # d -> +inf (a -inf target logit: p_t = 0), where 0 * inf would be NaN; no finite margin
+        # comes near the clamps.
+        d = (lse_xs - z_ts).clamp(min=-1e4, max=1e4)
         ent = torch.sigmoid(-d) * _softplus(d) + torch.sigmoid(d) * (_softplus(-d) + h_x)
         out += (torch.where(valid, ent, torch.zeros_like(ent)),)
     return out if len(out) > 1 else loss

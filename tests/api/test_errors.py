@@ -252,6 +252,11 @@ def test_probability_targets_with_an_ignore_index_are_refused():
         with pytest.raises(ValueError, match="ignore_index is not supported with probability"):
             call()
     assert torch.isfinite(_call(x, w, q, ignore_index=-100))
+    # a negative one names no class: accepted, as torch accepts it
+    for ii in (-1, -5):
+        assert torch.equal(_call(x, w, q, ignore_index=ii), _call(x, w, q))
+        assert torch.equal(flce.cross_entropy(x @ w.T, q, ignore_index=ii),
+                           flce.cross_entropy(x @ w.T, q))
 
 
 @pytest.mark.parametrize("flag", ["return_lse", "return_entropy"])

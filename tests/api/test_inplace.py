@@ -111,6 +111,12 @@ def test_rows_sharing_memory_are_refused(device):
     x = (row * 1).expand(12, 40)
     with pytest.raises(ValueError, match="do not share memory"):
         flce.cross_entropy(x, _targets(device), inplace_backward=True)
+    # One class: rows of stride 0 share their one element too (it once passed, and the
+    # gradients of the 12 rows landed on one element, the last one written winning).
+    col = (row[:, :1] * 1).expand(12, 1)
+    with pytest.raises(ValueError, match="do not share memory"):
+        flce.cross_entropy(col, torch.zeros(12, dtype=torch.long, device=device), z_loss=0.1,
+                           inplace_backward=True)
     # out of place, the expanded rows' gradients sum into the row
     flce.cross_entropy(x, _targets(device), reduction="sum").backward()
     assert row.grad.shape == (1, 40) and torch.isfinite(row.grad).all()

@@ -259,3 +259,37 @@ def test_masked_vocabulary(device, temperature):
     torch.testing.assert_close(ws.grad.cpu()[:v].double(), wr.grad.double(), rtol=1e-4,
                                atol=1e-6)
     assert (ws.grad.cpu()[v:] == 0).all()
+
+
+def test_plus_inf_logits_give_nan_on_every_path(device):
+    """A +inf logit makes its row's loss NaN (inf - inf, as torch's log_softmax), in the target
+    column or not, on the fused path and the float64 composite alike (the composite returned
+    +inf where the fused path had NaN), and so the lse of a row whose +inf is not its target."""
+    inf = math.inf
+    z = torch.tensor([[1.0, inf, 0.0], [inf, 1.0, 0.0], [inf, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    t = torch.tensor([0, 0, -100, 0])
+    for dtype in (torch.float32, torch.float64):
+        loss, lse = flce.cross_entropy(z.to(device, dtype), t.to(device), reduction="none",
+                                       return_lse=True)
+        assert loss[:2].isnan().all() and lse[[0, 2]].isnan().all(), (dtype, loss, lse)
+        assert torch.isfinite(loss[3]) and loss[2] == 0, (dtype, loss)
+
+
+def test_rows_with_only_their_target_unmasked(device):
+    """Rows whose every non-target logit is -inf (a vocabulary masked but for the target): loss
+    0 and zero gradients on every path, the float64 composite included (the logsumexp of -inf
+    alone has exp(-inf - -inf) = NaN in its backward, which the GEMM spread over dE and dW)."""
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(4, 4, generator=g)
+    w = torch.randn(3, 4, generator=g)
+    b = torch.tensor([-math.inf, 0.0, -math.inf])
+    t = torch.tensor([1, 1, -100, 1])
+    for dtype in (torch.float32, torch.float64):
+        xs = x.to(device, dtype, copy=True).requires_grad_()
+        ws = w.to(device, dtype, copy=True).requires_grad_()
+        loss = flce.linear_cross_entropy(xs, ws, t.to(device), bias=b.to(device, dtype),
+                                         reduction="sum")
+        loss.backward()
+        assert loss.item() == 0.0, dtype
+        assert (xs.grad == 0).all() and (ws.grad[[0, 2]] == 0).all(), dtype
+        assert torch.isfinite(ws.grad).all(), dtype
