@@ -53,11 +53,12 @@ inline void fold_row(float* row, int64_t bv, int64_t tl, RowState& st, bool loss
     st.z_t = z_target;
   }
   const float mx = row_max(row, bv);
-  // An all -inf tile (only the target, or -inf logits) adds nothing: exp(-inf - -inf) is NaN.
+  // A tile without a logit above -inf (only the target, -inf logits, or NaN, which the max
+  // skips) takes its exponents against 0, as the CUDA row kernels do: -inf adds exp(-inf) = 0
+  // (not exp(-inf - -inf) = NaN) and a NaN stays in the sum.
+  const float ref = mx == neg_inf() ? 0.f : mx;
   float u = 0.f;
-  const float s = mx == neg_inf() ? 0.f
-                  : loss_only     ? row_sum_exp(row, bv, mx)
-                                  : row_sum_exp(row, bv, mx, &u);
+  const float s = loss_only ? row_sum_exp(row, bv, ref) : row_sum_exp(row, bv, ref, &u);
   lse_add_tile(st.lse, mx, s, u);
   if (has_t) row[tl] = z_target;
   if (!loss_only) kahan_add(st.sum_z, st.sum_c, row_sum(row, bv));

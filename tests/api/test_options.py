@@ -275,6 +275,41 @@ def test_plus_inf_logits_give_nan_on_every_path(device):
         assert torch.isfinite(loss[3]) and loss[2] == 0, (dtype, loss)
 
 
+def test_nan_logits_in_a_tile_of_their_own_propagate(device):
+    """A NaN logit is NaN in the loss (and lse, entropy) wherever it sits, also where every other
+    non-target logit of its tile is NaN or -inf: the CPU's tile fold took such a tile's max as
+    -inf (the max skips NaN) and added nothing, a loss of 0 for [[nan, 5.]] and a finite loss
+    beside NaN gradients for a classifier whose last 256 rows are NaN."""
+    z = torch.tensor([[math.nan, 5.0], [math.nan, -math.inf], [1.0, 2.0]], device=device)
+    t = torch.tensor([1, 1, 1], device=device)
+    loss, lse, ent = flce.cross_entropy(z, t, reduction="none", return_lse=True,
+                                        return_entropy=True)
+    assert loss[:2].isnan().all() and lse[:2].isnan().all() and ent[:2].isnan().all(), loss
+    assert torch.isfinite(loss[2])
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(6, 16, generator=g)
+    w = torch.randn(1024, 16, generator=g) / 4
+    w[-256:] = math.nan
+    t = torch.randint(0, 512, (6,), generator=g)
+    loss = flce.linear_cross_entropy(x.to(device), w.to(device), t.to(device), reduction="none")
+    assert loss.isnan().all(), loss
+
+
+def test_entropy_of_a_row_whose_target_logit_is_minus_inf(device):
+    """p_t = 0: the entropy is the non-target distribution's, and its gradient finite (the
+    target's term p_t nll was 0 * inf = NaN in the kernels)."""
+    z = torch.tensor([[0.5, -math.inf, 0.25], [0.5, 1.0, 0.25]], device=device,
+                     requires_grad=True)
+    t = torch.tensor([1, 1], device=device)
+    _, ent = flce.cross_entropy(z, t, reduction="none", return_entropy=True)
+    ent.sum().backward()
+    z64 = z.detach().double().cpu().requires_grad_()
+    want = torch.distributions.Categorical(logits=z64).entropy()
+    want.sum().backward()
+    torch.testing.assert_close(ent.detach().cpu().double(), want.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(z.grad.cpu().double(), z64.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_rows_with_only_their_target_unmasked(device):
     """Rows whose every non-target logit is -inf (a vocabulary masked but for the target): loss
     0 and zero gradients on every path, the float64 composite included (the logsumexp of -inf

@@ -285,10 +285,12 @@ FLCE_HD float row_entropy(OnlineLse x, float z_t, bool ignored) {
   const float gap = lse_gap(x, z_t);
   const float nll = softplus(gap);
   const float p_t = sigmoid(-gap);
-  if (x.s == 0.f) return p_t * nll;  // only the target (V = 1): H = 0
+  // (p_t nll -> 0 as p_t -> 0, a -inf target logit, where the product is 0 * inf)
+  const float t_term = p_t == 0.f ? 0.f : p_t * nll;
+  if (x.s == 0.f) return t_term;  // only the target (V = 1): H = 0
   const float q = sigmoid(gap);
   const float h_x = logf(x.s) + x.u / x.s;
-  return p_t * nll + q * (softplus(-gap) + h_x);
+  return t_term + q * (softplus(-gap) + h_x);
 }
 
 namespace detail {
@@ -312,8 +314,9 @@ FLCE_HD void row_grad_entropy(RowGrad& r, OnlineLse x, float z_t, float gap, flo
   const float ent = row_entropy(x, z_t, false);
   r.h = g_ent;
   r.k = logf(r.div) - ent;  // lse - ref = log div (row_ref); the lse form: div = 1
-  // dH/dz_t = -p_t (log p_t + H) with log p_t = -nll.
-  r.dz_t -= g_ent * sigmoid(-gap) * (ent - softplus(gap));
+  // dH/dz_t = -p_t (log p_t + H) with log p_t = -nll; 0 where p_t = 0 (a -inf target logit).
+  const float p_t = sigmoid(-gap);
+  if (p_t != 0.f) r.dz_t -= g_ent * p_t * (ent - softplus(gap));
 }
 }  // namespace detail
 
