@@ -520,8 +520,11 @@ class GradPass {
   }
 
   Tensor3 outputs() const {
-    // Distinct empty tensors: outputs must not alias.
-    at::Tensor e = o_.x.new_empty({0}), c = o_.x.new_empty({0}), b = o_.x.new_empty({0});
+    // Distinct empty tensors (outputs must not alias) where a gradient is not computed, in the
+    // dtypes of every backend and of the fake kernels: dE's the input's, dW's and db's the
+    // weight's.
+    const auto w_opts = o_.x.options().dtype(o_.w_dtype);
+    at::Tensor e = o_.x.new_empty({0}), c = at::empty({0}, w_opts), b = at::empty({0}, w_opts);
     if (need_e_) e = ge_->out();
     if (need_c_) c = gc_->out();
     if (need_b_) b = gb_->out().reshape({o_.v});

@@ -42,6 +42,9 @@ def refuse_double_backward(what, remedy):
 
 
 def _grad_like(t, wanted, dtype=None):
+    """The gradient of ``t`` as a backward op returns it, or its placeholder ``[0]`` in ``t``'s
+    dtype where it is not asked for (every backend's: the input's for dE, the weight's for dW and
+    the bias', which has the weight's dtype)."""
     if not wanted:
         return t.new_empty((0,))
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
@@ -331,7 +334,9 @@ def register(namespace, cuda_format):
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
         args = (grad_loss, grad_lse, grad_entropy, logits, target, stats, 0, logits.shape[1],
                 o.ignore_index, o.label_smoothing, o.z_loss, o.softcap, o.temperature)
-        if ctx.inplace:
+        # (symbolic shapes: inductor's decompose_auto_functionalized pass fails on the mutating
+        # op, "graph node count mismatch", torch 2.14; that graph takes the functional op)
+        if ctx.inplace and not any(isinstance(s, torch.SymInt) for s in logits.shape):
             # The caller gave up the logits (inplace_backward=True): their storage becomes the
             # gradient's, and no [N, V] buffer is allocated.
             nsops.logits_backward_(*args)

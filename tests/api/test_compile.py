@@ -44,6 +44,28 @@ def test_opcheck_backward(device, mask):
                           (gl, None, x, w, t, None, stats, 0, v, -100, 0.0, 0.0, 0.0, mask))
 
 
+@pytest.mark.parametrize("mask", [[True, False, False], [False, True, False]])
+def test_opcheck_master_weights_placeholders(device, mask):
+    """A 16-bit input with fp32 master weights (and bias): the [0] placeholders of the gradients
+    not asked for have the fake kernels' dtypes on every backend (dE the input's, dW and the
+    bias' the weight's); the CPU's were the input's, and opcheck failed."""
+    n, v, _, x, w, t, b = _op_args(device, torch.bfloat16)
+    w, b = w.float(), b.float()
+    stats = flce.ops.forward(x, w, t, b, -100, 0.0, 0.0, 0.0)[2]
+    gl = torch.rand(n, device=device)
+    for bias in (b, None):
+        torch.library.opcheck(torch.ops.flce.sum_and_grad.default,
+                              (x, w, t, bias, -100, 0.0, 0.0, 0.0, mask, True))
+        torch.library.opcheck(torch.ops.flce.backward.default,
+                              (gl, None, x, w, t, bias, stats, 0, v, -100, 0.0, 0.0, 0.0, mask))
+    q = torch.softmax(torch.randn(n, v, device=device), -1)
+    _, _, sstats, pivot, _ = flce.ops.soft_forward(x, w, q, b, None, None, -100, 0.0, 0.0, 0.0,
+                                                   1.0)
+    torch.library.opcheck(torch.ops.flce.soft_backward.default,
+                          (gl, None, None, x, w, q, b, None, sstats, pivot, None, 0, v, -100, 0.0,
+                           0.0, 0.0, 1.0, mask))
+
+
 def test_backward_grad_input_fp32(device):
     """grad_input_fp32=True (the vocab-parallel path's dE, summed over ranks before it is
     rounded): backward and soft_backward return dE in fp32, not rounded, whose rounding to the

@@ -169,3 +169,18 @@ def test_inplace_under_torch_compile(device):
     f(h).backward()
     assert torch.allclose(h.grad, _out_of_place_grad(
         lambda x, inplace: flce.cross_entropy(x * 1, t, inplace_backward=inplace), h))
+
+
+def test_inplace_under_inductor_with_dynamic_shapes(device):
+    """Inductor with a symbolic batch size (dynamic=True, or the default after a second size)
+    failed in its decompose_auto_functionalized pass on the mutating logits_backward_; such a
+    graph takes the functional op (the gradient in a buffer of its own)."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda z, t: flce.cross_entropy(z * 1, t, inplace_backward=True),
+                      fullgraph=True, dynamic=True)
+    for n in (24, 40):
+        h = _logits(device, n=n)
+        t = torch.randint(0, h.shape[1], (n,), device=device)
+        f(h, t).backward()
+        assert torch.allclose(h.grad, _out_of_place_grad(
+            lambda x, inplace: flce.cross_entropy(x * 1, t, inplace_backward=inplace), h))
