@@ -54,6 +54,12 @@ CUDA_DEVICES = [
 ]
 DEVICES = [pytest.param("cpu", id="cpu")] + CUDA_DEVICES
 
+# torch's own F.linear_cross_entropy and nn.LinearCrossEntropyLoss (torch >= 2.13; the lent GPU
+# machines run 2.11): the tests that compare with them, or run their samples, need them.
+TORCH_LCE = hasattr(torch.nn.functional, "linear_cross_entropy")
+needs_torch_lce = pytest.mark.skipif(not TORCH_LCE,
+                                     reason="this torch has no F.linear_cross_entropy (< 2.13)")
+
 
 def gen(seed):
     g = torch.Generator(device="cpu")

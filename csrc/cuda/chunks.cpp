@@ -122,15 +122,18 @@ at::Tensor empty_soft_partials(int64_t n, const at::TensorOptions& f32, at::Tens
 at::Tensor gather_partials(const at::Tensor& partials, const Shard& shard) {
   const int64_t n = partials.size(0);
   if (!shard.group) return partials.view({1, n, cuda::kPartialCols});
-  // (group_name is "Any" in the schema: a group's name or the group itself)
-  static auto gather = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("_c10d_functional::all_gather_into_tensor", "")
-                           .typed<at::Tensor(const at::Tensor&, int64_t, const c10::IValue&)>();
+  // Called boxed: its group_name is "Any" in the schema of the torch CI builds against (2.14)
+  // and "str" in 2.11's (the lent GPU machines' image); a typed call fits one of the two, a
+  // boxed string both.
+  static const c10::OperatorHandle gather =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_gather_into_tensor",
+                                                     "");
   static auto wait = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
                          .typed<at::Tensor(const at::Tensor&)>();
-  at::Tensor all =
-      wait.call(gather.call(partials.contiguous(), shard.group_size, c10::IValue(*shard.group)));
+  torch::jit::Stack stack{partials.contiguous(), shard.group_size, *shard.group};
+  gather.callBoxed(&stack);
+  at::Tensor all = wait.call(stack.back().toTensor());
   return aligned_contiguous(all.view({shard.group_size, n, cuda::kPartialCols}));
 }
 

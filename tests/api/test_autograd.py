@@ -7,7 +7,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import flce
-from helpers import as_f64, gen, rand_inputs, randn, rel_err
+from helpers import as_f64, gen, needs_torch_lce, rand_inputs, randn, rel_err
 
 N, V, D = 10, 37, 12
 OPTS = [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 4.0, "temperature": 0.7}]
@@ -144,6 +144,7 @@ def test_gradcheck_float64(device, opts):
     assert mean.dtype == torch.float64 and rel_err(mean, ref) < 1e-14
 
 
+@needs_torch_lce
 def test_torch_linear_cross_entropy_gradcheck_case():
     """PyTorch's test_linear_cross_entropy.py gradchecks F.linear_cross_entropy in float64; the
     same call through flce (torch's keyword names)."""

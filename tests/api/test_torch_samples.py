@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flce
-from helpers import DEVICES
+from helpers import DEVICES, needs_torch_lce
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
@@ -128,6 +128,7 @@ def test_opinfo_cross_entropy(device, dtype):
     assert counts["right"] >= 21 and counts["K-dimensional classifier"] == 0, counts
 
 
+@needs_torch_lce
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_opinfo_linear_cross_entropy(device, dtype):
@@ -180,6 +181,7 @@ def test_moduleinfo_cross_entropy_loss(device, dtype):
     assert counts["right"] >= 105 and counts["K-dimensional classifier"] == 0, counts
 
 
+@needs_torch_lce
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_moduleinfo_linear_cross_entropy_loss(device, dtype):
