@@ -335,8 +335,8 @@ def check_cuda_device(device):
 def _main(argv):
     """CLI for CMake: ``gencode ARCH_LIST NVCC`` prints the nvcc flags (a CMake list) after
     validating; ``cutlass ARCH_LIST`` prints CUTLASS's include directory, its version and the
-    fused GEMMs to build (``PATH|4.2.0|sm90``, or nothing); ``write-info PATH key=value ...`` writes the build-info
-    module."""
+    fused GEMMs to build (``PATH|4.2.0|sm90``, or nothing); ``write-info PATH key=value ...``
+    writes the build-info module."""
     try:
         if argv[:1] == ["gencode"] and len(argv) == 3:
             archs = parse_arch_list(argv[1], os.environ.get("FLCE_PTX", "newest"))

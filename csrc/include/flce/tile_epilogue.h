@@ -1,7 +1,6 @@
 // flce/tile_epilogue.h: the arithmetic of the fused logits path (FLCE_CUDA_FUSED_LOGITS=1), once,
-// for the CUTLASS kernel's epilogue (csrc/cuda/sm90), its SIMT stand-in
-// (csrc/cuda/flce_fused.cu) and the host tests (tests/cpp/test_tile_epilogue.cpp). Torch-free,
-// header-only, like math.h.
+// for the CUTLASS kernel's epilogue (csrc/cuda/sm90), its SIMT stand-in (csrc/cuda/flce_fused.cu)
+// and the host tests (tests/cpp/test_tile_epilogue.cpp). Torch-free, header-only, like math.h.
 //
 // The logits GEMM's epilogue sees the fp32 accumulators acc of one (row, column tile) of
 // z = x . w^T and keeps none of them:
@@ -42,7 +41,8 @@
 namespace flce {
 
 // One thread's share of one (row, tile) in the epilogue's first step, and the merge of the
-// shares of one row (a quad of a WGMMA fragment, a warp of the stand-in): m over the non-target values, z_t where the share holds the target column.
+// shares of one row (a quad of a WGMMA fragment, a warp of the stand-in): m over the non-target
+// values, z_t where the share holds the target column.
 struct EpiRow {
   float m;
   float zt;
