@@ -174,7 +174,7 @@ def local_version(archs, cuda_version):
 
 
 def cutlass_kernels(archs):
-    """The fused logits GEMMs this arch list can hold: "sm90" (csrc/cuda/sm90, sm_90a code) where
+    """The fused logits GEMM this arch list can hold, as a list: "sm90" (csrc/cuda/sm90, sm_90a code) where
     it has 9.0a and no plain 9.0 target (sm_90 SASS or compute_90 PTX: that image would hold
     CUTLASS's stub body, which stores nothing, and the launcher could not tell which of the two
     the driver picked)."""
@@ -185,12 +185,12 @@ def cutlass_kernels(archs):
 
 
 def cutlass_include(archs):
-    """CUTLASS's C++ headers for the fused logits GEMMs (cutlass_kernels), or None.
+    """CUTLASS's C++ headers for the fused logits GEMM (cutlass_kernels), or None.
 
     From the ``nvidia-cutlass`` wheel (requirements-cutlass.txt; found without importing it), or
     FLCE_CUTLASS=PATH (an include directory); FLCE_CUTLASS=0 builds without it (the fused path
     then always takes its SIMT stand-in), FLCE_CUTLASS=1 requires it. None as well when the arch
-    list can hold none of the kernels."""
+    list cannot hold the kernel."""
     env = os.environ.get("FLCE_CUTLASS", "").strip()
     if env == "0":
         return None

@@ -41,6 +41,14 @@ def refuse_double_backward(what, remedy):
                            f"{what}; {remedy} computes differentiable gradients")
 
 
+def can_write_in_place(logits):
+    """Whether the in-place logits backward (logits_backward_) may run: not in a graph traced
+    with symbolic shapes, where inductor's decompose_auto_functionalized pass fails on the
+    mutating op ("graph node count mismatch", torch 2.14); such a graph takes the functional
+    logits_backward (the gradient in a buffer of its own)."""
+    return not any(isinstance(s, torch.SymInt) for s in logits.shape)
+
+
 def _grad_like(t, wanted, dtype=None):
     """The gradient of ``t`` as a backward op returns it, or its placeholder ``[0]`` in ``t``'s
     dtype where it is not asked for (every backend's: the input's for dE, the weight's for dW and
@@ -334,9 +342,7 @@ def register(namespace, cuda_format):
             grad_loss = stats.new_zeros(()).expand(stats.shape[0])
         args = (grad_loss, grad_lse, grad_entropy, logits, target, stats, 0, logits.shape[1],
                 o.ignore_index, o.label_smoothing, o.z_loss, o.softcap, o.temperature)
-        # (symbolic shapes: inductor's decompose_auto_functionalized pass fails on the mutating
-        # op, "graph node count mismatch", torch 2.14; that graph takes the functional op)
-        if ctx.inplace and not any(isinstance(s, torch.SymInt) for s in logits.shape):
+        if ctx.inplace and can_write_in_place(logits):
             # The caller gave up the logits (inplace_backward=True): their storage becomes the
             # gradient's, and no [N, V] buffer is allocated.
             nsops.logits_backward_(*args)

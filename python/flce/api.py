@@ -104,8 +104,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             backend, which has no exact mode, raises.
 
     Returns:
-        The loss in float32 (whatever the input dtype), then the lse when ``return_lse``, then
-        the entropy when ``return_entropy``, then the accuracy when ``return_accuracy``.
+        The loss in float32 (float64 for float64 inputs), then the lse when ``return_lse``,
+        then the entropy when ``return_entropy``, then the accuracy when ``return_accuracy``.
     """
     weight = _alias("weight", weight, "linear_weight", linear_weight)
     bias = _alias("bias", bias, "linear_bias", linear_bias)
@@ -132,6 +132,9 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     _common.check_one_device((("input", input), ("class_weight", class_weight)))
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy, shift=shift)
+    # (here, for every path: the composite ones never ask _common.single_pass)
+    _common.check_single_pass(single_pass, opts.reduction,
+                              return_lse or return_entropy or return_accuracy)
     if input.is_cuda:
         _build.check_cuda_device(input.device)
     exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)

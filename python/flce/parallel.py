@@ -482,7 +482,7 @@ def _logits_ops(layout, options, with_entropy, inplace):
 
     def backward(needs, grads, stats, logits, t, fp32_input_grad=False):
         args = grads + (logits, t, stats, layout.vocab_start, layout.vocab_size) + tuple(options)
-        if inplace:
+        if inplace and _ops.can_write_in_place(logits):
             _ops.ops.logits_backward_(*args)
             torch.autograd.graph.increment_version(logits)  # (_common.check_inplace_target)
             return logits, None

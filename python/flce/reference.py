@@ -1,7 +1,9 @@
 """A pure-PyTorch linear cross-entropy with flce's semantics: the test oracle.
 
-Collapse-safe (``softplus(lse_x - z_t)``, not ``lse - z_t``), every option of
-:func:`flce.linear_cross_entropy`, any dtype. It materializes the ``[N, V]`` logits, so use it in
+Collapse-safe (``softplus(lse_x - z_t)``, not ``lse - z_t``), any dtype: the options of
+:func:`flce.linear_cross_entropy` but ``shift`` and ``return_accuracy``, per-class weights on
+given logits (:func:`logits_cross_entropy`) and probability targets
+(:func:`soft_cross_entropy`). It materializes the ``[N, V]`` logits, so use it in
 float64 on small and medium shapes to check an implementation, not to train.
 Autograd through it gives the collapse-safe gradient: the target column's gradient is
 ``-sigmoid(lse_x - z_t)`` (computed by autograd of the softplus form), not ``p_t - 1``.
@@ -54,18 +56,19 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
     # Every logsumexp is taken of the logits less the row's largest one, M (a constant of the
     # graph: the shift cancels from every formula and its derivatives), and lse_x - z_t as
     # (lse_x - M) - (z_t - M): lse_x itself is rounded at the logits' scale, which a common
-    # offset of the row's logits makes far larger than the loss (math.h lse_gap). A row whose
-    # largest logit is -inf keeps M = 0; a +inf (or NaN) one makes the row NaN (inf - inf), as in
-    # flce's kernels and torch's log_softmax. Ignored rows have no target: every logit enters
-    # lse_x.
-    top = logits.detach().amax(dim=1)
+    # offset of the row's logits makes far larger than the loss (math.h lse_gap). M is the
+    # largest non-target logit, as the kernels' m_x: a row without one above -inf keeps M = 0; a
+    # +inf (or NaN) one makes lse_x NaN (inf - inf), as in flce's kernels and torch's
+    # log_softmax, while a +inf target gives lse = +inf and a NaN loss, as the kernels do.
+    # Ignored rows have no target: every logit enters lse_x.
+    top = logits.detach().masked_fill(is_t, float("-inf")).amax(dim=1)
     shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)
     zx = (logits - shift[:, None]).masked_fill_(is_t, float("-inf"))
     # A row with no non-target logit above -inf (a masked vocabulary but its target) has
     # lse_x = -inf; its logsumexp is taken of zeros instead, whose backward is finite (the
     # logsumexp of -inf only has exp(-inf - -inf) = NaN in its backward, which the GEMM spreads
     # over dE and dW).
-    empty = zx.detach().amax(dim=1) == float("-inf")
+    empty = top == float("-inf")
     lse_xs = torch.where(empty, float("-inf"),
                          torch.logsumexp(zx.masked_fill(empty[:, None], 0.0), dim=1))
     lse_x = lse_xs + shift

@@ -264,7 +264,8 @@ def test_masked_vocabulary(device, temperature):
 def test_plus_inf_logits_give_nan_on_every_path(device):
     """A +inf logit makes its row's loss NaN (inf - inf, as torch's log_softmax), in the target
     column or not, on the fused path and the float64 composite alike (the composite returned
-    +inf where the fused path had NaN), and so the lse of a row whose +inf is not its target."""
+    +inf where the fused path had NaN), and so the lse of a row whose +inf is not its target;
+    a +inf target's lse is +inf on both."""
     inf = math.inf
     z = torch.tensor([[1.0, inf, 0.0], [inf, 1.0, 0.0], [inf, 1.0, 0.0], [2.0, 1.0, 0.0]])
     t = torch.tensor([0, 0, -100, 0])
@@ -272,6 +273,7 @@ def test_plus_inf_logits_give_nan_on_every_path(device):
         loss, lse = flce.cross_entropy(z.to(device, dtype), t.to(device), reduction="none",
                                        return_lse=True)
         assert loss[:2].isnan().all() and lse[[0, 2]].isnan().all(), (dtype, loss, lse)
+        assert lse[1] == math.inf, (dtype, lse)
         assert torch.isfinite(loss[3]) and loss[2] == 0, (dtype, loss)
 
 

@@ -37,6 +37,13 @@ def test_single_pass_refuses_what_it_cannot_do():
     # (the message names every per-token output, the accuracy too)
     with pytest.raises(ValueError, match="single_pass=True.*return_accuracy"):
         flce.linear_cross_entropy(x, w, t, return_accuracy=True, single_pass=True)
+    # on the composite paths too (float64; probability targets with the accuracy), which
+    # accepted it silently
+    with pytest.raises(ValueError, match="single_pass"):
+        flce.linear_cross_entropy(x.double(), w.double(), t, return_lse=True, single_pass=True)
+    q = torch.softmax(torch.randn(8, 50), 1)
+    with pytest.raises(ValueError, match="single_pass"):
+        flce.linear_cross_entropy(x, w, q, return_accuracy=True, single_pass=True)
 
 
 def test_module_passes_single_pass():
