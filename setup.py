@@ -17,9 +17,6 @@ Environment:
   FLCE_NVCC_THREADS       nvcc --threads (arches of one .cu compiled in parallel); unset: the
                           cores MAX_JOBS leaves idle when there are fewer .cu files than jobs.
   FLCE_PTXAS_VERBOSE=1    pass -Xptxas -v (registers and spills per kernel, used by CI).
-  FLCE_CUTLASS            unset: CUTLASS's headers from the nvidia-cutlass wheel when found
-                          (the fused logits GEMM, sm_90a); 0: build without; 1:
-                          require them; a path: that include directory.
 See docs/build.md.
 """
 import glob
@@ -154,7 +151,7 @@ if not hasattr(cpp_extension, "min_supported_cpython"):  # an older torch define
     cxx_flags.append(f"-DPy_LIMITED_API={_limited_api:#010x}")
 abi_tag = f"cp{_limited_api >> 24}{(_limited_api >> 16) & 0xff}"
 
-archs, cuda_version, cu_sources, cutlass = [], None, [], None
+archs, cuda_version, cu_sources = [], None, []
 if use_cuda:
     try:
         archs = _build.parse_arch_list(
@@ -164,23 +161,6 @@ if use_cuda:
     except _build.ArchError as e:
         sys.exit(f"error: {e}")
     cu_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    # The fused logits GEMM (CUTLASS's sm90 warp-specialized mainloop, our epilogue) where the
-    # arch list has sm_90a and CUTLASS's headers are there; elsewhere its SIMT stand-in.
-    try:
-        cutlass = _build.cutlass_include(archs)
-    except _build.ArchError as e:
-        sys.exit(f"error: {e}")
-    if cutlass:
-        kernels = _build.cutlass_kernels(archs)
-        for k in kernels:
-            cu_sources += sorted(glob.glob(f"csrc/cuda/{k}/*.cu"))
-            define_macros.append((f"FLCE_WITH_CUTLASS_{k.upper()}", "1"))
-        include_dirs.append(cutlass)
-        print(f"flce: the fused logits GEMM for {', '.join(kernels)} with CUTLASS "
-              f"{_build.cutlass_version(cutlass)} ({cutlass})")
-    else:
-        print("flce: no fused logits GEMM in this build (no sm_90a, or no CUTLASS headers: "
-              "FLCE_CUTLASS)")
     sources += sorted(glob.glob("csrc/cuda/*.cpp")) + cu_sources
     include_dirs += _nvidia_wheel_includes()
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
@@ -227,8 +207,6 @@ _build.write_build_info(
     version=version, torch=torch.__version__, torch_cuda=torch.version.cuda, cuda=cuda_version,
     arch_list=_build.format_arch_list(archs), sass=[a.sm for a in archs],
     ptx=[a.compute for a in archs if a.ptx], cuda_sources=len(cu_sources),
-    cutlass=_build.cutlass_version(cutlass) if cutlass else None,
-    cutlass_kernels=_build.cutlass_kernels(archs) if cutlass else [],
     build_system="setuptools")
 
 # The static metadata (name, description, Python versions) is in pyproject.toml; these two are

@@ -9,9 +9,6 @@ Methods, measured in the order given (--methods; unknown names are refused):
                   gemm4 (a recomputing backward's 4) is derived from the same GEMMs' times
   flce            flce.linear_cross_entropy, loss.backward(): the default CUDA path
   flce_recompute  the same with single_pass=False (forward + recomputing backward)
-  flce_fused      the fused logits path (FLCE_CUDA_FUSED_LOGITS=1, opt-in); measured only under
-                  FLCE_BENCH_FUSED=1, which gpu_check.sh sets once the path's correctness probe
-                  passed in its own process
   eager           logits = x @ w.T; F.cross_entropy(logits.float(), t)
   liger, cce      Liger-Kernel's fused linear cross-entropy, Apple's Cut Cross Entropy, where
                   importable
@@ -50,11 +47,11 @@ import gpu_record  # noqa: E402
 
 SHAPES = [(4096, 128256, 4096), (16384, 128256, 4096), (4096, 256000, 4096),
           (16384, 256000, 4096)]
-METHODS = ("gemm3", "flce", "flce_recompute", "flce_fused", "fwd_flce", "fwd_eager", "eager",
+METHODS = ("gemm3", "flce", "flce_recompute", "fwd_flce", "fwd_eager", "eager",
            "liger", "cce", "torch_native", "quack", "compiled")
-DEFAULT_METHODS = "gemm3,flce,flce_recompute,flce_fused,fwd_flce,fwd_eager,eager,liger,cce,compiled"
+DEFAULT_METHODS = "gemm3,flce,flce_recompute,fwd_flce,fwd_eager,eager,liger,cce,compiled"
 FORWARD_ONLY = ("fwd_flce", "fwd_eager")
-FLCE_PATHS = ("flce", "flce_recompute", "flce_fused")
+FLCE_PATHS = ("flce", "flce_recompute")
 
 
 # ---- the implementations ------------------------------------------------------------------
@@ -72,21 +69,6 @@ def eager_loss(x, w, t):
     import torch.nn.functional as F
 
     return F.cross_entropy((x @ w.T).float(), t)
-
-
-def fused_loss(x, w, t):
-    """The fused logits path: the single pass does all its work in the forward call, so the
-    flag is needed there only."""
-    flce = _flce()
-    old = os.environ.get("FLCE_CUDA_FUSED_LOGITS")
-    os.environ["FLCE_CUDA_FUSED_LOGITS"] = "1"
-    try:
-        return flce.linear_cross_entropy(x, w, t)
-    finally:
-        if old is None:
-            del os.environ["FLCE_CUDA_FUSED_LOGITS"]
-        else:
-            os.environ["FLCE_CUDA_FUSED_LOGITS"] = old
 
 
 def forward_fn(name):
@@ -116,10 +98,6 @@ def loss_fn(name):
         return lambda x, w, t: _flce().linear_cross_entropy(x, w, t)
     if name == "flce_recompute":
         return lambda x, w, t: _flce().linear_cross_entropy(x, w, t, single_pass=False)
-    if name == "flce_fused":
-        if os.environ.get("FLCE_BENCH_FUSED") != "1":
-            return "FLCE_BENCH_FUSED != 1 (its correctness probe did not pass in this run)"
-        return fused_loss
     if name == "eager":
         return eager_loss
     if name == "compiled":
@@ -326,8 +304,8 @@ class DryShape:
         if os.environ.get("FLCE_GPU_DRY_HANG") == f"{self.key}:{name}":
             print(f"dry run: hanging at {self.key}:{name}", flush=True)
             time.sleep(3600)
-        if name == "flce_fused" and os.environ.get("FLCE_BENCH_FUSED") != "1":
-            return "FLCE_BENCH_FUSED != 1 (its correctness probe did not pass in this run)"
+        if name in os.environ.get("FLCE_GPU_DRY_SKIP", "").split(","):  # a peer not importable
+            return "not importable (dry run)"
         ms = self.flops / 7e11 * (1.0 + 0.1 * METHODS.index(name))
         out = {"ms": ms, "range": [ms * 0.99, ms * 1.02], "peak_gib": 1.0}
         if name == "gemm3":

@@ -19,21 +19,17 @@
 # .whl/ (ignored by git) holds the wheels the device cannot download, for Python 3.12:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl liger-kernel==0.8.5 cut-cross-entropy==25.1.1 -r requirements-cutlass.txt
-# (nvidia-cutlass: the headers of the fused logits GEMM; without it the build leaves the GEMM
-# out and says so. quack's CuTe DSL wheel, 92 MB, is over what a call can carry.)
+#     -d .whl liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+# (quack's CuTe DSL wheel, 92 MB, is over what a call can carry.)
 #
-# headline: env, wheels, build for 9.0a (on failure build_nocutlass: again with
-#   FLCE_CUTLASS=0, and the summary says so), ptxas, fused_probe (the fused logits path's
-#   correctness on small shapes, its own process: the bench times that path only if it passed),
+# headline: env, wheels, build for 9.0a, ptxas,
 #   bench at [4096 x 4096 x 128256] bf16 (the 3 cuBLAS GEMMs, the default path, the recompute
-#   path, the fused path, eager, Liger, CCE, torch.compile last; benchmarks/gpu_bench.py, with
+#   path, eager, Liger, CCE, torch.compile last; benchmarks/gpu_bench.py, with
 #   loss / dE / dW agreement with eager and with float64 on a slice), test_cuda
 #   (tests/cuda/test_cuda.py), record_tests (its gpu_tests record), profile (one profiled step and a
 #   memory snapshot).
 # rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
 #   .gpu_build/; without one it builds first, and the steps at the end are cut by the budget),
-#   fused_check and test_fused (the fused path's full check and tests, each its own process),
 #   bench_large (N = 16384 and V = 256000), bench_ce (cross-entropy on given logits, inputs made
 #   on the GPU), fp64_cost (FLCE_CUDA_FP32_GRAD=fp64 against SGEMM and DGEMM), test_suite (the
 #   device-parametrized suite without the files run above), record_tests, no_sync (training
@@ -58,7 +54,8 @@
 #
 # Dry runs (no GPU): PYTHON=a stand-in interpreter and stub nvcc / ncu / compute-sanitizer /
 # nvidia-smi on PATH; FLCE_GPU_DRY_RUN=1 makes gpu_bench.py and the record writers stand-ins
-# too; GPU_CHECK_MAX_LIMIT=S caps every step's limit at S seconds; WHEELS=DIR replaces .whl/.
+# too (FLCE_GPU_DRY_SKIP=a,b: those methods skipped as a peer that does not import);
+# GPU_CHECK_MAX_LIMIT=S caps every step's limit at S seconds; WHEELS=DIR replaces .whl/.
 set -uo pipefail
 
 PHASE=${1:-}
@@ -76,14 +73,12 @@ cd "$(dirname "$0")/.." || exit 2
 BUDGET_S=${BUDGET_S:-300}
 
 # Each phase's steps, in the order they run, NAME:LIMIT_S. The limits add up to at most the
-# budget: headline's include build_nocutlass, which runs only when the build fails; rest's
-# exclude its contingent build (REST_CONTINGENT: only where no build of the headline is found).
-HEADLINE_PLAN=(env:5 wheels:10 build:115 build_nocutlass:40 ptxas:5 fused_probe:10 bench:70
-  test_cuda:30 record_tests:5 profile:10)
-REST_PLAN=(env:5 wheels:10 build_reuse:10 fused_check:20 test_fused:25 bench_large:40
-  bench_ce:25 fp64_cost:15 test_suite:40 record_tests:5 no_sync:10 target_modes:15
-  memcheck:25 racecheck:20 ncu_rows:15 nvtx:20)
-REST_CONTINGENT=(build:115 build_nocutlass:40)
+# budget; rest's exclude its contingent build (REST_CONTINGENT: only where no build of the
+# headline is found).
+HEADLINE_PLAN=(env:5 wheels:10 build:115 ptxas:5 bench:70 test_cuda:30 record_tests:5 profile:10)
+REST_PLAN=(env:5 wheels:10 build_reuse:10 bench_large:40 bench_ce:25 fp64_cost:15 test_suite:40
+  record_tests:5 no_sync:10 target_modes:15 memcheck:25 racecheck:20 ncu_rows:15 nvtx:20)
+REST_CONTINGENT=(build:115)
 
 declare -A LIMIT=()
 if [[ $PHASE == headline ]]; then
@@ -186,19 +181,10 @@ step() {
   return $rc
 }
 
-# The build for this GPU, and without CUTLASS if that fails (no fused logits GEMM then).
+# The build for this GPU.
 build() {
-  local cutlass=${FLCE_CUTLASS:-}
-  [[ -z $cutlass && $HAVE_CUTLASS == 1 ]] && cutlass=1
-  if step build env FLCE_CUTLASS="$cutlass" "$PY" setup.py build_ext --inplace; then
-    BUILD_LOG=$LOGS/build.log
-  elif step build_nocutlass env FLCE_CUTLASS=0 "$PY" setup.py build_ext --inplace; then
-    BUILD_LOG=$LOGS/build_nocutlass.log
-    note "NOTE: the build with CUTLASS failed (build.log); this run's flce was built WITHOUT" \
-      "CUTLASS (FLCE_CUTLASS=0): no fused logits GEMM"
-  else
-    return 1
-  fi
+  step build "$PY" setup.py build_ext --inplace || return 1
+  BUILD_LOG=$LOGS/build.log
   # The build for a later rest call on a fresh machine (.gpu_build/, see the header).
   if ! (cd python/flce && tar -czf "$OUT/flce_build.tgz" _C*.so _build_info.py) 2>/dev/null; then
     rm -f "$OUT/flce_build.tgz"
@@ -228,14 +214,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
     --upgrade --target /tmp/site "$WHEELS"/*.whl &&
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 else
-  note "$(printf '%-16s none in %s/: no Liger, CCE or CUTLASS headers' wheels "$WHEELS")"
-fi
-HAVE_CUTLASS=0
-if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('cutlass_library') is None)" \
-  2>/dev/null; then
-  HAVE_CUTLASS=1
-else
-  note "NOTE: no nvidia-cutlass wheel: the build has no fused logits GEMM"
+  note "$(printf '%-16s none in %s/: no Liger or CCE' wheels "$WHEELS")"
 fi
 export FLCE_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} FLCE_PTXAS_VERBOSE=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
@@ -261,11 +240,8 @@ if [[ $PHASE == headline ]]; then
     finish
   fi
   step ptxas "$PY" scripts/check_ptxas.py "$BUILD_LOG"
-  FLCE_BENCH_FUSED=0
-  step fused_probe "$PY" benchmarks/gpu_fused_check.py --small && FLCE_BENCH_FUSED=1
-  export FLCE_BENCH_FUSED
   step bench "$PY" benchmarks/gpu_bench.py --shapes 4096,128256,4096 \
-    --methods gemm3,flce,flce_recompute,flce_fused,fwd_flce,fwd_eager,eager,liger,cce,compiled \
+    --methods gemm3,flce,flce_recompute,fwd_flce,fwd_eager,eager,liger,cce,compiled \
     --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
   step test_cuda "$PY" -m pytest -q -rfEs -p no:cacheprovider -k "not cuda-host" \
     --junitxml="$LOGS/junit_cuda.xml" tests/cuda/test_cuda.py tests/tools/test_check_ptxas.py \
@@ -291,13 +267,9 @@ i = flce.build_info(); print(i); sys.exit(0 if i['cuda_backend'] else 1)"; then
     finish
   fi
 fi
-FUSED_OK=0
-step fused_check "$PY" benchmarks/gpu_fused_check.py && FUSED_OK=1
-step test_fused env FLCE_CUDA_FUSED_LOGITS=1 "$PY" -m pytest -q -rfE -p no:cacheprovider \
-  -k "not cuda-host" --junitxml="$LOGS/junit_fused.xml" tests/cuda/test_fused_logits.py
-step bench_large env FLCE_BENCH_FUSED=$FUSED_OK "$PY" benchmarks/gpu_bench.py \
+step bench_large "$PY" benchmarks/gpu_bench.py \
   --shapes "16384,128256,4096;4096,256000,4096;16384,256000,4096" --repeats 5 \
-  --methods gemm3,flce,flce_recompute,flce_fused,fwd_flce,fwd_eager,eager,liger,cce \
+  --methods gemm3,flce,flce_recompute,fwd_flce,fwd_eager,eager,liger,cce \
   --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
 step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --dtypes bf16 \
   --impls flce,eager,liger,flce_inplace,compiled --repeats 10 --timeout 60 --record "$RECORDS" \
@@ -305,29 +277,26 @@ step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --
 step fp64_cost "$PY" benchmarks/gpu_fp64_cost.py --repeats 3 --record "$RECORDS"
 # The device-parametrized suites on "cuda", without the files that ran on their own above.
 step test_suite "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 tests \
-  -m "not cuda_host" -k cuda --ignore=tests/cuda/test_cuda.py --ignore=tests/cuda/test_fused_logits.py \
+  -m "not cuda_host" -k cuda --ignore=tests/cuda/test_cuda.py \
   --ignore=tests/tools/test_check_ptxas.py --ignore=tests/parallel/test_parallel_cuda.py \
   --ignore=tests/tools/test_gpu_check.py --ignore=tests/cuda/test_driver_mutations.py \
   --junitxml="$LOGS/junit_suite.xml"
-step record_tests "$PY" benchmarks/gpu_tests_record.py "$RECORDS" "$LOGS/junit_fused.xml" \
-  "$LOGS/junit_suite.xml"
-# Training steps without a host sync: the default path, and the fused one once its check passed.
-step no_sync "$PY" -c "import os, sys, torch
+step record_tests "$PY" benchmarks/gpu_tests_record.py "$RECORDS" "$LOGS/junit_suite.xml"
+# Training steps without a host sync.
+step no_sync "$PY" -c "import sys, torch
 sys.path.insert(0, 'python'); import flce
 g = torch.Generator(device='cuda').manual_seed(0)
 x = torch.randn(4096, 1024, device='cuda', generator=g).bfloat16().requires_grad_()
 w = torch.randn(32768, 1024, device='cuda', generator=g).div(32).bfloat16().requires_grad_()
 t = torch.randint(0, 32768, (4096,), device='cuda', generator=g)
-for fused in ('0', '1') if '$FUSED_OK' == '1' else ('0',):
-    os.environ['FLCE_CUDA_FUSED_LOGITS'] = fused
-    flce.linear_cross_entropy(x, w, t).backward()  # warm-up: allocations, handles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode('error')
-    for _ in range(3):
-        flce.linear_cross_entropy(x, w, t).backward()
-    torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    print(f'training steps without a host sync (FLCE_CUDA_FUSED_LOGITS={fused}): ok')"
+flce.linear_cross_entropy(x, w, t).backward()  # warm-up: allocations, handles
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode('error')
+for _ in range(3):
+    flce.linear_cross_entropy(x, w, t).backward()
+torch.cuda.set_sync_debug_mode(0)
+torch.cuda.synchronize()
+print('training steps without a host sync: ok')"
 # A bad target in every check mode, each in its own process; any failing process fails the step.
 # shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
 step target_modes bash -c 'rc=0

@@ -4,7 +4,7 @@ benchmarks/gpu_check.sh drives.
 A record stands alone: it names the commit (FLCE_COMMIT, since the device gets no .git and may
 have no git), the run (FLCE_RUN: one id per gpu_check.sh call, so that records of the same call
 can be compared), the device, its driver, CUDA, torch, Python and what flce was built with
-(flce.build_info(): arch list, CUTLASS or not). Records are appended one line at a time and
+(flce.build_info(): the arch list). Records are appended one line at a time and
 flushed to disk at once, so that a step cut at its limit keeps every record written before the
 cut. A measurement in progress lives in a partial file (`write_partial`): the complete record is
 appended when it is done, and gpu_check.sh appends the partial one (``"complete": false``) when
@@ -61,8 +61,7 @@ def driver_version():
 
 
 # flce.build_info()'s keys that say what was measured (the rest describe the CPU backend).
-BUILD_KEYS = ("version", "torch", "cuda", "arch_list", "sass", "cutlass", "cutlass_kernels",
-              "cuda_backend")
+BUILD_KEYS = ("version", "torch", "cuda", "arch_list", "sass", "cuda_backend")
 
 
 def environment():

@@ -1,8 +1,7 @@
-# Sourced by scripts/demo.sh and scripts/test.sh: a virtual environment with torch, numpy, the
-# build tools (requirements-build.txt) and CUTLASS's headers (requirements-cutlass.txt), created
-# on first use. FLCE_VENV (default .venv) picks its place; FLCE_TORCH the torch requirement
-# (default torch==2.14.1: a CUDA 13.0 build, which also runs on CPU-only machines and lets flce
-# build its CUDA kernels wherever nvcc is found).
+# Sourced by scripts/demo.sh and scripts/test.sh: a virtual environment with torch, numpy and the
+# build tools (requirements-build.txt), created on first use. FLCE_VENV (default .venv) picks its
+# place; FLCE_TORCH the torch requirement (default torch==2.14.1: a CUDA 13.0 build, which also
+# runs on CPU-only machines and lets flce build its CUDA kernels wherever nvcc is found).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 FLCE_VENV=${FLCE_VENV:-.venv}
@@ -16,4 +15,3 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "$FLCE_TORCH"
 fi
 python -m pip install -q -r requirements-build.txt
-python -m pip install -q --no-deps -r requirements-cutlass.txt

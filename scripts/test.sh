@@ -5,7 +5,7 @@ source "$(dirname "$0")/env.sh"
 python -m pip install -q -r requirements-test.txt
 source scripts/build.sh
 if [ -f CMakeLists.txt ] && command -v cmake >/dev/null; then
-  cmake -S . -B build-ctest -DFLCE_BUILD_EXTENSION=OFF > /dev/null
+  cmake -S . -B build-ctest > /dev/null
   cmake --build build-ctest -j 2 > /dev/null
   (cd build-ctest && ctest --output-on-failure)
 fi

@@ -1,10 +1,12 @@
 // What the CUDA binding's launch sequences share (torch side; the kernels never include it):
-//   flce_cuda.cpp    these helpers, and the ops partial_stats, combine, forward, backward
-//                    (recompute) and scale_grad;
+//   binding.cpp      these helpers (checks, NVTX, target checks, combine, GEMM, coefficients);
 //   chunks.cpp       the row-chunk driver every linear launch sequence runs;
 //   accumulate.cpp   its gradient accumulator (dE, dW, db in every accumulation mode);
-//   single_pass.cpp  sum_and_grad, the single pass of training (3 GEMMs);
-//   logits.cpp       logits_stats and logits_backward, cross-entropy on a caller's logits.
+//   forward.cpp      partial_stats, combine and forward: row statistics and the loss;
+//   backward.cpp     backward, the recompute backward from the forward's statistics;
+//   single_pass.cpp  sum_and_grad, the single pass of training (3 GEMMs), and scale_grad;
+//   logits.cpp       logits_stats and logits_backward, cross-entropy on a caller's logits;
+//   soft.cpp         the soft_* ops: target distributions (opt-in).
 // Each file reads top to bottom as one launch sequence and registers its own ops. The same
 // sources build for a GPU and, with FLCE_CUDA_HOST, against the host emulation (device.h).
 #pragma once
@@ -37,9 +39,6 @@ namespace binding {
 using cuda::DType;
 using Tensor5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// Environment: a flag (unset or empty: fallback; "0": false; read at every call).
-bool env_flag(const char* name, bool fallback);
-
 // An NVTX range for the scope; FLCE_NVTX=0 disables them (read once).
 class NvtxRange {
  public:
@@ -62,7 +61,7 @@ inline at::TensorOptions f32_of(const at::Tensor& t) { return t.options().dtype(
 // A float tensor that the kernels may read as float4/float2: contiguous and 16-byte aligned.
 at::Tensor aligned_contiguous(const at::Tensor& t);
 
-// Target checks without a host sync (flce_cuda.cpp): poll raises for the oldest landed failure;
+// Target checks without a host sync (binding.cpp): poll raises for the oldest landed failure;
 // check_targets queues the check of a combine's error flag (undefined: of the targets alone).
 void poll_target_checks(bool wait_all = false);
 void check_targets(const at::Tensor& flag, const at::Tensor& target, int64_t vocab_size,
@@ -184,6 +183,13 @@ struct GradOut {
   at::Tensor gb;               // [v] fp32
 };
 GradOut grad_chunks(const LinearJob& job, const GradJob& grads, const ChunkPlan& plan);
+// The recompute backward (backward.cpp, soft.cpp): grad_chunks over the whole job from given
+// statistics, the gradients in the ops' dtypes (fp32_e: dE in fp32); and the zeros (or empty
+// tensors) where nothing is asked or N or V is 0, else nullopt.
+Tensor3 recompute_grads(const LinearJob& job, const GradJob& grads, bool fp32_e);
+std::optional<Tensor3> nothing_to_compute(const at::Tensor& input, const at::Tensor& weight,
+                                          const std::optional<at::Tensor>& bias,
+                                          std::array<bool, 3> need, bool fp32_e);
 
 // The gradients of grad_chunks from each group's dz (accumulate.cpp): dE rows, dW and db, every
 // accumulation mode of the compute and weight dtypes written once. x, w: the GEMM operands in
@@ -239,7 +245,7 @@ at::Tensor empty_soft_partials(int64_t n, const at::TensorOptions& f32, at::Tens
 // all-gather over the shard's group; the wait is the current stream's, not the host's).
 at::Tensor gather_partials(const at::Tensor& partials, const Shard& shard);
 
-// The ops of flce_cuda.cpp that other launch sequences fall back on.
+// The ops of forward.cpp and backward.cpp that other launch sequences fall back on.
 at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& target, const std::optional<at::Tensor>& bias,
                               int64_t vocab_start, int64_t ignore_index, double softcap,

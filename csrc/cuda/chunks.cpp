@@ -1,7 +1,7 @@
 // The row-chunk driver of the CUDA backend. Every launch sequence of the linear ops (forward,
 // partial_stats, the recompute backward, the single pass, vocab-parallel) is one of two loops
-// over chunks of rows, each chunk's logits from one library GEMM (cuBLAS with an fp32 output, or
-// the CUTLASS fused epilogue where it is enabled) and the row kernels of flce_rows.cu:
+// over chunks of rows, each chunk's logits from one library GEMM (cuBLAS with an fp32 output) and
+// the row kernels of flce_rows.cu:
 //
 //   stats_chunks  rows in sub-chunks of S, S x V fp32 logits filling the workspace:
 //                   logits [S, V] = X_s W^T                       (cuBLAS)
@@ -163,8 +163,7 @@ ChunkPlan plan_chunks(int64_t n, int64_t v, at::ScalarType compute, bool split, 
 }
 
 bool split_grad(const LinearJob& job, bool need_c) {
-  return need_c && job.input.scalar_type() != at::kFloat &&
-         job.weight.scalar_type() == at::kFloat && env_flag("FLCE_CUDA_SPLIT_GRAD", true);
+  return need_c && job.input.scalar_type() != at::kFloat && job.weight.scalar_type() == at::kFloat;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -217,8 +216,8 @@ at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u, at::Te
 
 // ---------------------------------------------------------------------------------------------
 // grad_chunks: the gradients (and, computing the statistics, the loss rows). Its parts: the
-// coefficients of given statistics, the single pass' statistics of a sub-chunk, the opt-in fused
-// logits, and the accumulator (accumulate.cpp) that turns each group's dz into dE, dW and db.
+// coefficients of given statistics, the single pass' statistics of a sub-chunk, and the
+// accumulator (accumulate.cpp) that turns each group's dz into dE, dW and db.
 // ---------------------------------------------------------------------------------------------
 namespace {
 
@@ -253,29 +252,25 @@ at::Tensor given_coefficients(const LinearJob& job, const GradJob& gj, const at:
 }
 
 // The single pass' statistics of one sub-chunk of at most S rows: its partials (row_stats of its
-// logits, or the fused epilogue's), all-gathered over the shard's group and finalized into the
-// loss rows, then its rows' coefficients.
+// logits), all-gathered over the shard's group and finalized into the loss rows, then its rows'
+// coefficients.
 struct SubChunkStats {
   at::Tensor partials, split_partials, lse, stats;
 
-  SubChunkStats(int64_t S, int64_t v, bool row_stats, const at::TensorOptions& f32)
+  SubChunkStats(int64_t S, int64_t v, const at::TensorOptions& f32)
       : partials(dev::empty({S, cuda::kPartialCols}, f32)),
-        split_partials(row_stats ? dev::empty({max_row_splits(v) * S * cuda::kPartialCols}, f32)
-                                 : at::Tensor()),
+        split_partials(dev::empty({max_row_splits(v) * S * cuda::kPartialCols}, f32)),
         lse(dev::empty({S}, f32)),
         stats(dev::empty({S, cuda::kStatsCols}, f32)) {}
 
-  // ops: the sub-chunk's logits, or nullptr where partials holds them already. Returns the
-  // statistics [sn, kStatsCols].
-  at::Tensor compute(const LinearJob& job, const GradJob& gj, const cuda::RowOperands* ops,
-                     int64_t s0, int64_t sn, GradOut& out, float* coef, float* bound) {
-    if (ops != nullptr) {
-      cuda::RowStatsParams rs{};
-      static_cast<cuda::RowOperands&>(rs) = *ops;
-      rs.need_sum = job.label_smoothing != 0.0;
-      rs.need_u = false;  // no entropy: the single pass returns none
-      row_stats_into(rs, partials.data_ptr<float>(), split_partials.data_ptr<float>());
-    }
+  // ops: the sub-chunk's logits; its rows' coefficients into coef and bound.
+  void compute(const LinearJob& job, const GradJob& gj, const cuda::RowOperands& ops, int64_t s0,
+               int64_t sn, GradOut& out, float* coef, float* bound) {
+    cuda::RowStatsParams rs{};
+    static_cast<cuda::RowOperands&>(rs) = ops;
+    rs.need_sum = job.label_smoothing != 0.0;
+    rs.need_u = false;  // no entropy: the single pass returns none
+    row_stats_into(rs, partials.data_ptr<float>(), split_partials.data_ptr<float>());
     const at::Tensor ts = job.target.narrow(0, s0, sn), st = stats.narrow(0, 0, sn);
     launch_finalize(gather_partials(partials.narrow(0, 0, sn), job.shard), ts,
                     job.shard.vocab_size, job.ignore_index, job.label_smoothing, job.z_loss,
@@ -285,112 +280,7 @@ struct SubChunkStats {
     launch_coef(ts, st, gj.grad_loss.data_ptr<float>() + s0 * gs, gs, nullptr, 0, nullptr, 0,
                 job.ignore_index, job.label_smoothing, job.z_loss, job.softcap, job.temperature,
                 job.shard.vocab_size, coef, bound);
-    return st;
   }
-};
-
-// The fused logits path (FLCE_CUDA_FUSED_LOGITS=1, opt-in until a GPU has run it; docs/cuda.md
-// "Fused logits"): the logits GEMM's epilogue stores E softcap'(z), E = exp(z - r_tile), in bf16
-// where the group's dz will be, with a partial per (row, tile), and dz is computed over it in
-// place. For bf16 inputs and weight whose gradient meets its bound from the stored values
-// (tile_epilogue.h): no label smoothing (cancellation); the single pass only.
-class FusedLogits {
- public:
-  FusedLogits(const LinearJob& job, bool given, const ChunkPlan& plan, const at::Tensor& x,
-              const at::Tensor& w, const at::Tensor& bias32)
-      : job_(job), x_(x), w_(w) {
-    const int64_t v = job.weight.size(0);
-    on_ = !given && !job.soft && env_flag("FLCE_CUDA_FUSED_LOGITS", false) &&
-          job.input.scalar_type() == at::kBFloat16 &&
-          job.weight.scalar_type() == at::kBFloat16 && job.label_smoothing == 0.0 && v > 0;
-    if (!on_) return;
-    // Its GEMM (CUTLASS, sm_90a) where it takes the operands: x row-major (TMA; a
-    // column-major x is copied once the GEMM is sure to run), every sub-chunk the whole group
-    // (no fp32 scratch to bound it; vocab-parallel ranks keep the common plan).
-    // FLCE_CUDA_FUSED_GEMM=0: the stand-in everywhere, to compare the two on a GPU.
-    const bool x_row_major = x.stride(1) == 1;
-    cuda::FusedLogitsParams& p = base_;
-    p.x = x_row_major ? x.data_ptr() : nullptr;  // (a fresh copy: aligned)
-    p.x_ld = x_row_major ? x.stride(0) : x.size(1);
-    p.w = w.data_ptr();
-    p.w_ld = w.stride(0);
-    p.n = x.size(0);
-    p.v = v;
-    p.d = x.size(1);
-    p.bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-    p.softcap = static_cast<float>(job.softcap);
-    p.temperature = static_cast<float>(job.temperature);
-    p.col_offset = job.shard.vocab_start;
-    p.ignore_index = job.ignore_index;
-    p.e_ld = logits_ld(v);
-    const bool try_gemm = w.stride(1) == 1 && env_flag("FLCE_CUDA_FUSED_GEMM", true);
-    sm90_ = try_gemm && cuda::fused_logits_sm90_supported(p);
-    if (library_gemm() && !x_row_major) x_ = x.contiguous();
-    sub_rows_ = library_gemm() && !job.shard.group ? plan.group_rows : plan.sub_rows;
-    tiles_ = ceil_div(v, cuda::kFusedTileCols);
-    tile_partials_ =
-        dev::empty({sub_rows_ * tiles_ * cuda::kPartialCols}, f32_of(job.input));
-  }
-  bool on() const { return on_; }
-  // The CUTLASS GEMM stores E itself: no fp32 logits scratch.
-  bool library_gemm() const { return sm90_; }
-  int64_t sub_rows() const { return sub_rows_; }
-
-  // E of rows [s0, s0 + sn) into e (row stride logits_ld(v)), their merged [sn, 5] partials
-  // into partials; scratch: the stand-in's fp32 logits (no library GEMM).
-  void logits(void* e, int64_t s0, int64_t sn, float* scratch, float* partials) const {
-    const cudaStream_t stream = dev::stream();
-    const at::Tensor ts = job_.target.narrow(0, s0, sn);
-    cuda::FusedLogitsParams fp = base_;
-    fp.x = static_cast<const char*>(x_.data_ptr()) + s0 * x_.stride(0) * x_.element_size();
-    fp.n = sn;
-    fp.target = ts.data_ptr<int64_t>();
-    fp.target_stride = ts.stride(0);
-    fp.e = e;
-    fp.partials = tile_partials_.data_ptr<float>();
-    if (sm90_) {
-      check_launch(cuda::launch_fused_logits_sm90(fp, stream), "fused_logits_sm90");
-    } else {
-      gemm_into(at::from_blob(scratch, {sn, base_.v}, {base_.e_ld, 1}, f32_of(job_.input)),
-                x_.narrow(0, s0, sn), w_.t());
-      fp.logits = scratch;
-      fp.logits_ld = base_.e_ld;
-      check_launch(cuda::launch_logits_epilogue(fp, stream), "logits_epilogue");
-    }
-    check_launch(cuda::launch_fused_merge(fp.partials, sn, tiles_, partials, stream),
-                 "fused_merge");
-  }
-
-  // dz over E in place, from the rows' statistics and coefficients.
-  void grad(void* e, int64_t s0, int64_t sn, const float* coef, const at::Tensor& stats,
-            const GradAccumulator& acc, int64_t row_in_group) const {
-    const at::Tensor ts = job_.target.narrow(0, s0, sn);
-    cuda::FusedGradParams fg{};
-    fg.e = e;
-    fg.e_ld = base_.e_ld;
-    fg.partials = tile_partials_.data_ptr<float>();
-    fg.coef = coef;
-    fg.stats = stats.data_ptr<float>();
-    fg.n = sn;
-    fg.v = base_.v;
-    fg.softcap = base_.softcap;
-    fg.temperature = base_.temperature;
-    fg.target = ts.data_ptr<int64_t>();
-    fg.target_stride = ts.stride(0);
-    fg.col_offset = base_.col_offset;
-    fg.ignore_index = base_.ignore_index;
-    fg.target_resid = acc.target_resid(row_in_group);
-    fg.col_partials = acc.bias_partials();
-    fg.rows_per_block = kBiasRows;
-    check_launch(cuda::launch_fused_grad(fg, dev::stream()), "fused_grad");
-  }
-
- private:
-  const LinearJob& job_;
-  at::Tensor x_, w_, tile_partials_;
-  cuda::FusedLogitsParams base_{};
-  bool on_ = false, sm90_ = false;
-  int64_t sub_rows_ = 0, tiles_ = 0;
 };
 
 }  // namespace
@@ -409,8 +299,7 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& gj, const ChunkPlan& pl
   const at::Tensor x = gemm_input(job.input);
   const at::Tensor w = gemm_weight(job.weight, compute);
   const at::Tensor bias32 = job.bias ? job.bias->to(at::kFloat).contiguous() : at::Tensor();
-  const FusedLogits fused(job, given, plan, x, w, bias32);
-  const int64_t G = plan.group_rows, S = fused.on() ? fused.sub_rows() : plan.sub_rows;
+  const int64_t G = plan.group_rows, S = plan.sub_rows;
   const int64_t ld = logits_ld(v), elt = job.input.element_size();
   GradOut out;
   if (!given) {
@@ -427,56 +316,42 @@ GradOut grad_chunks(const LinearJob& job, const GradJob& gj, const ChunkPlan& pl
     return out;
   }
   // The group's gradient buffer: dz rows of G x V in the compute dtype (row stride gld
-  // elements), and for master weights its lo half; fp32: the logits themselves; fused: E, then
-  // dz (16-byte rows for the fused GEMM's stores). The fp32 logits of a sub-chunk otherwise.
-  const int64_t gld = plan.in_place || fused.on() ? ld : v;
+  // elements), and for master weights its lo half; fp32: the logits themselves. The fp32 logits
+  // of a sub-chunk otherwise.
+  const int64_t gld = plan.in_place ? ld : v;
   at::Tensor group = dev::empty({G * gld}, job.input.options());
   at::Tensor group_lo = split ? dev::empty({G * v}, job.input.options()) : at::Tensor();
-  at::Tensor scratch =
-      plan.in_place || fused.library_gemm() ? at::Tensor() : dev::empty({S * ld}, f32);
+  at::Tensor scratch = plan.in_place ? at::Tensor() : dev::empty({S * ld}, f32);
   std::optional<SubChunkStats> sub;
-  if (!given) sub.emplace(S, v, !fused.on(), f32);
+  if (!given) sub.emplace(S, v, f32);
 
   for (int64_t g0 = 0; g0 < n; g0 += G) {
     const int64_t gn = std::min(G, n - g0);
     for (int64_t s0 = g0; s0 < g0 + gn; s0 += S) {
       const int64_t sn = std::min(S, g0 + gn - s0);
       char* dz_rows = static_cast<char*>(group.data_ptr()) + (s0 - g0) * gld * elt;
-      float* lp = plan.in_place ? reinterpret_cast<float*>(dz_rows)
-                                : (scratch.defined() ? scratch.data_ptr<float>() : nullptr);
-      if (fused.on()) {
-        fused.logits(dz_rows, s0, sn, lp, sub->partials.data_ptr<float>());
-      } else {
-        gemm_into(at::from_blob(lp, {sn, v}, {ld, 1}, f32), x.narrow(0, s0, sn), w.t());
-      }
+      float* lp = plan.in_place ? reinterpret_cast<float*>(dz_rows) : scratch.data_ptr<float>();
+      gemm_into(at::from_blob(lp, {sn, v}, {ld, 1}, f32), x.narrow(0, s0, sn), w.t());
       const cuda::RowOperands ops = chunk_operands(job, lp, s0, sn, ld, bias32);
       float* sub_coef = coef.data_ptr<float>() + (given ? s0 * 8 : 0);
-      at::Tensor st;
-      if (!given) {
-        st = sub->compute(job, gj, fused.on() ? nullptr : &ops, s0, sn, out, sub_coef,
-                          bound.data_ptr<float>());
-      }
-      if (fused.on()) {
-        fused.grad(dz_rows, s0, sn, sub_coef, st, acc, s0 - g0);
-      } else {
-        cuda::RowGradParams rg{};
-        static_cast<cuda::RowOperands&>(rg) = ops;
-        rg.mode = soft_mode(job, s0);
-        rg.coef = sub_coef;
-        rg.grad = dz_rows;
-        rg.grad_ld = gld;
-        rg.grad_lo = split ? static_cast<char*>(group_lo.data_ptr()) + (s0 - g0) * v * elt
-                           : nullptr;
-        rg.grad_lo_ld = v;
-        rg.target_resid = acc.target_resid(s0 - g0);
-        rg.col_partials = acc.bias_partials();
-        rg.rows_per_cta = rg.col_partials != nullptr ? kBiasRows : 1;
-        // (a 16-bit tile never aliases the logits here: in place is fp32 only)
-        rg.entropy = gj.grad_entropy.has_value();
-        rg.col_splits = cuda::row_grad_splits(rg, to_dtype(compute),
-                                              static_cast<int>(dev::sm_count()));
-        check_launch(cuda::launch_row_grad(rg, to_dtype(compute), dev::stream()), "row_grad");
-      }
+      if (!given) sub->compute(job, gj, ops, s0, sn, out, sub_coef, bound.data_ptr<float>());
+      cuda::RowGradParams rg{};
+      static_cast<cuda::RowOperands&>(rg) = ops;
+      rg.mode = soft_mode(job, s0);
+      rg.coef = sub_coef;
+      rg.grad = dz_rows;
+      rg.grad_ld = gld;
+      rg.grad_lo =
+          split ? static_cast<char*>(group_lo.data_ptr()) + (s0 - g0) * v * elt : nullptr;
+      rg.grad_lo_ld = v;
+      rg.target_resid = acc.target_resid(s0 - g0);
+      rg.col_partials = acc.bias_partials();
+      rg.rows_per_cta = rg.col_partials != nullptr ? kBiasRows : 1;
+      // (a 16-bit tile never aliases the logits here: in place is fp32 only)
+      rg.entropy = gj.grad_entropy.has_value();
+      rg.col_splits =
+          cuda::row_grad_splits(rg, to_dtype(compute), static_cast<int>(dev::sm_count()));
+      check_launch(cuda::launch_row_grad(rg, to_dtype(compute), dev::stream()), "row_grad");
       acc.add_bias(sn);
     }
     const auto opts = job.input.options();

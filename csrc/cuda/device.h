@@ -1,5 +1,5 @@
-// The device facilities the torch binding (chunks.cpp, flce_cuda.cpp, single_pass.cpp,
-// logits.cpp) uses, behind one small interface with two implementations:
+// The device facilities the torch binding (binding.h's launch-sequence files) uses, behind one
+// small interface with two implementations:
 //   device_cuda.cpp    a CUDA device: torch's current stream, CUDAGuard, cuBLAS;
 //   tools/cuda_host/binding/device_host.cpp
 //                      the host emulation (FLCE_CUDA_HOST, tests only): CPU tensors, the

@@ -2,7 +2,8 @@
 // its gradients with 3 GEMMs, no recompute: grad_chunks (chunks.cpp) computing each sub-chunk's
 // statistics from its logits before turning them into dz. Where it cannot (fp16, whose gradient
 // tile needs a scale known only after every row's statistics; a vocabulary too large for the
-// workspace), forward + recompute backward, the same driver twice.
+// workspace), forward + recompute backward, the same driver twice. scale_grad then multiplies the
+// deferred gradients by the upstream gradient in the backward.
 //
 // Memory beyond inputs and outputs: the group buffer G * V * elt (twice for fp32 master weights:
 // hi and lo) plus the fp32 sub-chunk S * V * 4, within FLCE_CUDA_WORKSPACE_MB (default 1.5 GiB);
@@ -21,6 +22,7 @@
 
 #include "cuda/binding.h"
 #include "cuda/device.h"
+#include "cuda/params.h"
 #include "flce_ops.h"
 
 namespace flce {
@@ -112,9 +114,47 @@ Tensor5 sum_and_grad_cuda(const at::Tensor& input, const at::Tensor& weight,
           need_b ? g.gb.unsqueeze(0) : weight.new_empty({0})};
 }
 
+// The single pass' deferred gradients [k, ...] (k = 1, or 2 slices summed) times the upstream
+// gradient, scaled in double and rounded once into the gradient's dtype (scale_grad), or in
+// place (scale_grad_).
+at::Tensor scale_grad_cuda(const at::Tensor& deferred, const at::Tensor& scale,
+                           at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(deferred.dim() >= 1 && (deferred.size(0) == 1 || deferred.size(0) == 2),
+                    "flce: scale_grad needs a deferred gradient [k, ...] with k = 1 or 2, got ",
+                    deferred.sizes());
+  check_device_tensor(deferred, deferred, "deferred");
+  const dev::Guard guard(deferred);
+  const at::Tensor x = deferred.contiguous();
+  const at::Tensor k = scale.to(deferred.device(), at::kDouble).reshape({1}).contiguous();
+  at::Tensor out = dev::empty(x[0].sizes(), x.options().dtype(dtype));
+  check_launch(cuda::launch_scale_grad(out.data_ptr(), to_dtype(dtype), x.data_ptr(),
+                                       to_dtype(x.scalar_type()), static_cast<int>(x.size(0)),
+                                       out.numel(), k.data_ptr<double>(), dev::stream()),
+               "scale_grad");
+  return out;
+}
+
+void scale_grad_inplace_cuda(const at::Tensor& deferred, const at::Tensor& scale) {
+  TORCH_CHECK_VALUE(deferred.dim() >= 1 && deferred.size(0) == 1 && deferred.is_contiguous(),
+                    "flce: scale_grad_ needs a contiguous deferred gradient [1, ...], got ",
+                    deferred.sizes());
+  check_device_tensor(deferred, deferred, "deferred");
+  const dev::Guard guard(deferred);
+  const at::Tensor k = scale.to(deferred.device(), at::kDouble).reshape({1}).contiguous();
+  const DType dt = to_dtype(deferred.scalar_type());
+  // Each element is read and written by one thread, once: the kernel may write over its input.
+  check_launch(cuda::launch_scale_grad(deferred.data_ptr(), dt, deferred.data_ptr(), dt, 1,
+                                       deferred.numel(), k.data_ptr<double>(), dev::stream()),
+               "scale_grad_");
+}
+
 }  // namespace
 }  // namespace binding
 
-FLCE_CUDA_IMPL(m) { m.impl("sum_and_grad", &binding::sum_and_grad_cuda); }
+FLCE_CUDA_IMPL(m) {
+  m.impl("sum_and_grad", &binding::sum_and_grad_cuda);
+  m.impl("scale_grad", &binding::scale_grad_cuda);
+  m.impl("scale_grad_", &binding::scale_grad_inplace_cuda);
+}
 
 }  // namespace flce

@@ -1,7 +1,7 @@
 """Which GPU code flce is compiled for, and whether it runs on a given GPU.
 
-One parser of TORCH_CUDA_ARCH_LIST for every consumer: setup.py and CMakeLists.txt load this file
-by path at build time (so it imports only the standard library at module level), and
+One parser of TORCH_CUDA_ARCH_LIST for every consumer: setup.py loads this file by path at build
+time (so it imports only the standard library at module level), and
 ``flce.linear_cross_entropy`` calls :func:`check_cuda_device` at run time. The build writes
 ``python/flce/_build_info.py`` (``INFO = {...}``) with :func:`write_build_info`;
 :func:`build_info` reads it back.
@@ -18,7 +18,6 @@ import functools
 import os
 import re
 import subprocess
-import sys
 
 # Ampere, Hopper (wgmma/TMA need the "a" target), Blackwell datacenter and consumer; PTX of the
 # newest so that later GPUs can JIT it.
@@ -173,60 +172,10 @@ def local_version(archs, cuda_version):
     return ".".join([cu] + [a.sm.replace("_", "") for a in archs])
 
 
-def cutlass_kernels(archs):
-    """The fused logits GEMM this arch list can hold, as a list: "sm90" (csrc/cuda/sm90, sm_90a code) where
-    it has 9.0a and no plain 9.0 target (sm_90 SASS or compute_90 PTX: that image would hold
-    CUTLASS's stub body, which stores nothing, and the launcher could not tell which of the two
-    the driver picked)."""
-    if any(a.sm == "sm_90a" for a in archs) and not any(
-            (a.major, a.minor) == (9, 0) and a.suffix != "a" for a in archs):
-        return ["sm90"]
-    return []
-
-
-def cutlass_include(archs):
-    """CUTLASS's C++ headers for the fused logits GEMM (cutlass_kernels), or None.
-
-    From the ``nvidia-cutlass`` wheel (requirements-cutlass.txt; found without importing it), or
-    FLCE_CUTLASS=PATH (an include directory); FLCE_CUTLASS=0 builds without it (the fused path
-    then always takes its SIMT stand-in), FLCE_CUTLASS=1 requires it. None as well when the arch
-    list cannot hold the kernel."""
-    env = os.environ.get("FLCE_CUTLASS", "").strip()
-    if env == "0":
-        return None
-    if not cutlass_kernels(archs):
-        if env and any(a.sm == "sm_90a" for a in archs):
-            raise ArchError(f"FLCE_CUTLASS={env!r}: the fused logits GEMM is sm_90a code, and the "
-                            f"arch list {format_arch_list(archs)!r} also has a plain 9.0 target; "
-                            "drop it (9.0a runs on every sm_90 GPU)")
-        return None
-    path = env if env not in ("", "1") else None
-    if path is None:
-        import importlib.util
-        spec = importlib.util.find_spec("cutlass_library")
-        if spec is not None and spec.submodule_search_locations:
-            path = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
-    if path is None or not os.path.exists(os.path.join(path, "cutlass", "version.h")):
-        if env:
-            raise ArchError(f"FLCE_CUTLASS={env!r}: no CUTLASS headers (cutlass/version.h) at "
-                            f"{path!r}; pip install --no-deps -r requirements-cutlass.txt, or "
-                            "FLCE_CUTLASS=0 to build without the fused logits GEMM")
-        return None
-    return path
-
-
-def cutlass_version(include):
-    """"4.2.0" from include/cutlass/version.h."""
-    with open(os.path.join(include, "cutlass", "version.h")) as f:
-        text = f.read()
-    parts = [re.search(rf"#define CUTLASS_{k} (\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
-    return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
-
-
 def write_build_info(path, **fields):
     """Write the build's facts as a module (python/flce/_build_info.py) so that wheels carry them."""
     body = "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(fields.items()))
-    text = ('"""Written by the build (setup.py or CMake); do not edit, not tracked by git."""\n'
+    text = ('"""Written by setup.py; do not edit, not tracked by git."""\n'
             f"INFO = {{\n{body}}}\n")
     old = None
     if os.path.exists(path):
@@ -330,48 +279,3 @@ def check_cuda_device(device):
         _checked[index] = msg
     if msg:
         raise RuntimeError(msg)
-
-
-def _main(argv):
-    """CLI for CMake: ``gencode ARCH_LIST NVCC`` prints the nvcc flags (a CMake list) after
-    validating; ``cutlass ARCH_LIST`` prints CUTLASS's include directory, its version and the
-    fused GEMMs to build (``PATH|4.2.0|sm90``, or nothing); ``write-info PATH key=value ...``
-    writes the build-info module."""
-    try:
-        if argv[:1] == ["gencode"] and len(argv) == 3:
-            archs = parse_arch_list(argv[1], os.environ.get("FLCE_PTX", "newest"))
-            version = validate_for_nvcc(archs, argv[2])
-            # "|" between fields, "," within the arch list: CMake lists split on ";".
-            print(f"{','.join(map(str, archs))}|{version}|{';'.join(gencode_flags(archs))}")
-            return 0
-        if argv[:1] == ["cutlass"] and len(argv) == 2:
-            archs = parse_arch_list(argv[1], "none")
-            include = cutlass_include(archs)
-            print(f"{include}|{cutlass_version(include)}|{','.join(cutlass_kernels(archs))}"
-                  if include else "")
-            return 0
-        if argv[:1] == ["write-info"] and len(argv) >= 2:
-            fields = dict(kv.split("=", 1) for kv in argv[2:])
-            import torch
-            archs = parse_arch_list(fields["arch_list"], "none") if fields.get("arch_list") else []
-            cuda = fields.get("cuda") or None
-            local = local_version(archs, cuda)
-            write_build_info(
-                argv[1], version=fields["version"] + ("+" + local if local else ""),
-                torch=torch.__version__, torch_cuda=torch.version.cuda, cuda=cuda,
-                arch_list=format_arch_list(archs),
-                sass=[a.sm for a in archs], ptx=[a.compute for a in archs if a.ptx],
-                cuda_sources=int(fields.get("cuda_sources", 0)),
-                cutlass=fields.get("cutlass") or None,
-                cutlass_kernels=[k for k in fields.get("cutlass_kernels", "").split(",") if k],
-                build_system=fields.get("build_system", "cmake"))
-            return 0
-    except ArchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(_main.__doc__, file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

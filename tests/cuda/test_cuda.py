@@ -166,7 +166,7 @@ def test_master_weights(dev, dtype, single_pass):
     # The bias is added in fp32 as given (not rounded to the input dtype), as on the CPU.
     xr, wr, br, rloss, _ = _ref(x, wq, t, b)
     rloss.sum().backward()
-    # fp32 grad_weight: the gradient tile reaches the dC GEMM as hi + lo (FLCE_CUDA_SPLIT_GRAD),
+    # fp32 grad_weight: the gradient tile reaches the dC GEMM as hi + lo,
     # so dC is far more accurate than the 16-bit tile alone would allow.
     assert _rel_err(wf.grad, wr.grad) < 2e-3
     assert _rel_err(xf.grad, xr.grad) < TOL[dtype][1]

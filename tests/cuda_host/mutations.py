@@ -30,7 +30,6 @@ ASAN_OOB = r"AddressSanitizer: heap-buffer-overflow"
 
 GRAD = "csrc/cuda/flce_grad.cu"
 ROWS = "csrc/cuda/flce_rows.cu"
-FUSED = "csrc/cuda/flce_fused.cu"
 
 MUTATIONS = [
     # row_coef's bound of |dz| without the chain rule's 1/T (the fp16 tile's scale overflowed at
@@ -108,50 +107,6 @@ MUTATIONS = [
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
          original="      const Pack<float> q = *reinterpret_cast<const Pack<float>*>(b + j);\n",
          replacement="      const Pack<float> q = *reinterpret_cast<const Pack<float>*>(b + (j ^ kVec));\n"),
-    # The fused logits path (flce_fused.cu): the target column's E counted in the tile's sum.
-    dict(name="fused_target_in_tile_sum",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="      const float ek = c0 + k < p.v ? epi_exp(z[k], r, c0 + k == tcol) : 0.f;\n",
-         replacement="      const float ek = c0 + k < p.v ? epi_exp(z[k], r, false) : 0.f;\n"),
-    # Columns past the row's end seen (as 0) by the tile's max.
-    dict(name="fused_tail_columns_in_max",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="      if (c < p.v) epi_see(st, z[k], c == tcol);\n",
-         replacement="      epi_see(st, z[k], c == tcol);\n"),
-    # The lanes' sums merged over 16 lanes only.
-    dict(name="fused_sum_butterfly_short",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="    for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);\n",
-         replacement="    for (int off = 16; off > 1; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);\n"),
-    # A row's tile partials merged with every other lane-stride skipped (rows of > 32 tiles).
-    dict(name="fused_merge_skips_tiles",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="    for (int64_t t = lane; t < tiles; t += 32) {\n",
-         replacement="    for (int64_t t = lane; t < tiles; t += 64) {\n"),
-    # The bias gradient's row blocks overlapping by one row.
-    dict(name="fused_col_sums_overlapping_blocks",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="    for (int64_t row = b * rows; row < p.n && row < (b + 1) * rows; ++row) {\n",
-         replacement="    for (int64_t row = b * rows; row < p.n && row <= (b + 1) * rows; ++row) {\n"),
-    # The grid-stride walk over (row, tile) pairs without the carry from tile to row.
-    dict(name="fused_pairs_without_carry",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="    if (tile >= tiles) {\n      tile -= tiles;\n      ++row;\n    }\n",
-         replacement="    if (tile >= tiles) tile -= tiles;\n"),
-    # Softcap's chain rule left out of the stored values, or out of the target entry.
-    dict(name="fused_stored_without_softcap_chain",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="      e.v[k] = from_float<bf16>(epi_stored(ek, z[k], p.softcap, p.temperature));\n",
-         replacement="      e.v[k] = from_float<bf16>(ek);\n"),
-    dict(name="fused_target_without_softcap_chain",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="epi_target_grad(rg.dz_t, p.stats[row * kStatsCols + 2], p.softcap, p.temperature)",
-         replacement="epi_target_grad(rg.dz_t, p.stats[row * kStatsCols + 2], 0.f, p.temperature)"),
-    # dz of every tile scaled with the row's first tile's max.
-    dict(name="fused_grad_first_tile_scale",
-         file=FUSED, config="plain", test="fused_rows", expect=NUMERIC,
-         original="p.partials[(row * tiles + tile) * kPartialCols]",
-         replacement="p.partials[(row * tiles) * kPartialCols]"),
 ]
 
 

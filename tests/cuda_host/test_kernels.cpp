@@ -5,7 +5,7 @@
 // products rounded once): row_stats per vocabulary shard ("rank", column splits merged) ->
 // combine of the ranks -> row_coef -> row_grad (the gradient tile, over the logits in place) ->
 // target_fix; and the same row kernels on a caller's 16-bit logits (flce::logits_stats /
-// logits_backward), the fused logits path's kernels, scale_grad and the small reductions. It
+// logits_backward), scale_grad and the small reductions. It
 // compares every stored value with a float64 reference of the collapse-safe formulas (shared
 // NUMERICS.md):
 //   partials (m, s, z_t, sum_z, u) of every shard, merged rank partials, loss, lse, entropy,
@@ -158,7 +158,6 @@ struct Case {
   bool logits16 = false;      // single pass: the row kernels read 16-bit logits of the kind's
                               // dtype and write the gradient over them in that dtype (a
                               // caller's logits: flce::logits_stats / logits_backward)
-  bool fused = false;         // single pass, bf16: the fused logits path's kernels (flce_fused.cu)
 };
 
 std::string describe(const Case& c) {
@@ -170,7 +169,7 @@ std::string describe(const Case& c) {
                 static_cast<long long>(c.d), c.bias, c.softcap, c.eps, c.zloss, c.ignore_rows,
                 c.bad_targets, c.grad_lse, c.grad_loss_stride0, c.ranks, c.master,
                 c.transposed_w, c.collapsed_row, c.temp, c.grad_ent,
-                c.fused ? " fused" : c.logits16 ? " 16-bit-logits" : "");
+                c.logits16 ? " 16-bit-logits" : "");
   return buf;
 }
 
@@ -600,10 +599,8 @@ std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& t
                                       DeviceBuffer<float>& stats) {
   const Case& c = p.c;
   const int64_t n = c.n;
-  // The single pass asks for no entropy (the binding passes nullptr there).
-  const bool with_entropy = !c.fused;  // the fused epilogue keeps no entropy sum
   DeviceBuffer<float> loss(n, harness::qnan()), lse(n, harness::qnan()),
-      entropy(with_entropy ? n : 0, harness::qnan());
+      entropy(n, harness::qnan());
   DeviceBuffer<int> flag(1, 0);
   flce::cuda::CombineParams cp{};
   cp.partials = partials;
@@ -617,7 +614,7 @@ std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& t
   cp.z_loss = c.zloss;
   cp.loss = loss.data();
   cp.lse = lse.data();
-  cp.entropy = with_entropy ? entropy.data() : nullptr;
+  cp.entropy = entropy.data();
   cp.stats = stats.data();
   cp.error_flag = flag.data();
   EXPECT(ok_or_report(flce::cuda::launch_combine(cp, true, nullptr), "combine") == cudaSuccess,
@@ -635,15 +632,12 @@ std::vector<RowRef> combine_and_check(const Problem& p, DeviceBuffer<int64_t>& t
       const float* st = stats.data() + i * kStats;
       t.check(lse_near(st[0], st[1], rr.all, merges), "row %lld stats (m_x, s_x)", static_cast<long long>(i));
       t.check(t.near(st[2], rr.all.zt, rr.all.dzt), "row %lld stats z_t", static_cast<long long>(i));
-      // The fused path keeps no entropy sum (its tiles' u = 0; the merges' rescaling terms make
-      // u_x nonzero but meaningless, and nothing reads it without an entropy).
-      if (c.fused) continue;
       const Bounded u = u_ref(p, i, 0, c.v, st[0], merges);
       t.check(t.near(st[3], u.ref, u.tol), "row %lld stats u_x %.9g vs %.9g", static_cast<long long>(i),
               st[3], u.ref);
     }
   }
-  if (with_entropy) {
+  {
     Tally t("entropy", c);
     for (int64_t i = 0; i < n; ++i) {
       if (!rows[i].has_h) continue;
@@ -992,182 +986,6 @@ void run_single_pass(const Case& c) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The fused logits path (flce_fused.cu, tile_epilogue.h), bf16: fp32 logits (the exact products
-// rounded once, as cuBLAS gives the stand-in) -> logits_epilogue per shard (E [n, v] bf16 and a
-// partial per (row, 256-column tile)) -> fused_merge -> combine -> row_coef -> fused_grad over E
-// in place. Every tile partial, every E and every dz against float64, every output poisoned
-// first.
-// ---------------------------------------------------------------------------------------------
-void run_fused(const Case& c) {
-  using bf16 = __nv_bfloat16;
-  constexpr int64_t kTileCols = flce::cuda::kFusedTileCols;
-  Problem p;
-  p.c = c;
-  build(p);
-  const int64_t n = c.n, v = c.v;
-  const int64_t ld = (v + 3 + 3) / 4 * 4;  // padded fp32 rows, the gap NaN
-  DeviceBuffer<int64_t> target(p.target);
-  DeviceBuffer<float> bias(p.bias);
-  Upstream up(p);
-  DeviceBuffer<float> logits(n * ld, harness::qnan());
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < v; ++j) logits[i * ld + j] = static_cast<float>(p.acc[i * v + j]);
-  }
-  // Each shard's E in its own buffer (rows of a multiple of 8 elements, as the binding's), all
-  // bits set (NaN) until written.
-  std::vector<std::unique_ptr<DeviceBuffer<unsigned char>>> e(c.ranks);
-  std::vector<std::unique_ptr<DeviceBuffer<float>>> tiles_part(c.ranks);
-  std::vector<int64_t> eld(c.ranks), tiles(c.ranks);
-  DeviceBuffer<float> stacked(static_cast<std::size_t>(c.ranks) * n * kPartials, harness::qnan());
-  int merges = 0;
-  for (int r = 0; r < c.ranks; ++r) {
-    const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
-    eld[r] = (vr + 7) / 8 * 8;
-    tiles[r] = (vr + kTileCols - 1) / kTileCols;
-    e[r] = std::make_unique<DeviceBuffer<unsigned char>>(n * eld[r] * 2, 0xff);
-    tiles_part[r] = std::make_unique<DeviceBuffer<float>>(n * tiles[r] * kPartials, harness::qnan());
-    flce::cuda::FusedLogitsParams fp{};
-    fp.logits = logits.data() + lo;
-    fp.logits_ld = ld;
-    fp.n = n;
-    fp.v = vr;
-    fp.bias = c.bias ? bias.data() + lo : nullptr;
-    fp.softcap = c.softcap;
-    fp.temperature = c.temp;
-    fp.target = target.data();
-    fp.target_stride = 2;
-    fp.col_offset = lo;
-    fp.ignore_index = kIgnore;
-    fp.e = e[r]->data();
-    fp.e_ld = eld[r];
-    fp.partials = tiles_part[r]->data();
-    EXPECT(ok_or_report(flce::cuda::launch_logits_epilogue(fp, nullptr), "logits_epilogue") ==
-               cudaSuccess,
-           "logits_epilogue [%s]", describe(c).c_str());
-    Tally t("logits_epilogue (tile partials, E)", c);
-    const bf16* E = reinterpret_cast<const bf16*>(e[r]->data());
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t tt = p.valid_target(i) ? p.t(i) : -1;
-      for (int64_t k = 0; k < tiles[r]; ++k) {
-        const int64_t j0 = lo + k * kTileCols, j1 = std::min(lo + vr, j0 + kTileCols);
-        const float* q = tiles_part[r]->data() + (i * tiles[r] + k) * kPartials;
-        const RangeRef rr = range_ref(p, i, j0, j1);
-        // one butterfly of 5 levels over the lanes' plain sums of 8
-        t.check(lse_near(q[0], q[1], rr, 8), "rank %d row %lld tile %lld (m, s)", r,
-                static_cast<long long>(i), static_cast<long long>(k));
-        t.check(t.near(q[2], rr.zt, rr.dzt), "rank %d row %lld tile %lld z_t", r,
-                static_cast<long long>(i), static_cast<long long>(k));
-        t.check(q[3] == 0.f && q[4] == 0.f, "rank %d row %lld tile %lld: (sum_z, u) not 0", r,
-                static_cast<long long>(i), static_cast<long long>(k));
-        const double ref_m = q[0] == -INFINITY ? 0.0 : q[0];
-        for (int64_t j = j0; j < j1; ++j) {
-          const double got = __bfloat162float(E[i * eld[r] + (j - lo)]);
-          if (j == tt) {
-            t.check(got == 0.0, "row %lld: the target column's E %g, not 0", static_cast<long long>(i), got);
-            continue;
-          }
-          // exp(z - m) at the kernel's m: the logit's bound (and m's, one of them), the fp32
-          // exp; times softcap'(z) = 1 - r^2, r = T z / cap, from the kernel's z (its bound
-          // through d(1 - r^2) = 2 r dr, and fp32's roundings); then bf16's rounding
-          const double zz = p.z[i * v + j], dz = p.delta[i * v + j];
-          const double ex = std::exp(zz - ref_m);
-          double chain = 1, dchain = 0;
-          if (c.softcap > 0) {
-            const double r = c.temp * zz / c.softcap;
-            chain = 1 - r * r;
-            dchain = 2 * std::fabs(r) * c.temp * dz / c.softcap + 4 * kU;
-          }
-          const double want = ex * chain;
-          const double tol = ex * chain * (dz + rr.dmax + 8 * kU) + ex * dchain +
-                             0.5 * ulp(want * (1 + 1e-6) + ex * dchain, Kind::kBf16);
-          t.check(t.near(got, want, tol), "row %lld col %lld: stored %.9g vs %.9g",
-                  static_cast<long long>(i), static_cast<long long>(j), got, want);
-        }
-      }
-    }
-    EXPECT(ok_or_report(flce::cuda::launch_fused_merge(tiles_part[r]->data(), n, tiles[r],
-                                                       stacked.data() + r * n * kPartials, nullptr),
-                        "fused_merge") == cudaSuccess,
-           "fused_merge");
-    merges = std::max(merges, static_cast<int>(tiles[r] + 18)) + 1;
-  }
-  DeviceBuffer<float> stats(n * kStats, harness::qnan()), coef(n * 8, harness::qnan()),
-      bound(n, harness::qnan());
-  const std::vector<RowRef> rows = combine_and_check(p, target, stacked.data(), c.ranks, merges, stats);
-  row_coef_and_check(p, target, up, rows, stats, coef, bound);
-
-  const std::vector<GradRef> gr = gradients(p, rows, bound);
-  constexpr int64_t kBlockRows = 8;  // the bias gradient's row blocks (the binding's)
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  for (int r = 0; r < c.ranks; ++r) {
-    const int64_t lo = p.shard_lo[r], vr = p.shard_lo[r + 1] - lo;
-    DeviceBuffer<float> resid(n, harness::qnan()), colp(c.bias ? blocks * vr : 0, harness::qnan());
-    flce::cuda::FusedGradParams gp{};
-    gp.e = e[r]->data();
-    gp.e_ld = eld[r];
-    gp.partials = tiles_part[r]->data();
-    gp.coef = coef.data();
-    gp.stats = stats.data();
-    gp.n = n;
-    gp.v = vr;
-    gp.softcap = c.softcap;
-    gp.temperature = c.temp;
-    gp.target = target.data();
-    gp.target_stride = 2;
-    gp.col_offset = lo;
-    gp.ignore_index = kIgnore;
-    gp.target_resid = resid.data();
-    gp.col_partials = c.bias ? colp.data() : nullptr;  // (a trained bias)
-    gp.rows_per_block = kBlockRows;
-    EXPECT(ok_or_report(flce::cuda::launch_fused_grad(gp, nullptr), "fused_grad") == cudaSuccess,
-           "fused_grad [%s]", describe(c).c_str());
-    for (int64_t b = 0; b < (c.bias ? blocks : 0); ++b) {
-      Tally tc("fused_grad col_partials", c);
-      for (int64_t j = 0; j < vr; ++j) {
-        // the fp32 dz of the block's rows, each within its bound and E's rounding, plain adds
-        double ref = 0, tol = 0, mag = 0;
-        for (int64_t i = b * kBlockRows; i < std::min(n, (b + 1) * kBlockRows); ++i) {
-          const GradRef& g = gr[i * v + lo + j];
-          ref += g.dz;
-          tol += g.tol + 0x1p-8 * (std::fabs(g.dz) + g.tol);
-          mag += std::fabs(g.dz);
-        }
-        tol += kBlockRows * kU * mag;
-        tc.check(tc.near(colp[b * vr + j], ref, tol), "col_partials[%lld, %lld] %.9g vs %.9g",
-                 static_cast<long long>(b), static_cast<long long>(lo + j), colp[b * vr + j], ref);
-      }
-    }
-    Tally t("fused_grad (dz over E, target_resid)", c);
-    const bf16* dz = reinterpret_cast<const bf16*>(e[r]->data());
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < vr; ++j) {
-        const GradRef& g = gr[i * v + lo + j];
-        const double h = __bfloat162float(dz[i * eld[r] + j]), sd = std::fabs(g.dz) + g.tol;
-        // two roundings to bf16: E's (relative to dz, as long as the row has no smoothing term)
-        // and dz's own
-        t.check(t.near(h, g.dz, g.tol + 0.5 * ulp(sd, Kind::kBf16) + 0x1p-8 * sd),
-                "row %lld col %lld: dz %.9g vs %.9g", static_cast<long long>(i),
-                static_cast<long long>(lo + j), h, g.dz);
-      }
-      const bool here = p.valid_target(i) && p.t(i) >= lo && p.t(i) < lo + vr;
-      if (!here) {
-        t.check(resid[i] == 0.f, "row %lld: target_resid %g without the target", static_cast<long long>(i), resid[i]);
-        continue;
-      }
-      const GradRef& g = gr[i * v + p.t(i)];
-      const double h = __bfloat162float(dz[i * eld[r] + p.t(i) - lo]);
-      t.check(t.near(h + resid[i], g.dz, g.tol + kU * (std::fabs(g.dz) + g.tol)),
-              "row %lld: hi + target_resid", static_cast<long long>(i));
-    }
-  }
-}
-
-
-// ---------------------------------------------------------------------------------------------
-// The cases: a sampled subset of the cross product N x V x D x options, per tile kind. Every
-// N in {1, 37, 130, 257}, V in {1, 100, 129, 300, 517} and D in {8, 24, 72, 136} appears
-// (tails in every dimension), and each option appears at least once per kind.
-// ---------------------------------------------------------------------------------------------
 
 Case make(Kind k, int64_t n, int64_t v, int64_t d) {
   Case c;
@@ -1181,11 +999,7 @@ Case make(Kind k, int64_t n, int64_t v, int64_t d) {
 void run_all(const std::vector<Case>& cases) {
   for (const Case& c : cases) {
     const int before = check::failures;
-    if (c.fused) {
-      run_fused(c);
-    } else {
-      run_single_pass(c);
-    }
+    run_single_pass(c);
     std::printf("  %s %s\n", check::failures == before ? "ok  " : "FAIL", describe(c).c_str());
   }
 }
@@ -1402,51 +1216,6 @@ TEST(row_transform) {
     }
   }
 }
-
-// The fused logits path's kernels (run_fused): bf16, tails around the 256-column tile, shards,
-// every option it takes.
-std::vector<Case> fused_cases() {
-  std::vector<Case> cs;
-  for (int64_t v : {1, 100, 256, 257, 517, 1000}) cs.push_back(make(Kind::kBf16, 37, v, 24));
-  cs.back().ranks = 3;  // shards of 333 and 334 columns
-  {
-    Case c = make(Kind::kBf16, 130, 777, 72);
-    c.bias = true;
-    c.ignore_rows = true;
-    c.bad_targets = true;
-    c.collapsed_row = true;
-    c.temp = 0.8f;
-    c.zloss = 1e-3f;
-    c.grad_lse = true;
-    c.ranks = 2;
-    cs.push_back(c);
-  }
-  {
-    Case c = make(Kind::kBf16, 57, 600, 40);
-    c.softcap = 6.f;  // logits of std ~2.5: a few near saturation
-    c.temp = 1.3f;
-    c.ignore_rows = true;
-    c.ranks = 2;
-    cs.push_back(c);
-  }
-  {
-    // 600 rows x 28 tiles: more (row, tile) pairs than the kernels' grid has warps (16384), so
-    // a warp walks several, carrying its tile index into the next rows.
-    Case c = make(Kind::kBf16, 600, 7000, 8);  // 28 tiles: 16384 = 585 rows + 4 tiles
-    cs.push_back(c);
-  }
-  {
-    Case c = make(Kind::kBf16, 3, 9000, 8);  // more than 32 tiles: a lane merges several
-    c.grad_loss_stride0 = true;
-    cs.push_back(c);
-  }
-  for (Case& c : cs) {
-    c.fused = true;
-  }
-  return cs;
-}
-
-TEST(fused_rows) { run_all(fused_cases()); }
 
 // launch_scale_grad: out = dtype((sum of the slices) * scale) for every (out, x) dtype pair,
 // against float64 (one rounding to fp32 and one to the output dtype) and every element written.

@@ -30,12 +30,12 @@ import gpu_tests_record  # noqa: E402
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and coreutils' timeout")
 
-# The stand-in interpreter: logs its arguments (and the FLCE_CUTLASS it was given), hangs or
+# The stand-in interpreter: logs its arguments, hangs or
 # fails where FAKE_HANG / FAKE_FAIL match, writes a JUnit report where pytest would, and hands
 # the record writers to the real interpreter.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 set -f
-sig="$* FLCE_CUTLASS=${FLCE_CUTLASS-unset}"
+sig="$*"
 echo "$sig" >>"$FAKE_LOG"
 for pat in ${FAKE_HANG:-}; do [[ $sig == *$pat* ]] && exec sleep 60; done
 for pat in ${FAKE_FAIL:-}; do [[ $sig == *$pat* ]] && { echo "fake failure: $pat"; exit 3; }; done
@@ -72,10 +72,10 @@ def test_plan_fits_the_budget(phase):
     rc, steps, contingent, total, budget = _plan(phase)
     assert rc == 0
     assert total == sum(steps.values()) <= budget <= 300
-    if phase == "headline":  # the fallback build counts: it must not push out the records
-        assert {"build", "build_nocutlass", "bench", "test_cuda", "record_tests"} <= set(steps)
+    if phase == "headline":
+        assert {"build", "bench", "test_cuda", "record_tests"} <= set(steps)
     else:
-        assert set(contingent) == {"build", "build_nocutlass"}
+        assert set(contingent) == {"build"}
 
 
 def test_every_step_is_planned():
@@ -134,47 +134,40 @@ def test_headline_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     status = _status(summary)
     _, steps, _, _, _ = _plan("headline")
-    ran = [s for s in steps if s != "build_nocutlass"]
-    assert list(status) == ran and all(rc == 0 for rc, _ in status.values()), summary
+    assert list(status) == list(steps) and all(rc == 0 for rc, _ in status.values()), summary
     bench = [r for r in records if r["op"] == "linear_cross_entropy"]
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert len(bench) == 1 and len(tests) == 1 and records[-1] is tests[0]
     rec = bench[0]
     assert (rec["n"], rec["v"], rec["d"], rec["complete"]) == (4096, 128256, 4096, True)
-    assert list(rec["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "flce_recompute", "flce_fused",
-                               "fwd_flce", "fwd_eager", "eager", "liger", "cce",
+    assert list(rec["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "flce_recompute", "fwd_flce",
+                               "fwd_eager", "eager", "liger", "cce",
                                "compiled"]  # torch.compile last
-    assert set(rec["agree"]) == {"flce", "flce_recompute", "flce_fused"}
+    assert set(rec["agree"]) == {"flce", "flce_recompute"}
     for r in records:
         assert (r["commit"], r["run"]) == ("abc1234", "test-headline")
     assert (tests[0]["passed"], tests[0]["failed"], tests[0]["skipped"]) == (1, 1, 1)
-    # the first build requires CUTLASS (the stand-in finds the nvidia-cutlass wheel)
-    assert "setup.py build_ext --inplace FLCE_CUTLASS=1" in calls
+    assert "setup.py build_ext --inplace" in calls
     assert "4096x128256x4096 bf16" in (tmp_path / "out" / "table.txt").read_text()
 
 
 def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
     proc, summary, records, calls = _run(
         tmp_path, "headline", GPU_CHECK_MAX_LIMIT="1",
-        FAKE_FAIL="build_ext*FLCE_CUTLASS=1 gpu_fused_check.py", FAKE_HANG="tests/cuda/test_cuda.py",
-        FLCE_GPU_DRY_HANG="4096x128256x4096:eager")
+        FAKE_FAIL="check_ptxas.py", FAKE_HANG="tests/cuda/test_cuda.py",
+        FLCE_GPU_DRY_HANG="4096x128256x4096:eager", FLCE_GPU_DRY_SKIP="flce_recompute")
     assert proc.returncode == 1
     status = _status(summary)
-    assert status["build"][0] == 3 and "FAILED" in status["build"][1]
-    assert status["build_nocutlass"][0] == 0
-    assert any("WITHOUT CUTLASS" in line for line in summary)
-    assert "setup.py build_ext --inplace FLCE_CUTLASS=0" in calls
-    assert status["fused_probe"][0] == 3
+    assert status["ptxas"][0] == 3 and "FAILED" in status["ptxas"][1]
     assert status["bench"][0] in (124, 137) and "TIMEOUT" in status["bench"][1]
     assert "unfinished record kept" in status["bench"][1]
     assert status["test_cuda"][0] in (124, 137)
     # the steps after each failure ran
-    assert status["ptxas"][0] == status["record_tests"][0] == status["profile"][0] == 0
+    assert status["build"][0] == status["record_tests"][0] == status["profile"][0] == 0
     bench = [r for r in records if r["op"] == "linear_cross_entropy"]
     assert len(bench) == 1 and bench[0]["complete"] is False
-    assert list(bench[0]["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "flce_recompute",
-                                    "fwd_flce", "fwd_eager"]
-    assert "flce_fused" in bench[0]["skipped"]  # its probe failed
+    assert list(bench[0]["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "fwd_flce", "fwd_eager"]
+    assert "flce_recompute" in bench[0]["skipped"]
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert tests[0]["failed"] == 1 and "no report" in tests[0]["failures"][0]
     assert not (tmp_path / "out" / "gpu_records.partial").exists()
@@ -188,7 +181,7 @@ def test_rest_dry_run(tmp_path):
     assert list(status) == list(steps) and all(rc == 0 for rc, _ in status.values()), summary
     shapes = [(r["n"], r["v"], r["d"]) for r in records if r["op"] == "linear_cross_entropy"]
     assert shapes == [(16384, 128256, 4096), (4096, 256000, 4096), (16384, 256000, 4096)]
-    assert "tests/cuda/test_fused_logits.py" in calls and "--ignore=tests/cuda/test_fused_logits.py" in calls
+    assert "--ignore=tests/cuda/test_cuda.py" in calls
     assert "setup.py" not in calls  # the build was found: not rebuilt
 
 
@@ -242,7 +235,7 @@ def test_environment_names_the_build(monkeypatch):
     monkeypatch.delenv("FLCE_GPU_DRY_RUN", raising=False)
     env = gpu_record.environment()
     assert (env["commit"], env["run"], env["torch"]) == ("0123abc", "r1", torch.__version__)
-    assert set(gpu_record.BUILD_KEYS) <= set(env["build"]) and "cutlass" in env["build"]
+    assert set(gpu_record.BUILD_KEYS) <= set(env["build"]) and "arch_list" in env["build"]
 
 
 def test_junit_counts(tmp_path):
@@ -286,13 +279,13 @@ def test_agreement_figures_on_the_cpu_backend():
 
 def test_bench_table_and_record_of_a_dry_run(tmp_path, monkeypatch):
     monkeypatch.setenv("FLCE_GPU_DRY_RUN", "1")
-    monkeypatch.setenv("FLCE_BENCH_FUSED", "0")
+    monkeypatch.setenv("FLCE_GPU_DRY_SKIP", "liger")
     rec_path = tmp_path / "r.jsonl"
-    gpu_bench.main(["--shapes", "64,1000,32", "--methods", "gemm3,flce,flce_fused,eager",
+    gpu_bench.main(["--shapes", "64,1000,32", "--methods", "gemm3,flce,liger,eager",
                     "--record", str(rec_path), "--table", str(tmp_path / "t.txt")])
     (rec,) = [json.loads(x) for x in rec_path.read_text().splitlines()]
     assert rec["complete"] and rec["repeats"] == 10 and rec["ms_range"]["flce"][0] > 0
-    assert "flce_fused" in rec["skipped"]
+    assert "liger" in rec["skipped"]
     text = (tmp_path / "t.txt").read_text()
     assert "skipped" in text and re.search(r"flce\s+[\d.]+", text)
     with pytest.raises(SystemExit):
