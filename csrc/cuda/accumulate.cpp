@@ -288,9 +288,8 @@ void GradAccumulator::add_dw(const at::Tensor& dz, const at::Tensor& dz_lo, cons
     // One group: dW straight in the weight's dtype (cuBLAS rounds each fp32 sum once), then the
     // rows that are some row's target again in fp32, from the dz columns of the sorted targets
     // (every position, duplicates and ignored ones included: a fixed size, no host sync), with
-    // their residuals added before the one rounding. In place of fp32 pieces of dW, each stored
-    // and patched: 63 of them cost 2.8 ms per step at N = 4096, V = 128256 on the H200
-    // (docs/perf-notes.md).
+    // their residuals added before the one rounding. Fp32 pieces of dW, each stored, patched and
+    // then rounded, would write and read all of dW in fp32 once more per step.
     gemm_into(gw_, dz.t(), xg);
     if (v == 0) return;
     const at::Tensor cols = (order.sorted - v0).clamp(0, v - 1);

@@ -87,10 +87,10 @@ at::Tensor aligned_contiguous(const at::Tensor& t) {
 // is never found; targets are only compared with column ids, never used as an index). The flag,
 // the first offending row and its target are copied to pinned host memory asynchronously; the
 // IndexError is raised by the first flce call that finds the copy landed (usually the next op or
-// step on a GPU; at once in the host emulation, whose kernels run synchronously).
-// FLCE_CHECK_TARGETS=sync waits for it in the same call (one device sync per forward, as the
-// earlier releases did); FLCE_CHECK_TARGETS=0 disables the check. Skipped while a CUDA graph is
-// being captured.
+// step on a GPU; the next flce call in the host emulation, whose copy reports itself landed from
+// its second poll on). FLCE_CHECK_TARGETS=sync waits for it in the same call (one device sync
+// per forward); FLCE_CHECK_TARGETS=0 disables the check. Skipped while a CUDA graph is being
+// captured.
 // ---------------------------------------------------------------------------------------------
 enum class CheckMode { kOff, kAsync, kSync };
 

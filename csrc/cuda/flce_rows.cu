@@ -946,8 +946,8 @@ cudaError_t launch_target_rows(const TargetRowsParams& p, DType dtype, cudaStrea
   if (p.n == 0 || p.d == 0 || p.rows == 0) return cudaSuccess;
   if (p.out == nullptr && (p.store == nullptr || p.base == nullptr)) return cudaErrorInvalidValue;
   // A grid-stride loop over the sorted rows: most runs of equal targets fall outside a dW piece
-  // of `rows` vocabulary rows, and a CTA per row would spend the launch starting CTAs that only
-  // look at one target (19 us per 2048-row piece at N = 4096 on an H200, 1.2 ms per step).
+  // of `rows` vocabulary rows, so a CTA per row would mostly start, find no target of its piece
+  // and exit.
   const unsigned grid = grid_rows(std::min<int64_t>(p.n, 1024));
   switch (dtype) {
     case DType::kBFloat16:

@@ -212,11 +212,10 @@ def test_local_version_label(monkeypatch):
 
 
 def test_extension_uses_the_process_libstdcxx():
-    """flce._C must not carry its own copy of libstdc++'s iostreams: on the first GPU run
-    (2026-12-04) the H200 image's default C++ compiler (/opt/gcc, CXX) put them into the
-    extension, and the first C++ error message holding a number (a bad target's IndexError)
-    crashed the process inside that copy's std::ostream::_M_insert<long>. Checked where the
-    extension keeps its symbol table."""
+    """flce._C must not carry its own copy of libstdc++'s iostreams: a GPU image's default C++
+    compiler (/opt/gcc, CXX) put them into the extension, and the first C++ error message
+    holding a number (a bad target's IndexError) crashed the process inside that copy's
+    std::ostream::_M_insert<long>. Checked where the extension keeps its symbol table."""
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("no nm on this machine")
