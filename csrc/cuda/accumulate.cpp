@@ -120,50 +120,58 @@ GradAccumulator::GradAccumulator(const LinearJob& job, std::array<bool, 3> mask,
     : job_(job), x_(x), w_(w), inv_scale_(inv_scale) {
   const at::Tensor& input = job.input;
   const at::Tensor& weight = job.weight;
-  need_e_ = mask[0];
-  need_c_ = mask[1];
-  need_b_ = mask[2] && job.bias.has_value();
   const int64_t n = input.size(0), v = weight.size(0), d = input.size(1), G = group_rows;
   const at::ScalarType compute = input.scalar_type();
   const auto f32 = f32_of(input);
+  const bool fp32 = compute == at::kFloat, fp64 = fp32 && fp32_grads_in_fp64();
+  if (mask[0]) de_mode_ = !fp32 ? DeMode::kTile : fp64 ? DeMode::kFloat64 : DeMode::kPieces;
+  // dW: an fp32 weight (master weights, or fp32 training) is its own fp32 accumulator; a 16-bit
+  // one goes through fp32 (the multi-group accumulator, or vocab pieces of one group) that gets
+  // the target rows' residuals (target_rows) before the one rounding.
+  if (mask[1]) {
+    dw_mode_ = fp64                                  ? DwMode::kFloat64
+               : weight.scalar_type() == at::kFloat ? DwMode::kInWeight
+               : G < n                              ? DwMode::kAccumulator
+               : inv_scale.defined()                ? DwMode::kScaledPieces
+                                                    : DwMode::kOneGroup;
+  }
+  const bool need_e = de_mode_ != DeMode::kNone, need_c = dw_mode_ != DwMode::kNone;
+  const bool fix_c = dw_mode_ == DwMode::kOneGroup || dw_mode_ == DwMode::kScaledPieces ||
+                     dw_mode_ == DwMode::kAccumulator;
+  need_b_ = mask[2] && job.bias.has_value();
+  fix_target_ = (need_e || fix_c) && !fp32;
+  kahan_dw_ = need_c && fp32 && G < n;
   dtype_ = to_dtype(compute);
   inv_ptr_ = inv_scale.defined() ? inv_scale.data_ptr<float>() : nullptr;
-  if (need_e_) ge_ = dev::empty({n, d}, f32);
-  if (need_c_) gw_ = dev::empty({v, d}, weight.options());
+  if (need_e) ge_ = dev::empty({n, d}, f32);
+  if (need_c) gw_ = dev::empty({v, d}, weight.options());
   if (need_b_) {
     gb_ = at::zeros({v}, f32);
     gb_comp_ = at::zeros({v}, f32);
     gb_tmp_ = dev::empty({v}, f32);
     col_partials_ = dev::empty({ceil_div(sub_rows, kBiasRows) * v}, f32);
   }
-  // dW: an fp32 weight (master weights, or fp32 training) is its own fp32 accumulator; a 16-bit
-  // one goes through fp32 (the multi-group accumulator, or vocab pieces of one group) that gets
-  // the target rows' residuals (target_rows) before the one rounding.
-  fp32_dw_ = weight.scalar_type() == at::kFloat;
-  fix_c_ = need_c_ && compute != at::kFloat && !fp32_dw_;
-  fix_target_ = (need_e_ || fix_c_) && compute != at::kFloat;
   if (fix_target_) resid_ = dev::empty({G}, f32);
-  f64_ = compute == at::kFloat && fp32_grads_in_fp64();
-  pieces_ = compute == at::kFloat && !f64_ ? ceil_div(v, heuristics::kFp32PieceCols) : 1;
-  if (need_e_ && pieces_ > 1) {
+  if (de_mode_ == DeMode::kPieces) pieces_ = ceil_div(v, heuristics::kFp32PieceCols);
+  if (pieces_ > 1) {
     tmp_e_ = dev::empty({G, d}, f32);
     comp_e_ = dev::empty({G, d}, f32);
   }
   const auto f64_opts = input.options().dtype(at::kDouble);
-  if (f64_ && need_e_) e64_ = dev::empty({G, d}, f64_opts);
-  if (f64_ && need_c_) w64_ = dev::empty({std::min(v, kDwPiece), d}, f64_opts);
-  separate_acc_ = fix_c_ && G < n;
-  // One group of a 16-bit weight with the fp16 scale: dW in fp32 pieces, each rounded once.
-  dw_pieces_ = fix_c_ && !separate_acc_ && inv_scale.defined();
+  if (de_mode_ == DeMode::kFloat64) e64_ = dev::empty({G, d}, f64_opts);
+  if (dw_mode_ == DwMode::kFloat64) w64_ = dev::empty({std::min(v, kDwPiece), d}, f64_opts);
   // dW's fp32 buffer: the weight's own (fp32), the accumulator of every group's dW (16-bit,
   // several groups) or the target rows' full fp32 dW rows (16-bit, one group: [G, D]).
-  if (need_c_ && !dw_pieces_) acc_w_ = fp32_dw_ ? gw_ : dev::empty({separate_acc_ ? v : G, d}, f32);
+  if (dw_mode_ == DwMode::kInWeight || dw_mode_ == DwMode::kFloat64) acc_w_ = gw_;
+  if (dw_mode_ == DwMode::kAccumulator) acc_w_ = dev::empty({v, d}, f32);
+  if (dw_mode_ == DwMode::kOneGroup) acc_w_ = dev::empty({G, d}, f32);
   // fp32 training, several groups: dW Kahan-compensated across them (pieces of kDwPiece rows).
-  kahan_dw_ = need_c_ && compute == at::kFloat && G < n;
   if (kahan_dw_) comp_w_ = at::zeros({v, d}, f32);
-  if (kahan_dw_ || dw_pieces_) tmp_w_ = dev::empty({std::min(v, kDwPiece), d}, f32);
+  if (kahan_dw_ || dw_mode_ == DwMode::kScaledPieces) {
+    tmp_w_ = dev::empty({std::min(v, kDwPiece), d}, f32);
+  }
   // x as target_rows reads it: row-major
-  x_rows_ = fix_c_ && x.stride(1) != 1 ? x.contiguous() : x;
+  x_rows_ = fix_c && x.stride(1) != 1 ? x.contiguous() : x;
 }
 
 float* GradAccumulator::target_resid(int64_t row_in_group) const {
@@ -185,8 +193,8 @@ void GradAccumulator::add_bias(int64_t rows) {
 void GradAccumulator::add_group(const at::Tensor& dz, const at::Tensor& dz_lo, int64_t g0) {
   const int64_t gn = dz.size(0);
   const at::Tensor tg = job_.target.narrow(0, g0, gn);
-  if (need_e_) add_de(dz, tg, g0);
-  if (need_c_) add_dw(dz, dz_lo, tg, g0);
+  if (de_mode_ != DeMode::kNone) add_de(dz, tg, g0);
+  if (dw_mode_ != DwMode::kNone) add_dw(dz, dz_lo, tg, g0);
   groups_ += 1;
 }
 
@@ -194,7 +202,7 @@ void GradAccumulator::add_group(const at::Tensor& dz, const at::Tensor& dz_lo, i
 void GradAccumulator::add_de(const at::Tensor& dz, const at::Tensor& tg, int64_t g0) {
   const int64_t gn = dz.size(0), v = dz.size(1);
   const at::Tensor ge = ge_.narrow(0, g0, gn);
-  if (f64_) {
+  if (de_mode_ == DeMode::kFloat64) {
     const at::Tensor t = e64_.narrow(0, 0, gn);
     gemm_f64(t, dz, w_);
     ge.copy_(t);
@@ -240,13 +248,14 @@ void GradAccumulator::add_dw(const at::Tensor& dz, const at::Tensor& dz_lo, cons
                              int64_t g0) {
   const int64_t gn = dz.size(0), v = dz.size(1);
   const at::Tensor xg = x_.narrow(0, g0, gn);
-  if (f64_ || (kahan_dw_ && g0 > 0)) {
+  const bool f64 = dw_mode_ == DwMode::kFloat64;
+  if (f64 || (kahan_dw_ && g0 > 0)) {
     // Each vocabulary piece of this group's dW (in double, rounded once, or fp32); the first
     // group is dW so far, the next ones Kahan-added to it.
     for (int64_t p0 = 0; p0 < v; p0 += kDwPiece) {
       const int64_t pc = std::min(kDwPiece, v - p0);
-      const at::Tensor t = (f64_ ? w64_ : tmp_w_).narrow(0, 0, pc);
-      if (f64_) {
+      const at::Tensor t = (f64 ? w64_ : tmp_w_).narrow(0, 0, pc);
+      if (f64) {
         gemm_f64(t, dz.narrow(1, p0, pc).t(), xg);
       } else {
         gemm_into(t, dz.narrow(1, p0, pc).t(), xg);
@@ -256,13 +265,13 @@ void GradAccumulator::add_dw(const at::Tensor& dz, const at::Tensor& dz_lo, cons
         continue;
       }
       const at::Tensor t32 = tmp_w_.narrow(0, 0, pc);
-      if (f64_) t32.copy_(t);
+      if (f64) t32.copy_(t);
       kahan_add(acc_w_.narrow(0, p0, pc), comp_w_.narrow(0, p0, pc), t32);
     }
     return;
   }
   const float beta = g0 == 0 ? 0.f : 1.f;
-  if (!fix_c_) {
+  if (dw_mode_ == DwMode::kInWeight) {
     gemm_into(acc_w_, dz.t(), xg, beta);
     if (dz_lo.defined()) gemm_into(acc_w_, dz_lo.t(), xg, 1.f);
     return;
@@ -271,10 +280,10 @@ void GradAccumulator::add_dw(const at::Tensor& dz, const at::Tensor& dz_lo, cons
   const at::Tensor xr = x_rows_.narrow(0, g0, gn);
   const at::Tensor rs = resid_.narrow(0, 0, gn);
   const int64_t v0 = job_.shard.vocab_start;
-  if (separate_acc_) {
+  if (dw_mode_ == DwMode::kAccumulator) {
     gemm_into(acc_w_, dz.t(), xg, beta);
     add_target_rows(acc_w_, v0, xr, order, rs, job_.ignore_index, dtype_);
-  } else if (dw_pieces_) {
+  } else if (dw_mode_ == DwMode::kScaledPieces) {
     // fp16: each piece's fp32 dW gets its target rows' residuals, then loses the scale in its
     // one rounding (scaled, a 16-bit dW could overflow).
     for (int64_t p0 = 0; p0 < v; p0 += kDwPiece) {
@@ -301,10 +310,10 @@ void GradAccumulator::add_dw(const at::Tensor& dz, const at::Tensor& dz_lo, cons
 }
 
 void GradAccumulator::finish(GradOut& out) {
-  if (need_c_ && groups_ == 0) gw_.zero_();  // no rows: nothing was added
+  if (dw_mode_ != DwMode::kNone && groups_ == 0) gw_.zero_();  // no rows: nothing was added
   if (kahan_dw_) acc_w_.add_(comp_w_);
-  if (separate_acc_) scale_store(gw_, acc_w_, inv_ptr_);
-  if (need_c_ && fp32_dw_ && inv_scale_.defined()) gw_.mul_(inv_scale_);
+  if (dw_mode_ == DwMode::kAccumulator) scale_store(gw_, acc_w_, inv_ptr_);
+  if (dw_mode_ == DwMode::kInWeight && inv_scale_.defined()) gw_.mul_(inv_scale_);
   if (need_b_) {
     gb_.add_(gb_comp_);
     if (inv_scale_.defined()) gb_.mul_(inv_scale_);

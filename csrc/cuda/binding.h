@@ -215,12 +215,33 @@ class GradAccumulator {
   void add_de(const at::Tensor& dz, const at::Tensor& tg, int64_t g0);
   void add_dw(const at::Tensor& dz, const at::Tensor& dz_lo, const at::Tensor& tg, int64_t g0);
 
+  // How dE is formed, decided once per job (accumulate.cpp's top comment has the reasons).
+  enum class DeMode {
+    kNone,
+    kTile,     // 16-bit compute: one GEMM over the whole vocabulary, then the target fix
+    kPieces,   // fp32: pieces of kFp32PieceCols columns, Neumaier-added
+    kFloat64,  // fp32 with FLCE_CUDA_FP32_GRAD=fp64: in double, rounded once
+  };
+  // How dW is accumulated, decided once per job.
+  enum class DwMode {
+    kNone,
+    kInWeight,      // an fp32 weight is its own accumulator: groups added by the GEMM's beta
+                    // (master weights: the tile's hi + lo), fp32 training's Neumaier-added
+    kFloat64,       // fp32 with FLCE_CUDA_FP32_GRAD=fp64: pieces in double, rounded once
+    kOneGroup,      // 16-bit weight, one group: straight in its dtype, target rows fixed in fp32
+    kScaledPieces,  // 16-bit weight, one group with fp16's scale: fp32 pieces, each rounded once
+    kAccumulator,   // 16-bit weight, several groups: a [V, D] fp32 accumulator, rounded once
+  };
+
   const LinearJob& job_;
   at::Tensor x_, w_, x_rows_, inv_scale_;
   const float* inv_ptr_ = nullptr;
   DType dtype_;
-  bool need_e_, need_c_, need_b_;
-  bool fp32_dw_, fix_c_, fix_target_, f64_, separate_acc_, dw_pieces_, kahan_dw_;
+  DeMode de_mode_ = DeMode::kNone;
+  DwMode dw_mode_ = DwMode::kNone;
+  bool need_b_;
+  bool fix_target_;  // 16-bit compute: the target entries' residuals, for dE and a 16-bit dW
+  bool kahan_dw_;    // fp32 training over several groups: dW Neumaier-added across them
   int64_t pieces_ = 1, groups_ = 0;
   at::Tensor ge_, gw_, gb_;                            // the gradients
   at::Tensor resid_, col_partials_, gb_tmp_, gb_comp_;  // row_grad's side outputs, db's sums
