@@ -500,8 +500,8 @@ def main(argv=None):
     runs = len(args.dtypes) * len(args.variants)
     if args.device == "cpu":
         low, high = expected_seconds(args, runs)
-        print(f"{runs} training runs; expected {_minutes(low)}-{_minutes(high)} min on a 2-core CPU "
-              f"at this size{'' if args.quick else ' (--quick: about a minute)'}; {load_note()}",
+        print(f"{runs} training runs; expected {_minutes(low)}-{_minutes(high)} min on a 2-core "
+              f"CPU at this size{'' if args.quick else ' (--quick: about a minute)'}; {load_note()}",
               flush=True)
     env = environment(torch.device(args.device))
     config = {"layers": args.layers, "hidden": args.hidden, "vocab": vocab, "batch": args.batch,

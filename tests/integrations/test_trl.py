@@ -100,7 +100,8 @@ def _compare(train, counted, keys, steps):
         assert len(ref[k]) == len(got[k]) == steps, (k, ref[k], got[k])
         r, x = (torch.tensor(v, dtype=torch.float64) for v in (ref[k], got[k]))
         if not bool(((x - r).abs() <= ATOL + RTOL * r.abs()).all()):
-            off[k] = f"max |diff| {(x - r).abs().max():.2e}, relative {((x - r) / r).abs().max():.2e}"
+            d = (x - r).abs()
+            off[k] = f"max |diff| {d.max():.2e}, relative {(d / r.abs()).max():.2e}"
     assert not off, off
     # The bound can fail: a loss 0.01% off breaks it.
     r = torch.tensor(ref["loss"], dtype=torch.float64)
