@@ -330,13 +330,14 @@ class _Null:
 
 def expected_seconds(args, runs):
     """(low, high) seconds for the whole run on a CPU, from the flop model above plus each run's
-    process start (importing torch and transformers, ~15 s on a loaded machine) and per-step
-    overhead, and the tokenizer's training (about 3 s a MB)."""
+    process start (importing torch and transformers: 8 s on a quiet machine, 30 s on one loaded
+    4x over) and per-step overhead, the tokenizer's training (about 3 s a MB) and the driver's
+    own imports and picture (15 s)."""
     h = args.hidden
     flops = 6 * args.batch * args.seq * (args.layers * 12 * h * h + args.vocab * h)
-    fixed = 3 * args.corpus_mb + 10 + runs * 15
-    return tuple(fixed + runs * args.steps * (flops / rate + 0.02 * args.layers)
-                 for rate in reversed(CPU_FLOPS_PER_S))
+    return tuple(3 * args.corpus_mb + 15 + runs * start
+                 + runs * args.steps * (flops / rate + 0.02 * args.layers)
+                 for rate, start in zip(reversed(CPU_FLOPS_PER_S), (8, 30)))
 
 
 def _minutes(seconds):
