@@ -30,6 +30,7 @@ import datasets  # noqa: E402
 import transformers  # noqa: E402
 from hf_models import VOCAB, tiny_model  # noqa: E402
 
+import flce  # noqa: E402
 import flce.integrations.trl as flce_trl  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -201,10 +202,13 @@ def test_sft_trainer(tmp_path, counted):
         "prompt": [_words(g, 3 + i % 4) for i in range(8)],
         "completion": [_words(g, 4 + i % 5) for i in range(8)]})
 
-    def train():
+    def train(patch_model=False):
         args = trl.SFTConfig(**_common_args(tmp_path), max_steps=3, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_length=32)
-        trainer = trl.SFTTrainer(model=tiny_model("llama"), args=args, train_dataset=data,
+        model = tiny_model("llama")
+        if patch_model:
+            flce.patch(model)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
                                  processing_class=_tokenizer())
         trainer.train()
         return trainer
@@ -212,6 +216,10 @@ def test_sft_trainer(tmp_path, counted):
     keys = ["loss", "entropy", "mean_token_accuracy"]
     ref, _ = _compare(train, counted, keys, 3)
     assert all(0 < e for e in ref["entropy"]), ref
+    # flce.patch(model) is bypassed by TRL's fused head (docs/integrations.md): with TRL's own
+    # kernel, a patched model trains exactly as an unpatched one.
+    flce_trl.unpatch()
+    assert _logged(train(patch_model=True), keys) == ref
 
 
 def test_dpo_trainer(tmp_path, counted, model_dir):
