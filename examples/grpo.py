@@ -19,17 +19,19 @@ import flce
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=64)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda where available")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
+    p.add_argument("--hidden", type=int, default=64, help="policy width")
     p.add_argument("--groups", type=int, default=4, help="prompts")
     p.add_argument("--samples", type=int, default=4, help="completions per prompt")
     p.add_argument("--length", type=int, default=32, help="tokens per completion")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--entropy-coef", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip")
+    p.add_argument("--entropy-coef", type=float, default=0.01, help="entropy bonus weight")
+    p.add_argument("--seed", type=int, default=0, help="inputs, rewards and initialization")
     return p.parse_args(argv)
 
 

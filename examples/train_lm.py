@@ -14,15 +14,22 @@ as autocast would and runs the fused op against the fp32 master weights, whose l
 the GEMM's fp32 accumulators. The two bf16 curves therefore start apart by the rounding of the
 stock loss's logits (2e-6 relative at the first step here), where the fp32 curves start equal.
 
+    pip install -r requirements-examples.txt             # tokenizers, transformers, matplotlib
+    python examples/train_lm.py --quick                  # about a minute on 2 CPU cores
     python examples/train_lm.py                          # 200 steps, fp32 and bf16
     python examples/train_lm.py --dtypes fp32 --control  # and the rounding yardstick (--control)
-    python examples/train_lm.py --steps 50 --vocab 8192 --layers 2 --hidden 128   # a quick look
+
+Outputs go to ``--out-dir`` (``train_lm_out/`` under the working directory): ``train_lm.jsonl``
+(one record per run, appended) and ``train_lm.png``. ``--out`` and ``--png`` name other files;
+refreshing the repository's record and the README's picture takes them explicitly
+(docs/benchmarks.md).
 
 Default model: 4 layers, hidden 256, 4 heads, MLP 1024, vocabulary 32000 (about 25M parameters,
 16M of them in the embedding and the head), batch 4 x 128 tokens, AdamW at lr 1e-3. On the 2-core
 AMD EPYC (Zen 4) of docs/benchmarks.md, shared with other jobs (load average 6-9), a step took
-1.4-2.6 s on 1 thread, so one 200-step run takes 5-9 minutes there. Every run is a fresh process,
-so that a run's peak memory is its own.
+1.4-2.6 s on 1 thread, so one 200-step run takes 5-9 minutes there and the default's four runs
+20-35 minutes (the estimate printed at start). Every run is a fresh process, so that a run's peak
+memory is its own.
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated()`` during the step minus the memory
 allocated before it; on the CPU, the growth of the process's resident-set high-water mark during
@@ -54,36 +61,68 @@ CONTROL = "transformers-nudged"
 DTYPES = ("fp32", "bf16")
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# --quick: a run of about a minute on 2 CPU cores (tokenizer, 2 runs of 40 steps), on 1 thread:
+# a model this small gains nothing from a second thread, and on a shared machine two threads
+# spin against each other (20x slower steps, measured at load average 8). Flags given
+# explicitly override these.
+QUICK = dict(steps=40, dtypes="fp32", vocab=4096, hidden=64, layers=2, seq=64, corpus_mb=1.0,
+             threads=1)
+# The estimate printed at start: a step costs about 6 x tokens x (the non-embedding parameters
+# plus the head's V x D) flops, at the range of rates the default config reached on 1 thread of
+# the 2-core EPYC of docs/benchmarks.md while shared with other jobs (1.4-2.6 s a step).
+CPU_FLOPS_PER_S = (14e9, 27e9)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, except a switch's False and a None whose help says what it means."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_Help)
+    p.add_argument("--quick", action="store_true",
+                   help="a run of about a minute on 2 CPU cores: "
+                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   choices=("cpu", "cuda"))
-    p.add_argument("--steps", type=int, default=200)
+                   choices=("cpu", "cuda"), help="cuda where available")
+    p.add_argument("--steps", type=int, default=200, help="training steps per run")
     p.add_argument("--dtypes", default="fp32,bf16",
                    help="comma list of fp32 (fp32 throughout) and bf16 (bf16 autocast, fp32 "
                         "master weights)")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    p.add_argument("--vocab", type=int, default=32000, help="the BPE tokenizer's vocabulary")
+    p.add_argument("--hidden", type=int, default=256, help="model width (64 per head)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    p.add_argument("--seed", type=int, default=0, help="initialization and batch order")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     p.add_argument("--corpus-mb", type=float, default=8.0,
                    help="MB of standard-library source to train the tokenizer on and to tokenize")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "train_lm.jsonl"),
-                   help="JSON-lines file the run records are appended to")
-    p.add_argument("--png", default=os.path.join(REPO, "docs", "img", "train_lm.png"),
-                   help="the loss curves ('' for none)")
+    p.add_argument("--out-dir", default="train_lm_out",
+                   help="where --out and --png go unless given (relative to the working "
+                        "directory)")
+    p.add_argument("--out", help="JSON-lines file the run records are appended to "
+                                 "(default: OUT_DIR/train_lm.jsonl)")
+    p.add_argument("--png", help="the loss curves, '' for none (default: OUT_DIR/train_lm.png)")
     p.add_argument("--control", action="store_true",
                    help=f"also run the control ({CONTROL}): the stock loss from initial weights "
                         "moved by one ulp, to show how far rounding alone moves the curve")
     p.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.quick:
+        # Reparsed with --quick's values as the defaults, so that explicit flags still win.
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    if args.out is None:
+        args.out = os.path.join(args.out_dir, "train_lm.jsonl")
+    if args.png is None:
+        args.png = os.path.join(args.out_dir, "train_lm.png")
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.control:
@@ -289,6 +328,28 @@ class _Null:
         return False
 
 
+def expected_seconds(args, runs):
+    """(low, high) seconds for the whole run on a CPU, from the flop model above plus each run's
+    process start (importing torch and transformers: 8 s on a quiet machine, 30 s on one loaded
+    4x over) and per-step overhead, the tokenizer's training (about 3 s a MB) and the driver's
+    own imports and picture (15 s)."""
+    h = args.hidden
+    flops = 6 * args.batch * args.seq * (args.layers * 12 * h * h + args.vocab * h)
+    return tuple(3 * args.corpus_mb + 15 + runs * start
+                 + runs * args.steps * (flops / rate + 0.02 * args.layers)
+                 for rate, start in zip(reversed(CPU_FLOPS_PER_S), (8, 30)))
+
+
+def _minutes(seconds):
+    return f"{seconds / 60:.1f}" if seconds < 600 else f"{seconds / 60:.0f}"
+
+
+def load_note():
+    """The 1-minute load average, to print beside a speed ratio: on a shared machine it says
+    whether the ratio measured the code or the neighbours."""
+    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+
+
 def summarize(run, tokens_per_step):
     """Median step time (the first step excluded: lazy initialization), tokens/s, and the largest
     step peak after the first (the first also allocates the optimizer's state)."""
@@ -330,7 +391,6 @@ def environment(device):
         threads = torch.get_num_threads()
         name = f"{name}, {threads} thread{'s' if threads != 1 else ''}"
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
-            "loadavg": os.getloadavg()[0],
             "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
             "flce": flce.__version__ if hasattr(flce, "__version__") else
             flce.build_info()["version"]}
@@ -438,6 +498,12 @@ def main(argv=None):
           f"vocabulary {vocab} (tokenizer trained and applied in {took:.1f} s); "
           f"{args.steps} steps of {args.batch}x{args.seq} tokens "
           f"({args.steps * tokens_per_step / ids.numel():.2f} passes)", flush=True)
+    runs = len(args.dtypes) * len(args.variants)
+    if args.device == "cpu":
+        low, high = expected_seconds(args, runs)
+        print(f"{runs} training runs; expected {_minutes(low)}-{_minutes(high)} min on a 2-core "
+              f"CPU at this size{'' if args.quick else ' (--quick: about a minute)'}; {load_note()}",
+              flush=True)
     env = environment(torch.device(args.device))
     config = {"layers": args.layers, "hidden": args.hidden, "vocab": vocab, "batch": args.batch,
               "seq": args.seq, "lr": args.lr, "seed": args.seed, "steps": args.steps,
@@ -454,17 +520,19 @@ def main(argv=None):
                 with open(spec_path, "w") as fh:
                     json.dump(spec, fh)
                 print(f"  {variant} {dtype} ...", flush=True)
+                load_before = os.getloadavg()[0]
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__),
                                        "--child", spec_path], stdout=subprocess.PIPE, text=True,
                                       check=True)
                 run = json.loads(proc.stdout.strip().splitlines()[-1])
-                rec = {"op": "train_lm", **env, "loadavg_after": os.getloadavg()[0],
+                rec = {"op": "train_lm", **env, "loadavg": load_before,
+                       "loadavg_after": os.getloadavg()[0],
                        "variant": variant, "dtype": dtype, "config": config,
                        **summarize(run, tokens_per_step), **run}
                 records.append(rec)
                 print(f"  {variant:>12} {dtype}: final loss {run['losses'][-1]:.4f}, "
                       f"{rec['step_s_median'] * 1e3:.0f} ms/step, {rec['tokens_per_s']:.0f} "
-                      f"tokens/s, step peak {rec['peak_mb']:.0f} MB", flush=True)
+                      f"tokens/s, step peak {rec['peak_mb']:.0f} MB ({load_note()})", flush=True)
     for dtype in args.dtypes if set(VARIANTS) <= set(args.variants) else ():
         ref, got = (next(r for r in records if r["dtype"] == dtype and r["variant"] == v)
                     for v in VARIANTS)
@@ -472,7 +540,9 @@ def main(argv=None):
         print(f"{dtype}: |flce - stock| / stock: step 1 {rel[0]:.1e}, max {max(rel):.1e} "
               f"(step {rel.index(max(rel)) + 1}), last {rel[-1]:.1e}; flce's step peak "
               f"{got['peak_mb'] / ref['peak_mb']:.2f}x, tokens/s "
-              f"{got['tokens_per_s'] / ref['tokens_per_s']:.2f}x the stock loss's")
+              f"{got['tokens_per_s'] / ref['tokens_per_s']:.2f}x the stock loss's (load average "
+              f"{ref['loadavg']:.1f} / {got['loadavg']:.1f} before the two runs, "
+              f"{os.cpu_count()} cores)")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as fh:

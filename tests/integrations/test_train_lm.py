@@ -30,7 +30,9 @@ measured <= 7.6e-5 over these 30 steps (in the 200-step example: 1e-4 by step ~6
 step ~100, 3.1e-2 at most, where the --control run reached 5.4e-2). The test allows the first
 step's 2^-8 = 3.9e-3 over the 30 steps, 50x the measured maximum; a loss off by 1% fails it.
 """
+import hashlib
 import importlib.util
+import json
 import os
 import sys
 
@@ -108,3 +110,43 @@ def test_records_and_plot(tmp_path, data):
     path = tmp_path / "train_lm.png"
     train_lm.plot(recs, str(path))
     assert path.stat().st_size > 10_000
+
+
+def _digest(path):
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def test_outputs_default_to_the_working_directory(tmp_path, monkeypatch):
+    # A user's run must not write into the repository (its committed record and the README's
+    # picture); --quick's values give way to explicit flags.
+    monkeypatch.chdir(tmp_path)
+    args = train_lm.parse_args([])
+    for path in (args.out, args.png):
+        assert os.path.abspath(path).startswith(str(tmp_path) + os.sep), path
+    quick = train_lm.parse_args(["--quick", "--steps", "7"])
+    assert (quick.steps, quick.vocab, quick.threads) == (7, train_lm.QUICK["vocab"], 1)
+    mine = train_lm.parse_args(["--out-dir", "o", "--png", ""])
+    assert (mine.out, mine.png) == (os.path.join("o", "train_lm.jsonl"), "")
+    # The printed estimate brackets the default's measured 20-35 minutes.
+    low, high = train_lm.expected_seconds(args, 4)
+    assert 15 * 60 < low < high < 40 * 60
+
+
+def test_a_default_run_leaves_the_repository_as_it_was(tmp_path, monkeypatch, capsys):
+    repo_files = [os.path.join(train_lm.REPO, "benchmarks", "results", "train_lm.jsonl"),
+                  os.path.join(train_lm.REPO, "docs", "img", "train_lm.png")]
+    before = {p: _digest(p) for p in repo_files if os.path.exists(p)}
+    monkeypatch.chdir(tmp_path)
+    train_lm.main(["--steps", "2", "--vocab", "512", "--hidden", "64", "--layers", "1",
+                   "--seq", "32", "--corpus-mb", "0.2", "--dtypes", "fp32", "--threads", "1"])
+    assert {p: _digest(p) for p in before} == before
+    with open(tmp_path / "train_lm_out" / "train_lm.jsonl") as fh:
+        recs = [json.loads(line) for line in fh]
+    assert [r["variant"] for r in recs] == list(train_lm.VARIANTS)
+    assert all(isinstance(r["loadavg"], float) for r in recs)
+    assert (tmp_path / "train_lm_out" / "train_lm.png").stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "expected" in out and "min on a 2-core CPU" in out
+    ratio = next(line for line in out.splitlines() if "tokens/s" in line and "x the stock" in line)
+    assert "load average" in ratio, ratio
