@@ -24,6 +24,7 @@ Run it after installing or building flce (a wheel for your GPU: docs/build.md). 
 """
 import argparse
 import contextlib
+import ctypes
 import datetime
 import gc
 import json
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import flce
-from flce import reference
+from flce import _ops, reference
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 GIB = 2.0 ** 30
@@ -389,7 +390,8 @@ def one_rank_group(dev):
 def paths(dev, size):
     """[(name, thunk)]: every path the device takes, each a call against float64."""
     n, v, d = size
-    cuda = dev == "cuda"
+    # (flce's own test of the backend that serves the device)
+    cuda = _ops.is_cuda_backend(torch.empty(0, device=dev))
     out = []
 
     def add(name, fn, *a, **kw):
@@ -608,6 +610,11 @@ class Peak:
             self.base = torch.cuda.memory_allocated()
         else:
             self.base = None
+            try:
+                # freed heap pages back to the kernel first, so that reusing them shows as growth
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):
+                pass
             try:
                 with open("/proc/self/clear_refs", "w") as fh:
                     fh.write("5")  # resets VmHWM to the current RSS
