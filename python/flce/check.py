@@ -737,12 +737,17 @@ def _put(rec, name, result):
     rec["peak_gib"][name] = None if peak is None else round(peak / GIB, 4)
 
 
-def _try(rec, name, thunk):
-    """Measure ``name``; an error (out of memory, a peer's failure) is recorded, not raised."""
+def _try(rec, name, thunk, put=True):
+    """Measure ``name`` (into the record unless ``put`` is False); an error (out of memory, a
+    peer's failure) is recorded, not raised. Returns the measurement or None."""
     try:
-        _put(rec, name, thunk())
+        result = thunk()
+        if put:
+            _put(rec, name, result)
+        return result
     except Exception as e:  # noqa: BLE001
         rec["skipped"][name] = f"{type(e).__name__}: {e}"[:200]
+        return None
     finally:
         gc.collect()
         if torch.cuda.is_available():
@@ -763,18 +768,18 @@ def measure_lce(dev, n, v, d, dtype, warmup, repeats, quick, rec):
             loss_fn(x, w, t).backward()
         return run
 
-    floors = {}
+    engines = {}
     with torch.no_grad():
         for name, fn in gemm3_candidates(dev).items():
-            _try(rec, f"gemm3_{name}", lambda: measure(dev, lambda: fn(x, w), warmup, repeats))
-            if f"gemm3_{name}" in rec["ms"]:
-                floors[name] = rec["ms"][f"gemm3_{name}"]
-    if floors:
-        best = min(floors, key=floors.get)
+            got = _try(rec, f"gemm3 on {name}",
+                       lambda: measure(dev, lambda: fn(x, w), warmup, repeats), put=False)
+            if got is not None:
+                engines[name] = got
+    if engines:
+        best = min(engines, key=lambda k: engines[k][0])
         rec["gemm3_engine"] = best
-        _put(rec, "gemm3", (floors[best], *rec["ms_range"][f"gemm3_{best}"],
-                            None if rec["peak_gib"][f"gemm3_{best}"] is None
-                            else rec["peak_gib"][f"gemm3_{best}"] * GIB))
+        rec["gemm3_engines"] = {k: round(e[0], 4) for k, e in engines.items()}
+        _put(rec, "gemm3", engines[best])
     methods = {"flce": lambda x, w, t: flce.linear_cross_entropy(x, w, t)}
     if not quick:
         methods["flce_recompute"] = lambda x, w, t: flce.linear_cross_entropy(x, w, t,
