@@ -31,8 +31,9 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
                                 reason="needs bash and coreutils' timeout")
 
 # The stand-in interpreter: logs its arguments (and the FLCE_CUTLASS it was given), hangs or
-# fails where FAKE_HANG / FAKE_FAIL match, writes a JUnit report where pytest would, and hands
-# the record writers to the real interpreter.
+# fails where FAKE_HANG / FAKE_FAIL match, writes a JUnit report where pytest would, a stand-in
+# record and table where `python -m flce.check --out PATH` would (tests/tools/test_check.py
+# runs the check itself), and hands the record writers to the real interpreter.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 set -f
 sig="$* FLCE_CUTLASS=${FLCE_CUTLASS-unset}"
@@ -42,8 +43,15 @@ for pat in ${FAKE_FAIL:-}; do [[ $sig == *$pat* ]] && { echo "fake failure: $pat
 junit='<testsuite><testcase classname="t" name="a"/>'
 junit+='<testcase classname="t" name="b"><failure/></testcase>'
 junit+='<testcase classname="t" name="c"><skipped/></testcase></testsuite>'
+prev=
 for a in "$@"; do
   [[ $a == --junitxml=* ]] && printf '%s' "$junit" >"${a#--junitxml=}"
+  if [[ $1 == -m && $2 == flce.check && $prev == --out ]]; then
+    printf '{"op": "linear_cross_entropy", "n": 4096, "v": 128256, "d": 4096, "commit": "%s", "run": "%s", "ms": {"gemm3": 1.0, "flce": 1.1}}\n' \
+      "$FLCE_COMMIT" "$FLCE_RUN" >>"$a"
+    printf '\nlinear_cross_entropy  N=4096 V=128256 D=4096  bfloat16  (dry run)\nflce 1.1\n(floor: the 3 GEMMs)\n'
+  fi
+  prev=$a
 done
 case $1 in
   benchmarks/gpu_bench.py | benchmarks/gpu_tests_record.py) exec "$REAL_PYTHON" "$@" ;;
@@ -73,7 +81,8 @@ def test_plan_fits_the_budget(phase):
     assert rc == 0
     assert total == sum(steps.values()) <= budget <= 300
     if phase == "headline":  # the fallback build counts: it must not push out the records
-        assert {"build", "build_nocutlass", "bench", "test_cuda", "record_tests"} <= set(steps)
+        assert {"build", "build_nocutlass", "check", "bench", "test_cuda",
+                "record_tests"} <= set(steps)
     else:
         assert set(contingent) == {"build", "build_nocutlass"}
 
@@ -139,25 +148,25 @@ def test_headline_dry_run(tmp_path):
     bench = [r for r in records if r["op"] == "linear_cross_entropy"]
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert len(bench) == 1 and len(tests) == 1 and records[-1] is tests[0]
-    rec = bench[0]
-    assert (rec["n"], rec["v"], rec["d"], rec["complete"]) == (4096, 128256, 4096, True)
-    assert list(rec["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "flce_recompute", "flce_fused",
-                               "fwd_flce", "fwd_eager", "eager", "liger", "cce",
-                               "compiled"]  # torch.compile last
-    assert set(rec["agree"]) == {"flce", "flce_recompute", "flce_fused"}
+    assert (bench[0]["n"], bench[0]["v"], bench[0]["d"]) == (4096, 128256, 4096)
+    # flce.check: correctness, then the records, each in its own process
+    assert "-m flce.check --quick --only correctness" in calls
+    assert "-m flce.check --quick --only speed --out " in calls
+    assert calls.index("--only correctness") < calls.index("--only speed")
     for r in records:
         assert (r["commit"], r["run"]) == ("abc1234", "test-headline")
     assert (tests[0]["passed"], tests[0]["failed"], tests[0]["skipped"]) == (1, 1, 1)
     # the first build requires CUTLASS (the stand-in finds the nvidia-cutlass wheel)
     assert "setup.py build_ext --inplace FLCE_CUTLASS=1" in calls
-    assert "4096x128256x4096 bf16" in (tmp_path / "out" / "table.txt").read_text()
+    table = (tmp_path / "out" / "table.txt").read_text()
+    assert "linear_cross_entropy  N=4096 V=128256 D=4096" in table and "(floor: " in table
 
 
 def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
     proc, summary, records, calls = _run(
         tmp_path, "headline", GPU_CHECK_MAX_LIMIT="1",
-        FAKE_FAIL="build_ext*FLCE_CUTLASS=1 gpu_fused_check.py", FAKE_HANG="tests/cuda/test_cuda.py",
-        FLCE_GPU_DRY_HANG="4096x128256x4096:eager")
+        FAKE_FAIL="build_ext*FLCE_CUTLASS=1 gpu_fused_check.py --only*correctness",
+        FAKE_HANG="tests/cuda/test_cuda.py --only*speed")
     assert proc.returncode == 1
     status = _status(summary)
     assert status["build"][0] == 3 and "FAILED" in status["build"][1]
@@ -165,16 +174,12 @@ def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
     assert any("WITHOUT CUTLASS" in line for line in summary)
     assert "setup.py build_ext --inplace FLCE_CUTLASS=0" in calls
     assert status["fused_probe"][0] == 3
+    assert status["check"][0] == 3  # a wrong path: the records are measured all the same
     assert status["bench"][0] in (124, 137) and "TIMEOUT" in status["bench"][1]
-    assert "unfinished record kept" in status["bench"][1]
     assert status["test_cuda"][0] in (124, 137)
     # the steps after each failure ran
     assert status["ptxas"][0] == status["record_tests"][0] == status["profile"][0] == 0
-    bench = [r for r in records if r["op"] == "linear_cross_entropy"]
-    assert len(bench) == 1 and bench[0]["complete"] is False
-    assert list(bench[0]["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "flce_recompute",
-                                    "fwd_flce", "fwd_eager"]
-    assert "flce_fused" in bench[0]["skipped"]  # its probe failed
+    assert not [r for r in records if r["op"] == "linear_cross_entropy"]  # cut before its end
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert tests[0]["failed"] == 1 and "no report" in tests[0]["failures"][0]
     assert not (tmp_path / "out" / "gpu_records.partial").exists()
