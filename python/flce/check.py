@@ -927,10 +927,12 @@ def main(argv=None):
     if dev == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
     info = flce.build_info()
-    if dev == "cuda" and not info.get("cuda_backend"):
-        print("flce was built without its CUDA kernels (flce.build_info()['cuda_backend'] is "
-              "False): rebuild for this GPU (docs/build.md)", file=sys.stderr)
-        return 2
+    if dev == "cuda":
+        try:  # (a build without code for this GPU: one message naming it, not a FAIL per path)
+            flce._build.check_cuda_device(torch.device("cuda"))
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 2
     torch.manual_seed(0)
     name = device_name(dev)
     print(f"flce {info.get('version')} on {name} (torch {torch.__version__}, "
