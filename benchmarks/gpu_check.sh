@@ -268,7 +268,7 @@ if [[ $PHASE == headline ]]; then
   # flce.check: correctness and the records, each in its own process (a fault in a path that
   # never ran on a GPU must not cost the records); its tables into table.txt.
   step check "$PY" -m flce.check --quick --only correctness
-  step bench "$PY" -m flce.check --quick --only speed --out "$RECORDS"
+  step bench "$PY" -m flce.check --quick --only speed --out "$RECORDS" --partial "$PARTIAL"
   sed -n '/^\(linear_\)\{0,1\}cross_entropy  N=/,/^(floor/p' "$LOGS/bench.log" >>"$OUT/table.txt"
   step test_cuda "$PY" -m pytest -q -rfEs -p no:cacheprovider -k "not cuda-host" \
     --junitxml="$LOGS/junit_cuda.xml" tests/cuda/test_cuda.py tests/tools/test_check_ptxas.py \

@@ -714,44 +714,65 @@ def shapes(dev, quick, tiny):
         [("cross_entropy", n, v, None) for n, v in ce]
 
 
-def speed(dev, quick, tiny, dtype, out_path, base_record):
+def speed(dev, quick, tiny, dtype, out_path, partial, base_record):
     """Measure each configuration, print its table, append its record; returns the records."""
     warmup, repeats = (1, 3) if dev == "cpu" else ((3, 10) if quick else (5, 20))
     records = []
     for op, n, v, d in shapes(dev, quick, tiny):
-        rec = dict(base_record, op=op, n=n, v=v, d=d, dtype=str(dtype).replace("torch.", ""),
-                   repeats=repeats, ms={}, ms_range={}, peak_gib={}, skipped={})
+        rec = Record(partial, base_record, op=op, n=n, v=v, d=d, repeats=repeats,
+                     dtype=str(dtype).replace("torch.", ""))
         rows = (measure_lce if op == "linear_cross_entropy" else measure_ce)(
             dev, n, v, d, dtype, warmup, repeats, quick, rec)
         print_table(rec, rows)
+        rec["complete"] = True
         if out_path:
             append(out_path, rec)
+        if partial and os.path.exists(partial):
+            os.remove(partial)
         records.append(rec)
     return records
 
 
-def _put(rec, name, result):
-    med, lo, hi, peak = result
-    rec["ms"][name] = round(med, 4)
-    rec["ms_range"][name] = [round(lo, 4), round(hi, 4)]
-    rec["peak_gib"][name] = None if peak is None else round(peak / GIB, 4)
+class Record(dict):
+    """One configuration's record. With ``partial`` (a path), each measurement rewrites it
+    there (``"complete": false``), so that a caller who has to cut the run mid-configuration
+    (benchmarks/gpu_check.sh) keeps what was measured."""
 
+    def __init__(self, partial, base, **fields):
+        super().__init__(base, **fields, ms={}, ms_range={}, peak_gib={}, skipped={},
+                         complete=False)
+        self.partial = partial
 
-def _try(rec, name, thunk, put=True):
-    """Measure ``name`` (into the record unless ``put`` is False); an error (out of memory, a
-    peer's failure) is recorded, not raised. Returns the measurement or None."""
-    try:
-        result = thunk()
-        if put:
-            _put(rec, name, result)
-        return result
-    except Exception as e:  # noqa: BLE001
-        rec["skipped"][name] = f"{type(e).__name__}: {e}"[:200]
-        return None
-    finally:
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    def put(self, name, result):
+        med, lo, hi, peak = result
+        self["ms"][name] = round(med, 4)
+        self["ms_range"][name] = [round(lo, 4), round(hi, 4)]
+        self["peak_gib"][name] = None if peak is None else round(peak / GIB, 4)
+        self.save()
+
+    def attempt(self, name, thunk, put=True):
+        """Measure ``name`` (into the record unless ``put`` is False); an error (out of memory,
+        a peer's failure) is recorded, not raised. Returns the measurement or None."""
+        try:
+            result = thunk()
+            if put:
+                self.put(name, result)
+            return result
+        except Exception as e:  # noqa: BLE001
+            self["skipped"][name] = f"{type(e).__name__}: {e}"[:200]
+            self.save()
+            return None
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def save(self):
+        if self.partial:
+            tmp = self.partial + ".tmp"
+            with open(tmp, "w") as fh:
+                fh.write(json.dumps(self, allow_nan=False) + "\n")
+            os.replace(tmp, self.partial)
 
 
 def measure_lce(dev, n, v, d, dtype, warmup, repeats, quick, rec):
@@ -771,32 +792,37 @@ def measure_lce(dev, n, v, d, dtype, warmup, repeats, quick, rec):
     engines = {}
     with torch.no_grad():
         for name, fn in gemm3_candidates(dev).items():
-            got = _try(rec, f"gemm3 on {name}",
-                       lambda: measure(dev, lambda: fn(x, w), warmup, repeats), put=False)
+            got = rec.attempt(f"gemm3 on {name}",
+                              lambda: measure(dev, lambda: fn(x, w), warmup, repeats), put=False)
             if got is not None:
                 engines[name] = got
     if engines:
         best = min(engines, key=lambda k: engines[k][0])
         rec["gemm3_engine"] = best
         rec["gemm3_engines"] = {k: round(e[0], 4) for k, e in engines.items()}
-        _put(rec, "gemm3", engines[best])
+        rec.put("gemm3", engines[best])
     methods = {"flce": lambda x, w, t: flce.linear_cross_entropy(x, w, t)}
     if not quick:
         methods["flce_recompute"] = lambda x, w, t: flce.linear_cross_entropy(x, w, t,
                                                                               single_pass=False)
-    methods.update(peers(dev))
-    for name, fn in methods.items():
-        if isinstance(fn, str):
-            rec["skipped"][name] = fn
-            continue
-        _try(rec, name, lambda: measure(dev, step(fn), warmup, repeats))
-    x.grad = w.grad = None
+    others = peers(dev)
+    methods["eager"] = others.pop("eager")
+
+    def steps(methods):
+        for name, fn in methods.items():
+            if isinstance(fn, str):
+                rec["skipped"][name] = fn
+            else:
+                rec.attempt(name, lambda: measure(dev, step(fn), warmup, repeats))
+        x.grad = w.grad = None
+    steps(methods)
     with torch.no_grad():
-        _try(rec, "gemm1", lambda: measure(dev, lambda: logits_gemm(x, w), warmup, repeats))
-        _try(rec, "fwd_flce", lambda: measure(dev, lambda: flce.linear_cross_entropy(
+        rec.attempt("gemm1", lambda: measure(dev, lambda: logits_gemm(x, w), warmup, repeats))
+        rec.attempt("fwd_flce", lambda: measure(dev, lambda: flce.linear_cross_entropy(
             x, w, t, reduction="none", temperature=0.7), warmup, repeats))
-        _try(rec, "fwd_eager", lambda: measure(dev, lambda: -torch.log_softmax(
+        rec.attempt("fwd_eager", lambda: measure(dev, lambda: -torch.log_softmax(
             (x @ w.T).float() / 0.7, dim=-1).gather(1, t[:, None]), warmup, repeats))
+    steps(others)  # last: their kernels' compilation and autotuning take the longest
     return [("gemm3", "the step's 3 GEMMs alone: the floor"), ("flce", "flce, default"),
             ("flce_recompute", "flce, single_pass=False"), ("eager", "logits + F.cross_entropy"),
             ("liger", "Liger-Kernel"), ("cce", "Cut Cross Entropy"),
@@ -825,7 +851,7 @@ def measure_ce(dev, n, v, d, dtype, warmup, repeats, quick, rec):
 
     for name, fn in (("flce", lambda: flce.cross_entropy(z, t)),
                      ("eager", lambda: F.cross_entropy(z.float(), t))):
-        _try(rec, name, lambda: measure(dev, step(fn), warmup, repeats))
+        rec.attempt(name, lambda: measure(dev, step(fn), warmup, repeats))
     z.grad = None
     return [("bytes", "its bytes at the copy rate: the floor"), ("flce", "flce.cross_entropy"),
             ("eager", "F.cross_entropy(logits.float())")]
@@ -921,6 +947,9 @@ def main(argv=None):
                     "where torch's bf16 GEMMs are slow without native bf16 instructions)")
     ap.add_argument("--out", metavar="PATH",
                     help="append one JSON record per measured configuration to PATH")
+    ap.add_argument("--partial", metavar="PATH",
+                    help="keep the configuration being measured in PATH (\"complete\": false), "
+                    "rewritten after each measurement, removed once it is appended to --out")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CI: smallest shapes
     args = ap.parse_args(argv)
     dev = args.device
@@ -958,7 +987,7 @@ def main(argv=None):
                 "build": info}
         dtype = {"bf16": BF16, "fp16": F16, "fp32": F32}[
             args.dtype or ("bf16" if dev == "cuda" else "fp32")]
-        speed(dev, args.quick, args.tiny, dtype, args.out, base)
+        speed(dev, args.quick, args.tiny, dtype, args.out, args.partial, base)
         if args.out:
             print(f"\nrecords appended to {args.out}")
     if failed:

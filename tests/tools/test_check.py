@@ -25,7 +25,9 @@ def _run(args, tmp_path, script=None, timeout=300):
 def test_check_quick_on_cpu(tmp_path):
     out_path = tmp_path / "records.jsonl"
     out_path.write_text('{"op": "an older record"}\n')  # appended to, not replaced
-    proc = _run(["--quick", "--tiny", "--device", "cpu", "--out", str(out_path)], tmp_path)
+    partial = tmp_path / "partial.json"
+    proc = _run(["--quick", "--tiny", "--device", "cpu", "--out", str(out_path), "--partial",
+                 str(partial)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
     assert "FAIL" not in out
@@ -44,6 +46,7 @@ def test_check_quick_on_cpu(tmp_path):
     lines = out_path.read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0]) == {"op": "an older record"}
     lce, ce = (json.loads(line) for line in lines[1:])
+    assert lce["complete"] and ce["complete"] and not partial.exists()
     for rec in (lce, ce):
         assert rec["date"] and rec["device"] and rec["torch"] and rec["threads"] >= 1
         assert "commit" in rec and rec["correctness"] == "passed"
@@ -56,6 +59,21 @@ def test_check_quick_on_cpu(tmp_path):
     assert set(lce["skipped"]) == {"liger", "cce"}
     assert (ce["op"], ce["n"], ce["v"]) == ("cross_entropy", 512, 4096)
     assert {"bytes", "flce", "eager"} <= set(ce["ms"]) and ce["copy_gb_s"] > 0
+
+
+def test_partial_record_after_each_measurement(tmp_path):
+    """--partial: what a caller that must cut the run keeps (benchmarks/gpu_check.sh)."""
+    from flce import check
+
+    path = tmp_path / "partial.json"
+    rec = check.Record(str(path), {"device": "d"}, op="linear_cross_entropy", n=8)
+    rec.attempt("flce", lambda: (2.0, 1.0, 3.0, 2 ** 29))
+    first = json.loads(path.read_text())
+    assert first["complete"] is False and first["device"] == "d" and first["n"] == 8
+    assert (first["ms"], first["ms_range"], first["peak_gib"]) == (
+        {"flce": 2.0}, {"flce": [1.0, 3.0]}, {"flce": 0.5})
+    rec.attempt("eager", lambda: 1 / 0)  # a failure is kept too, and not raised
+    assert json.loads(path.read_text())["skipped"] == {"eager": "ZeroDivisionError: division by zero"}
 
 
 # The single pass's gradients scaled by 1 + 1e-3 on their way out of its backward

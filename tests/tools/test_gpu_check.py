@@ -32,26 +32,34 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
 
 # The stand-in interpreter: logs its arguments (and the FLCE_CUTLASS it was given), hangs or
 # fails where FAKE_HANG / FAKE_FAIL match, writes a JUnit report where pytest would, a stand-in
-# record and table where `python -m flce.check --out PATH` would (tests/tools/test_check.py
-# runs the check itself), and hands the record writers to the real interpreter.
+# record where `python -m flce.check --partial P --out R` would (the partial one first, as the
+# check writes it after its first measurement; tests/tools/test_check.py runs the check itself),
+# and hands the record writers to the real interpreter.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 set -f
 sig="$* FLCE_CUTLASS=${FLCE_CUTLASS-unset}"
 echo "$sig" >>"$FAKE_LOG"
+check=0 out= partial= prev=
+[[ ${1:-} == -m && ${2:-} == flce.check ]] && check=1
+for a in "$@"; do
+  [[ $prev == --out ]] && out=$a
+  [[ $prev == --partial ]] && partial=$a
+  prev=$a
+done
+rec='{"op": "linear_cross_entropy", "n": 4096, "v": 128256, "d": 4096, "commit": "'$FLCE_COMMIT'",'
+rec+=' "run": "'$FLCE_RUN'", "ms": {"gemm3": 1.0, "flce": 1.1}, "complete": '
+((check)) && [[ -n $partial ]] && echo "$rec"'false}' >"$partial"
 for pat in ${FAKE_HANG:-}; do [[ $sig == *$pat* ]] && exec sleep 60; done
 for pat in ${FAKE_FAIL:-}; do [[ $sig == *$pat* ]] && { echo "fake failure: $pat"; exit 3; }; done
+if ((check)) && [[ -n $out ]]; then
+  echo "$rec"'true}' >>"$out" && rm -f "$partial"
+  printf '\nlinear_cross_entropy  N=4096 V=128256 D=4096  bfloat16  (dry run)\nflce 1.1\n(floor: the 3 GEMMs)\n'
+fi
 junit='<testsuite><testcase classname="t" name="a"/>'
 junit+='<testcase classname="t" name="b"><failure/></testcase>'
 junit+='<testcase classname="t" name="c"><skipped/></testcase></testsuite>'
-prev=
 for a in "$@"; do
   [[ $a == --junitxml=* ]] && printf '%s' "$junit" >"${a#--junitxml=}"
-  if [[ $1 == -m && $2 == flce.check && $prev == --out ]]; then
-    printf '{"op": "linear_cross_entropy", "n": 4096, "v": 128256, "d": 4096, "commit": "%s", "run": "%s", "ms": {"gemm3": 1.0, "flce": 1.1}}\n' \
-      "$FLCE_COMMIT" "$FLCE_RUN" >>"$a"
-    printf '\nlinear_cross_entropy  N=4096 V=128256 D=4096  bfloat16  (dry run)\nflce 1.1\n(floor: the 3 GEMMs)\n'
-  fi
-  prev=$a
 done
 case $1 in
   benchmarks/gpu_bench.py | benchmarks/gpu_tests_record.py) exec "$REAL_PYTHON" "$@" ;;
@@ -148,10 +156,11 @@ def test_headline_dry_run(tmp_path):
     bench = [r for r in records if r["op"] == "linear_cross_entropy"]
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert len(bench) == 1 and len(tests) == 1 and records[-1] is tests[0]
-    assert (bench[0]["n"], bench[0]["v"], bench[0]["d"]) == (4096, 128256, 4096)
+    assert (bench[0]["n"], bench[0]["v"], bench[0]["d"], bench[0]["complete"]) == \
+        (4096, 128256, 4096, True)
     # flce.check: correctness, then the records, each in its own process
     assert "-m flce.check --quick --only correctness" in calls
-    assert "-m flce.check --quick --only speed --out " in calls
+    assert "-m flce.check --quick --only speed --out " in calls and " --partial " in calls
     assert calls.index("--only correctness") < calls.index("--only speed")
     for r in records:
         assert (r["commit"], r["run"]) == ("abc1234", "test-headline")
@@ -176,10 +185,12 @@ def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
     assert status["fused_probe"][0] == 3
     assert status["check"][0] == 3  # a wrong path: the records are measured all the same
     assert status["bench"][0] in (124, 137) and "TIMEOUT" in status["bench"][1]
+    assert "unfinished record kept" in status["bench"][1]
     assert status["test_cuda"][0] in (124, 137)
     # the steps after each failure ran
     assert status["ptxas"][0] == status["record_tests"][0] == status["profile"][0] == 0
-    assert not [r for r in records if r["op"] == "linear_cross_entropy"]  # cut before its end
+    bench = [r for r in records if r["op"] == "linear_cross_entropy"]
+    assert len(bench) == 1 and bench[0]["complete"] is False
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert tests[0]["failed"] == 1 and "no report" in tests[0]["failures"][0]
     assert not (tmp_path / "out" / "gpu_records.partial").exists()
