@@ -56,6 +56,10 @@ GRAD_NORM_FACTOR = {F32: 64.0, BF16: 0.35, F16: 0.35}
 # logits (plus 1e-7), one fp32 subnormal spacing allowed per row; the target gradient relatively
 # within 1e-5 while it is a normal fp32 number (margins <= 80).
 FP32_SUBNORMAL = 2.0 ** -149
+# The CUDA backend's fused target distributions (FLCE_CUDA_DISTRIBUTIONS=1) with 16-bit
+# gradients: docs/api.md's "within 1.5x bf16's rounding floor", measured up to 1.50x on the host
+# emulation of its kernels (16 cases at two shapes), every element within 2 eps.
+SOFT_TILE_FLOORS, SOFT_TILE_FACTOR = 1.6, 2.0
 
 
 class Wrong(AssertionError):
@@ -90,11 +94,13 @@ def close(what, got, ref, dtype, factor):
         raise Wrong(f"{what}: an element {ratio:.3g} eps off (tolerance {factor:g} eps)")
 
 
-def grad_ok(what, got, ref, tile=None, tile_dtype=None):
+def grad_ok(what, got, ref, tile=None, tile_dtype=None, soft_tile=False):
     """A gradient at its dtype's floor (close element-wise, and norm-wise within
-    GRAD_NORM_FACTOR), or, where ``tile`` is given, as good as a gradient can be from a gradient
-    tile rounded once to ``tile_dtype`` (the CUDA backend's 16-bit GEMMs; the CPU backend's
-    rounded bf16 mode): element-wise at the tile ideal, norm-wise within 1.1x its error."""
+    GRAD_NORM_FACTOR), or as good as the backend's 16-bit gradient tile allows (the CUDA
+    backend's 16-bit GEMMs; the CPU backend's rounded bf16 mode): with ``tile`` (the ideal of a
+    tile rounded once to ``tile_dtype``) element-wise at it and norm-wise within 1.1x its error;
+    with ``soft_tile`` (the CUDA backend's fused target distributions) element-wise within
+    SOFT_TILE_FACTOR eps and norm-wise within SOFT_TILE_FLOORS times the floor."""
     dt = got.dtype
     try:
         close(what, got, ref, dt, GRAD_FACTOR[dt])
@@ -103,13 +109,20 @@ def grad_ok(what, got, ref, tile=None, tile_dtype=None):
             raise Wrong(f"{what}: norm-wise {err:.3g} eps (tolerance {GRAD_NORM_FACTOR[dt]} eps,"
                         f" the floor is {floor(ref, dt) / torch.finfo(dt).eps:.3g})")
     except Wrong:
-        if tile is None:
+        if tile is not None:
+            close(f"{what} (16-bit tile ideal)", got, tile, tile_dtype, GRAD_FACTOR[tile_dtype])
+            ideal, err = rel_err(tile.to(dt), ref), rel_err(got, ref)
+            if err > 1.1 * ideal + 1e-6:
+                raise Wrong(f"{what}: norm-wise {err:.3g}, 1.1x the 16-bit tile ideal's is "
+                            f"{1.1 * ideal:.3g}") from None
+        elif soft_tile:
+            close(what, got, ref, dt, SOFT_TILE_FACTOR)
+            ratio = rel_err(got, ref) / floor(ref, dt)
+            if ratio > SOFT_TILE_FLOORS:
+                raise Wrong(f"{what}: norm-wise {ratio:.3g}x the floor (tolerance "
+                            f"{SOFT_TILE_FLOORS}x)") from None
+        else:
             raise
-        close(f"{what} (16-bit tile ideal)", got, tile, tile_dtype, GRAD_FACTOR[tile_dtype])
-        ideal, err = rel_err(tile.to(dt), ref), rel_err(got, ref)
-        if err > 1.1 * ideal + 1e-6:
-            raise Wrong(f"{what}: norm-wise {err:.3g}, 1.1x the 16-bit tile ideal's is "
-                        f"{1.1 * ideal:.3g}") from None
 
 
 def tile_ideal(dz, t, x_dtype, fix_target):
@@ -225,10 +238,17 @@ def run_linear(dev, x, w, t, b=None, *, fn=None, grad=True, env_tile_fp32_dw=Fal
     total_ref.backward()
     dz = u.grad
     ref = {"input": dz @ w64, "weight": dz.T @ x64, "bias": dz.sum(0)}
+    # 16-bit gradients from a gradient tile rounded once (tests/helpers.py rounds_grad_tile):
+    # the CUDA backend's, and the CPU backend's bf16 in its rounded mode; the rest at the floor
+    cuda = _ops.is_cuda_backend(leaves[0])
+    rounded = x.dtype != F32 and (cuda or x.dtype == BF16 and torch.ops.flce.cpu_bf16_grad(
+        opts.get("exact_bf16_grad")) == "rounded")
     tile = None
-    if x.dtype != F32:
-        hi = tile_ideal(dz, tt if not soft else None, x.dtype, not soft)
+    if rounded and not soft:
+        hi = tile_ideal(dz, tt, x.dtype, True)
         tile = {"input": hi @ w64, "weight": hi.T @ x64, "bias": hi.sum(0)}
+        if env_tile_fp32_dw:  # (that dW comes from the tile alone, its target entries too)
+            tile["weight"] = tile_ideal(dz, tt, x.dtype, False).T @ x64
     for name, leaf in zip(("input", "weight", "bias"), leaves):
         if leaf is None:
             continue
@@ -238,7 +258,8 @@ def run_linear(dev, x, w, t, b=None, *, fn=None, grad=True, env_tile_fp32_dw=Fal
         # fp32 master weights' dW is held to fp32's floor unless the backend was told to take it
         # from the 16-bit tile alone (FLCE_CUDA_SPLIT_GRAD=0)
         use_tile = tile is not None and (leaf.dtype != F32 or env_tile_fp32_dw)
-        grad_ok(f"grad {name}", leaf.grad, ref[name], tile[name] if use_tile else None, x.dtype)
+        grad_ok(f"grad {name}", leaf.grad, ref[name], tile[name] if use_tile else None, x.dtype,
+                soft_tile=soft and cuda and leaf.dtype != F32)
 
 
 def check_accuracy(got, u, t, ignore_index, reduction):
@@ -337,7 +358,8 @@ def run_collapse(dev, dtype, margins, n, v, d, training):
         row = (gx - ref_gx).norm(dim=1) / ref_gx.norm(dim=1)
         fl = (ref_gx.to(dtype).double() - ref_gx).norm(dim=1) / ref_gx.norm(dim=1)
         ok = row <= 1e-5 + 1.1 * fl
-        if dtype != F32 and not ok.all():
+        if not ok.all() and dtype != F32 and (_ops.is_cuda_backend(xl) or dtype == BF16 and
+                                              torch.ops.flce.cpu_bf16_grad(None) == "rounded"):
             ideal_gx = (tile_ideal(dz, t, dtype, True) @ w64).to(dtype).double()
             ok = row <= 1e-5 + 1.1 * (ideal_gx - ref_gx).norm(dim=1) / ref_gx.norm(dim=1)
         if not ok.all():

@@ -1,12 +1,15 @@
 """`python -m flce.check`, the self-check a user runs after installing flce: on the CPU at its
 smallest shapes (the hidden --tiny), so that its code path runs in CI on every commit. One run as
-a user runs it (exit 0, every path named, the tables, the records), and one with a bug planted in
-flce (exit 1 and the wrong paths named, the right ones still passing)."""
+a user runs it (exit 0, every path named, the tables, the records), one with a bug planted in
+flce (exit 1 and the wrong paths named, the right ones still passing), and its correctness part
+on the host emulation of the CUDA backend (the paths and tolerances a GPU gets)."""
 import json
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 import flce
 
@@ -105,3 +108,20 @@ def test_check_names_a_wrong_path(tmp_path):
                  "option z_loss, single_pass=False", "cross_entropy fp32"):
         assert f"ok    {path}  (" in out, path
     assert "WRONG on this device: " in proc.stderr and "train single_pass=True fp32" in proc.stderr
+
+
+@pytest.mark.cuda_host
+def test_check_on_the_cuda_backend(capsys):
+    """The check's CUDA paths (the 16-bit gradient tiles' tolerances, the opt-ins, the row
+    chunks) on the CUDA backend's launch sequence and kernels, host-emulated (conftest.py routes
+    the ops): what the check will hold a GPU to, held to the same code here."""
+    from flce import check
+
+    failed = check.correctness("cpu", quick=True, tiny=True)
+    out = capsys.readouterr().out
+    assert failed == [], out[-4000:]
+    for path in ("train fp32, FLCE_CUDA_FP32_GRAD=fp64", "probability targets bf16 "
+                 "(FLCE_CUDA_DISTRIBUTIONS=1)", "train bf16, row chunks (small "
+                 "FLCE_CUDA_WORKSPACE_MB)"):
+        assert f"ok    {path}  (" in out, path
+    assert "exact_bf16_grad" not in out  # the CUDA backend has no exact mode
