@@ -110,14 +110,15 @@ def test_check_names_a_wrong_path(tmp_path):
     assert "WRONG on this device: " in proc.stderr and "train single_pass=True fp32" in proc.stderr
 
 
-@pytest.mark.cuda_host
-def test_check_on_the_cuda_backend(capsys):
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cuda-host",
+                                                 marks=pytest.mark.cuda_host)])
+def test_check_on_the_cuda_backend(device, capsys):
     """The check's CUDA paths (the 16-bit gradient tiles' tolerances, the opt-ins, the row
     chunks) on the CUDA backend's launch sequence and kernels, host-emulated (conftest.py routes
     the ops): what the check will hold a GPU to, held to the same code here."""
     from flce import check
 
-    failed = check.correctness("cpu", quick=True, tiny=True)
+    failed = check.correctness(device, quick=True, tiny=True)
     out = capsys.readouterr().out
     assert failed == [], out[-4000:]
     for path in ("train fp32, FLCE_CUDA_FP32_GRAD=fp64", "probability targets bf16 "
