@@ -957,7 +957,10 @@ def device_name(dev):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m flce.check", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m flce.check", description="Is flce right, and how fast, on this "
+        "machine's device? Every path against float64, then the training step against its 3 "
+        "GEMMs, eager and the installed peers (docs/build.md).")
     ap.add_argument("--device", choices=("cpu", "cuda"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true",
