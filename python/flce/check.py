@@ -19,8 +19,8 @@ Run it after installing or building flce (a wheel for your GPU: docs/build.md). 
    per configuration (benchmarks/results' format, flce.build_info() included) appended the
    moment it is measured.
 
-``--quick``: fewer margins and repeats, no second shape (about a minute on an H100, a few on a
-2-core CPU). No network; nothing is written but ``--out``.
+``--quick``: fewer margins and repeats, no second shape (sized for about a minute on an H100,
+a few on a 2-core CPU). No network; nothing is written but ``--out`` and ``--partial``.
 """
 import argparse
 import contextlib
