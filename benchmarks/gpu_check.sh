@@ -27,9 +27,9 @@
 #   FLCE_CUTLASS=0, and the summary says so), ptxas, fused_probe (the fused logits path's
 #   correctness on small shapes, its own process), check (`python -m flce.check --quick --only
 #   correctness`: every path against float64, the collapse), bench (`python -m flce.check
-#   --quick --only speed`, its own process: at [4096 x 4096 x 128256] bf16 the 3 cuBLAS GEMMs,
-#   the default path, eager, Liger, CCE, the forward without gradients against its logits GEMM,
-#   and flce.cross_entropy at [16384, 64128] against its bytes' time: one record per
+#   --quick --only speed`, its own process: flce.cross_entropy at [16384, 64128] bf16 against its
+#   bytes' time, then at [4096 x 4096 x 128256] the 3 cuBLAS GEMMs, the default path, eager, the
+#   forward without gradients against its logits GEMM, Liger and CCE last: one record per
 #   configuration), test_cuda (tests/cuda/test_cuda.py), record_tests (its gpu_tests record),
 #   profile (one profiled step and a memory snapshot).
 # rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
@@ -79,8 +79,8 @@ BUDGET_S=${BUDGET_S:-300}
 # Each phase's steps, in the order they run, NAME:LIMIT_S. The limits add up to at most the
 # budget: headline's include build_nocutlass, which runs only when the build fails; rest's
 # exclude its contingent build (REST_CONTINGENT: only where no build of the headline is found).
-HEADLINE_PLAN=(env:5 wheels:10 build:115 build_nocutlass:40 ptxas:5 fused_probe:10 check:25
-  bench:45 test_cuda:30 record_tests:5 profile:10)
+HEADLINE_PLAN=(env:5 wheels:10 build:115 build_nocutlass:40 ptxas:5 fused_probe:10 check:30
+  bench:40 test_cuda:30 record_tests:5 profile:10)
 REST_PLAN=(env:5 wheels:10 build_reuse:10 fused_check:20 test_fused:25 bench_large:40
   bench_ce:25 fp64_cost:15 test_suite:40 record_tests:5 no_sync:10 target_modes:15
   memcheck:25 racecheck:20 ncu_rows:15 nvtx:20)

@@ -48,7 +48,7 @@ def test_check_quick_on_cpu(tmp_path):
     assert "liger" in out and "measured on CUDA only" in out
     lines = out_path.read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0]) == {"op": "an older record"}
-    lce, ce = (json.loads(line) for line in lines[1:])
+    ce, lce = (json.loads(line) for line in lines[1:])
     assert lce["complete"] and ce["complete"] and not partial.exists()
     for rec in (lce, ce):
         assert rec["date"] and rec["device"] and rec["torch"] and rec["threads"] >= 1
