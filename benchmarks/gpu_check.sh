@@ -22,12 +22,13 @@
 #     -d .whl liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 # (quack's CuTe DSL wheel, 92 MB, is over what a call can carry.)
 #
-# headline: env, wheels, build for 9.0a, ptxas,
-#   bench at [4096 x 4096 x 128256] bf16 (the 3 cuBLAS GEMMs, the default path, the recompute
-#   path, eager, Liger, CCE, torch.compile last; benchmarks/gpu_bench.py, with
-#   loss / dE / dW agreement with eager and with float64 on a slice), test_cuda
-#   (tests/cuda/test_cuda.py), record_tests (its gpu_tests record), profile (one profiled step and a
-#   memory snapshot).
+# headline: env, wheels, build for 9.0a, ptxas, check (`python -m flce.check --quick --only
+#   correctness`: every path against float64, the collapse), bench (`python -m flce.check
+#   --quick --only speed`, its own process: flce.cross_entropy at [16384, 64128] bf16 against its
+#   bytes' time, then at [4096 x 4096 x 128256] the 3 cuBLAS GEMMs, the default path, eager, the
+#   forward without gradients against its logits GEMM, Liger and CCE last: one record per
+#   configuration), test_cuda (tests/cuda/test_cuda.py), record_tests (its gpu_tests record),
+#   profile (one profiled step and a memory snapshot).
 # rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
 #   .gpu_build/; without one it builds first, and the steps at the end are cut by the budget),
 #   bench_large (N = 16384 and V = 256000), bench_ce (cross-entropy on given logits, inputs made
@@ -75,7 +76,8 @@ BUDGET_S=${BUDGET_S:-300}
 # Each phase's steps, in the order they run, NAME:LIMIT_S. The limits add up to at most the
 # budget; rest's exclude its contingent build (REST_CONTINGENT: only where no build of the
 # headline is found).
-HEADLINE_PLAN=(env:5 wheels:10 build:115 ptxas:5 bench:70 test_cuda:30 record_tests:5 profile:10)
+HEADLINE_PLAN=(env:5 wheels:10 build:115 ptxas:5 check:30 bench:40 test_cuda:30 record_tests:5
+  profile:10)
 REST_PLAN=(env:5 wheels:10 build_reuse:10 bench_large:40 bench_ce:25 fp64_cost:15 test_suite:40
   record_tests:5 no_sync:10 target_modes:15 memcheck:25 racecheck:20 ncu_rows:15 nvtx:20)
 REST_CONTINGENT=(build:115)
@@ -240,9 +242,11 @@ if [[ $PHASE == headline ]]; then
     finish
   fi
   step ptxas "$PY" scripts/check_ptxas.py "$BUILD_LOG"
-  step bench "$PY" benchmarks/gpu_bench.py --shapes 4096,128256,4096 \
-    --methods gemm3,flce,flce_recompute,fwd_flce,fwd_eager,eager,liger,cce,compiled \
-    --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
+  # flce.check: correctness and the records, each in its own process (a fault in a path that
+  # never ran on a GPU must not cost the records); its tables into table.txt.
+  step check "$PY" -m flce.check --quick --only correctness
+  step bench "$PY" -m flce.check --quick --only speed --out "$RECORDS" --partial "$PARTIAL"
+  sed -n '/^\(linear_\)\{0,1\}cross_entropy  N=/,/^(floor/p' "$LOGS/bench.log" >>"$OUT/table.txt"
   step test_cuda "$PY" -m pytest -q -rfEs -p no:cacheprovider -k "not cuda-host" \
     --junitxml="$LOGS/junit_cuda.xml" tests/cuda/test_cuda.py tests/tools/test_check_ptxas.py \
     tests/tools/test_build_info.py::test_extension_uses_the_process_libstdcxx

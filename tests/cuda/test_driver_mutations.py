@@ -31,6 +31,12 @@ MUTATIONS = [
      "  const at::Tensor tg = job_.target.narrow(0, g0, gn);\n",
      "  const at::Tensor tg = job_.target.narrow(0, 0, gn);\n",
      ["cuda/test_cuda.py::test_recompute_chunked", "cuda/test_cuda.py::test_single_pass_chunked"]),
+    # The same bug, caught by the self-check a user runs (python -m flce.check): it names the
+    # row-chunk paths (issue 50).
+    ("target_fix_with_first_groups_targets_named_by_flce_check", "accumulate.cpp",
+     "  const at::Tensor tg = job_.target.narrow(0, g0, gn);\n",
+     "  const at::Tensor tg = job_.target.narrow(0, 0, gn);\n",
+     ["tools/test_check.py::test_check_on_the_cuda_backend"]),
     # fp32 dW over several groups: each group's pieces written over the sum instead of added.
     ("dW_groups_overwritten", "accumulate.cpp",
      "      if (g0 == 0) {\n", "      if (g0 >= 0) {\n",

@@ -30,15 +30,31 @@ import gpu_tests_record  # noqa: E402
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and coreutils' timeout")
 
-# The stand-in interpreter: logs its arguments, hangs or
-# fails where FAKE_HANG / FAKE_FAIL match, writes a JUnit report where pytest would, and hands
-# the record writers to the real interpreter.
+# The stand-in interpreter: logs its arguments, hangs or fails where FAKE_HANG / FAKE_FAIL match,
+# writes a JUnit report where pytest would, a stand-in record where `python -m flce.check
+# --partial P --out R` would (the partial one first, as the check writes it after its first
+# measurement; tests/tools/test_check.py runs the check itself), and hands the record writers
+# to the real interpreter.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 set -f
 sig="$*"
 echo "$sig" >>"$FAKE_LOG"
+check=0 out= partial= prev=
+[[ ${1:-} == -m && ${2:-} == flce.check ]] && check=1
+for a in "$@"; do
+  [[ $prev == --out ]] && out=$a
+  [[ $prev == --partial ]] && partial=$a
+  prev=$a
+done
+rec='{"op": "linear_cross_entropy", "n": 4096, "v": 128256, "d": 4096, "commit": "'$FLCE_COMMIT'",'
+rec+=' "run": "'$FLCE_RUN'", "ms": {"gemm3": 1.0, "flce": 1.1}, "complete": '
+((check)) && [[ -n $partial ]] && echo "$rec"'false}' >"$partial"
 for pat in ${FAKE_HANG:-}; do [[ $sig == *$pat* ]] && exec sleep 60; done
 for pat in ${FAKE_FAIL:-}; do [[ $sig == *$pat* ]] && { echo "fake failure: $pat"; exit 3; }; done
+if ((check)) && [[ -n $out ]]; then
+  echo "$rec"'true}' >>"$out" && rm -f "$partial"
+  printf '\nlinear_cross_entropy  N=4096 V=128256 D=4096  bfloat16  (dry run)\nflce 1.1\n(floor: the 3 GEMMs)\n'
+fi
 junit='<testsuite><testcase classname="t" name="a"/>'
 junit+='<testcase classname="t" name="b"><failure/></testcase>'
 junit+='<testcase classname="t" name="c"><skipped/></testcase></testsuite>'
@@ -73,7 +89,7 @@ def test_plan_fits_the_budget(phase):
     assert rc == 0
     assert total == sum(steps.values()) <= budget <= 300
     if phase == "headline":
-        assert {"build", "bench", "test_cuda", "record_tests"} <= set(steps)
+        assert {"build", "check", "bench", "test_cuda", "record_tests"} <= set(steps)
     else:
         assert set(contingent) == {"build"}
 
@@ -138,27 +154,29 @@ def test_headline_dry_run(tmp_path):
     bench = [r for r in records if r["op"] == "linear_cross_entropy"]
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert len(bench) == 1 and len(tests) == 1 and records[-1] is tests[0]
-    rec = bench[0]
-    assert (rec["n"], rec["v"], rec["d"], rec["complete"]) == (4096, 128256, 4096, True)
-    assert list(rec["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "flce_recompute", "fwd_flce",
-                               "fwd_eager", "eager", "liger", "cce",
-                               "compiled"]  # torch.compile last
-    assert set(rec["agree"]) == {"flce", "flce_recompute"}
+    assert (bench[0]["n"], bench[0]["v"], bench[0]["d"], bench[0]["complete"]) == \
+        (4096, 128256, 4096, True)
+    # flce.check: correctness, then the records, each in its own process
+    assert "-m flce.check --quick --only correctness" in calls
+    assert "-m flce.check --quick --only speed --out " in calls and " --partial " in calls
+    assert calls.index("--only correctness") < calls.index("--only speed")
     for r in records:
         assert (r["commit"], r["run"]) == ("abc1234", "test-headline")
     assert (tests[0]["passed"], tests[0]["failed"], tests[0]["skipped"]) == (1, 1, 1)
     assert "setup.py build_ext --inplace" in calls
-    assert "4096x128256x4096 bf16" in (tmp_path / "out" / "table.txt").read_text()
+    table = (tmp_path / "out" / "table.txt").read_text()
+    assert "linear_cross_entropy  N=4096 V=128256 D=4096" in table and "(floor: " in table
 
 
 def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
     proc, summary, records, calls = _run(
         tmp_path, "headline", GPU_CHECK_MAX_LIMIT="1",
-        FAKE_FAIL="check_ptxas.py", FAKE_HANG="tests/cuda/test_cuda.py",
-        FLCE_GPU_DRY_HANG="4096x128256x4096:eager", FLCE_GPU_DRY_SKIP="flce_recompute")
+        FAKE_FAIL="check_ptxas.py --only*correctness",
+        FAKE_HANG="tests/cuda/test_cuda.py --only*speed")
     assert proc.returncode == 1
     status = _status(summary)
     assert status["ptxas"][0] == 3 and "FAILED" in status["ptxas"][1]
+    assert status["check"][0] == 3  # a wrong path: the records are measured all the same
     assert status["bench"][0] in (124, 137) and "TIMEOUT" in status["bench"][1]
     assert "unfinished record kept" in status["bench"][1]
     assert status["test_cuda"][0] in (124, 137)
@@ -166,8 +184,6 @@ def test_headline_failures_and_timeouts_do_not_stop_it(tmp_path):
     assert status["build"][0] == status["record_tests"][0] == status["profile"][0] == 0
     bench = [r for r in records if r["op"] == "linear_cross_entropy"]
     assert len(bench) == 1 and bench[0]["complete"] is False
-    assert list(bench[0]["ms"]) == ["gemm3", "gemm4", "gemm1", "flce", "fwd_flce", "fwd_eager"]
-    assert "flce_recompute" in bench[0]["skipped"]
     tests = [r for r in records if r["op"] == "gpu_tests"]
     assert tests[0]["failed"] == 1 and "no report" in tests[0]["failures"][0]
     assert not (tmp_path / "out" / "gpu_records.partial").exists()
