@@ -562,7 +562,7 @@ bool bf16_gemm_amx() {
 
 Bf16Grad bf16_grad(std::optional<bool> exact) {
   if (exact.has_value() && !*exact) return Bf16Grad::rounded;
-  if (!exact.has_value()) return bf16_gemm_amx() ? Bf16Grad::rounded : Bf16Grad::widened;
+  if (!exact.has_value()) return bf16_gemm_native() ? Bf16Grad::rounded : Bf16Grad::widened;
   const auto env = c10::utils::get_env("FLCE_CPU_BF16_EXACT");
   if (env && !env->empty()) {
     TORCH_CHECK_VALUE(*env == "split" || *env == "widened",
