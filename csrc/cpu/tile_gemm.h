@@ -119,6 +119,14 @@ struct KahanOut {
   bool fresh = false;
 };
 
+// op(a) @ op(b) in fp32 [m, n] on this engine, for benchmarks' floors (benchmarks/_peers.py
+// gemm3-flce; op flce::cpu_tile_gemm): a and b contiguous, both fp32, bf16 or fp16, a stored
+// [m, k] ([k, m] when trans_a), b [k, n] ([n, k] when trans_b). Workers split the columns of
+// the product and prepare only their slice of b, or, where op(a) must be copied (transposed),
+// split its rows, so that nothing is packed or copied twice; rows are multiplied 256 at a time
+// (the tiles' height), as the ops multiply their tiles.
+at::Tensor gemm_benchmark(const at::Tensor& a, const at::Tensor& b, bool trans_a, bool trans_b);
+
 // (sum, comp) [m, n] += scale * sum_i op(A_i) [m, k] @ op(B) [k, n], one compensated add per
 // element: a[0..num_a) is one operand, or the two bf16 halves (hi, lo) of a split fp32 tile. On
 // the onednn path each [MB, NB] block's product is added while it is in L1, with no [m, n]

@@ -178,3 +178,27 @@ def test_bf16_below_each_cap_follows_the_rule_and_passes_the_bf16_tests(cap):
                        env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
+
+
+@pytest.mark.parametrize("trans", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_benchmark_gemm_op(dtype, trans):
+    """flce::cpu_tile_gemm, the tile-GEMM engine as benchmarks/_peers.py times it for the floor:
+    op(a) @ op(b) in fp32 on odd shapes (an odd k pads bf16 pairs; rows and columns cut across
+    workers and 64-wide blocks), within fp32 accumulation's error of the float64 product, and
+    a clear error for operands that do not fit."""
+    ta, tb = trans
+    m, n, k = 300, 203, 131
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn((k, m) if ta else (m, k), generator=g).to(dtype)
+    b = torch.randn((n, k) if tb else (k, n), generator=g).to(dtype)
+    c = torch.ops.flce.cpu_tile_gemm(a, b, trans_a=ta, trans_b=tb)
+    ref = (a.double().T if ta else a.double()) @ (b.double().T if tb else b.double())
+    assert c.dtype == torch.float32 and c.shape == (m, n)
+    # 16-bit products are exact in fp32: only the sum rounds, ~sqrt(k) eps_fp32 relative
+    assert ((c.double() - ref).norm() / ref.norm()).item() < 2e-6
+    with pytest.raises(ValueError, match=r"op\(a\) is \[300, 131\] but op\(b\) is"):
+        torch.ops.flce.cpu_tile_gemm(a, (b[:, :-1] if tb else b[:-1]).contiguous(), trans_a=ta,
+                                     trans_b=tb)
