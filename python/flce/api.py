@@ -99,9 +99,9 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             CUDA, the gradient tile is rounded once to bf16 and multiplied in bf16 with fp32
             accumulation (``input.grad`` and ``weight.grad`` within 1.5x bf16's rounding floor,
             norm-wise); on CPUs that widen bf16 GEMMs to fp32, exactly (at the floor, no slower
-            there). ``False``: rounded once on every backend. ``True``: exact, on the CPU backend only (AMX: the tile split into two
-            bf16 halves, 4 GEMMs where rounding takes 2; elsewhere fp32 GEMMs); the CUDA
-            backend, which has no exact mode, raises.
+            there). ``False``: rounded once on every backend. ``True``: exact, on the CPU
+            backend only (AMX: the tile split into two bf16 halves, 4 GEMMs where rounding
+            takes 2; elsewhere fp32 GEMMs); the CUDA backend, which has no exact mode, raises.
 
     Returns:
         The loss in float32 (float64 for float64 inputs), then the lse when ``return_lse``,
