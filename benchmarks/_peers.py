@@ -117,13 +117,10 @@ def _gemm_operand(n, v, dtype, _cache={}):
     return _cache[key]
 
 
-def available(name, device=None):
-    """None when ``name`` can run here (on ``device``), else the reason it cannot."""
-    if name in ("eager", "compile", "gemm3") or name in FLCE_PATHS:
-        return None
-    if name == "gemm3-flce":
-        if device is not None and device != "cpu":
-            return "flce's tile-GEMM engine is the CPU backend's"
+def available(name):
+    """None when ``name`` can run here, else the reason it cannot (benchmarks/bench.py adds
+    the device's reasons)."""
+    if name in ("eager", "compile", "gemm3", "gemm3-flce") or name in FLCE_PATHS:
         return None
     if name == "chunked":
         if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn,
