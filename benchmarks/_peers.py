@@ -31,7 +31,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LIGER_CPU_MAX_MACS = 2 ** 26
 
 IMPLS = ("flce", "eager", "compile", "chunked", "liger", "cce", "flce-single", "flce-recompute",
-         "flce-exact", "gemm3", "flce-soft", "eager-soft")
+         "flce-exact", "gemm3", "gemm3-flce", "flce-soft", "eager-soft")
+# The floors: the step's 3 GEMMs on torch.mm and on flce's own CPU tile-GEMM engine; a run's
+# floor is the faster of those it timed (benchmarks/bench.py), so that "x floor" >= 1 for any
+# implementation that computes the 3 GEMMs with either engine.
+FLOORS = ("gemm3", "gemm3-flce")
 # flce's two training paths forced (single_pass=True / False), and its exact bf16 gradients
 # (exact_bf16_grad=True: the CPU backend's split gradient tile on AMX), beside its defaults.
 FLCE_PATHS = {"flce": {}, "flce-single": {"single_pass": True},
@@ -46,7 +50,9 @@ DESCRIPTIONS = {
     "chunked": "torch F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
     "liger": "Liger-Kernel liger_fused_linear_cross_entropy",
     "cce": "Apple cut_cross_entropy.linear_cross_entropy",
-    "gemm3": "the step's 3 GEMMs alone (torch.mm: logits, dE, dW): the floor",
+    "gemm3": "the step's 3 GEMMs alone (torch.mm: logits, dE, dW): a floor",
+    "gemm3-flce": "the step's 3 GEMMs alone on flce's CPU tile-GEMM engine (fp32 products): "
+                  "a floor",
     "flce-soft": "flce.linear_cross_entropy with probability targets (soft_targets)",
     "eager-soft": "F.linear + .float() + F.cross_entropy with probability targets (eager)",
 }
@@ -82,9 +88,39 @@ class _Gemm3(torch.autograd.Function):
         return z @ w, z.T @ x
 
 
+class _Gemm3Flce(torch.autograd.Function):
+    """The same 3 GEMMs on flce's CPU tile-GEMM engine (torch.ops.flce.cpu_tile_gemm: oneDNN's
+    micro-kernels or the BLAS, whichever flce's CPU ops use here, fp32 products). A 16-bit
+    step's backward multiplies ``g``, the logits' shape in the inputs' dtype, made once outside
+    the timed steps (the engine's products are fp32; torch.mm's come out in the inputs' dtype),
+    so that no conversion is timed; fp32 multiplies the logits themselves."""
+
+    @staticmethod
+    def forward(ctx, x, w, g):
+        z = torch.ops.flce.cpu_tile_gemm(x, w, trans_b=True)
+        ctx.save_for_backward(x, w, z if x.dtype == torch.float32 else g)
+        return z.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        x, w, g = ctx.saved_tensors
+        return (torch.ops.flce.cpu_tile_gemm(g, w),
+                torch.ops.flce.cpu_tile_gemm(g, x, trans_a=True), None)
+
+
+def _gemm_operand(n, v, dtype, _cache={}):
+    """An [n, v] operand in ``dtype`` for _Gemm3Flce's backward, made once per shape."""
+    key = (n, v, dtype)
+    if key not in _cache:
+        _cache.clear()
+        _cache[key] = torch.randn(n, v).to(dtype)
+    return _cache[key]
+
+
 def available(name):
-    """None when ``name`` can run here, else the reason it cannot."""
-    if name in ("eager", "compile", "gemm3") or name in FLCE_PATHS:
+    """None when ``name`` can run here, else the reason it cannot (benchmarks/bench.py adds
+    the device's reasons)."""
+    if name in ("eager", "compile", "gemm3", "gemm3-flce") or name in FLCE_PATHS:
         return None
     if name == "chunked":
         if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn,
@@ -215,6 +251,14 @@ def make_impl(name, device):
     if name == "gemm3":
         def f(x, w, t, bias=None):
             return _Gemm3.apply(x, w.to(x.dtype))
+        return f
+    if name == "gemm3-flce":
+        import flce  # noqa: F401  (registers torch.ops.flce.*)
+
+        def f(x, w, t, bias=None):
+            g = None if x.dtype == torch.float32 else _gemm_operand(x.shape[0], w.shape[0],
+                                                                     x.dtype)
+            return _Gemm3Flce.apply(x, w.to(x.dtype), g)
         return f
     raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
 
@@ -383,7 +427,7 @@ def measure(spec):
         step()
     out["peak_mem_bytes"] = mem.peak
     out["peak_total_bytes"] = mem.total
-    if spec.get("accuracy", True) and name != "gemm3":
+    if spec.get("accuracy", True) and name not in FLOORS:
         rel, mean_margin, _, _ = large_margin_error(
             f, spec["acc_V"], spec["acc_D"], dtype, device, spec["margin"])
         out["loss_rel_err"] = rel

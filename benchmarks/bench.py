@@ -54,7 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                    help=f"comma-separated peers of flce from {_peers.IMPLS[1:]}; 'cce' and "
                         "'liger' are skipped when not installed; 'gemm3' is the floor, the "
-                        "step's 3 GEMMs alone (default: %(default)s)")
+                        "step's 3 GEMMs alone, on the CPU timed on torch.mm and on flce's tile "
+                        "GEMMs ('gemm3-flce'), the faster kept (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="also time torch.compile of the eager code")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
@@ -109,6 +110,8 @@ def parse_args(argv=None):
         p.error(f"--peers: unknown {unknown}; choose from {_peers.IMPLS[1:]}")
     if args.compile and "compile" not in peers:
         peers.insert(peers.index("eager") + 1 if "eager" in peers else 0, "compile")
+    if args.device == "cpu" and "gemm3" in peers and "gemm3-flce" not in peers:
+        peers.insert(peers.index("gemm3") + 1, "gemm3-flce")
     args.impls = ["flce"] + [s for s in peers if s != "flce"]
     return args
 
@@ -132,6 +135,8 @@ def skip_reason(name, args):
     reason = _peers.available(name)
     if reason is not None:
         return reason
+    if name == "gemm3-flce" and args.device != "cpu":
+        return "flce's tile-GEMM engine is the CPU backend's"
     if name == "liger" and args.device == "cpu":
         macs = args.N * args.V * args.D
         if macs > _peers.LIGER_CPU_MAX_MACS:
@@ -221,11 +226,18 @@ def _fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
+def floor_row(rows):
+    """The floor of a run: the fastest of the floors it timed (_peers.FLOORS: the step's 3 GEMMs
+    on torch.mm, and on flce's own tile-GEMM engine), or None."""
+    ok = [r for r in rows if r["impl"] in _peers.FLOORS and r["status"] == "ok"]
+    return min(ok, key=lambda r: r["time_median_s"]) if ok else None
+
+
 def format_table(rows, args):
     wid = max([8] + [len(r["impl"]) for r in rows])  # the impl column
-    floor = next((r["time_median_s"] for r in rows if r["impl"] == "gemm3"
-                  and r["status"] == "ok"), None)
-    head = (f"{'impl':{wid}s} {'time (s)':>9s} {'x flce':>7s} {'x gemm3':>7s} {'first (s)':>9s} "
+    fr = floor_row(rows)
+    floor = fr and fr["time_median_s"]
+    head = (f"{'impl':{wid}s} {'time (s)':>9s} {'x flce':>7s} {'x floor':>7s} {'first (s)':>9s} "
             f"{'/time':>6s} "
             f"{'peak MB':>8s} {'x flce':>7s} {'loss':>9s} "
             f"{'rel.err @ m=' + format(args.margin, 'g'):>14s}")
@@ -255,8 +267,9 @@ def format_table(rows, args):
                      f"{r['first_vs_median']:6.2f} {r['peak_mem_mb']:8.0f} "
                      f"{_fmt(r.get('mem_vs_flce'), '7.2f')} {r['loss']:9.5f} "
                      f"{_fmt(r.get('loss_rel_err'), '14.2e')}")
-    lines.append("x gemm3: time over the step's 3 GEMMs alone (torch.mm of the same shapes and "
-                 "dtype: the floor).")
+    lines.append("x floor: time over the step's 3 GEMMs alone (the same shapes and dtype), the "
+                 "faster of torch.mm (gemm3) and flce's tile GEMMs (gemm3-flce)"
+                 + (f": here {fr['impl']}." if fr else "."))
     lines.append("x flce: ratio to flce (> 1: flce is faster / smaller). first: the process's "
                  "first fwd+bwd, /time: its ratio to the median. peak MB: growth of peak memory "
                  "during one fwd+bwd above the inputs, gradients included.")
@@ -278,8 +291,10 @@ def record(rows, args, argv=None):
     """The configuration's ``op: "linear_cross_entropy"`` record: median forward + backward time
     (``ms``) and peak memory growth (``peak_gib``, gradients included; not for the floor
     ``gemm3``) per implementation that ran, the loss's relative error at the side batch's margin,
-    and how it was measured."""
+    the floor (``floor``: the faster of the floors that ran, whose ratio docs/benchmarks.md
+    reports) and how it was measured."""
     ok = [r for r in rows if r["status"] == "ok"]
+    fr = floor_row(rows)
     rec = _records.base(args.device, "linear_cross_entropy")
     rec.update(dtype=_records.DTYPE_NAMES[args.dtype], n=args.N, v=args.V, d=args.D,
                repeats=args.repeats, rounds=args.rounds, load=args.load, isa=args.isa,
@@ -289,7 +304,8 @@ def record(rows, args, argv=None):
                ms_range={r["impl"]: [round(r["time_min_s"] * 1e3, 3),
                                      round(r["time_max_s"] * 1e3, 3)] for r in ok},
                peak_gib={r["impl"]: round(r["peak_mem_mb"] / 1024, 5) for r in ok
-                         if r["impl"] != "gemm3"},
+                         if r["impl"] not in _peers.FLOORS},
+               floor=fr and fr["impl"],
                loss_rel_err_m40={r["impl"]: r["loss_rel_err"] for r in ok
                                  if r.get("loss_rel_err") is not None},
                source="benchmarks/run.py linear" + (f" {' '.join(argv)}" if argv else ""))

@@ -167,7 +167,7 @@ def plot_speed_memory(records, path):
         for k, impl in enumerate(bars):
             xs = [g + (k - (len(bars) - 1) / 2) * width for g in range(len(recs))]
             for x, r in zip(xs, recs):
-                floor = r["ms"].get("gemm3")
+                floor = r["ms"].get(r.get("floor") or "gemm3")  # bench.py: the faster engine
                 t = r["ms"].get(impl)
                 if t is not None and floor:
                     ax_t.bar(x, t / floor, width, color=COLORS[impl])

@@ -87,6 +87,10 @@ TORCH_LIBRARY(flce, m) {
   m.def("cpu_bf16_grad(bool? exact_bf16_grad=None) -> str", [](std::optional<bool> exact) {
     return std::string(cpu::bf16_grad_name(cpu::bf16_grad(exact)));
   });
+  // op(a) @ op(b) in fp32 on the CPU backend's tile GEMM engine (cpu::gemm_benchmark): the
+  // benchmarks' floor (benchmarks/_peers.py, gemm3-flce), not part of the API.
+  m.def("cpu_tile_gemm(Tensor a, Tensor b, bool trans_a=False, bool trans_b=False) -> Tensor",
+        &cpu::gemm_benchmark);
   // The sizes of the CPU single pass's logits (cpu/single_pass.h), for Python's model of the
   // pass's memory (flce/_common.py, cpu_single_pass_bytes): [rows per block, logits bytes for
   // fp32 inputs, for 16-bit inputs, columns per tile, tile row padding in floats].

@@ -424,15 +424,16 @@ class GradPass {
       if (has_t) row[tl] = 0.f;
       if (bf16_tiles_ > 0) tw.row_max[r] = cpu::row_absmax(row, bv);
     }
-    // bf16 inputs (cpu::bf16_grad): where bf16 GEMMs run on AMX (cpu::bf16_gemm_amx, ~6x an
-    // fp32 GEMM) the fp32 gradient tile G is by default rounded once to bf16 (hi), the CUDA
-    // backend's contract; asked for exact gradients there, it is split G = hi + lo into two
-    // bf16 tiles, so that the tile products run on them at ~16 mantissa bits, far below bf16's
-    // rounding. Elsewhere two bf16 GEMMs cost at least one fp32 GEMM (AVX512-BF16 alone: on the
-    // Xeon of docs/benchmarks.md with AMX held off, MKL's bf16 tile GEMMs ran at 100 GFLOP/s per
-    // core against 170 in fp32, and the bf16 single pass took 4.06 s split, 2.14 s widened), and
-    // where bf16 is widened, twice one: G multiplies fp32 copies of the tile's weight and input
-    // rows (widen_), as fp16 inputs always do (fp16 tiles would underflow small gradients).
+    // bf16 inputs (cpu::bf16_grad): where bf16 GEMMs run natively (cpu::bf16_gemm_native:
+    // AMX, AVX512-BF16) the fp32 gradient tile G is by default rounded once to bf16 (hi), the
+    // CUDA backend's contract. Asked for exact gradients on AMX (~6x an fp32 GEMM) it is split
+    // G = hi + lo into two bf16 tiles, so that the tile products run on them at ~16 mantissa
+    // bits, far below bf16's rounding. Elsewhere two bf16 GEMMs cost at least one fp32 GEMM
+    // (AVX512-BF16 alone: on the Xeon of docs/benchmarks.md with AMX held off, MKL's bf16 tile
+    // GEMMs ran at 100 GFLOP/s per core against 170 in fp32, and the bf16 single pass took
+    // 4.06 s split, 2.14 s widened), and where bf16 is widened, twice one: the exact tile G
+    // multiplies fp32 copies of the tile's weight and input rows (widen_), as fp16 inputs
+    // always do (fp16 tiles would underflow small gradients).
     // The target column is left out of the bf16 tiles either way and added in fp32 below.
     //
     // bf16 GEMMs (AMX) flush subnormal operands to zero, and far from the decision boundary

@@ -1,6 +1,7 @@
 #include "cpu/tile_gemm.h"
 
 #include "cpu/epilogue.h"
+#include "cpu/workers.h"
 
 #include <ATen/Context.h>
 #include <ATen/native/CPUBlas.h>
@@ -562,7 +563,7 @@ bool bf16_gemm_amx() {
 
 Bf16Grad bf16_grad(std::optional<bool> exact) {
   if (exact.has_value() && !*exact) return Bf16Grad::rounded;
-  if (!exact.has_value()) return bf16_gemm_amx() ? Bf16Grad::rounded : Bf16Grad::widened;
+  if (!exact.has_value()) return bf16_gemm_native() ? Bf16Grad::rounded : Bf16Grad::widened;
   const auto env = c10::utils::get_env("FLCE_CPU_BF16_EXACT");
   if (env && !env->empty()) {
     TORCH_CHECK_VALUE(*env == "split" || *env == "widened",
@@ -698,6 +699,47 @@ void gemm_accumulate(at::ScalarType dtype, int64_t m, int64_t n, int64_t k,
   } else {
     accumulate_blas(dtype, m, n, k, a, num_a, RhsAccess::src(b), out, scratch);
   }
+}
+
+at::Tensor gemm_benchmark(const at::Tensor& a, const at::Tensor& b, bool trans_a,
+                          bool trans_b) {
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.is_contiguous() && b.is_contiguous(),
+                    "flce: cpu_tile_gemm takes contiguous 2-D a and b");
+  TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu(), "flce: cpu_tile_gemm is CPU-only");
+  const auto dtype = a.scalar_type();
+  TORCH_CHECK_VALUE(dtype == b.scalar_type() &&
+                        (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+                    "flce: cpu_tile_gemm takes a and b of one dtype: float32, bfloat16 or float16");
+  const int64_t m = a.size(trans_a ? 1 : 0), k = a.size(trans_a ? 0 : 1);
+  const int64_t n = b.size(trans_b ? 0 : 1);
+  TORCH_CHECK_VALUE(b.size(trans_b ? 1 : 0) == k, "flce: cpu_tile_gemm: op(a) is [", m, ", ", k,
+                    "] but op(b) is [", b.size(trans_b ? 1 : 0), ", ", n, "]");
+  at::Tensor c = at::empty({m, n}, a.options().dtype(at::kFloat));
+  constexpr int64_t kRows = 256;
+  const int64_t es = a.element_size();
+  const char* ap = static_cast<const char*>(a.data_ptr());
+  const char* bp = static_cast<const char*>(b.data_ptr());
+  float* cp = c.data_ptr<float>();
+  const bool split_rows = trans_a;
+  const int64_t workers = num_workers(split_rows ? (m + MB - 1) / MB : (n + NB - 1) / NB);
+  run_workers(workers, [&](int64_t w) {
+    const Span rows = split_rows ? split(m, workers, w, MB) : Span{0, m};
+    const Span cols = split_rows ? Span{0, n} : split(n, workers, w, NB);
+    if (rows.size() == 0 || cols.size() == 0) return;
+    Rhs rhs;
+    LhsScratch scratch;
+    rhs.prepare(dtype,
+                GemmOperand{bp + (trans_b ? cols.begin * k : cols.begin) * es, trans_b ? k : n,
+                            trans_b},
+                k, cols.size());
+    for (int64_t r0 = rows.begin; r0 < rows.end; r0 += kRows) {
+      const int64_t rr = std::min(kRows, rows.end - r0);
+      const GemmOperand lhs{ap + (trans_a ? r0 : r0 * k) * es, trans_a ? m : k, trans_a};
+      gemm_f32out(dtype, rr, cols.size(), k, lhs, rhs, false, cp + r0 * n + cols.begin, n,
+                  scratch);
+    }
+  });
+  return c;
 }
 
 }  // namespace flce::cpu

@@ -44,9 +44,8 @@ GemmPath gemm_path(at::ScalarType dtype);
 // Whether bf16 x bf16 -> fp32 tile GEMMs run natively here: on the onednn path (its bf16 kernels
 // need AVX512-BF16 or AMX), and on the blas path where MKL has them (Intel CPUs with
 // AVX512-BF16 / AMX). Elsewhere a bf16 GEMM widens to fp32 and costs an fp32 one. Reported
-// (flce.build_info()["cpu_bf16_native"]); the backward's bf16 gradient tiles follow
-// bf16_gemm_amx() (bf16_grad), as AVX512-BF16 alone does at most twice an FMA's work per
-// instruction.
+// (flce.build_info()["cpu_bf16_native"]); it decides the default of the backward's bf16
+// gradient tiles (bf16_grad).
 bool bf16_gemm_native();
 
 // Whether the tile GEMMs multiply bf16 on AMX here: a CPU with AMX-BF16, and neither MKL nor
@@ -63,12 +62,14 @@ bool bf16_gemm_amx();
 //            (an fp32 dW of master weights takes hi + lo, as CUDA's: flce_cpu.cpp GradPass);
 //   split    G = hi + lo, two bf16 tiles (~16 mantissa bits), 4 bf16 GEMMs: at the floor;
 //   widened  fp32 GEMMs on fp32 copies of the bf16 operands: at the floor, at fp32's cost.
-// `exact` is the caller's exact_bf16_grad. Unset: rounded where bf16 GEMMs run on AMX (there
-// the split's 2 extra GEMMs keep the step above eager's time), widened elsewhere (where the
-// exact step already runs at about the time of its 3 GEMMs in torch). true: split on AMX,
-// widened elsewhere; FLCE_CPU_BF16_EXACT=split|widened picks either on any CPU (read at every
-// call). false: rounded on any CPU. The one place this rule lives: the backward, the single pass and
-// flce.build_info() ask here.
+// `exact` is the caller's exact_bf16_grad. Unset: rounded wherever bf16 GEMMs run natively
+// (bf16_gemm_native: AMX, AVX512-BF16), as on CUDA, where a bf16 GEMM costs at most half an
+// fp32 one and the exact step would run at fp32's rate; widened where bf16 is widened to fp32
+// anyway (there the rounded tile saves no GEMM time). true: split on AMX (a bf16 GEMM ~1/6 of
+// an fp32 one), widened elsewhere (AVX512-BF16's vdpbf16ps does at most twice an FMA's work,
+// so the split's 4 bf16 GEMMs cost at least 2 fp32 ones); FLCE_CPU_BF16_EXACT=split|widened
+// picks either on any CPU (read at every call). false: rounded on any CPU. The one place this
+// rule lives: the backward, the single pass and flce.build_info() ask here.
 enum class Bf16Grad { rounded, split, widened };
 Bf16Grad bf16_grad(std::optional<bool> exact);
 const char* bf16_grad_name(Bf16Grad g);
@@ -117,6 +118,14 @@ struct KahanOut {
   // product to a scratch tile first.
   bool fresh = false;
 };
+
+// op(a) @ op(b) in fp32 [m, n] on this engine, for benchmarks' floors (benchmarks/_peers.py
+// gemm3-flce; op flce::cpu_tile_gemm): a and b contiguous, both fp32, bf16 or fp16, a stored
+// [m, k] ([k, m] when trans_a), b [k, n] ([n, k] when trans_b). Workers split the columns of
+// the product and prepare only their slice of b, or, where op(a) must be copied (transposed),
+// split its rows, so that nothing is packed or copied twice; rows are multiplied 256 at a time
+// (the tiles' height), as the ops multiply their tiles.
+at::Tensor gemm_benchmark(const at::Tensor& a, const at::Tensor& b, bool trans_a, bool trans_b);
 
 // (sum, comp) [m, n] += scale * sum_i op(A_i) [m, k] @ op(B) [k, n], one compensated add per
 // element: a[0..num_a) is one operand, or the two bf16 halves (hi, lo) of a split fp32 tile. On

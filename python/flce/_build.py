@@ -218,7 +218,8 @@ def build_info():
     oneDNN's micro-kernels, or "blas", the BLAS torch links; see docs/cpu-backend.md),
     ``cpu_amx`` (whether those GEMMs multiply bf16 on AMX, which makes bf16 training take the
     recompute path by default), ``cpu_bf16_native`` (whether they multiply bf16 natively, on
-    AMX, AVX512-BF16 or through oneDNN, rather than widened to fp32), ``cpu_bf16_grad`` and
+    AMX, AVX512-BF16 or through oneDNN, rather than widened to fp32: where they do, bf16
+    gradient tiles are rounded once by default), ``cpu_bf16_grad`` and
     ``cpu_bf16_grad_exact`` (how the CPU backend multiplies bf16 gradient tiles here by default
     and with ``exact_bf16_grad=True``: "rounded", once to bf16, within 1.5x bf16's rounding
     floor; "split" into two bf16 tiles, or "widened" to fp32, both at the floor; see

@@ -95,13 +95,13 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         exact_bf16_grad: how bfloat16 inputs' gradients are computed (docs/numerics.md; other
             dtypes ignore it). ``None`` (default): the backend's choice, which
             ``flce.build_info()["cpu_bf16_grad"]`` reports for the CPU: on a CPU whose bf16
-            GEMMs run on AMX, and on CUDA, the gradient tile is rounded once to bf16 and
-            multiplied in bf16 with fp32 accumulation (``input.grad`` and ``weight.grad``
-            within 1.5x bf16's rounding floor, norm-wise); on other CPUs exactly (at the floor,
-            at about the time of the step's 3 GEMMs in torch). ``False``: rounded once on every
-            backend. ``True``: exact, on the CPU backend only (AMX: the tile split into two
-            bf16 halves, 4 GEMMs where rounding takes 2; elsewhere fp32 GEMMs); the CUDA
-            backend, which has no exact mode, raises.
+            GEMMs run natively (AMX, AVX512-BF16: ``build_info()["cpu_bf16_native"]``), and on
+            CUDA, the gradient tile is rounded once to bf16 and multiplied in bf16 with fp32
+            accumulation (``input.grad`` and ``weight.grad`` within 1.5x bf16's rounding floor,
+            norm-wise); on CPUs that widen bf16 GEMMs to fp32, exactly (at the floor, no slower
+            there). ``False``: rounded once on every backend. ``True``: exact, on the CPU
+            backend only (AMX: the tile split into two bf16 halves, 4 GEMMs where rounding
+            takes 2; elsewhere fp32 GEMMs); the CUDA backend, which has no exact mode, raises.
 
     Returns:
         The loss in float32 (float64 for float64 inputs), then the lse when ``return_lse``,

@@ -3,10 +3,12 @@
 The CPU backend (csrc/cpu/tile_gemm.h bf16_grad) multiplies a bf16 gradient tile as "rounded"
 (once to bf16, bf16 GEMMs: dE and dW within 1.5x bf16's rounding floor, norm-wise, the CUDA
 backend's contract), "split" (hi + lo bf16 tiles) or "widened" (fp32 GEMMs), the last two at the
-floor. Its default is rounded where bf16 GEMMs run on AMX and widened elsewhere; True is split on
-AMX and widened elsewhere, and FLCE_CPU_BF16_EXACT=split|widened picks either on any CPU, which is
-how a CPU without AMX runs the split here. False is rounded on any CPU. The CUDA backend rounds
-once and refuses True for bf16.
+floor. Its default is rounded wherever bf16 GEMMs run natively (AMX, AVX512-BF16:
+build_info()["cpu_bf16_native"]) and widened elsewhere; True is split on AMX and widened
+elsewhere, and FLCE_CPU_BF16_EXACT=split|widened picks either on any CPU, which is how a CPU
+without AMX runs the split here. False is rounded on any CPU. The CUDA backend rounds once and
+refuses True for bf16. tests/cpu/test_cpu_gemm.py runs these tests with native bf16 held off
+where this CPU has it.
 """
 import functools
 
@@ -34,11 +36,13 @@ def mode(request, monkeypatch):
 
 
 def test_the_rule(monkeypatch):
-    """One rule (cpu::bf16_grad), as build_info reports it."""
+    """One rule (cpu::bf16_grad), as build_info reports it: the default rounds once wherever
+    bf16 GEMMs run natively, AMX or not; the exact mode splits on AMX alone."""
     monkeypatch.delenv("FLCE_CPU_BF16_EXACT", raising=False)
-    amx = flce.build_info()["cpu_amx"]
+    amx, native = (flce.build_info()[k] for k in ("cpu_amx", "cpu_bf16_native"))
+    assert native or not amx
     grad = torch.ops.flce.cpu_bf16_grad
-    assert grad(None) == ("rounded" if amx else "widened")
+    assert grad(None) == ("rounded" if native else "widened")
     assert grad(True) == ("split" if amx else "widened")
     assert grad(False) == "rounded"
     info = flce.build_info()
@@ -46,7 +50,7 @@ def test_the_rule(monkeypatch):
     for impl in ("split", "widened"):
         monkeypatch.setenv("FLCE_CPU_BF16_EXACT", impl)
         assert (grad(None), grad(True), grad(False)) == (
-            "rounded" if amx else "widened", impl, "rounded")
+            "rounded" if native else "widened", impl, "rounded")
     monkeypatch.setenv("FLCE_CPU_BF16_EXACT", "fast")
     x, w, t, _ = rand_inputs(8, 40, 16, BF, seed=1)
     with pytest.raises(ValueError, match="FLCE_CPU_BF16_EXACT must be 'split' or 'widened'"):

@@ -140,20 +140,37 @@ def test_cpu_bf16_facts_follow_the_cpu_and_the_isa_caps():
         assert _bf16_facts(env) == expected, (mkl, onednn)
 
 
-# AMX held off for MKL and oneDNN: bf16 GEMMs on AVX512-BF16 at most, or widened to fp32.
-NO_AMX = {"MKL_ENABLE_INSTRUCTIONS": "AVX512_E3", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+# Caps that lower the bf16 GEMMs a step (docs/environment.md), and what build_info says below
+# them: AMX held off for MKL and oneDNN (bf16 GEMMs on AVX512-BF16 at most, or widened to fp32),
+# and an AVX2-only CPU as benchmarks/run.py linear --isa avx2 emulates it (no native bf16).
+CAPS = {
+    "no-amx": ({"MKL_ENABLE_INSTRUCTIONS": "AVX512_E3", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+               "cpu_amx"),
+    "no-native-bf16": ({"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                        "ONEDNN_MAX_CPU_ISA": "AVX2"}, "cpu_bf16_native"),
+}
+FACTS = ("cpu_amx", "cpu_bf16_native", "cpu_bf16_grad", "cpu_bf16_grad_exact")
 
 
-def test_bf16_without_amx_widens_and_passes_the_bf16_tests():
-    """Where this process rounds bf16 gradient tiles by default (AMX), the widened bf16 path that
-    every CPU without AMX takes by default runs the bf16 option, accuracy, single-pass and
-    exact_bf16_grad tests in a child with AMX held off (csrc/cpu/tile_gemm.h bf16_grad)."""
-    if not flce.build_info()["cpu_amx"]:
-        pytest.skip("no AMX here: the whole suite runs the widened bf16 path")
-    env = dict(os.environ, **NO_AMX)
-    r = subprocess.run([sys.executable, "-c", "import flce; print(flce.build_info()['cpu_amx'])"],
+@pytest.mark.parametrize("cap", list(CAPS))
+def test_bf16_below_each_cap_follows_the_rule_and_passes_the_bf16_tests(cap):
+    """The bf16 gradient rule (csrc/cpu/tile_gemm.h bf16_grad) on the CPUs this one can stand
+    in for: with AMX held off (AVX512-BF16 alone, the common training CPU: rounded by default,
+    widened when exact) and with native bf16 held off (widened either way), each child reports
+    its rule in build_info and runs the bf16 option, accuracy, single-pass and exact_bf16_grad
+    tests. Skipped where this CPU already lacks what the cap holds off: the whole suite runs
+    there as it is."""
+    env_cap, fact = CAPS[cap]
+    if not flce.build_info()[fact]:
+        pytest.skip(f"{fact} is already False here: the whole suite runs that way")
+    env = dict(os.environ, **env_cap)
+    r = subprocess.run([sys.executable, "-c", "import flce; i = flce.build_info(); "
+                        f"print(*(i[k] for k in {FACTS!r}))"],
                        env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.split()[-1] == "False", r.stderr
+    assert r.returncode == 0, r.stderr
+    amx, native, grad, grad_exact = r.stdout.split()[-4:]
+    assert (amx, grad_exact) == ("False", "widened")
+    assert (native, grad) == (("True", "rounded") if cap == "no-amx" else ("False", "widened"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         "api/test_options.py", "api/test_accuracy.py", "api/test_single_pass.py",
                         "api/test_bf16_grad.py",
@@ -161,3 +178,27 @@ def test_bf16_without_amx_widens_and_passes_the_bf16_tests():
                        env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
+
+
+@pytest.mark.parametrize("trans", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_benchmark_gemm_op(dtype, trans):
+    """flce::cpu_tile_gemm, the tile-GEMM engine as benchmarks/_peers.py times it for the floor:
+    op(a) @ op(b) in fp32 on odd shapes (an odd k pads bf16 pairs; rows and columns cut across
+    workers and 64-wide blocks), within fp32 accumulation's error of the float64 product, and
+    a clear error for operands that do not fit."""
+    ta, tb = trans
+    m, n, k = 300, 203, 131
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn((k, m) if ta else (m, k), generator=g).to(dtype)
+    b = torch.randn((n, k) if tb else (k, n), generator=g).to(dtype)
+    c = torch.ops.flce.cpu_tile_gemm(a, b, trans_a=ta, trans_b=tb)
+    ref = (a.double().T if ta else a.double()) @ (b.double().T if tb else b.double())
+    assert c.dtype == torch.float32 and c.shape == (m, n)
+    # 16-bit products are exact in fp32: only the sum rounds, ~sqrt(k) eps_fp32 relative
+    assert ((c.double() - ref).norm() / ref.norm()).item() < 2e-6
+    with pytest.raises(ValueError, match=r"op\(a\) is \[300, 131\] but op\(b\) is"):
+        torch.ops.flce.cpu_tile_gemm(a, (b[:, :-1] if tb else b[:-1]).contiguous(), trans_a=ta,
+                                     trans_b=tb)

@@ -75,6 +75,33 @@ def test_run_linear_end_to_end(tmp_path):
     assert float(rows["chunked"]["loss_rel_err"]) == 1.0
 
 
+def test_floor_is_the_faster_engine():
+    """On the CPU `linear` times the 3 GEMMs on torch.mm (gemm3) and on flce's tile GEMMs
+    (gemm3-flce); the table's and the record's floor is the faster of those that ran, named."""
+    args = bench.parse_args(["--device", "cpu", "--peers", "eager,gemm3"])
+    assert args.impls == ["flce", "eager", "gemm3", "gemm3-flce"]
+    assert bench.parse_args(["--device", "cpu", "--peers", "eager"]).impls == ["flce", "eager"]
+    assert bench.skip_reason("gemm3-flce", bench.parse_args(["--device", "cpu"])) is None
+
+    def row(impl, s, status="ok"):
+        return {"impl": impl, "status": status, "time_median_s": s, "time_min_s": s,
+                "time_max_s": s, "time_first_s": s, "first_vs_median": 1.0, "peak_mem_mb": 1.0,
+                "peak_total_mb": 2.0, "loss": 1.0, "threads": 2, "loadavg_before": 0.5,
+                "loadavg_after": 0.5}
+    for times, floor in (((2.0, 1.0), "gemm3-flce"), ((1.0, 2.0), "gemm3")):
+        rows = [row("flce", 1.5), row("gemm3", times[0]), row("gemm3-flce", times[1])]
+        assert bench.floor_row(rows)["impl"] == floor
+        table = bench.format_table(rows, args)
+        assert f"here {floor}." in table and "x floor" in table
+        flce_line = next(ln for ln in table.splitlines() if ln.startswith("flce "))
+        assert flce_line.split()[3] == "1.50"  # 1.5 s over the 1.0 s floor
+        rec = bench.record(rows, args)
+        assert rec["floor"] == floor and set(rec["peak_gib"]) == {"flce"}
+    rows = [row("flce", 1.5), row("gemm3", 0.0, "failed: x"), row("gemm3-flce", 3.0)]
+    assert bench.floor_row(rows)["impl"] == "gemm3-flce"
+    assert bench.floor_row([row("flce", 1.5)]) is None
+
+
 def test_run_subcommands(capsys):
     assert run.main([]) == 2 and "linear" in capsys.readouterr().out
     assert run.main(["nope"]) == 2
