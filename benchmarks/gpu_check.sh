@@ -31,11 +31,13 @@
 #   profile (one profiled step and a memory snapshot).
 # rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
 #   .gpu_build/; without one it builds first, and the steps at the end are cut by the budget),
-#   bench_large (N = 16384 and V = 256000), bench_ce (cross-entropy on given logits, inputs made
+#   bench_large (`python -m flce.check` at N = 16384 and V = 256000), bench_ce (cross-entropy on given logits, inputs made
 #   on the GPU), fp64_cost (FLCE_CUDA_FP32_GRAD=fp64 against SGEMM and DGEMM), test_suite (the
 #   device-parametrized suite without the files run above), record_tests, no_sync (training
 #   steps under torch.cuda.set_sync_debug_mode("error")), target_modes,
-#   memcheck and racecheck (compute-sanitizer), ncu_rows (the row kernels' counters), nvtx.
+#   memcheck and racecheck (compute-sanitizer), ncu_rows (the row kernels' counters), nvtx,
+#   cpu_bf16 (the host CPU's bf16 step at [4096 x 512 x 32768], AMX on the lent machines' hosts:
+#   `python -m flce.check --device cpu`, its record beside the GPU's).
 #
 # Every step runs in its own process under its own limit (cut to what is left of the budget),
 # with its output in its own log; a step that fails or times out is reported and the next one
@@ -54,8 +56,7 @@
 # Exit status 1 if any step failed, timed out or was skipped.
 #
 # Dry runs (no GPU): PYTHON=a stand-in interpreter and stub nvcc / ncu / compute-sanitizer /
-# nvidia-smi on PATH; FLCE_GPU_DRY_RUN=1 makes gpu_bench.py and the record writers stand-ins
-# too (FLCE_GPU_DRY_SKIP=a,b: those methods skipped as a peer that does not import);
+# nvidia-smi on PATH; FLCE_GPU_DRY_RUN=1 makes the record writers stand-ins too;
 # GPU_CHECK_MAX_LIMIT=S caps every step's limit at S seconds; WHEELS=DIR replaces .whl/.
 set -uo pipefail
 
@@ -79,7 +80,8 @@ BUDGET_S=${BUDGET_S:-300}
 HEADLINE_PLAN=(env:5 wheels:10 build:115 ptxas:5 check:30 bench:40 test_cuda:30 record_tests:5
   profile:10)
 REST_PLAN=(env:5 wheels:10 build_reuse:10 bench_large:40 bench_ce:25 fp64_cost:15 test_suite:40
-  record_tests:5 no_sync:10 target_modes:15 memcheck:25 racecheck:20 ncu_rows:15 nvtx:20)
+  record_tests:5 no_sync:10 target_modes:15 memcheck:25 racecheck:20 ncu_rows:15 nvtx:20
+  cpu_bf16:30)
 REST_CONTINGENT=(build:115)
 
 declare -A LIMIT=()
@@ -271,10 +273,10 @@ i = flce.build_info(); print(i); sys.exit(0 if i['cuda_backend'] else 1)"; then
     finish
   fi
 fi
-step bench_large "$PY" benchmarks/gpu_bench.py \
-  --shapes "16384,128256,4096;4096,256000,4096;16384,256000,4096" --repeats 5 \
-  --methods gemm3,flce,flce_recompute,fwd_flce,fwd_eager,eager,liger,cce \
-  --record "$RECORDS" --partial "$PARTIAL" --table "$OUT/table.txt"
+step bench_large "$PY" -m flce.check --only speed --repeats 5 \
+  --shapes "16384,128256,4096;4096,256000,4096;16384,256000,4096" \
+  --out "$RECORDS" --partial "$PARTIAL"
+sed -n '/^linear_cross_entropy  N=/,/^(floor/p' "$LOGS/bench_large.log" >>"$OUT/table.txt"
 step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --dtypes bf16 \
   --impls flce,eager,liger,flce_inplace,compiled --repeats 10 --timeout 60 --record "$RECORDS" \
   --partial "$PARTIAL"
@@ -324,4 +326,8 @@ FLCE_NVTX=0 "${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/nv
   >"$3/ncu_off.csv"
 "$2" benchmarks/nvtx_check.py --compare "$3/ncu_all.csv" "$3/ncu_in.csv" "$3/ncu_off.csv"' \
   _ "$NCU" "$PY" "$LOGS"
+# The host CPU's bf16 training step (AMX on the lent machines' Xeons: docs/cpu-backend.md's AMX
+# predictions become a record).
+OPTIONAL=1 step cpu_bf16 "$PY" -m flce.check --device cpu --only speed --dtype bf16 \
+  --shapes 4096,32768,512 --out "$RECORDS" --partial "$PARTIAL"
 finish

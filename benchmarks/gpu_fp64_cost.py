@@ -20,7 +20,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import gpu_record  # noqa: E402
-from gpu_bench import _flce, timed  # noqa: E402
 
 SHAPES = "16384,32768,1024;4096,128256,4096"
 
@@ -28,7 +27,12 @@ SHAPES = "16384,32768,1024;4096,128256,4096"
 def measure(n, v, d, warmup, repeats):
     import torch
 
-    flce = _flce()
+    import flce
+    from flce.check import measure as check_measure
+
+    def timed(fn, warmup, repeats):
+        return check_measure("cuda", fn, warmup, repeats)
+
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(n, d, device="cuda", generator=g) / d ** 0.25).requires_grad_()
     w = (torch.randn(v, d, device="cuda", generator=g) / d ** 0.25).requires_grad_()

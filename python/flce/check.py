@@ -598,11 +598,27 @@ def gemm3_candidates(dev):
     """The floor: the training step's 3 GEMMs alone (logits z = x w^T, dE = z w, dW = z^T x, in
     the inputs' dtype), on each GEMM engine this device has; the fastest one is the floor.
     {name: fn(x, w)}. (cuBLAS through torch.mm on CUDA; on the CPU torch.mm, whatever BLAS /
-    oneDNN torch dispatches to.)"""
+    oneDNN torch dispatches to, and flce's own tile-GEMM engine, which can be the faster one:
+    torch.mm's bf16 GEMMs are slow on CPUs without native bf16, fp32 ones on some AMD CPUs.)"""
     def torch_mm(x, w):
         z = x @ w.T
         return z @ w, z.T @ x
-    return {"torch.mm": torch_mm}
+    engines = {"torch.mm": torch_mm}
+    if dev == "cpu":
+        tile_gemm, operands = torch.ops.flce.cpu_tile_gemm, {}
+
+        def flce_tile_gemm(x, w):
+            # Its products are fp32: a 16-bit step's backward multiplies an [N, V] operand in
+            # the inputs' dtype (as the step's gradient tile is), made once, not a conversion
+            # timed with the GEMMs.
+            z = tile_gemm(x, w, trans_b=True)
+            key = (z.shape, x.dtype)
+            if x.dtype != F32 and key not in operands:
+                operands[key] = torch.randn(z.shape, dtype=x.dtype)
+            g = z if x.dtype == F32 else operands[key]
+            return tile_gemm(g, w), tile_gemm(g, x, trans_a=True)
+        engines["flce tile GEMM"] = flce_tile_gemm
+    return engines
 
 
 def logits_gemm(x, w):
@@ -712,8 +728,11 @@ def copy_rate(dev, nbytes):
     return 2 * src.numel() * 4 / (ms / 1e3)
 
 
-def shapes(dev, quick, tiny):
-    """[(op, n, v, d)]: the configurations measured, to fit the device."""
+def shapes(dev, quick, tiny, linear=None):
+    """[(op, n, v, d)]: the configurations measured, to fit the device; ``linear``: the linear
+    step's shapes [(n, v, d)] alone, as given."""
+    if linear:
+        return [("linear_cross_entropy", n, v, d) for n, v, d in linear]
     if tiny:
         return [("cross_entropy", 512, 4096, None), ("linear_cross_entropy", 256, 4096, 128)]
     if dev == "cuda":
@@ -732,11 +751,12 @@ def shapes(dev, quick, tiny):
         [("linear_cross_entropy", n, v, d) for n, v, d in lce]
 
 
-def speed(dev, quick, tiny, dtype, out_path, partial, base_record):
+def speed(dev, quick, tiny, dtype, out_path, partial, base_record, linear=None, repeats=None):
     """Measure each configuration, print its table, append its record; returns the records."""
-    warmup, repeats = (1, 3) if dev == "cpu" else ((3, 10) if quick else (5, 20))
+    warmup, default = (1, 3) if dev == "cpu" else ((3, 10) if quick else (5, 20))
+    repeats = repeats or default
     records = []
-    for op, n, v, d in shapes(dev, quick, tiny):
+    for op, n, v, d in shapes(dev, quick, tiny, linear):
         rec = Record(partial, base_record, op=op, n=n, v=v, d=d, repeats=repeats,
                      dtype=str(dtype).replace("torch.", ""))
         rows = (measure_lce if op == "linear_cross_entropy" else measure_ce)(
@@ -951,6 +971,17 @@ def device_name(dev):
                                    if "cpu family" in fields else "")
 
 
+def _shape_list(text):
+    try:
+        out = [tuple(int(a) for a in s.split(",")) for s in text.split(";") if s.strip()]
+    except ValueError:
+        out = []
+    if not out or any(len(s) != 3 or min(s) < 1 for s in out):
+        raise argparse.ArgumentTypeError(f"expected N,V,D;N,V,D... of positive integers, "
+                                         f"got {text!r}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m flce.check", description="Is flce right, and how fast, on this "
@@ -965,6 +996,12 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
                     help="the speed part's dtype (default: bf16 on CUDA, fp32 on the CPU, "
                     "where torch's bf16 GEMMs are slow without native bf16 instructions)")
+    ap.add_argument("--shapes", metavar="N,V,D;...", type=_shape_list,
+                    help="the speed part: the training step at these shapes alone (default: "
+                    "cross-entropy on given logits and the step at shapes that fit the device)")
+    ap.add_argument("--repeats", type=int, metavar="K",
+                    help="timed steps per method (default: 3 on the CPU; 10 on a GPU with "
+                    "--quick, else 20)")
     ap.add_argument("--out", metavar="PATH",
                     help="append one JSON record per measured configuration to PATH")
     ap.add_argument("--partial", metavar="PATH",
@@ -995,7 +1032,9 @@ def main(argv=None):
               f"{'wrong' if failed else 'right'} ({time.perf_counter() - start:.0f} s)",
               flush=True)
     if args.only != "correctness":
-        cmd = "python -m flce.check" + (" --quick" if args.quick else "")
+        cmd = "python -m flce.check" + (" --quick" if args.quick else "") + (
+            " --shapes " + ";".join(",".join(map(str, t)) for t in args.shapes)
+            if args.shapes else "")
         base = {"date": datetime.date.today().isoformat(), "device": name,
                 "torch": torch.__version__, "commit": commit(info),
                 "threads": torch.get_num_threads() if dev == "cpu" else None,
@@ -1007,7 +1046,8 @@ def main(argv=None):
                 "build": info}
         dtype = {"bf16": BF16, "fp16": F16, "fp32": F32}[
             args.dtype or ("bf16" if dev == "cuda" else "fp32")]
-        speed(dev, args.quick, args.tiny, dtype, args.out, args.partial, base)
+        speed(dev, args.quick, args.tiny, dtype, args.out, args.partial, base, args.shapes,
+              args.repeats)
         if args.out:
             print(f"\nrecords appended to {args.out}")
     if failed:

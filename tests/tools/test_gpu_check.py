@@ -2,8 +2,9 @@
 
 Each phase runs for real with every command stubbed: a stand-in interpreter (PYTHON) and stub
 nvidia-smi / nvcc / ncu / compute-sanitizer on PATH log their calls and fail or hang where told;
-gpu_bench.py and gpu_tests_record.py run for real in their dry-run mode (FLCE_GPU_DRY_RUN=1:
-stand-in measurements, no torch). The runs show that the limits of each phase fit its budget,
+gpu_tests_record.py runs for real in its dry-run mode (FLCE_GPU_DRY_RUN=1: no torch), and
+`python -m flce.check` has a stand-in that writes its records as the check does (one per shape,
+the partial one first). The runs show that the limits of each phase fit its budget,
 that a shape's record is appended the moment it is measured (and kept, marked incomplete, when
 its step is cut), and that a failed or timed-out step is reported and the next one runs.
 """
@@ -23,7 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import gpu_bench  # noqa: E402
 import gpu_record  # noqa: E402
 import gpu_tests_record  # noqa: E402
 
@@ -46,14 +46,27 @@ for a in "$@"; do
   [[ $prev == --partial ]] && partial=$a
   prev=$a
 done
-rec='{"op": "linear_cross_entropy", "n": 4096, "v": 128256, "d": 4096, "commit": "'$FLCE_COMMIT'",'
-rec+=' "run": "'$FLCE_RUN'", "ms": {"gemm3": 1.0, "flce": 1.1}, "complete": '
-((check)) && [[ -n $partial ]] && echo "$rec"'false}' >"$partial"
+shapes=4096,128256,4096 prev=
+for a in "$@"; do [[ $prev == --shapes ]] && shapes=$a; prev=$a; done
+record() {  # the record of shape $1 (N,V,D), complete or not ($2)
+  local n v d
+  IFS=, read -r n v d <<<"$1"
+  echo '{"op": "linear_cross_entropy", "n": '$n', "v": '$v', "d": '$d', "commit": "'$FLCE_COMMIT'",'\
+    '"run": "'$FLCE_RUN'", "ms": {"gemm3": 1.0, "flce": 1.1}, "complete": '$2'}'
+}
+((check)) && [[ -n $partial ]] && record "${shapes%%;*}" false >"$partial"
 for pat in ${FAKE_HANG:-}; do [[ $sig == *$pat* ]] && exec sleep 60; done
 for pat in ${FAKE_FAIL:-}; do [[ $sig == *$pat* ]] && { echo "fake failure: $pat"; exit 3; }; done
 if ((check)) && [[ -n $out ]]; then
-  echo "$rec"'true}' >>"$out" && rm -f "$partial"
-  printf '\nlinear_cross_entropy  N=4096 V=128256 D=4096  bfloat16  (dry run)\nflce 1.1\n(floor: the 3 GEMMs)\n'
+  IFS=';' read -r -a list <<<"$shapes"
+  for shape in "${list[@]}"; do
+    [[ -n $partial ]] && record "$shape" false >"$partial"
+    [[ $shape == "${FLCE_GPU_DRY_HANG:-}" ]] && exec sleep 60
+    record "$shape" true >>"$out" && rm -f "$partial"
+    IFS=, read -r n v d <<<"$shape"
+    printf '\nlinear_cross_entropy  N=%s V=%s D=%s  bfloat16  (dry run)\nflce 1.1\n' "$n" "$v" "$d"
+    printf '(floor: the 3 GEMMs)\n'
+  done
 fi
 junit='<testsuite><testcase classname="t" name="a"/>'
 junit+='<testcase classname="t" name="b"><failure/></testcase>'
@@ -62,7 +75,7 @@ for a in "$@"; do
   [[ $a == --junitxml=* ]] && printf '%s' "$junit" >"${a#--junitxml=}"
 done
 case $1 in
-  benchmarks/gpu_bench.py | benchmarks/gpu_tests_record.py) exec "$REAL_PYTHON" "$@" ;;
+  benchmarks/gpu_tests_record.py) exec "$REAL_PYTHON" "$@" ;;
 esac
 exit 0
 """
@@ -196,7 +209,9 @@ def test_rest_dry_run(tmp_path):
     _, steps, _, _, _ = _plan("rest")
     assert list(status) == list(steps) and all(rc == 0 for rc, _ in status.values()), summary
     shapes = [(r["n"], r["v"], r["d"]) for r in records if r["op"] == "linear_cross_entropy"]
-    assert shapes == [(16384, 128256, 4096), (4096, 256000, 4096), (16384, 256000, 4096)]
+    assert shapes == [(16384, 128256, 4096), (4096, 256000, 4096), (16384, 256000, 4096),
+                      (4096, 32768, 512)]  # the last one the host CPU's bf16 step
+    assert "-m flce.check --device cpu --only speed --dtype bf16" in calls
     assert "--ignore=tests/cuda/test_cuda.py" in calls
     assert "setup.py" not in calls  # the build was found: not rebuilt
 
@@ -204,7 +219,7 @@ def test_rest_dry_run(tmp_path):
 def test_rest_without_a_build_and_a_cut_shape(tmp_path):
     proc, summary, records, calls = _run(
         tmp_path, "rest", GPU_CHECK_MAX_LIMIT="1", FAKE_FAIL="cuda_backend",
-        FAKE_HANG="gpu_target_check.py", FLCE_GPU_DRY_HANG="4096x256000x4096:flce")
+        FAKE_HANG="gpu_target_check.py", FLCE_GPU_DRY_HANG="4096,256000,4096")
     assert proc.returncode == 1
     status = _status(summary)
     assert status["build_reuse"][0] == 3 and status["build"][0] == 0
@@ -212,10 +227,9 @@ def test_rest_without_a_build_and_a_cut_shape(tmp_path):
     assert status["target_modes"][0] in (124, 137)
     assert status["memcheck"][0] == status["nvtx"][0] == 0
     bench = [r for r in records if r["op"] == "linear_cross_entropy"]
-    # the first shape complete the moment it was measured, the second cut after its GEMMs
+    # the first shape complete the moment it was measured, the second cut while measured
     assert [(r["v"], r["n"], r["complete"]) for r in bench] == [(128256, 16384, True),
                                                                 (256000, 4096, False)]
-    assert list(bench[1]["ms"]) == ["gemm3", "gemm4", "gemm1"]
     assert sum(r["op"] == "gpu_tests" for r in records) == 1
 
 
@@ -267,45 +281,6 @@ def test_junit_counts(tmp_path):
     assert (passed, failed, skipped) == (1, 3, 1)
     assert failures[:2] == ["m::bad", "m::err"] and "missing.xml: no report" in failures[2]
     assert reports == {"junit.xml": [1, 2, 1], "missing.xml": None}
-
-
-def test_agreement_figures_on_the_cpu_backend():
-    """gpu_bench's agreement check (flce against eager, and against float64 on a slice) with
-    flce's CPU backend: flce's dE and dW near the bf16 floor, eager's loss close to flce's."""
-    g = torch.Generator().manual_seed(5)
-    n, v, d = 96, 700, 48
-    x = torch.randn(n, d, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(v, d, generator=g) / d ** 0.5).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), generator=g)
-    ag = gpu_bench.Agreement(x, w, t, rows=32)
-    fn = gpu_bench.loss_fn("flce")
-    out = ag.of(fn)
-    head = ag.header()
-    assert head["slice_rows"] == 32
-    floor = head["fp64_slice_floor"]
-    assert 0 < floor["dE"] < 1e-2 and 0 < floor["dW"] < 1e-2
-    ref = out["vs_fp64_slice"]
-    assert ref["loss"] < 1e-5
-    assert ref["dE"] < 3 * floor["dE"] and ref["dW"] < 3 * floor["dW"]
-    assert out["vs_eager"]["loss"] < 1e-2 and 0 < out["vs_eager"]["dW"] < 0.1
-    # a wrong loss is caught: twice the loss has gradients twice as large
-    bad = ag.of(lambda x, w, t: 2 * fn(x, w, t))
-    assert bad["vs_fp64_slice"]["dE"] > 0.5 and bad["vs_eager"]["loss"] > 0.5
-
-
-def test_bench_table_and_record_of_a_dry_run(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLCE_GPU_DRY_RUN", "1")
-    monkeypatch.setenv("FLCE_GPU_DRY_SKIP", "liger")
-    rec_path = tmp_path / "r.jsonl"
-    gpu_bench.main(["--shapes", "64,1000,32", "--methods", "gemm3,flce,liger,eager",
-                    "--record", str(rec_path), "--table", str(tmp_path / "t.txt")])
-    (rec,) = [json.loads(x) for x in rec_path.read_text().splitlines()]
-    assert rec["complete"] and rec["repeats"] == 10 and rec["ms_range"]["flce"][0] > 0
-    assert "liger" in rec["skipped"]
-    text = (tmp_path / "t.txt").read_text()
-    assert "skipped" in text and re.search(r"flce\s+[\d.]+", text)
-    with pytest.raises(SystemExit):
-        gpu_bench.main(["--methods", "flce,nope", "--record", str(rec_path)])
 
 
 @pytest.mark.parametrize("phase", ["headline", "rest"])

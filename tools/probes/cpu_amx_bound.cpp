@@ -15,10 +15,10 @@
 // Prints GFLOP/s per core (2 * 16 * 16 * 32 flops per TDPBF16PS), the median of 5 repeats.
 //
 // Build and run (GCC >= 11 or Clang >= 12, Linux >= 5.16 for the AMX permission request):
-//   g++ -O2 -mamx-tile -mamx-bf16 benchmarks/cpu_amx_bound.cpp -o /tmp/cpu_amx_bound
+//   g++ -O2 -mamx-tile -mamx-bf16 tools/probes/cpu_amx_bound.cpp -o /tmp/cpu_amx_bound
 //   taskset -c 0 /tmp/cpu_amx_bound
 // It exits with a message, not a fault, where AMX is absent or the kernel refuses it.
-// Results: docs/benchmarks.md ("AMX: the bound of a tile GEMM").
+// Results: docs/benchmarks.md ("What bounds bf16 on AMX").
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
