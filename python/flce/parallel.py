@@ -262,7 +262,10 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
 
 def _raise_rank_errors(rows, error, group, world):
     """Where any rank's own arguments failed a check: every rank raises that rank's exception
-    (the first such rank's, by rank), with its message, which a second exchange brings."""
+    (the first such rank's, by rank), with its message, which a second exchange brings. Its
+    class: TypeError, IndexError and NotImplementedError as they are; any other exception (a
+    ValueError, or a RuntimeError such as a tensor's ambiguous truth value) as ArgumentError,
+    which is both a ValueError and a RuntimeError."""
     if not any(r[_ERROR] for r in rows):
         return
     messages = [None] * world
@@ -270,7 +273,8 @@ def _raise_rank_errors(rows, error, group, world):
     _dist().all_gather_object(messages, mine, group=group)
     failed = [r for r in range(world) if rows[r][_ERROR]]
     name, text = messages[failed[0]]
-    cls = {"TypeError": TypeError, "IndexError": IndexError}.get(name, ArgumentError)
+    cls = {"TypeError": TypeError, "IndexError": IndexError,
+           "NotImplementedError": NotImplementedError}.get(name, ArgumentError)
     others = f" (ranks {failed} have bad arguments)" if len(failed) > 1 else ""
     raise cls(f"flce.parallel: rank {failed[0]}'s arguments are invalid: {text}{others}")
 
@@ -694,10 +698,6 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         per_token = return_lse or return_entropy or return_accuracy
         use_single = needs_grad and class_weight is None and not distribution and \
             _use_single_pass(single_pass, reduction, per_token, input, world)
-        error = None
-    except (TypeError, ValueError) as e:
-        error = e
-    if error is None:
         d = input.shape[-1]
         if shift:
             target = _common.shift_target(target, opts.ignore_index)
@@ -721,8 +721,9 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                 -1 if exact_bf16_grad is None else int(exact_bf16_grad), int(bool(shift)),
                 int(bool(reduce_input_grad)),
                 int(torch.is_grad_enabled() and input.requires_grad)]
-    else:
-        t, meta = None, None
+        error = None
+    except Exception as e:  # (any type: see _raise_rank_errors)
+        error, t, meta = e, None, None
     layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
                      target=t, ignore_index=None if error else opts.ignore_index)
     if sequence_parallel and world > 1:
@@ -875,19 +876,16 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         if distribution and inplace_backward:
             raise ArgumentError("flce.parallel: inplace_backward=True takes class-index targets "
                                 "without class weights and label smoothing together")
-        error = None
-    except (TypeError, ValueError) as e:
-        error = e
-    meta, t = None, None
-    if error is None:
         lead = tuple(target.shape[:-1] if soft else target.shape)
         x = _local_rows(logits, math.prod(lead))
-        error = _inplace_error(inplace_backward, x, logits, "logits")
-    if error is None:
+        _check_inplace(inplace_backward, x, logits, "logits")
         t = None if soft else target.reshape(-1).to(torch.int64)
         meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
                             opts.z_loss, opts.softcap, reduction, opts.temperature, class_weight,
                             soft)
+        error = None
+    except Exception as e:  # (any type: see _raise_rank_errors)
+        error, t, meta = e, None, None
     layout = _layout(group, rank, world, meta, False, check_ranks, error=error, target=t,
                      ignore_index=None if error else opts.ignore_index)
     if distribution:
@@ -907,15 +905,11 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
                                       return_lse, return_entropy, return_accuracy)
 
 
-def _inplace_error(inplace, x, logits, name):
-    """This rank's refusal of inplace_backward over x, the rows of logits (None if it may), for
-    the exchange."""
-    try:
-        if inplace and torch.is_grad_enabled():
-            _common.check_inplace_target(x, logits, name)
-    except ValueError as e:
-        return e
-    return None
+def _check_inplace(inplace, x, logits, name):
+    """This rank's refusal of inplace_backward over x, the rows of logits (raised into the
+    exchange)."""
+    if inplace and torch.is_grad_enabled():
+        _common.check_inplace_target(x, logits, name)
 
 
 def _check_logits(logits, target, name):
@@ -1034,18 +1028,14 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
         if not 0.0 <= smoothing < 1.0:
             raise ArgumentError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")
         _check_vocab_start(vocab_start)
-        error = None
-    except (TypeError, ValueError) as e:
-        error = e
-    meta, t = None, None
-    if error is None:
         lead = target.shape
         logits = _local_rows(vocab_parallel_logits, target.numel())
-        error = _inplace_error(inplace_backward, logits, vocab_parallel_logits,
-                               "vocab_parallel_logits")
-    if error is None:
+        _check_inplace(inplace_backward, logits, vocab_parallel_logits, "vocab_parallel_logits")
         t = target.reshape(-1).to(torch.int64)
         meta = _logits_meta(logits, vocab_start, -100, smoothing, 0.0, 0.0, "none", 1.0)
+        error = None
+    except Exception as e:  # (any type: see _raise_rank_errors)
+        error, t, meta = e, None, None
     layout = _layout(group, rank, world, meta, False, True, error=error, target=t)
     # Every rank holds the same sizes, so every rank raises here or none does.
     if 0 in layout.sizes:
