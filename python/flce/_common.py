@@ -503,7 +503,10 @@ def reduce_loss(loss, target, ignore_index, reduction, shape, row_weight=None):
     if reduction == "sum":
         return total
     if row_weight is not None:
-        return total / row_weight.sum()
+        # Where every counted token's target weighs 0, torch's mean is 0/0 = NaN, and so are its
+        # gradients; label smoothing's terms keep the sum above 0 there (total / 0 was inf).
+        weights = row_weight.sum()
+        return total / torch.where(weights == 0, math.nan, weights)
     return total / (target != ignore_index).sum()
 
 

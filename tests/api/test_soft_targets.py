@@ -255,3 +255,34 @@ def test_pivot_gradient_with_class_weights_and_smoothing(device, n, v, target, r
     limit = 8 + math.log2(2 * v)
     assert err.max().item() <= limit, f"pivot gradient {err.max().item():.1f} roundings off"
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("entry", ["linear", "logits"])
+def test_weighted_mean_over_zero_weights_is_nan_like_torch(device, entry):
+    """Class weights with label smoothing, "mean", where every non-ignored target weighs 0:
+    torch's mean is 0/0 = NaN (the smoothing's terms keep the weighted sum positive), and so are
+    its gradients of those tokens' logits (those of ignored tokens 0). flce gave inf."""
+    g = torch.Generator().manual_seed(52)
+    z = torch.randn(N, V, generator=g)
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::4] = -100
+    w = torch.rand(V, generator=g) + 0.5
+    w[t[t != -100]] = 0.0
+    zs = z.clone().requires_grad_()
+    ref = F.cross_entropy(zs, t, w, label_smoothing=0.1)
+    ref.backward()
+    assert ref.isnan()
+    if entry == "logits":
+        zf = z.clone().to(device).requires_grad_()
+        got = flce.cross_entropy(zf, t.to(device), w.to(device), label_smoothing=0.1)
+        got.backward()
+        grad = zf.grad.cpu()
+    else:
+        zf = z.clone().to(device).requires_grad_()
+        got = flce.linear_cross_entropy(zf, torch.eye(V, device=device), t.to(device),
+                                        class_weight=w.to(device), label_smoothing=0.1)
+        got.backward()
+        grad = zf.grad.cpu()
+    assert got.isnan(), got
+    assert torch.equal(grad.isnan(), zs.grad.isnan()), (grad.isnan().sum(1), zs.grad.isnan().sum(1))
+    assert torch.all(grad[~zs.grad.isnan()] == zs.grad[~zs.grad.isnan()])
