@@ -1080,9 +1080,10 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
     with placements ``(Shard(1),)`` (or ``Shard(-1)``) on a 1-D mesh, as TorchTitan's
     ``loss_parallel`` hands the loss its ``pred.flatten(0, 1)``. ``target`` may be a plain
     tensor (the same on every rank) or a DTensor on the same mesh (class indices redistributed
-    to ``Replicate``; probabilities ``(N, C)`` split over the classes as the logits are). The
-    loss comes back as a plain tensor, identical on all ranks; the logits' gradient is a DTensor
-    with their placement."""
+    to ``Replicate``; probabilities ``(N, C)`` split over the classes as the logits are), and
+    so may the class ``weight`` (redistributed to ``Replicate``). The loss comes back as a
+    plain tensor, identical on all ranks; the logits' gradient is a DTensor with their
+    placement."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = input.device_mesh
@@ -1098,6 +1099,11 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
         if target.device_mesh != mesh:
             raise ArgumentError("flce: target is a DTensor on a different mesh than input")
         target = target.redistribute(mesh, [Replicate()]).to_local()
+    if isinstance(weight, DTensor):
+        # (torch's loss_parallel takes the class weights as a plain tensor or a DTensor)
+        if weight.device_mesh != mesh:
+            raise ArgumentError("flce: weight is a DTensor on a different mesh than input")
+        weight = weight.redistribute(mesh, [Replicate()]).to_local()
     return cross_entropy(input.to_local(), target, group=mesh.get_group(),
                          ignore_index=ignore_index, reduction=reduction,
                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
