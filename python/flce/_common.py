@@ -24,6 +24,14 @@ class ArgumentError(ValueError, RuntimeError):
     that code written against ``F.cross_entropy`` catches it as it is."""
 
 
+class DtypeError(TypeError, NotImplementedError):
+    """A tensor of a dtype flce does not take (integer logits, a bool target, ...). A
+    ``TypeError``, and also what torch's ``F.cross_entropy`` raises for it: a
+    ``NotImplementedError`` for the logits ("not implemented for 'Long'"), a ``RuntimeError``
+    for the target ("expected target dtype to be Long or Byte"); NotImplementedError is a
+    RuntimeError, so that code written against torch catches it as it is."""
+
+
 class Options:
     """The loss options, validated and normalized to Python numbers (``softcap`` 0.0: none)."""
 
@@ -134,7 +142,7 @@ def is_soft(target):
 def check_soft_target(target, shape, name):
     """Probability targets: float32, bfloat16, float16 or float64, shaped like ``shape``."""
     if target.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"flce: probability targets must be float32, bfloat16, float16 or "
+        raise DtypeError(f"flce: probability targets must be float32, bfloat16, float16 or "
                         f"float64, got {target.dtype}")
     if tuple(target.shape) != tuple(shape):
         raise ArgumentError(f"flce: probability targets must have shape {tuple(shape)} ({name}), "
@@ -158,10 +166,10 @@ def check_target(target, lead, lead_name):
     """Class-index targets shaped like ``lead``."""
     check_tensor("target", target)
     if target.dtype.is_complex:
-        raise TypeError(f"flce: target must hold class indices (an integer tensor) or "
+        raise DtypeError(f"flce: target must hold class indices (an integer tensor) or "
                         f"probabilities (a floating tensor), got {target.dtype}")
     if target.dtype == torch.bool:
-        raise TypeError("flce: target must hold class indices (an integer tensor), got "
+        raise DtypeError("flce: target must hold class indices (an integer tensor), got "
                         "torch.bool")
     if tuple(target.shape) != tuple(lead):
         raise ArgumentError(f"flce: target must have shape {tuple(lead)} ({lead_name}), got "
@@ -275,10 +283,10 @@ def validate_linear(input, weight, target, bias):
     else:
         check_target(target, lead, "input's leading dimensions")
     if input.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
+        raise DtypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
                         f"{input.dtype}")
     if weight.dtype not in (input.dtype, torch.float32):
-        raise TypeError(f"flce: weight must have input's dtype ({input.dtype}) or be float32 "
+        raise DtypeError(f"flce: weight must have input's dtype ({input.dtype}) or be float32 "
                         f"master weights, got {weight.dtype}")
     if bias is not None:
         check_tensor("bias", bias)
@@ -286,7 +294,7 @@ def validate_linear(input, weight, target, bias):
             raise ArgumentError(f"flce: bias must have shape ({weight.shape[0]},), got "
                                 f"{tuple(bias.shape)}")
         if bias.dtype != weight.dtype:
-            raise TypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
+            raise DtypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
                             f"{bias.dtype}")
     check_one_device((("input", input), ("weight", weight), ("target", target), ("bias", bias)))
 

@@ -313,8 +313,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         raise ArgumentError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a "
                             "0-d tensor")
     if input.dtype not in _common.FLOAT_DTYPES:
-        raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
-                        f"{input.dtype}")
+        raise _common.DtypeError(f"flce: input must be float32, bfloat16, float16 or float64, "
+                                 f"got {input.dtype}")
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy, inplace_backward=inplace_backward)
     c = input.shape[0] if input.dim() == 1 else input.shape[1]

@@ -263,9 +263,9 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
 def _raise_rank_errors(rows, error, group, world):
     """Where any rank's own arguments failed a check: every rank raises that rank's exception
     (the first such rank's, by rank), with its message, which a second exchange brings. Its
-    class: TypeError, IndexError and NotImplementedError as they are; any other exception (a
-    ValueError, or a RuntimeError such as a tensor's ambiguous truth value) as ArgumentError,
-    which is both a ValueError and a RuntimeError."""
+    class: TypeError, IndexError, NotImplementedError and DtypeError as they are; any other
+    exception (a ValueError, or a RuntimeError such as a tensor's ambiguous truth value) as
+    ArgumentError, which is both a ValueError and a RuntimeError."""
     if not any(r[_ERROR] for r in rows):
         return
     messages = [None] * world
@@ -273,7 +273,7 @@ def _raise_rank_errors(rows, error, group, world):
     _dist().all_gather_object(messages, mine, group=group)
     failed = [r for r in range(world) if rows[r][_ERROR]]
     name, text = messages[failed[0]]
-    cls = {"TypeError": TypeError, "IndexError": IndexError,
+    cls = {"TypeError": TypeError, "IndexError": IndexError, "DtypeError": _common.DtypeError,
            "NotImplementedError": NotImplementedError}.get(name, ArgumentError)
     others = f" (ranks {failed} have bad arguments)" if len(failed) > 1 else ""
     raise cls(f"flce.parallel: rank {failed[0]}'s arguments are invalid: {text}{others}")
@@ -915,7 +915,8 @@ def _check_inplace(inplace, x, logits, name):
 def _check_logits(logits, target, name):
     _common.check_tensor(name, logits)
     if logits.dtype not in _DTYPE_CODES:
-        raise TypeError(f"flce: {name} must be float32, bfloat16 or float16, got {logits.dtype}")
+        raise _common.DtypeError(f"flce: {name} must be float32, bfloat16 or float16, got "
+                                 f"{logits.dtype}")
     if logits.dim() < 1:
         raise ArgumentError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
     _common.check_tensor("target", target)
