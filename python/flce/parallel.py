@@ -663,9 +663,28 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         the per-token entropy when ``return_entropy`` and the accuracy when ``return_accuracy``.
         Every rank must backpropagate the same upstream gradient into it.
     """
+    return _common.unshift(_vocab_parallel_linear(
+        input, weight_local, target, group=group, bias_local=bias_local,
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
+        return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
+        class_weight=class_weight, vocab_start=vocab_start, vocab_size=vocab_size,
+        reduce_input_grad=reduce_input_grad, sequence_parallel=sequence_parallel,
+        check_ranks=check_ranks, single_pass=single_pass, exact_bf16_grad=exact_bf16_grad),
+        _common.shift_amount(shift), reduction)
+
+
+def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ignore_index,
+                           reduction, label_smoothing, z_loss, softcap, temperature, return_lse,
+                           return_entropy, return_accuracy, shift, class_weight, vocab_start,
+                           vocab_size, reduce_input_grad, sequence_parallel, check_ranks,
+                           single_pass, exact_bf16_grad):
+    """vocab_parallel_linear_cross_entropy's outputs with the last ``shift`` positions (ignored)
+    kept (flce.linear_cross_entropy's DTensor path drops them itself)."""
     group, rank, world = _resolve_group(group)
     # This rank's own checks; their failure goes into the exchange, so that every rank raises it.
     try:
+        shift = _common.shift_amount(shift)
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
         soft = _common.is_soft(target)
@@ -685,7 +704,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             raise ArgumentError("flce.parallel: sequence_parallel=True reduce-scatters input's "
                                 "gradient itself; reduce_input_grad=False is not supported with it")
         _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
-                            return_accuracy=return_accuracy, shift=shift)
+                            return_accuracy=return_accuracy)
         if shift and sequence_parallel:
             raise ArgumentError("flce.parallel: shift=True is not supported with "
                                 "sequence_parallel (each rank holds a piece of the sequences)")
@@ -700,7 +719,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             _use_single_pass(single_pass, reduction, per_token, input, world)
         d = input.shape[-1]
         if shift:
-            target = _common.shift_target(target, opts.ignore_index)
+            target = _common.shift_target(target, opts.ignore_index, shift)
         if soft:
             lead = tuple(target.shape[:-1])
             # (not reshape(-1, V_local): an empty shard must reach the exchange on every rank)
@@ -718,7 +737,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
                 int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
                 _weights_meta(class_weight), int(soft),
-                -1 if exact_bf16_grad is None else int(exact_bf16_grad), int(bool(shift)),
+                -1 if exact_bf16_grad is None else int(exact_bf16_grad), shift,
                 int(bool(reduce_input_grad)),
                 int(torch.is_grad_enabled() and input.requires_grad)]
         error = None
@@ -797,6 +816,19 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
     its own classes). ``bias`` must be a DTensor with the weight's placement. The loss (and lse)
     come back as plain tensors, identical on all ranks.
     """
+    return _common.unshift(_linear_dtensor(
+        input, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+        temperature=temperature, return_lse=return_lse, return_entropy=return_entropy,
+        return_accuracy=return_accuracy, shift=shift, class_weight=class_weight,
+        exact_bf16_grad=exact_bf16_grad), _common.shift_amount(shift), reduction)
+
+
+def _linear_dtensor(input, weight, target, *, bias, ignore_index, reduction, label_smoothing,
+                    z_loss, softcap, temperature, return_lse, return_entropy, return_accuracy,
+                    shift, class_weight, exact_bf16_grad):
+    """linear_cross_entropy_dtensor's outputs with the last ``shift`` positions (ignored)
+    kept (flce.linear_cross_entropy drops them itself)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = weight.device_mesh
@@ -822,13 +854,15 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
                             "(Shard(0),) on the same mesh")
     target = (_class_columns(target, mesh, "target") if _common.is_soft(target)
               else local("target", target, None))
-    return vocab_parallel_linear_cross_entropy(
+    return _vocab_parallel_linear(
         local("input", input, None), weight.to_local(), target,
         group=mesh.get_group(), bias_local=local("bias", bias, (Shard(0),)),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
         return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-        class_weight=local("class_weight", class_weight, None), exact_bf16_grad=exact_bf16_grad)
+        class_weight=local("class_weight", class_weight, None), vocab_start=None,
+        vocab_size=None, reduce_input_grad=True, sequence_parallel=False, check_ranks=True,
+        single_pass=None, exact_bf16_grad=exact_bf16_grad)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -928,6 +928,14 @@ def check_accuracy_and_shift(rank, world, group):
         torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-5)
         assert torch.all(xs.grad[:, -1] == 0)
+    # An integer shift (Cut Cross Entropy's): per-token outputs (..., T - k)
+    got = P.vocab_parallel_linear_cross_entropy(x, w, t, group=group, reduction="none", shift=2,
+                                                return_lse=True)
+    ref = flce.linear_cross_entropy(x[:, :-2], w_full, t[:, 2:], reduction="none",
+                                    return_lse=True)
+    assert got.loss.shape == got.lse.shape == (b, t_len - 2)
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.lse, ref.lse, rtol=1e-5, atol=1e-6)
 
 
 def check_class_weights(rank, world, group):

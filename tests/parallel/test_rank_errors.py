@@ -57,7 +57,8 @@ def run_checks(rank, world, group):
     # A flag given as a 2-element tensor: RuntimeError (its truth value is ambiguous), which the
     # exchange did not forward; every rank raises a RuntimeError.
     _expect_fast(RuntimeError, bad, lambda: linear(return_lse=both if mine else False))
-    _expect_fast(RuntimeError, bad, lambda: linear(shift=both if mine else False))
+    _expect_fast(TypeError, f"{bad}: flce: shift must be", lambda: linear(shift=both if mine
+                                                                          else False))
     logits = torch.randn(6, 16, generator=g)
     _expect_fast(RuntimeError, bad, lambda: fp.cross_entropy(
         logits, t, group=group, return_entropy=both if mine else False))
