@@ -1,7 +1,9 @@
 """Differential fuzzer of flce against float64, with a first-order error bound per element.
 
 Each case is drawn from a seed: the entry point (``linear_cross_entropy`` or ``cross_entropy``),
-sizes with tails, dtype and master weights, bias, class weights, ignored rows, reduction, label
+sizes with tails, dtype and master weights, bias, class weights (a tenth of the class-target
+cases: with label smoothing in fp32 over a wide vocabulary, some of them with every present
+target's weight 0, whose "mean" is NaN as torch's), ignored rows, reduction, label
 smoothing, z-loss, softcap, temperature, lse / entropy outputs, single_pass, exact_bf16_grad,
 confident rows (large target margins) and dominant non-target classes, leading dimensions,
 strided and transposed views of every tensor, and the backend: "cpu", or "cuda-host" (the CUDA
@@ -123,6 +125,8 @@ class Case:
                                   # | sparse
     soft_dtype: str = "fp32"      # the probability targets' dtype
     soft_grad: bool = False       # the probability targets require grad (the composite path)
+    zero_weights: bool = False    # class targets: class weight 0 at every present target (the
+                                  # weighted mean is 0/0 = NaN, its gradients too, as torch's)
 
     def code(self):
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -180,6 +184,9 @@ def draw(rng, backend):
         c.class_weight, c.label_smoothing = True, p.choice([0.1, 0.5])
         c.dtype, c.master, c.confident = "fp32", False, 0.0
         c.v = p.choice([1000, 4000] if not small else [400, 1000])
+        # (without lse / entropy, whose upstream gradients would be finite beside the NaN)
+        if c.reduction == "mean" and not (c.lse or c.entropy) and p.random() < 0.2:
+            c.zero_weights = True
     if backend == "cuda-host" and (c.soft or c.class_weight and c.label_smoothing):
         c.cuda_distributions = random.Random(c.seed + 1).random() < 0.5  # (its own stream too)
     return c
@@ -265,6 +272,8 @@ def make_inputs(c):
         out["input"] = logits
     if c.class_weight:
         out["class_weight"] = (torch.rand(c.v, generator=g, dtype=torch.float64) + 0.25).float()
+        if c.zero_weights and not c.soft:
+            out["class_weight"][t[t != -100]] = 0.0
     if not c.soft:
         out["target"] = _view(out["target"], c.t_layout)
     return out
@@ -692,6 +701,19 @@ def check(c):
     except Exception:  # noqa: BLE001  (a crash is a finding)
         return "raised:\n" + traceback.format_exc(limit=6)
     bad = []
+    present = inputs["target"] != -100
+    if c.zero_weights and c.class_weight and not c.soft and c.reduction == "mean" and \
+            bool(present.any()):
+        # torch's weighted mean over zero weights: 0/0 = NaN (label smoothing's terms keep the
+        # sum above 0: flce gave inf), and NaN gradients, except ignored rows' (0)
+        if not bool(torch.isnan(got["loss"]).all()):
+            bad.append(f"loss: {got['loss'].tolist()} where the mean over zero weights is NaN")
+        for k in got:
+            x = got[k]
+            if k.startswith("d") and not (bool(torch.isnan(x).any()) and
+                                          bool((torch.isnan(x) | (x == 0)).all())):
+                bad.append(f"{k}: not NaN (and 0 for ignored rows) as torch's")
+        return "; ".join(bad) if bad else None
     for k in ref:
         r, b, x = ref[k], bound[k], got[k].reshape(ref[k].shape)
         counted = math.prod(_row_shape(c, inputs)) > 0 if c.soft else \
@@ -730,7 +752,7 @@ def _simpler(c):
              "single_pass": None, "exact_bf16_grad": None, "confident": 0.0, "scale": 1.0, "x_layout": "plain",
              "w_layout": "plain", "t_layout": "plain", "class_dim": 0, "master": False,
              "reduction": "sum", "cuda_distributions": False, "soft_grad": False,
-             "soft_dtype": "fp32", "soft": ""}
+             "soft_dtype": "fp32", "soft": "", "zero_weights": False}
     for k, val in plain.items():
         if getattr(c, k) != val:
             yield dataclasses.replace(c, **{k: val})

@@ -114,6 +114,18 @@ REGRESSIONS = {
                                                lead=(16,), v=1000, class_weight=True,
                                                label_smoothing=0.1, reduction="sum",
                                                cuda_distributions=True),
+    # (issue 51) class weights with label smoothing, "mean", every present target's weight 0:
+    # the smoothing's terms over a zero sum of weights gave inf where torch's mean is NaN
+    "zero_target_weights_mean": Case(seed=55, entry="logits", lead=(16,), v=64,
+                                     class_weight=True, label_smoothing=0.1, ignore=0.2,
+                                     zero_weights=True),
+    "zero_target_weights_mean_linear": Case(seed=56, lead=(16,), v=64, bias=True,
+                                            class_weight=True, label_smoothing=0.1, ignore=0.2,
+                                            zero_weights=True),
+    "zero_target_weights_mean_cuda": Case(seed=58, backend="cuda-host", entry="logits",
+                                          lead=(9,), v=33, class_weight=True,
+                                          label_smoothing=0.1, ignore=0.2, zero_weights=True,
+                                          cuda_distributions=True),
     # (the bound's own completeness) a bf16 GEMM that multiplies bf16 natively (AVX512-BF16,
     # AMX) flushes a subnormal product to 0: a dW element of -3.5e-39 (one row) came out 0
     "bf16_gemm_flushes_subnormal_products": Case(seed=1123681288, lead=(1,), v=13, d=40,
