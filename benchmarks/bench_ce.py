@@ -12,8 +12,9 @@ A progress line is printed as each (configuration, implementation) starts and en
 
 Implementations (each in a fresh process, every repeat on the same logits):
   flce          flce.cross_entropy(logits, target)
-  flce_inplace  the same with inplace_backward=True (the gradient overwrites the logits; they
-                are restored outside the timed region)
+  flce_inplace  the same with inplace_backward=True on logits that an op produced, as a
+                model's are (a clone of the leaf, made outside the timed region): the gradient
+                overwrites them and reaches the leaf's .grad (flce refuses a leaf itself)
   eager         F.cross_entropy(logits.float(), target): TorchTitan's loss function
   compiled      torch.compile of eager
   native        F.cross_entropy(logits, target) in the logits' dtype (no fp32 copy)
@@ -106,31 +107,31 @@ def measure(spec):
         torch.set_num_threads(spec["threads"])
     f = make_impl(name)
     z0, t = inputs(spec["n"], spec["v"], dtype, device)
-    x = z0.clone().requires_grad_()
+    x = z0.requires_grad_()
     inplace = name == "flce_inplace"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def step():
+    def logits():
+        """The step's logits: the leaf, or for the in-place path a non-leaf copy of it."""
         x.grad = None
-        if inplace:
-            with torch.no_grad():
-                x.copy_(z0)  # the last step's gradient overwrote the logits
-            sync()
+        z = x.clone() if inplace else x
+        sync()
+        return z
+
+    def step(z):
         start = time.perf_counter()
-        loss = f(x, t)
+        loss = f(z, t)
         loss.backward()
         sync()
         return time.perf_counter() - start, loss
 
     for _ in range(spec["warmup"]):
-        step()
-    times = [step()[0] for _ in range(spec["repeats"])]
-    x.grad = None
-    if inplace:
-        with torch.no_grad():
-            x.copy_(z0)
+        step(logits())
+    times = [step(logits())[0] for _ in range(spec["repeats"])]
+    z = logits()
     with PeakMemory(device) as mem:
-        _, loss = step()
+        _, loss = step(z)
+    del z
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
            "ms_max": 1e3 * max(times), "repeats": len(times), "peak_gib": mem.peak / 2 ** 30,
            "loss": float(loss.detach())}
@@ -150,7 +151,8 @@ def margin_error(f, dtype, device, v=4096, margin=40.0, n=8):
     z.scatter_(1, t[:, None], (others + margin)[:, None])
     z = z.to(dtype)
     ref = flce.reference.logits_cross_entropy(z.double(), t).item()
-    got = f(z.to(device).requires_grad_(), t.to(device)).item()
+    # (a non-leaf, as the timed steps' in-place logits)
+    got = f(z.to(device).requires_grad_().clone(), t.to(device)).item()
     return abs(got - ref) / ref
 
 

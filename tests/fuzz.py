@@ -1,7 +1,9 @@
 """Differential fuzzer of flce against float64, with a first-order error bound per element.
 
 Each case is drawn from a seed: the entry point (``linear_cross_entropy`` or ``cross_entropy``),
-sizes with tails, dtype and master weights, bias, class weights, ignored rows, reduction, label
+sizes with tails, dtype and master weights, bias, class weights (a tenth of the class-target
+cases: with label smoothing in fp32 over a wide vocabulary, some of them with every present
+target's weight 0, whose "mean" is NaN as torch's), ignored rows, reduction, label
 smoothing, z-loss, softcap, temperature, lse / entropy outputs, single_pass, exact_bf16_grad,
 confident rows (large target margins) and dominant non-target classes, leading dimensions,
 strided and transposed views of every tensor, and the backend: "cpu", or "cuda-host" (the CUDA
@@ -35,9 +37,11 @@ first-order bound of an ideal implementation at the same precision (``bounds``):
   fp32), else fp32; an fp16 tile's power-of-two scale comes
   from an a-priori bound of the rows' gradients, and what its subnormals cannot hold is lost.
   Target distributions (probability targets; class weights with label smoothing on the fused
-  soft ops): the pivot's entry ``-g Y q_a + g y_rest`` cancels from terms of ``|g| Y`` whose
-  few roundings are absolute there (and the sum of the weights' accumulation, times ``p_a`` on
-  the fused ops, whole on the composite path); the CUDA soft ops keep the pivot's entry in fp32,
+  soft ops): on the composite path the pivot's entry ``-g Y q_a + g y_rest`` cancels from terms
+  of ``|g| Y`` whose few roundings are absolute there (and the sum of the weights'
+  accumulation); the fused ops form it as every column's ``A p_a - g y_a`` while ``p_a <= 1/2``
+  and in the collapse-safe form beyond, a few roundings of the smaller set of terms (and the
+  weights' accumulation times ``p_a``); the CUDA soft ops keep the pivot's entry in fp32,
   not the class target's, and round the rest; the CPU's soft ops and the composite path
   (targets that require grad) keep fp32 tiles.
 - d target (probability targets that require grad): ``|g| (1 - eps) w_c`` times the error of
@@ -83,6 +87,7 @@ FLT_MIN = 2.0 ** -126
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SOFT_KINDS = ["dense", "sharp", "onehot", "sparse"]
 SOFT_FRACTION = 0.3  # of the cases: probability targets
+PIVOT_FRACTION = 0.1  # of the others: class weights with label smoothing at the pivot (draw)
 
 
 @dataclasses.dataclass
@@ -120,6 +125,8 @@ class Case:
                                   # | sparse
     soft_dtype: str = "fp32"      # the probability targets' dtype
     soft_grad: bool = False       # the probability targets require grad (the composite path)
+    zero_weights: bool = False    # class targets: class weight 0 at every present target (the
+                                  # weighted mean is 0/0 = NaN, its gradients too, as torch's)
 
     def code(self):
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -169,6 +176,17 @@ def draw(rng, backend):
         c.soft_dtype = s.choice(list(DTYPES))
         c.soft_grad = s.random() < 0.25
         c.ignore = 0.0  # (no ignore_index for probability targets)
+    p = random.Random(f"pivot-{c.seed}")  # (its own stream too)
+    if not c.soft and p.random() < PIVOT_FRACTION:
+        # Class weights with label smoothing in fp32 over a wide vocabulary, no confident rows:
+        # each row's largest logit is (mostly) not its target, where a target distribution's
+        # pivot entry once cancelled to 1e-4 relative (issue 51).
+        c.class_weight, c.label_smoothing = True, p.choice([0.1, 0.5])
+        c.dtype, c.master, c.confident = "fp32", False, 0.0
+        c.v = p.choice([1000, 4000] if not small else [400, 1000])
+        # (without lse / entropy, whose upstream gradients would be finite beside the NaN)
+        if c.reduction == "mean" and not (c.lse or c.entropy) and p.random() < 0.2:
+            c.zero_weights = True
     if backend == "cuda-host" and (c.soft or c.class_weight and c.label_smoothing):
         c.cuda_distributions = random.Random(c.seed + 1).random() < 0.5  # (its own stream too)
     return c
@@ -254,6 +272,8 @@ def make_inputs(c):
         out["input"] = logits
     if c.class_weight:
         out["class_weight"] = (torch.rand(c.v, generator=g, dtype=torch.float64) + 0.25).float()
+        if c.zero_weights and not c.soft:
+            out["class_weight"][t[t != -100]] = 0.0
     if not c.soft:
         out["target"] = _view(out["target"], c.t_layout)
     return out
@@ -515,12 +535,14 @@ def reference_and_bounds(c, inputs):
     fused_dist = (c.backend == "cpu" or c.cuda_distributions) and (
         not c.soft_grad if c.soft else bool(c.class_weight and c.label_smoothing))
     if v and (c.soft or fused_dist):
-        # The pivot's collapse-safe entry, dz_a = (A - g Y) p_a - g Y q_a + g y_rest (math.h
-        # soft_row_grad; the composite: autograd's -g Y q_a + g sum_c y'_c - g y'_a), cancels
-        # to g (Y p_a - y'_a) from terms of |g| (Y q_a + y_rest) each: their roundings (Y, q_a,
-        # the products and sums: ~6 ulps) are absolute there. The fused ops' y_rest, a sum of
-        # V weights, enters twice (in Y = y_a + y_rest) and leaves its accumulation error times
-        # p_a only; the composite sums the weights apart from Y, and that error stays whole.
+        # The pivot's entry. The composite path differentiates the collapse-safe form: autograd's
+        # -g Y q_a + g sum_c y'_c - g y'_a cancels to g (Y p_a - y'_a) from terms of |g| Y q_a
+        # each, whose roundings (Y, q_a, the products and sums: ~6 ulps) are absolute there, and
+        # it sums the weights apart from Y, so that their accumulation error stays whole. The
+        # fused ops (math.h soft_row_grad) take g (A p_a - y'_a), every column's form, while
+        # p_a <= 1/2, and (A - g Y) p_a - g Y q_a + g y_rest beyond: a few ulps of the smaller
+        # set of terms; their y_rest, a sum of V weights, enters twice (in Y = y_a + y_rest)
+        # and leaves its accumulation error times p_a only.
         if c.soft:
             y_w = y_eff
         else:  # y'_c = w_c ((1 - eps) [c = t] + eps / V), none for an ignored row
@@ -534,7 +556,8 @@ def reference_and_bounds(c, inputs):
         if not fused_dist:
             piv_err = U32 * g_abs * (6 * y_mass * (1 - p) + (4 + lg) * y_mass)
         else:
-            piv_err = U32 * g_abs * (6 * (y_mass * (1 - p) + y_rest) + (3 + lg) * p * y_rest)
+            terms = torch.where(p <= 0.5, y_mass * p + y_w, y_mass * (1 - p) + y_rest)
+            piv_err = U32 * g_abs * (6 * terms + (3 + lg) * p * y_rest)
         err_gu = err_gu + torch.where(near, chain_up * piv_err, 0.0)
     # the tile's rounding: the CUDA backend's 16-bit GEMMs take it in the compute dtype (its
     # target entry kept in fp32), as the CPU's bf16 GEMMs do where they round it once
@@ -678,6 +701,19 @@ def check(c):
     except Exception:  # noqa: BLE001  (a crash is a finding)
         return "raised:\n" + traceback.format_exc(limit=6)
     bad = []
+    present = inputs["target"] != -100
+    if c.zero_weights and c.class_weight and not c.soft and c.reduction == "mean" and \
+            bool(present.any()):
+        # torch's weighted mean over zero weights: 0/0 = NaN (label smoothing's terms keep the
+        # sum above 0: flce gave inf), and NaN gradients, except ignored rows' (0)
+        if not bool(torch.isnan(got["loss"]).all()):
+            bad.append(f"loss: {got['loss'].tolist()} where the mean over zero weights is NaN")
+        for k in got:
+            x = got[k]
+            if k.startswith("d") and not (bool(torch.isnan(x).any()) and
+                                          bool((torch.isnan(x) | (x == 0)).all())):
+                bad.append(f"{k}: not NaN (and 0 for ignored rows) as torch's")
+        return "; ".join(bad) if bad else None
     for k in ref:
         r, b, x = ref[k], bound[k], got[k].reshape(ref[k].shape)
         counted = math.prod(_row_shape(c, inputs)) > 0 if c.soft else \
@@ -716,7 +752,7 @@ def _simpler(c):
              "single_pass": None, "exact_bf16_grad": None, "confident": 0.0, "scale": 1.0, "x_layout": "plain",
              "w_layout": "plain", "t_layout": "plain", "class_dim": 0, "master": False,
              "reduction": "sum", "cuda_distributions": False, "soft_grad": False,
-             "soft_dtype": "fp32", "soft": ""}
+             "soft_dtype": "fp32", "soft": "", "zero_weights": False}
     for k, val in plain.items():
         if getattr(c, k) != val:
             yield dataclasses.replace(c, **{k: val})

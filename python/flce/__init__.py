@@ -2,12 +2,13 @@
 collapse-safe cross-entropy on given logits."""
 from . import reference
 from ._build import build_info
-from ._common import ArgumentError
+from ._common import ArgumentError, DtypeError
 from ._ops import ops
 from .api import LinearCrossEntropy, cross_entropy, linear_cross_entropy
 # transformers is imported only when a model is patched.
 from .integrations import patch, patched, unpatch
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy", "cross_entropy", "reference", "ops",
-           "patch", "unpatch", "patched", "build_info", "ArgumentError"]
+           "patch", "unpatch", "patched", "build_info", "ArgumentError",
+           "DtypeError"]
 __version__ = "0.1.0"

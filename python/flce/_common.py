@@ -4,6 +4,7 @@ path, and the reduction of per-token outputs.
 ``flce.api`` (one device), ``flce.parallel`` (vocab-parallel) and ``flce.logits`` (cross-entropy
 on given logits) import from here; nothing here imports them.
 """
+import collections
 import math
 import numbers
 import os
@@ -22,6 +23,14 @@ class ArgumentError(ValueError, RuntimeError):
     """A bad argument value. A ``ValueError``, and also the ``RuntimeError`` that torch raises
     for most of the same mistakes (``label_smoothing=1.2``, a target of the wrong shape, ...), so
     that code written against ``F.cross_entropy`` catches it as it is."""
+
+
+class DtypeError(TypeError, NotImplementedError):
+    """A tensor of a dtype flce does not take (integer logits, a bool target, ...). A
+    ``TypeError``, and also what torch's ``F.cross_entropy`` raises for it: a
+    ``NotImplementedError`` for the logits ("not implemented for 'Long'"), a ``RuntimeError``
+    for the target ("expected target dtype to be Long or Byte"); NotImplementedError is a
+    RuntimeError, so that code written against torch catches it as it is."""
 
 
 class Options:
@@ -134,7 +143,7 @@ def is_soft(target):
 def check_soft_target(target, shape, name):
     """Probability targets: float32, bfloat16, float16 or float64, shaped like ``shape``."""
     if target.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"flce: probability targets must be float32, bfloat16, float16 or "
+        raise DtypeError(f"flce: probability targets must be float32, bfloat16, float16 or "
                         f"float64, got {target.dtype}")
     if tuple(target.shape) != tuple(shape):
         raise ArgumentError(f"flce: probability targets must have shape {tuple(shape)} ({name}), "
@@ -158,10 +167,10 @@ def check_target(target, lead, lead_name):
     """Class-index targets shaped like ``lead``."""
     check_tensor("target", target)
     if target.dtype.is_complex:
-        raise TypeError(f"flce: target must hold class indices (an integer tensor) or "
+        raise DtypeError(f"flce: target must hold class indices (an integer tensor) or "
                         f"probabilities (a floating tensor), got {target.dtype}")
     if target.dtype == torch.bool:
-        raise TypeError("flce: target must hold class indices (an integer tensor), got "
+        raise DtypeError("flce: target must hold class indices (an integer tensor), got "
                         "torch.bool")
     if tuple(target.shape) != tuple(lead):
         raise ArgumentError(f"flce: target must have shape {tuple(lead)} ({lead_name}), got "
@@ -275,10 +284,10 @@ def validate_linear(input, weight, target, bias):
     else:
         check_target(target, lead, "input's leading dimensions")
     if input.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
+        raise DtypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
                         f"{input.dtype}")
     if weight.dtype not in (input.dtype, torch.float32):
-        raise TypeError(f"flce: weight must have input's dtype ({input.dtype}) or be float32 "
+        raise DtypeError(f"flce: weight must have input's dtype ({input.dtype}) or be float32 "
                         f"master weights, got {weight.dtype}")
     if bias is not None:
         check_tensor("bias", bias)
@@ -286,7 +295,7 @@ def validate_linear(input, weight, target, bias):
             raise ArgumentError(f"flce: bias must have shape ({weight.shape[0]},), got "
                                 f"{tuple(bias.shape)}")
         if bias.dtype != weight.dtype:
-            raise TypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
+            raise DtypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
                             f"{bias.dtype}")
     check_one_device((("input", input), ("weight", weight), ("target", target), ("bias", bias)))
 
@@ -422,19 +431,113 @@ def check_single_pass(requested, reduction, per_token):
                             f"{bool(per_token)}")
 
 
+_OUTPUT_FIELDS = ("loss", "lse", "entropy", "accuracy", "z_loss")
+
+
+def _output_types():
+    """One NamedTuple class per set of outputs (the loss and any of the others), made here
+    rather than on demand: torch.compile traces named_output, not a class's creation. Each is
+    printed as ``CrossEntropyOutput`` and importable from this module (the results pickle)."""
+    types = {}
+    rest = _OUTPUT_FIELDS[1:]
+    for mask in range(1, 2 ** len(rest)):
+        names = ("loss",) + tuple(f for i, f in enumerate(rest) if mask >> i & 1)
+        cls = collections.namedtuple("CrossEntropyOutput", names)
+        cls.__qualname__ = "_CrossEntropyOutput_" + "_".join(names[1:])
+        cls.__module__ = __name__
+        globals()[cls.__qualname__] = cls
+        types[names] = cls
+    return types
+
+
+_OUTPUT_TYPES = _output_types()
+
+
+def named_output(**fields):
+    """The entry points' result where more than the loss is returned: a NamedTuple of the
+    outputs asked for, in ``_OUTPUT_FIELDS`` order, the loss first (tuple unpacking keeps
+    working; ``out.lse`` names them)."""
+    names = tuple(f for f in _OUTPUT_FIELDS if f in fields)
+    return _OUTPUT_TYPES[names](*(fields[f] for f in names))
+
+
 def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accuracy=None):
     """``loss`` alone, or ``(loss, [lse], [entropy], [accuracy])`` shaped like the target
-    (``accuracy``: already reduced as the loss, or None when not asked for)."""
+    (``accuracy``: already reduced as the loss, or None when not asked for), named
+    (named_output)."""
     if not (return_lse or return_entropy or accuracy is not None):
         return loss
-    out = (loss,)
+    out = {"loss": loss}
     if return_lse:
-        out += (lse.reshape(lead),)
+        out["lse"] = lse.reshape(lead)
     if return_entropy:
-        out += (entropy.reshape(lead),)
+        out["entropy"] = entropy.reshape(lead)
     if accuracy is not None:
-        out += (accuracy,)
-    return out
+        out["accuracy"] = accuracy
+    return named_output(**out)
+
+
+Z_LOSS_WEIGHTING = ("target", "none")
+
+
+def z_loss_weighting(value):
+    if value not in Z_LOSS_WEIGHTING:
+        raise ArgumentError(f"flce: z_loss_weighting must be 'target' or 'none', got {value!r}")
+    return value
+
+
+def row_mass(target, class_weight, opts):
+    """Each row's target mass Y = sum_c y_c, the weight of its z-loss under the "target" rule
+    (float32 [rows]): class ids ``target [rows]``: the target's class weight (1 without them), 0
+    where ignored; probabilities ``target [rows, V]``: ``sum_c w_c ((1 - eps) q_c + eps / V)``."""
+    if is_soft(target):
+        eps = opts.label_smoothing
+        q = target.detach().float()
+        if class_weight is None:
+            return (1 - eps) * q.sum(1) + eps
+        cw = class_weight.detach().float()
+        return (1 - eps) * (q @ cw) + eps * cw.sum() / max(q.shape[1], 1)
+    valid = target != opts.ignore_index
+    if class_weight is None:
+        return valid.float()
+    return torch.where(valid, class_weight.detach().float()[torch.where(valid, target, 0)], 0.0)
+
+
+def z_loss_output(lse, zw, reduce):
+    """return_z_loss: the z-loss terms ``z_loss lse^2 zw`` of the rows (the z-loss coefficient
+    already in ``zw``; 0 where zw is, also at an infinite lse), reduced as the loss is
+    (``reduce``); detached: a value to log, as Liger's."""
+    with torch.no_grad():
+        lse = lse.reshape(-1).float()
+        return reduce(torch.where(zw == 0, 0.0, zw * lse * lse))
+
+
+def shift_amount(shift):
+    """``shift`` as a number of positions: False 0, True 1 (causal LM), an int k >= 0 the
+    target k positions ahead (Cut Cross Entropy's ``shift``)."""
+    if isinstance(shift, bool):
+        return int(shift)
+    if isinstance(shift, numbers.Integral) and not isinstance(shift, torch.Tensor):
+        if shift < 0:
+            raise ArgumentError(f"flce: shift must be True, False or an int >= 0, got {shift}")
+        return int(shift)
+    raise TypeError(f"flce: shift must be True, False or an int >= 0, got {shift!r}")
+
+
+def unshift(out, k, reduction):
+    """An entry point's result with ``shift=k``: its per-token outputs (lse, entropy, and with
+    ``reduction="none"`` the loss and accuracy) without the last k positions, which have no
+    target: ``(..., T - k)``, as Cut Cross Entropy returns them."""
+    if not k:
+        return out
+
+    def cut(name, x):
+        per_token = name in ("lse", "entropy") or reduction == "none"
+        return x[..., :max(0, x.shape[-1] - k)] if per_token else x
+
+    if isinstance(out, torch.Tensor):
+        return cut("loss", out)
+    return named_output(**{f: cut(f, x) for f, x in zip(out._fields, out)})
 
 
 def outputs_from_stats(loss, lse, stats, entropy, target, opts, lead, row_weight, return_lse,
@@ -467,15 +570,16 @@ def distribution_outputs(loss, lse, entropy, target, opts, lead, row_weight, ret
     return per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy)
 
 
-def shift_target(target, ignore_index):
+def shift_target(target, ignore_index, k=1):
     """Causal-LM labels shifted inside the loss: the token at position i of a sequence is scored
-    against ``target[..., i + 1]`` and the last position is ignored. The hidden states are used
-    as they are (no ``[..., :-1, :]`` copy of them; the last position's logits cost one token in
-    T). ``target``: ``(..., T)``."""
+    against ``target[..., i + k]`` and the last k positions are ignored (unshift drops them
+    from the per-token outputs). The hidden states are used as they are (no ``[..., :-k, :]``
+    copy of them; the last positions' logits cost k tokens in T). ``target``: ``(..., T)``."""
     if target.dim() == 0:
         raise ArgumentError("flce: shift=True needs target of shape (..., T), got a 0-d tensor")
-    end = target.new_full(tuple(target.shape[:-1]) + (min(1, target.shape[-1]),), ignore_index)
-    return torch.cat([target[..., 1:], end], dim=-1)
+    k = min(k, target.shape[-1])
+    end = target.new_full(tuple(target.shape[:-1]) + (k,), ignore_index)
+    return torch.cat([target[..., k:], end], dim=-1)
 
 
 def accuracy_from_stats(stats, target, ignore_index):
@@ -503,7 +607,10 @@ def reduce_loss(loss, target, ignore_index, reduction, shape, row_weight=None):
     if reduction == "sum":
         return total
     if row_weight is not None:
-        return total / row_weight.sum()
+        # Where every counted token's target weighs 0, torch's mean is 0/0 = NaN, and so are its
+        # gradients; label smoothing's terms keep the sum above 0 there (total / 0 was inf).
+        weights = row_weight.sum()
+        return total / torch.where(weights == 0, math.nan, weights)
     return total / (target != ignore_index).sum()
 
 

@@ -17,7 +17,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                           temperature=1.0, return_lse=False, return_entropy=False,
                           return_accuracy=False, shift=False, single_pass=None,
                           exact_bf16_grad=None, class_weight=None, linear_weight=None,
-                          linear_bias=None, options=None):
+                          linear_bias=None, options=None, return_z_loss=False,
+                          z_loss_weighting="target"):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
@@ -67,11 +68,13 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             right, ``"sum"`` their count, ``"none"`` per token. From the row statistics the
             loss already has (the largest non-target logit against the target's): no extra
             pass over the logits. Like ``return_lse`` it takes the recompute path.
-        shift: causal language modelling with unshifted labels: the token at position ``i``
-            of a sequence is scored against ``target[..., i + 1]`` and the last position is
-            ignored, so ``input`` ``(..., T, D)`` and ``target`` ``(..., T)`` are passed as the
-            model has them (no ``[..., :-1, :]`` copy of the hidden states; the last
-            position's logits are computed and ignored).
+        shift: causal language modelling with unshifted labels: ``True`` (or 1) scores the
+            token at position ``i`` of a sequence against ``target[..., i + 1]``, an int ``k``
+            against ``target[..., i + k]`` (Cut Cross Entropy's ``shift``: k-th next token
+            prediction), so ``input`` ``(..., T, D)`` and ``target`` ``(..., T)`` are passed as
+            the model has them (no ``[..., :-k, :]`` copy of the hidden states; the last k
+            positions' logits are computed and ignored). Per-token outputs (``"none"``'s loss,
+            lse, entropy, accuracy) cover the positions that have a target: ``(..., T - k)``.
         class_weight: optional per-class weights ``(V,)`` with torch's semantics (``weight=`` in
             torch's calling convention, above): each token's loss (and z-loss) times its
             target's weight, ``"mean"`` divided by the sum of those weights. Fused (no ``[N,
@@ -102,12 +105,58 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             there). ``False``: rounded once on every backend. ``True``: exact, on the CPU
             backend only (AMX: the tile split into two bf16 halves, 4 GEMMs where rounding
             takes 2; elsewhere fp32 GEMMs); the CUDA backend, which has no exact mode, raises.
+        return_z_loss: also return the z-loss part of the loss (Liger's ``return_z_loss``),
+            reduced as the loss is, float32, not differentiable (a value to log).
+        z_loss_weighting: how the z-loss of a token weighs with ``class_weight`` (and
+            probability targets): ``"target"`` (default) as its loss, times its target mass
+            ``sum_c y_c`` (its target's class weight; 1 for a distribution without class
+            weights), ``"mean"`` over those weights; ``"none"``, as Liger, unweighted, ``"mean"``
+            over the non-ignored tokens (probability targets: the rows). Without class weights
+            and with class targets both are the same.
 
     Returns:
-        The loss in float32 (float64 for float64 inputs), then the lse when ``return_lse``,
-        then the entropy when ``return_entropy``, then the accuracy when ``return_accuracy``.
+        The loss in float32 (float64 for float64 inputs); where more is asked for, a
+        ``NamedTuple`` of the loss, then the lse when ``return_lse``, the entropy when
+        ``return_entropy``, the accuracy when ``return_accuracy`` and the z-loss when
+        ``return_z_loss`` (fields ``loss``, ``lse``, ``entropy``, ``accuracy``, ``z_loss``).
     """
+    try:
+        k = _common.shift_amount(shift)
+    except (TypeError, ValueError):
+        k = shift  # (the call's own checks raise it: for DTensor weights on every rank)
+    _common.check_flags(return_z_loss=return_z_loss)
+    _common.z_loss_weighting(z_loss_weighting)
+    plain = dict(bias=bias, ignore_index=ignore_index, reduction=reduction,
+                 label_smoothing=label_smoothing, softcap=softcap, temperature=temperature,
+                 return_entropy=return_entropy, return_accuracy=return_accuracy, shift=k,
+                 single_pass=single_pass, exact_bf16_grad=exact_bf16_grad,
+                 class_weight=class_weight, linear_bias=linear_bias, options=options)
     weight = _alias("weight", weight, "linear_weight", linear_weight)
+
+    def rows():
+        """The target as the loss's rows: class ids [rows] (shifted) or probabilities
+        [rows, V], and their leading shape."""
+        if _common.is_soft(target):
+            return target.reshape(-1, target.shape[-1]), tuple(target.shape[:-1])
+        t = _common.unbatched_target(input, target)
+        if k:
+            t = _common.shift_target(t, ignore_index if ignore_index is not None else -100, k)
+        return t.reshape(-1), tuple(t.shape)
+
+    out = _with_z_loss(lambda zl, lse: _linear_outputs(input, weight, target, z_loss=zl,
+                                                       return_lse=lse, **plain),
+                       rows, _common.is_soft(target), class_weight, z_loss, ignore_index,
+                       reduction, label_smoothing, return_lse, return_z_loss, z_loss_weighting)
+    return _common.unshift(out, k, reduction)
+
+
+def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=-100,
+                    reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
+                    temperature=1.0, return_lse=False, return_entropy=False,
+                    return_accuracy=False, shift=0, single_pass=None, exact_bf16_grad=None,
+                    class_weight=None, linear_weight=None, linear_bias=None, options=None):
+    """linear_cross_entropy's outputs but the z-loss's and with the last ``shift`` positions
+    (ignored) kept."""
     bias = _alias("bias", bias, "linear_bias", linear_bias)
     if weight is None or target is None:
         raise TypeError("flce: linear_cross_entropy needs input, weight and target")
@@ -119,7 +168,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         from . import parallel
 
         if parallel.is_vocab_sharded(weight):
-            return parallel.linear_cross_entropy_dtensor(
+            return parallel._linear_dtensor(
                 input, weight, target, bias=bias, ignore_index=ignore_index,
                 reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
                 softcap=softcap, temperature=temperature, return_lse=return_lse,
@@ -131,7 +180,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
     _common.validate_linear(input, weight, target, bias)
     _common.check_one_device((("input", input), ("class_weight", class_weight)))
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
-                        return_accuracy=return_accuracy, shift=shift)
+                        return_accuracy=return_accuracy)
+    shift = _common.shift_amount(shift)
     # (here, for every path: the composite ones never ask _common.single_pass)
     _common.check_single_pass(single_pass, opts.reduction,
                               return_lse or return_entropy or return_accuracy)
@@ -144,7 +194,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
         return _soft_linear(input, weight, target, bias, opts, reduction, class_weight,
                             return_lse, return_entropy, return_accuracy, shift, single_pass)
     if shift:
-        target = _common.shift_target(target, opts.ignore_index)
+        target = _common.shift_target(target, opts.ignore_index, shift)
     lead = target.shape
     # (reshape(-1, D) cannot infer N when D = 0)
     x = input.reshape(target.numel(), input.shape[-1])
@@ -185,6 +235,45 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                                                  exact_bf16_grad=exact_bf16_grad)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
                                       return_lse, return_entropy, return_accuracy)
+
+
+def _with_z_loss(call, rows, soft, class_weight, z_loss, ignore_index, reduction,
+                 label_smoothing, return_lse, return_z_loss, weighting):
+    """An entry point's result from ``call(z_loss, return_lse)``, its outputs with the z-loss
+    given, plus return_z_loss's output, and the z-loss added apart where z_loss_weighting="none"
+    leaves it unweighted beside weighted losses (class weights, probability targets). ``rows()``:
+    the target as the rows of the loss (class ids [rows] or probabilities [rows, V]) and their
+    leading shape; ``soft``: whether they are probabilities."""
+    separate = weighting == "none" and z_loss != 0 and (class_weight is not None or soft)
+    if not (return_z_loss or separate):
+        return call(z_loss, return_lse)
+    out = call(0.0 if separate else z_loss, True)
+    t, lead = rows()
+    opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss)
+    lse = out[1]
+    if weighting == "none":
+        zw = torch.ones(t.shape[0], device=lse.device) if soft else \
+            (t != opts.ignore_index).float()
+        row_weight = None
+    else:
+        zw = _common.row_mass(t, class_weight, opts)
+        row_weight = None if soft or class_weight is None else zw
+
+    def reduce(per):  # (as the loss reduces its rows)
+        if soft:
+            return _common.reduce_rows(per, opts.reduction, lead)
+        return _common.reduce_loss(per, t, opts.ignore_index, opts.reduction, lead, row_weight)
+
+    zw = opts.z_loss * zw.to(lse.device)
+    loss = out[0]
+    if separate:
+        flat = lse.reshape(-1)
+        loss = loss + reduce(torch.where(zw == 0, 0.0, zw * flat * flat))
+    fields = {"loss": loss, "lse": lse} if return_lse else {"loss": loss}
+    fields.update((f, x) for f, x in zip(out._fields, out) if f in ("entropy", "accuracy"))
+    if return_z_loss:
+        fields["z_loss"] = _common.z_loss_output(lse, zw, reduce)
+    return _common.named_output(**fields)
 
 
 def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, return_lse,
@@ -254,7 +343,8 @@ linear_cross_entropy.__signature__ = inspect.signature(_linear_cross_entropy)
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0, *, z_loss=0.0, softcap=None,
                   temperature=1.0, return_lse=False, return_entropy=False,
-                  return_accuracy=False, inplace_backward=False):
+                  return_accuracy=False, inplace_backward=False, return_z_loss=False,
+                  z_loss_weighting="target"):
     r"""Collapse-safe ``torch.nn.functional.cross_entropy`` on given logits.
 
     A drop-in for ``F.cross_entropy(input, target, weight, ignore_index=..., reduction=...,
@@ -291,12 +381,41 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             when nothing else needs the logits afterwards (autograd raises if something saved
             them). ``input`` is otherwise never written.
 
+        return_z_loss, z_loss_weighting: as :func:`linear_cross_entropy`.
+
     Returns:
-        The loss, then the per-token lse when ``return_lse`` and the per-token entropy when
-        ``return_entropy`` (shaped like ``target``), then the accuracy when ``return_accuracy``.
+        The loss; where more is asked for, a ``NamedTuple`` of the loss, then the per-token lse
+        when ``return_lse`` and the per-token entropy when ``return_entropy`` (shaped like
+        ``target``), the accuracy when ``return_accuracy`` and the z-loss when
+        ``return_z_loss`` (fields ``loss``, ``lse``, ``entropy``, ``accuracy``, ``z_loss``).
     """
+    _common.check_flags(return_z_loss=return_z_loss)
+    _common.z_loss_weighting(z_loss_weighting)
     if size_average is not None or reduce is not None:
         reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+
+    def rows():  # (after the call's checks)
+        lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
+        if _common.is_soft(target):
+            y = target.reshape(1, -1) if input.dim() == 1 else target.movedim(1, -1)
+            return y.reshape(-1, y.shape[-1]), lead
+        return target.reshape(-1), lead
+
+    def call(zl, lse):
+        return _cross_entropy_outputs(
+            input, target, weight, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, z_loss=zl, softcap=softcap,
+            temperature=temperature, return_lse=lse, return_entropy=return_entropy,
+            return_accuracy=return_accuracy, inplace_backward=inplace_backward)
+    return _with_z_loss(call, rows, _common.is_soft(target), weight, z_loss, ignore_index,
+                        reduction, label_smoothing, return_lse, return_z_loss, z_loss_weighting)
+
+
+def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, reduction="mean",
+                           label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
+                           return_lse=False, return_entropy=False, return_accuracy=False,
+                           inplace_backward=False):
+    """cross_entropy's outputs, the z-loss's in the loss as given."""
     _common.check_tensor("input", input)
     if _common.is_dtensor(input):
         # (its argument checks run in the ranks' exchange: linear_cross_entropy's note)
@@ -313,8 +432,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         raise ArgumentError("flce: input must have shape (C), (N, C) or (N, C, d1, ...), got a "
                             "0-d tensor")
     if input.dtype not in _common.FLOAT_DTYPES:
-        raise TypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
-                        f"{input.dtype}")
+        raise _common.DtypeError(f"flce: input must be float32, bfloat16, float16 or float64, "
+                                 f"got {input.dtype}")
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy, inplace_backward=inplace_backward)
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
@@ -406,11 +525,13 @@ class LinearCrossEntropy(torch.nn.Module):
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
                  softcap=None, temperature=1.0, return_lse=False, return_entropy=False,
                  return_accuracy=False, shift=False, single_pass=None, exact_bf16_grad=None,
-                 class_weight=None):
+                 class_weight=None, return_z_loss=False, z_loss_weighting="target"):
         super().__init__()
         _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature)
         _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
-                            return_accuracy=return_accuracy, shift=shift)
+                            return_accuracy=return_accuracy, return_z_loss=return_z_loss)
+        _common.shift_amount(shift)
+        _common.z_loss_weighting(z_loss_weighting)
         if class_weight is not None:
             _common.check_tensor("class_weight", class_weight)
         self.register_buffer("class_weight", class_weight)
@@ -429,6 +550,8 @@ class LinearCrossEntropy(torch.nn.Module):
         self.shift = shift
         self.single_pass = single_pass
         self.exact_bf16_grad = exact_bf16_grad
+        self.return_z_loss = return_z_loss
+        self.z_loss_weighting = z_loss_weighting
 
     def forward(self, input, weight, target, bias=None):
         return linear_cross_entropy(input, weight, target, bias=bias,
@@ -440,7 +563,9 @@ class LinearCrossEntropy(torch.nn.Module):
                                     return_accuracy=self.return_accuracy, shift=self.shift,
                                     single_pass=self.single_pass,
                                     exact_bf16_grad=self.exact_bf16_grad,
-                                    class_weight=self.class_weight)
+                                    class_weight=self.class_weight,
+                                    return_z_loss=self.return_z_loss,
+                                    z_loss_weighting=self.z_loss_weighting)
 
     def extra_repr(self):
         # (the options set away from their defaults, as torch's modules print theirs)
@@ -449,7 +574,8 @@ class LinearCrossEntropy(torch.nn.Module):
                               ("temperature", 1.0), ("return_lse", False),
                               ("return_entropy", False), ("return_accuracy", False),
                               ("shift", False), ("single_pass", None),
-                              ("exact_bf16_grad", None)):
+                              ("exact_bf16_grad", None), ("return_z_loss", False),
+                              ("z_loss_weighting", "target")):
             if getattr(self, name) != default:
                 shown.append(f"{name}={getattr(self, name)!r}")
         return ", ".join(shown)

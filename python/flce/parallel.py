@@ -262,7 +262,10 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
 
 def _raise_rank_errors(rows, error, group, world):
     """Where any rank's own arguments failed a check: every rank raises that rank's exception
-    (the first such rank's, by rank), with its message, which a second exchange brings."""
+    (the first such rank's, by rank), with its message, which a second exchange brings. Its
+    class: TypeError, IndexError, NotImplementedError and DtypeError as they are; any other
+    exception (a ValueError, or a RuntimeError such as a tensor's ambiguous truth value) as
+    ArgumentError, which is both a ValueError and a RuntimeError."""
     if not any(r[_ERROR] for r in rows):
         return
     messages = [None] * world
@@ -270,7 +273,8 @@ def _raise_rank_errors(rows, error, group, world):
     _dist().all_gather_object(messages, mine, group=group)
     failed = [r for r in range(world) if rows[r][_ERROR]]
     name, text = messages[failed[0]]
-    cls = {"TypeError": TypeError, "IndexError": IndexError}.get(name, ArgumentError)
+    cls = {"TypeError": TypeError, "IndexError": IndexError, "DtypeError": _common.DtypeError,
+           "NotImplementedError": NotImplementedError}.get(name, ArgumentError)
     others = f" (ranks {failed} have bad arguments)" if len(failed) > 1 else ""
     raise cls(f"flce.parallel: rank {failed[0]}'s arguments are invalid: {text}{others}")
 
@@ -659,9 +663,28 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         the per-token entropy when ``return_entropy`` and the accuracy when ``return_accuracy``.
         Every rank must backpropagate the same upstream gradient into it.
     """
+    return _common.unshift(_vocab_parallel_linear(
+        input, weight_local, target, group=group, bias_local=bias_local,
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
+        return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
+        class_weight=class_weight, vocab_start=vocab_start, vocab_size=vocab_size,
+        reduce_input_grad=reduce_input_grad, sequence_parallel=sequence_parallel,
+        check_ranks=check_ranks, single_pass=single_pass, exact_bf16_grad=exact_bf16_grad),
+        _common.shift_amount(shift), reduction)
+
+
+def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ignore_index,
+                           reduction, label_smoothing, z_loss, softcap, temperature, return_lse,
+                           return_entropy, return_accuracy, shift, class_weight, vocab_start,
+                           vocab_size, reduce_input_grad, sequence_parallel, check_ranks,
+                           single_pass, exact_bf16_grad):
+    """vocab_parallel_linear_cross_entropy's outputs with the last ``shift`` positions (ignored)
+    kept (flce.linear_cross_entropy's DTensor path drops them itself)."""
     group, rank, world = _resolve_group(group)
     # This rank's own checks; their failure goes into the exchange, so that every rank raises it.
     try:
+        shift = _common.shift_amount(shift)
         opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                temperature)
         soft = _common.is_soft(target)
@@ -681,7 +704,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             raise ArgumentError("flce.parallel: sequence_parallel=True reduce-scatters input's "
                                 "gradient itself; reduce_input_grad=False is not supported with it")
         _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
-                            return_accuracy=return_accuracy, shift=shift)
+                            return_accuracy=return_accuracy)
         if shift and sequence_parallel:
             raise ArgumentError("flce.parallel: shift=True is not supported with "
                                 "sequence_parallel (each rank holds a piece of the sequences)")
@@ -694,13 +717,9 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         per_token = return_lse or return_entropy or return_accuracy
         use_single = needs_grad and class_weight is None and not distribution and \
             _use_single_pass(single_pass, reduction, per_token, input, world)
-        error = None
-    except (TypeError, ValueError) as e:
-        error = e
-    if error is None:
         d = input.shape[-1]
         if shift:
-            target = _common.shift_target(target, opts.ignore_index)
+            target = _common.shift_target(target, opts.ignore_index, shift)
         if soft:
             lead = tuple(target.shape[:-1])
             # (not reshape(-1, V_local): an empty shard must reach the exchange on every rank)
@@ -718,11 +737,12 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
                 int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
                 _weights_meta(class_weight), int(soft),
-                -1 if exact_bf16_grad is None else int(exact_bf16_grad), int(bool(shift)),
+                -1 if exact_bf16_grad is None else int(exact_bf16_grad), shift,
                 int(bool(reduce_input_grad)),
                 int(torch.is_grad_enabled() and input.requires_grad)]
-    else:
-        t, meta = None, None
+        error = None
+    except Exception as e:  # (any type: see _raise_rank_errors)
+        error, t, meta = e, None, None
     layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
                      target=t, ignore_index=None if error else opts.ignore_index)
     if sequence_parallel and world > 1:
@@ -796,6 +816,19 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
     its own classes). ``bias`` must be a DTensor with the weight's placement. The loss (and lse)
     come back as plain tensors, identical on all ranks.
     """
+    return _common.unshift(_linear_dtensor(
+        input, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+        temperature=temperature, return_lse=return_lse, return_entropy=return_entropy,
+        return_accuracy=return_accuracy, shift=shift, class_weight=class_weight,
+        exact_bf16_grad=exact_bf16_grad), _common.shift_amount(shift), reduction)
+
+
+def _linear_dtensor(input, weight, target, *, bias, ignore_index, reduction, label_smoothing,
+                    z_loss, softcap, temperature, return_lse, return_entropy, return_accuracy,
+                    shift, class_weight, exact_bf16_grad):
+    """linear_cross_entropy_dtensor's outputs with the last ``shift`` positions (ignored)
+    kept (flce.linear_cross_entropy drops them itself)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = weight.device_mesh
@@ -821,13 +854,15 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
                             "(Shard(0),) on the same mesh")
     target = (_class_columns(target, mesh, "target") if _common.is_soft(target)
               else local("target", target, None))
-    return vocab_parallel_linear_cross_entropy(
+    return _vocab_parallel_linear(
         local("input", input, None), weight.to_local(), target,
         group=mesh.get_group(), bias_local=local("bias", bias, (Shard(0),)),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, softcap=softcap, temperature=temperature, return_lse=return_lse,
         return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-        class_weight=local("class_weight", class_weight, None), exact_bf16_grad=exact_bf16_grad)
+        class_weight=local("class_weight", class_weight, None), vocab_start=None,
+        vocab_size=None, reduce_input_grad=True, sequence_parallel=False, check_ranks=True,
+        single_pass=None, exact_bf16_grad=exact_bf16_grad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -875,19 +910,16 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         if distribution and inplace_backward:
             raise ArgumentError("flce.parallel: inplace_backward=True takes class-index targets "
                                 "without class weights and label smoothing together")
-        error = None
-    except (TypeError, ValueError) as e:
-        error = e
-    meta, t = None, None
-    if error is None:
         lead = tuple(target.shape[:-1] if soft else target.shape)
         x = _local_rows(logits, math.prod(lead))
-        error = _inplace_error(inplace_backward, x, logits, "logits")
-    if error is None:
+        _check_inplace(inplace_backward, x, logits, "logits")
         t = None if soft else target.reshape(-1).to(torch.int64)
         meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
                             opts.z_loss, opts.softcap, reduction, opts.temperature, class_weight,
                             soft)
+        error = None
+    except Exception as e:  # (any type: see _raise_rank_errors)
+        error, t, meta = e, None, None
     layout = _layout(group, rank, world, meta, False, check_ranks, error=error, target=t,
                      ignore_index=None if error else opts.ignore_index)
     if distribution:
@@ -907,21 +939,18 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
                                       return_lse, return_entropy, return_accuracy)
 
 
-def _inplace_error(inplace, x, logits, name):
-    """This rank's refusal of inplace_backward over x, the rows of logits (None if it may), for
-    the exchange."""
-    try:
-        if inplace and torch.is_grad_enabled():
-            _common.check_inplace_target(x, logits, name)
-    except ValueError as e:
-        return e
-    return None
+def _check_inplace(inplace, x, logits, name):
+    """This rank's refusal of inplace_backward over x, the rows of logits (raised into the
+    exchange)."""
+    if inplace and torch.is_grad_enabled():
+        _common.check_inplace_target(x, logits, name)
 
 
 def _check_logits(logits, target, name):
     _common.check_tensor(name, logits)
     if logits.dtype not in _DTYPE_CODES:
-        raise TypeError(f"flce: {name} must be float32, bfloat16 or float16, got {logits.dtype}")
+        raise _common.DtypeError(f"flce: {name} must be float32, bfloat16 or float16, got "
+                                 f"{logits.dtype}")
     if logits.dim() < 1:
         raise ArgumentError(f"flce: {name} must have shape (..., V_local), got a 0-d tensor")
     _common.check_tensor("target", target)
@@ -1034,18 +1063,14 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
         if not 0.0 <= smoothing < 1.0:
             raise ArgumentError(f"flce: label_smoothing must be in [0, 1), got {label_smoothing}")
         _check_vocab_start(vocab_start)
-        error = None
-    except (TypeError, ValueError) as e:
-        error = e
-    meta, t = None, None
-    if error is None:
         lead = target.shape
         logits = _local_rows(vocab_parallel_logits, target.numel())
-        error = _inplace_error(inplace_backward, logits, vocab_parallel_logits,
-                               "vocab_parallel_logits")
-    if error is None:
+        _check_inplace(inplace_backward, logits, vocab_parallel_logits, "vocab_parallel_logits")
         t = target.reshape(-1).to(torch.int64)
         meta = _logits_meta(logits, vocab_start, -100, smoothing, 0.0, 0.0, "none", 1.0)
+        error = None
+    except Exception as e:  # (any type: see _raise_rank_errors)
+        error, t, meta = e, None, None
     layout = _layout(group, rank, world, meta, False, True, error=error, target=t)
     # Every rank holds the same sizes, so every rank raises here or none does.
     if 0 in layout.sizes:
@@ -1090,9 +1115,10 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
     with placements ``(Shard(1),)`` (or ``Shard(-1)``) on a 1-D mesh, as TorchTitan's
     ``loss_parallel`` hands the loss its ``pred.flatten(0, 1)``. ``target`` may be a plain
     tensor (the same on every rank) or a DTensor on the same mesh (class indices redistributed
-    to ``Replicate``; probabilities ``(N, C)`` split over the classes as the logits are). The
-    loss comes back as a plain tensor, identical on all ranks; the logits' gradient is a DTensor
-    with their placement."""
+    to ``Replicate``; probabilities ``(N, C)`` split over the classes as the logits are), and
+    so may the class ``weight`` (redistributed to ``Replicate``). The loss comes back as a
+    plain tensor, identical on all ranks; the logits' gradient is a DTensor with their
+    placement."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = input.device_mesh
@@ -1108,6 +1134,11 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
         if target.device_mesh != mesh:
             raise ArgumentError("flce: target is a DTensor on a different mesh than input")
         target = target.redistribute(mesh, [Replicate()]).to_local()
+    if isinstance(weight, DTensor):
+        # (torch's loss_parallel takes the class weights as a plain tensor or a DTensor)
+        if weight.device_mesh != mesh:
+            raise ArgumentError("flce: weight is a DTensor on a different mesh than input")
+        weight = weight.redistribute(mesh, [Replicate()]).to_local()
     return cross_entropy(input.to_local(), target, group=mesh.get_group(),
                          ignore_index=ignore_index, reduction=reduction,
                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,

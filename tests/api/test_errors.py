@@ -355,3 +355,36 @@ def test_a_masked_column_with_label_smoothing_gives_inf(device):
                 _call(x.double(), w.double(), t, b.double(), label_smoothing=0.1,
                       reduction="none")):
         assert torch.equal(got.float(), want)
+
+
+@pytest.mark.parametrize("case", ["bool_target", "complex_target", "int_logits", "bool_logits",
+                                  "int_input", "bool_target_linear"])
+def test_dtype_errors_are_the_class_torch_raises(case):
+    """A tensor of the wrong dtype raises what F.cross_entropy raises for it (a RuntimeError, a
+    NotImplementedError for the logits), so that ``except RuntimeError`` written against torch
+    catches it, and still a TypeError naming the argument (it was a TypeError alone)."""
+    g = torch.Generator().manual_seed(43)
+    z = torch.randn(6, 5, generator=g)
+    t = torch.randint(0, 5, (6,), generator=g)
+    w = torch.randn(5, 4, generator=g)
+    x = torch.randn(6, 4, generator=g)
+    calls = {
+        "bool_target": (lambda f: f(z, t.bool()), "target"),
+        "complex_target": (lambda f: f(z, t.to(torch.complex64)), "target"),
+        "int_logits": (lambda f: f(z.long(), t), "input"),
+        "bool_logits": (lambda f: f(z > 0, t), "input"),
+        "int_input": (lambda f: f(x.long(), w, t), "input"),
+        "bool_target_linear": (lambda f: f(x, w, t.bool()), "target"),
+    }
+    call, name = calls[case]
+    linear = case.endswith("linear") or case == "int_input"
+    torch_fn = getattr(torch.nn.functional, "linear_cross_entropy" if linear else "cross_entropy",
+                       None)
+    if torch_fn is None:
+        pytest.skip("this torch has no F.linear_cross_entropy")
+    with pytest.raises(Exception) as theirs:
+        call(torch_fn)
+    with pytest.raises(Exception) as ours:
+        call(flce.linear_cross_entropy if linear else flce.cross_entropy)
+    assert isinstance(ours.value, type(theirs.value)), (type(ours.value), type(theirs.value))
+    assert isinstance(ours.value, TypeError) and name in str(ours.value)

@@ -1058,4 +1058,62 @@ TEST(soft_merge_of_masked_columns_with_weight_is_infinite) {
   }
 }
 
+// The pivot column's gradient (soft_row_grad's dz_t) is dz_a = A p_a - g y_a. Where the pivot is
+// not the target (a randn row's largest logit with class weights and label smoothing: y_a tiny,
+// p_a ~ 1e-3), the collapse-safe form (A - g Y) p_a - g Y q_a + g y_rest cancels from terms of
+// g Y to a result of g Y p_a: 1.4e-4 relative off at V = 32000. The check: a few roundings of
+// the terms of the better-conditioned form, against long double from the row's state (so that
+// only soft_row_grad's own roundings count, not the state's accumulation).
+TEST(soft_pivot_grad_matches_long_double) {
+  long double worst = 0;
+  int checked_far = 0;
+  for (float margin : {-1.f, 0.5f, 3.f, 10.f, 40.f}) {  // -1: the row's own largest logit
+    for (bool pivot_is_target : {false, true}) {
+      for (float z_loss : {0.f, 1e-3f}) {
+        const size_t n = 4000;
+        auto z = random_row(n, 1.f);
+        size_t a = static_cast<size_t>(std::max_element(z.begin(), z.end()) - z.begin());
+        if (margin >= 0.f) {
+          a = check::rng()() % n;
+          z[a] = *std::max_element(z.begin(), z.end()) + margin;
+        }
+        size_t t = a;
+        while (!pivot_is_target && t == a) t = check::rng()() % n;
+        // torch's class weights with label smoothing eps: y_c = w_c (eps / V + (1 - eps) [c = t])
+        const float eps = 0.1f;
+        std::vector<float> y(n);
+        for (size_t j = 0; j < n; ++j) {
+          const float w = check::uniform(0.f, 1.f);
+          y[j] = w * (eps / static_cast<float>(n) + (j == t ? 1.f - eps : 0.f));
+        }
+        const flce::SoftRow st = soft_tiles(z, y, 256, false);
+        EXPECT(st.a == static_cast<int64_t>(a), "pivot %lld, want %zu", (long long)st.a, a);
+        const float g = check::uniform(0.1f, 2.f);
+        const float g_lse = z_loss != 0.f ? check::uniform(-1.f, 1.f) : 0.f;
+        const float zw = st.y_a + st.y_rest;
+        const flce::RowGrad got =
+            flce::soft_row_grad(st.x, st.p, st.y_a, st.y_rest, zw, g, g_lse, z_loss);
+
+        const LD div = static_cast<LD>(st.x.s) * std::exp(static_cast<LD>(st.x.m) - st.p) + 1;
+        const LD p_a = 1 / div, q_a = 1 - p_a, lse = st.p + std::log(div);
+        const LD big_y = static_cast<LD>(st.y_a) + st.y_rest;
+        const LD A = g * (big_y + 2 * z_loss * zw * lse) + g_lse;
+        const LD want = A * p_a - static_cast<LD>(g) * st.y_a;
+        // (A's own terms: g_lse and the z-loss's cancel against g Y where they differ in sign)
+        const LD zl_terms = g * 2 * z_loss * zw * std::fabs(lse) + std::fabs(g_lse);
+        const LD direct = (g * big_y + zl_terms) * p_a + g * static_cast<LD>(st.y_a);
+        const LD safe = zl_terms * p_a + g * (big_y * q_a + st.y_rest);
+        const LD tol = 8 * kU * std::min(direct, safe) + 2 * std::numeric_limits<float>::denorm_min();
+        EXPECT(near_abs(got.dz_t, want, tol),
+               "margin %g target %d z_loss %g: dz_a %.9g, want %.12Lg (%.3Lg relative)", margin,
+               (int)pivot_is_target, z_loss, got.dz_t, want, std::fabs(got.dz_t - want) / std::fabs(want));
+        worst = std::max(worst, std::fabs(got.dz_t - want) / tol);
+        checked_far += !pivot_is_target && margin < 0.f;
+      }
+    }
+  }
+  EXPECT(checked_far > 0, "no row with a non-target pivot");
+  std::printf("  worst soft pivot gradient error: %.3Lg of the tolerance\n", worst);
+}
+
 int main(int argc, char** argv) { return check::run_all(argc, argv); }

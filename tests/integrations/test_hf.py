@@ -133,6 +133,53 @@ def test_moe_router_aux_loss_is_added(kind):
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
 
 
+def _tuple_places_equal(got, ref, what):
+    """The patched model's tuple against the unpatched one's, place by place: the loss within
+    fp32 rounding of the two computations, every other place the same object kind and value."""
+    assert len(got) == len(ref), (what, len(got), len(ref))
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0, msg=what)
+    for i, (g, r) in enumerate(zip(got[1:], ref[1:]), 1):
+        if r is None or g is None:
+            assert g is None and r is None, (what, i)
+        elif isinstance(r, torch.Tensor):
+            assert isinstance(g, torch.Tensor) and g.shape == r.shape, (what, i)
+            torch.testing.assert_close(g, r, rtol=0, atol=0, msg=f"{what}: place {i}")
+        else:
+            assert type(g) is type(r) and len(g) == len(r), (what, i)
+            _tuple_places_equal((got[0],) + tuple(g), (ref[0],) + tuple(r), f"{what}[{i}]")
+
+
+def _tiny_moe(kind):
+    torch.manual_seed(0)
+    config = _moe_config(kind)
+    config._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES) + ["mixtral", "jetmoe", "dbrx"])
+def test_tuple_output_matches_unpatched_place_by_place(family):
+    # A MoE model with router logits returns (loss, aux_loss, logits, ..., router_logits): the
+    # patched tuple keeps that order (it once put the logits second, where the unpatched model
+    # has the aux_loss).
+    model = tiny_model(family) if family in FAMILIES else _tiny_moe(family)
+    ids, mask, labels = batch()
+    model.eval()
+    with torch.no_grad():
+        ref = model(ids, mask, labels=labels, use_cache=False, return_dict=False)
+        flce.patch(model)
+        got = model(ids, mask, labels=labels, use_cache=False, return_dict=False,
+                    return_logits=True)
+        _tuple_places_equal(got, ref, family)
+        # without the logits (training's default) their place is kept, None
+        got = model(ids, mask, labels=labels, use_cache=False, return_dict=False,
+                    return_logits=False)
+        logits_at = next(i for i, r in enumerate(ref) if isinstance(r, torch.Tensor)
+                         and r.shape == (*ids.shape, VOCAB))
+        assert got[logits_at] is None
+        _tuple_places_equal(got[:logits_at] + got[logits_at + 1:],
+                            ref[:logits_at] + ref[logits_at + 1:], family + " no logits")
+
+
 def test_tied_embeddings_share_the_gradient():
     model = flce.patch(tiny_model("llama-tied"))
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -928,6 +928,14 @@ def check_accuracy_and_shift(rank, world, group):
         torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-4, atol=1e-5)
         assert torch.all(xs.grad[:, -1] == 0)
+    # An integer shift (Cut Cross Entropy's): per-token outputs (..., T - k)
+    got = P.vocab_parallel_linear_cross_entropy(x, w, t, group=group, reduction="none", shift=2,
+                                                return_lse=True)
+    ref = flce.linear_cross_entropy(x[:, :-2], w_full, t[:, 2:], reduction="none",
+                                    return_lse=True)
+    assert got.loss.shape == got.lse.shape == (b, t_len - 2)
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.lse, ref.lse, rtol=1e-5, atol=1e-6)
 
 
 def check_class_weights(rank, world, group):
@@ -1124,6 +1132,20 @@ def check_dtensor_distributions(rank, world, group):
         torch.testing.assert_close(loss, ref_ce, rtol=2e-6, atol=0)
         assert tuple(zs.grad.placements) == (Shard(1),), zs.grad.placements
         torch.testing.assert_close(zs.grad.full_tensor(), zr.grad, rtol=1e-5, atol=1e-7)
+    # Class weights as a DTensor beside DTensor logits, as torch's loss_parallel takes them (they
+    # were refused: "mixed torch.Tensor and DTensor"), with probability and class targets.
+    t = torch.randint(0, v, (n,), generator=g)
+    for tgt in (q, t):
+        zr = z.clone().requires_grad_()
+        ref_ce = flce.cross_entropy(zr, tgt, cw, label_smoothing=0.1)
+        ref_ce.backward()
+        for placement in (Replicate(), Shard(0)):
+            zs = distribute_tensor(z, mesh, [Shard(-1)]).requires_grad_()
+            loss = flce.cross_entropy(zs, tgt, distribute_tensor(cw, mesh, [placement]),
+                                      label_smoothing=0.1)
+            loss.backward()
+            torch.testing.assert_close(loss, ref_ce, rtol=2e-6, atol=0)
+            torch.testing.assert_close(zs.grad.full_tensor(), zr.grad, rtol=1e-5, atol=1e-7)
     # Clear errors: probabilities over another number of classes than the classifier's, and
     # targets that require grad (the single-device call differentiates them; the shards do not).
     ws = distribute_tensor(w, mesh, [Shard(0)])

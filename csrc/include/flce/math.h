@@ -421,10 +421,15 @@ FLCE_HD SoftLoss soft_row_loss(const SoftRow& r, float zw, float z_loss) {
 
 // The gradient coefficients of a row with respect to its (capped) logits, from upstream g, g_lse
 // and g_ent (the entropy's), with the row's state (x, p, y_a, y_rest):
-//   dz_c = A p_c - g y_c                               (c != a: soft_logit_grad, with u = g)
-//   dz_a = (A - g Y) p_a - g Y q_a + g y_rest          (q_a = 1 - p_a = sigmoid(lse_x - P):
-//                                                       the collapse-safe pivot column)
+//   dz_c = A p_c - g y_c                               (every column: soft_logit_grad, u = g)
 //   A = g (Y + 2 z_loss zw lse) + g_lse,  Y = y_a + y_rest.
+// The pivot column takes that form while p_a <= 1/2. Beyond, where fp32 rounds p_a towards 1 and
+// A p_a - g y_a would lose what a pivot that is also the target has left (both terms ~ g Y), it
+// takes the collapse-safe form
+//   dz_a = (A - g Y) p_a - g Y q_a + g y_rest          (q_a = 1 - p_a = sigmoid(lse_x - P)),
+// whose terms are then no larger than the first form's. (With p_a small, q_a ~ 1: its -g Y q_a
+// + g y_rest cancels from terms of g Y to g (Y p_a - y_a), 1e-4 relative off at V = 32000 for a
+// largest logit that is not the target, under class weights with label smoothing.)
 // A row without target weight and z-loss weight (an ignored class target) has the loss 0 whatever
 // its logits: g is taken as 0 there, as row_grad does for ignored rows (a mean over no tokens
 // has g = 1/0, which would otherwise make its gradients 0 * inf = NaN).
@@ -440,8 +445,12 @@ FLCE_HD RowGrad soft_row_grad(OnlineLse x, float p, float y_a, float y_rest, flo
   r.a = g * (y + 2.f * z_loss * zw * lse) + g_lse;
   r.u = g;
   const float b = g * y;
-  const float a_minus_b = g * (2.f * z_loss * zw * lse) + g_lse;  // (row_grad_coef's)
-  r.dz_t = a_minus_b * sigmoid(-gap) - b * sigmoid(gap) + g * y_rest;
+  if (gap >= 0.f) {  // p_a <= 1/2 (its p_a = exp(P - ref) / div as every column's)
+    r.dz_t = r.a * (vexp(p - r.ref) * r.rdiv) - g * y_a;
+  } else {  // (and NaN)
+    const float a_minus_b = g * (2.f * z_loss * zw * lse) + g_lse;  // (row_grad_coef's)
+    r.dz_t = a_minus_b * sigmoid(-gap) - b * sigmoid(gap) + g * y_rest;
+  }
   if (g_ent != 0.f) detail::row_grad_entropy(r, x, p, gap, g_ent);
   return r;
 }

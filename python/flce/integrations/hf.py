@@ -19,6 +19,7 @@ One generic mechanism for every ``*ForCausalLM`` model, nothing copied from tran
 
 Calls without ``labels`` (generation, inference) go straight to the original forward.
 """
+import dataclasses
 import functools
 import inspect
 import types
@@ -331,10 +332,11 @@ def _forward(model, original, args, kwargs, return_logits):
     fields["logits"] = out.logits if want_logits else None
     if return_dict:
         return type(out)(**fields)
-    # transformers' tuple (its to_tuple drops None fields): loss, then the logits' place kept
-    # (None where they are not returned), then the rest, as the unpatched model's.
-    return (loss, fields["logits"]) + tuple(v for k, v in fields.items()
-                                            if k not in ("loss", "logits"))
+    # transformers' tuple (its to_tuple drops None fields) in the output class's field order, as
+    # the unpatched model's: a MoE model's aux_loss comes before the logits. The logits' place is
+    # kept (None where they are not returned).
+    return tuple(fields.get(f.name) for f in dataclasses.fields(out)
+                 if f.name in ("loss", "logits") or fields.get(f.name) is not None)
 
 
 def _aux_loss_coef(model):
