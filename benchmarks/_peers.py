@@ -5,8 +5,6 @@ Each measurement runs in a fresh child process (``python _peers.py '<json spec>'
 implementation's allocator caches, compiled graphs and thread pools cannot flatter or penalize the
 next one, and so that the child's peak resident set size is that implementation's alone.
 """
-import ctypes
-import gc
 import importlib.util
 import json
 import math
@@ -23,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if importlib.util.find_spec("flce") is None:
     sys.path.insert(0, os.path.join(REPO, "python"))
+from flce.check import Peak  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -320,58 +319,8 @@ def large_margin_error(f, v, d, dtype, device, margin, n=16, seed=1):
 
 # ---- memory probes -----------------------------------------------------------------------------
 
-def _proc_status_kb(field):
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss():
-    # "5" resets the process's resident-set high-water mark (VmHWM) to the current RSS.
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-
-
-def _malloc_trim():
-    # Hand freed heap pages back to the kernel so that reusing them during the measured run shows
-    # up as RSS growth instead of hiding inside the baseline.
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class PeakMemory:
-    """Peak bytes allocated above the state at ``__enter__``: CUDA allocator stats on CUDA, the
-    growth of the resident-set high-water mark (/proc/self/status VmHWM) on CPU."""
-
-    def __init__(self, device):
-        self.device = device
-        self.peak = None
-        self.total = None  # the absolute peak: process RSS on CPU, all allocations on CUDA
-
-    def __enter__(self):
-        gc.collect()
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            _malloc_trim()
-            _reset_peak_rss()
-            self.base = _proc_status_kb("VmRSS") * 1024
-        return self
-
-    def __exit__(self, *exc):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.total = torch.cuda.max_memory_allocated()
-        else:
-            self.total = _proc_status_kb("VmHWM") * 1024
-        self.peak = self.total - self.base
-        return False
+# Peak bytes of a block, beyond its start (.bytes) and in all (.total): flce.check's probe.
+PeakMemory = Peak
 
 
 # ---- one measurement (runs in the child) ---------------------------------------------------------
@@ -425,7 +374,7 @@ def measure(spec):
     del loss
     with PeakMemory(device) as mem:
         step()
-    out["peak_mem_bytes"] = mem.peak
+    out["peak_mem_bytes"] = mem.bytes
     out["peak_total_bytes"] = mem.total
     if spec.get("accuracy", True) and name not in FLOORS:
         rel, mean_margin, _, _ = large_margin_error(

@@ -133,7 +133,7 @@ def measure(spec):
         _, loss = step(z)
     del z
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
-           "ms_max": 1e3 * max(times), "repeats": len(times), "peak_gib": mem.peak / 2 ** 30,
+           "ms_max": 1e3 * max(times), "repeats": len(times), "peak_gib": mem.bytes / 2 ** 30,
            "loss": float(loss.detach())}
     # the loss at a large margin (40) against float64 on the same logits: 1.0 for a peer that
     # collapses to 0

@@ -627,12 +627,13 @@ def logits_gemm(x, w):
 
 
 class Peak:
-    """Peak bytes allocated during the block beyond what was allocated at its start: the CUDA
-    caching allocator's statistics; on the CPU the growth of the resident set's high-water mark
-    (Linux; None elsewhere), which page reuse makes approximate."""
+    """Peak bytes allocated during the block beyond what was allocated at its start (``bytes``)
+    and in all (``total``): the CUDA caching allocator's statistics; on the CPU the resident
+    set's high-water mark (Linux; None elsewhere), whose growth page reuse makes approximate.
+    benchmarks/ measures with it too."""
 
     def __init__(self, dev):
-        self.dev, self.bytes = dev, None
+        self.dev, self.bytes, self.total = dev, None, None
 
     def __enter__(self):
         gc.collect()
@@ -658,9 +659,11 @@ class Peak:
     def __exit__(self, *exc):
         if self.dev == "cuda":
             torch.cuda.synchronize()
-            self.bytes = torch.cuda.max_memory_allocated() - self.base
+            self.total = torch.cuda.max_memory_allocated()
+            self.bytes = self.total - self.base
         elif self.base is not None:
-            self.bytes = max(0, _status_kb("VmHWM") - self.base)
+            self.total = _status_kb("VmHWM")
+            self.bytes = max(0, self.total - self.base)
         return False
 
 
