@@ -140,14 +140,20 @@ def is_soft(target):
     return isinstance(target, torch.Tensor) and target.dtype.is_floating_point
 
 
-def check_soft_target(target, shape, name):
-    """Probability targets: float32, bfloat16, float16 or float64, shaped like ``shape``."""
+def check_soft_target(target, shape, name, class_shape=None):
+    """Probability targets: float32, bfloat16, float16 or float64, shaped like ``shape``;
+    ``class_shape``: what class-index targets would be shaped like, named in the error when a
+    floating target has it (class ids cast to float by mistake)."""
     if target.dtype not in FLOAT_DTYPES:
         raise DtypeError(f"flce: probability targets must be float32, bfloat16, float16 or "
                         f"float64, got {target.dtype}")
     if tuple(target.shape) != tuple(shape):
+        hint = ""
+        if class_shape is not None and tuple(target.shape) == tuple(class_shape):
+            hint = (f"; a floating target shaped like class indices ({target.dtype}): class "
+                    f"indices must be an integer tensor (target.long())")
         raise ArgumentError(f"flce: probability targets must have shape {tuple(shape)} ({name}), "
-                            f"got {tuple(target.shape)}")
+                            f"got {tuple(target.shape)}{hint}")
 
 
 def soft_class_weights(weight, c, dtype):
@@ -163,8 +169,8 @@ def reduce_rows(loss, reduction, shape):
     return loss.sum() if reduction == "sum" else loss.sum() / loss.shape[0]
 
 
-def check_target(target, lead, lead_name):
-    """Class-index targets shaped like ``lead``."""
+def check_target(target, lead, lead_name, hint=""):
+    """Class-index targets shaped like ``lead`` (``hint``: appended to a shape error)."""
     check_tensor("target", target)
     if target.dtype.is_complex:
         raise DtypeError(f"flce: target must hold class indices (an integer tensor) or "
@@ -174,7 +180,7 @@ def check_target(target, lead, lead_name):
                         "torch.bool")
     if tuple(target.shape) != tuple(lead):
         raise ArgumentError(f"flce: target must have shape {tuple(lead)} ({lead_name}), got "
-                            f"{tuple(target.shape)}")
+                            f"{tuple(target.shape)}{hint}")
 
 
 def check_inplace_target(logits, input, name):
@@ -269,9 +275,12 @@ def validate_linear(input, weight, target, bias):
         raise ArgumentError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}; "
                             f"torch's K-dimensional classifier is not supported")
     if input.shape[-1] != weight.shape[1]:
+        hint = ("; weight looks transposed: flce takes it as nn.Linear stores it, (V, D) "
+                "(lm_head.weight, not lm_head.weight.T)"
+                if input.shape[-1] == weight.shape[0] else "")
         raise ArgumentError(f"flce: input's last dimension ({input.shape[-1]}) must equal weight's "
                             f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
-                            f"{tuple(weight.shape)}")
+                            f"{tuple(weight.shape)}{hint}")
     lead = tuple(input.shape[:-1])
     extra = len(lead) + (1 if is_soft(target) else 0)  # a probability target's V
     if isinstance(target, torch.Tensor) and target.dim() > extra and \
@@ -280,7 +289,8 @@ def validate_linear(input, weight, target, bias):
                             f"leading ones {lead}: torch's K-dimensional classifier "
                             f"(out_features) is not supported")
     if is_soft(target):
-        check_soft_target(target, lead + (weight.shape[0],), "input's leading dimensions, then V")
+        check_soft_target(target, lead + (weight.shape[0],), "input's leading dimensions, then V",
+                          class_shape=lead)
     else:
         check_target(target, lead, "input's leading dimensions")
     if input.dtype not in FLOAT_DTYPES:

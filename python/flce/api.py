@@ -338,6 +338,8 @@ def linear_cross_entropy(input, *args, **kwargs):
 
 
 linear_cross_entropy.__signature__ = inspect.signature(_linear_cross_entropy)
+# (help() and pydoc name the public function, not the one it wraps)
+linear_cross_entropy.__name__ = linear_cross_entropy.__qualname__ = "linear_cross_entropy"
 
 
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -442,13 +444,19 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
     soft = _common.is_soft(target)
     if soft:
         _common.check_soft_ignore_index(ignore_index)
-        _common.check_soft_target(target, input.shape, "input's shape")
+        _common.check_soft_target(target, input.shape, "input's shape", class_shape=lead)
         if inplace_backward:
             raise ArgumentError("flce: inplace_backward=True takes class-index targets (the "
                                 "gradient of probability targets is not written over the "
                                 "logits)")
     else:
-        _common.check_target(target, lead, "input's shape without the class dimension 1")
+        # (torch's layout: logits (B, T, V) read as N=B rows of T classes over V positions)
+        hint = ("; flce.cross_entropy takes torch's layout, classes in dimension 1: for (B, T, V) "
+                "logits pass logits.flatten(0, -2) and target.flatten() (or use "
+                "flce.linear_cross_entropy on the hidden states, shift=True for next-token "
+                "targets)" if input.dim() >= 3 and tuple(target.shape) == tuple(input.shape[:-1])
+                else "")
+        _common.check_target(target, lead, "input's shape without the class dimension 1", hint)
     _common.check_one_device((("input", input), ("target", target), ("weight", weight)))
     if input.is_cuda:
         _build.check_cuda_device(input.device)

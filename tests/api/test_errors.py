@@ -388,3 +388,29 @@ def test_dtype_errors_are_the_class_torch_raises(case):
         call(flce.linear_cross_entropy if linear else flce.cross_entropy)
     assert isinstance(ours.value, type(theirs.value)), (type(ours.value), type(theirs.value))
     assert isinstance(ours.value, TypeError) and name in str(ours.value)
+
+
+def test_errors_name_the_likely_mistake():
+    """The usual mistakes get a message that names the fix: class ids cast to float, a
+    classifier passed transposed, (B, T, V) logits given to cross_entropy unflattened."""
+    x, w, t, _ = _inputs("cpu")
+    with pytest.raises(flce.ArgumentError, match=r"class indices must be an integer tensor"):
+        _call(x, w, t.float())
+    with pytest.raises(flce.ArgumentError, match=r"class indices must be an integer tensor"):
+        flce.cross_entropy(torch.randn(N, V), t.float())
+    with pytest.raises(flce.ArgumentError, match=r"weight looks transposed.*\(V, D\)"):
+        _call(x, w.T.contiguous(), t)
+    z, tt = torch.randn(2, 3, V), torch.randint(0, V, (2, 3))
+    with pytest.raises(flce.ArgumentError, match=r"logits.flatten\(0, -2\) and target.flatten"):
+        flce.cross_entropy(z, tt)
+    # (the hints only where they apply: a target of another shape gets the plain message)
+    with pytest.raises(flce.ArgumentError) as info:
+        _call(x, w, t[:-1])
+    assert "integer tensor" not in str(info.value) and "transposed" not in str(info.value)
+
+
+def test_help_names_the_public_functions():
+    import pydoc
+    assert flce.linear_cross_entropy.__name__ == "linear_cross_entropy"
+    text = pydoc.render_doc(flce, renderer=pydoc.plaintext)
+    assert "_linear_cross_entropy" not in text
