@@ -21,7 +21,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if importlib.util.find_spec("flce") is None:
     sys.path.insert(0, os.path.join(REPO, "python"))
-from flce.check import Peak  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -319,8 +318,11 @@ def large_margin_error(f, v, d, dtype, device, margin, n=16, seed=1):
 
 # ---- memory probes -----------------------------------------------------------------------------
 
-# Peak bytes of a block, beyond its start (.bytes) and in all (.total): flce.check's probe.
-PeakMemory = Peak
+def PeakMemory(device):
+    """Peak bytes of a block, beyond its start (.bytes) and in all (.total): flce.check's probe
+    (imported here, so that a peer's process loads flce only where it measures)."""
+    from flce.check import Peak
+    return Peak(device)
 
 
 # ---- one measurement (runs in the child) ---------------------------------------------------------

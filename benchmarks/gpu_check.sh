@@ -31,8 +31,8 @@
 #   profile (one profiled step and a memory snapshot).
 # rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
 #   .gpu_build/; without one it builds first, and the steps at the end are cut by the budget),
-#   bench_large (`python -m flce.check` at N = 16384 and V = 256000), bench_ce (cross-entropy on given logits, inputs made
-#   on the GPU), fp64_cost (FLCE_CUDA_FP32_GRAD=fp64 against SGEMM and DGEMM), test_suite (the
+#   bench_large (`python -m flce.check` at N = 16384 and V = 256000), bench_ce (cross-entropy
+#   on given logits, inputs made on the GPU), fp64_cost (FLCE_CUDA_FP32_GRAD=fp64 against SGEMM and DGEMM), test_suite (the
 #   device-parametrized suite without the files run above), record_tests, no_sync (training
 #   steps under torch.cuda.set_sync_debug_mode("error")), target_modes,
 #   memcheck and racecheck (compute-sanitizer), ncu_rows (the row kernels' counters), nvtx,

@@ -14,6 +14,7 @@ Hopper's FP64 tensor cores run DGEMM at about SGEMM's rate: fp64_over_fp32 is th
 decides whether fp64 becomes fp32 training's default on sm_90 (within 1.2x).
 """
 import argparse
+import functools
 import os
 import sys
 
@@ -28,10 +29,9 @@ def measure(n, v, d, warmup, repeats):
     import torch
 
     import flce
-    from flce.check import measure as check_measure
+    from flce.check import measure
 
-    def timed(fn, warmup, repeats):
-        return check_measure("cuda", fn, warmup, repeats)
+    timed = functools.partial(measure, "cuda")
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(n, d, device="cuda", generator=g) / d ** 0.25).requires_grad_()

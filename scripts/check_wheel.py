@@ -2,7 +2,7 @@
 """Check that a flce wheel carries GPU code for exactly the arch list it was asked to build.
 
     python scripts/check_wheel.py dist/flce-*.whl --arch-list "8.0;9.0a;10.0" [--ptx newest]
-    python scripts/check_wheel.py python --arch-list "9.0a"     # an in-place/CMake build
+    python scripts/check_wheel.py python --arch-list "9.0a"     # an in-place build
 
 Reads flce/_build_info.py from the wheel (its recorded arch list must equal the expected one,
 normalized the same way setup.py normalizes it), then lists the extension's embedded cubins and
@@ -75,7 +75,7 @@ def listed_targets(cuobjdump, so, what):
 
 
 class _Tree:
-    """A directory holding flce/ (an in-place or CMake build: python/), read like a wheel."""
+    """A directory holding flce/ (an in-place build: python/), read like a wheel."""
 
     def __init__(self, root):
         self.root = root

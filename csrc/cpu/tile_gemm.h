@@ -123,7 +123,7 @@ struct KahanOut {
 // gemm3-flce; op flce::cpu_tile_gemm): a and b contiguous, both fp32, bf16 or fp16, a stored
 // [m, k] ([k, m] when trans_a), b [k, n] ([n, k] when trans_b). Workers split the columns of
 // the product and prepare only their slice of b, or, where op(a) must be copied (transposed),
-// split its rows, so that nothing is packed or copied twice; rows are multiplied 256 at a time
+// split its rows (each worker then prepares all of b); rows are multiplied 256 at a time
 // (the tiles' height), as the ops multiply their tiles.
 at::Tensor gemm_benchmark(const at::Tensor& a, const at::Tensor& b, bool trans_a, bool trans_b);
 

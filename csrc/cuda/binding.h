@@ -227,7 +227,7 @@ class GradAccumulator {
     kNone,
     kInWeight,      // an fp32 weight is its own accumulator: groups added by the GEMM's beta
                     // (master weights: the tile's hi + lo), fp32 training's Neumaier-added
-    kFloat64,       // fp32 with FLCE_CUDA_FP32_GRAD=fp64: pieces in double, rounded once
+    kFloat64,       // fp32 with FLCE_CUDA_FP32_GRAD=fp64: pieces in double, rounded once a group
     kOneGroup,      // 16-bit weight, one group: straight in its dtype, target rows fixed in fp32
     kScaledPieces,  // 16-bit weight, one group with fp16's scale: fp32 pieces, each rounded once
     kAccumulator,   // 16-bit weight, several groups: a [V, D] fp32 accumulator, rounded once

@@ -255,7 +255,7 @@ def cuda_device_error(cap, name, device, info, has_kernels):
                 f"{info.get('arch_list') or 'none: a CPU-only build'!r}, "
                 f"{info.get('cuda_sources', 0)} CUDA sources); {_rebuild_hint(cap)}")
     archs = parse_arch_list(info.get("arch_list") or "", "none") if info.get("arch_list") else []
-    if not archs:  # a build without recorded arch facts (e.g. an in-tree CMake build): trust it
+    if not archs:  # a build without recorded arch facts (an in-place build): trust it
         return None
     if any(a.sass_runs_on(cap) or a.ptx_runs_on(cap) for a in archs):
         return None

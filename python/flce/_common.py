@@ -436,8 +436,10 @@ def check_single_pass(requested, reduction, per_token):
         raise TypeError(f"flce: single_pass must be None, True or False, got {requested!r}")
     if requested and (reduction == "none" or per_token):
         raise ArgumentError("flce: single_pass=True needs reduction 'mean' or 'sum' and none of "
-                            "return_lse, return_entropy, return_accuracy (it returns the loss "
-                            f"alone); got reduction={reduction!r}, per-token outputs asked: "
+                            "return_lse, return_entropy, return_accuracy, return_z_loss (nor "
+                            "z_loss_weighting='none' beside class weights or probability "
+                            "targets: each needs the per-token lse; the single pass returns the "
+                            f"loss alone); got reduction={reduction!r}, per-token outputs asked: "
                             f"{bool(per_token)}")
 
 

@@ -106,7 +106,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             backend only (AMX: the tile split into two bf16 halves, 4 GEMMs where rounding
             takes 2; elsewhere fp32 GEMMs); the CUDA backend, which has no exact mode, raises.
         return_z_loss: also return the z-loss part of the loss (Liger's ``return_z_loss``),
-            reduced as the loss is, float32, not differentiable (a value to log).
+            reduced as the loss is, float32, not differentiable (a value to log). Made from
+            the per-token lse: like ``return_lse`` it takes the recompute path.
         z_loss_weighting: how the z-loss of a token weighs with ``class_weight`` (and
             probability targets): ``"target"`` (default) as its loss, times its target mass
             ``sum_c y_c`` (its target's class weight; 1 for a distribution without class

@@ -1024,8 +1024,9 @@ def main(argv=None):
             return 2
     torch.manual_seed(0)
     name = device_name(dev)
-    print(f"flce {info.get('version')} on {name} (torch {torch.__version__}, "
-          f"{'threads ' + str(torch.get_num_threads()) if dev == 'cpu' else 'CUDA ' + str(torch.version.cuda)})",
+    where = (f"threads {torch.get_num_threads()}" if dev == "cpu"
+             else f"CUDA {torch.version.cuda}")
+    print(f"flce {info.get('version')} on {name} (torch {torch.__version__}, {where})",
           flush=True)
     failed = []
     if args.only != "speed":

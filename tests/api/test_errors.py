@@ -414,3 +414,10 @@ def test_help_names_the_public_functions():
     assert flce.linear_cross_entropy.__name__ == "linear_cross_entropy"
     text = pydoc.render_doc(flce, renderer=pydoc.plaintext)
     assert "_linear_cross_entropy" not in text
+
+
+def test_single_pass_true_with_a_z_loss_output_names_it():
+    """return_z_loss needs the per-token lse: single_pass=True refuses it by name."""
+    x, w, t, _ = _inputs("cpu")
+    with pytest.raises(flce.ArgumentError, match=r"return_z_loss"):
+        _call(x, w, t, z_loss=1e-3, return_z_loss=True, single_pass=True)

@@ -111,8 +111,8 @@ def _bf16_facts(env):
 def test_cpu_bf16_facts_follow_the_cpu_and_the_isa_caps():
     """build_info()["cpu_amx"] (which picks bf16's CPU training path, flce/api.py) is the
     kernel's amx_bf16 flag, and False in a process whose MKL or oneDNN stops below AMX (as
-    benchmarks/run.py linear --isa avx2 runs them; cpu_amx also makes the backward round bf16
-    gradient tiles once by default, csrc/cpu/tile_gemm.h bf16_grad). On the blas path,
+    benchmarks/run.py linear --isa avx2 runs them; cpu_bf16_native decides whether the backward
+    rounds bf16 gradient tiles once by default, csrc/cpu/tile_gemm.h bf16_grad). On the blas path,
     build_info()["cpu_bf16_native"] holds only where MKL multiplies bf16 natively: an Intel CPU
     with AVX512-BF16 or AMX-BF16, and MKL not held below AVX512_E3, its first level with bf16
     (AVX512 and AVX512_E1/E2 have none)."""

@@ -51,7 +51,8 @@ for a in "$@"; do [[ $prev == --shapes ]] && shapes=$a; prev=$a; done
 record() {  # the record of shape $1 (N,V,D), complete or not ($2)
   local n v d
   IFS=, read -r n v d <<<"$1"
-  echo '{"op": "linear_cross_entropy", "n": '$n', "v": '$v', "d": '$d', "commit": "'$FLCE_COMMIT'",'\
+  echo '{"op": "linear_cross_entropy", "n": '$n', "v": '$v', "d": '$d','\
+    '"commit": "'$FLCE_COMMIT'",'\
     '"run": "'$FLCE_RUN'", "ms": {"gemm3": 1.0, "flce": 1.1}, "complete": '$2'}'
 }
 ((check)) && [[ -n $partial ]] && record "${shapes%%;*}" false >"$partial"
