@@ -47,8 +47,9 @@ from flce import _ops, reference
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 GIB = 2.0 ** 30
 
-# Tolerances in units of eps(dtype), tests/helpers.py's check_flce: element-wise relative to
-# max(|ref|, rms(ref)) (garbage anywhere), norm-wise ||x - ref|| / ||ref|| (precision).
+# Tolerances in units of eps(dtype), the test suite's too (tests/helpers.py's check_flce
+# imports them): element-wise relative to max(|ref|, rms(ref)) (garbage anywhere), norm-wise
+# ||x - ref|| / ||ref|| (precision).
 LOSS_FACTOR = 32.0  # the loss, lse and entropy are fp32 whatever the input dtype
 GRAD_FACTOR = {F32: 1024.0, BF16: 1.0, F16: 1.0}
 GRAD_NORM_FACTOR = {F32: 64.0, BF16: 0.35, F16: 0.35}
