@@ -9,6 +9,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
 import flce
+from dist_launch import finish_worker
 from hf_models import batch, tiny_model
 
 
@@ -75,9 +76,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Every check has passed and the group is gone: skip interpreter teardown, where a gloo /
-    # FSDP background thread still joinable at exit can abort the process ("terminate called
-    # without an active exception") after a successful run. A failure raised above exits 1.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_worker()  # (the group is gone already)

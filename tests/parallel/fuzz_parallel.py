@@ -292,7 +292,7 @@ def worker(args):
     import torch.distributed as dist
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-    from dist_launch import init_worker
+    from dist_launch import finish_worker, init_worker
 
     rank, world = init_worker()
     group = dist.group.WORLD
@@ -330,12 +330,7 @@ def worker(args):
                       flush=True)
     if rank == 0:
         print(f"cases {cases} failures {failures}", flush=True)
-    dist.destroy_process_group()
-    # (interpreter teardown skipped: a process group's background thread still joinable at exit
-    # can abort a finished run, as tests/parallel/test_parallel.py's workers say)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_worker()
 
 
 def fuzz(backend="cpu", world=2, seed=0, minutes=1.0, cases=10 ** 9, trace=False):

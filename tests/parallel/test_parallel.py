@@ -1202,18 +1202,11 @@ def run_checks(rank, world):
 
 
 def _worker_main():
-    from dist_launch import init_worker
+    from dist_launch import finish_worker, init_worker
 
     rank, world = init_worker()
     run_checks(rank, world)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    # Skip interpreter teardown, where a background thread of the process group still joinable
-    # at exit can abort a successful run; a failure raised above exits 1.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_worker()
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

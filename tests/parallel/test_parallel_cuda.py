@@ -157,7 +157,7 @@ def _worker():
     import cuda_emulation
     import flce
     import flce.parallel as fp
-    from dist_launch import init_worker
+    from dist_launch import finish_worker, init_worker
 
     rank, world = init_worker()
     cuda_emulation.load()
@@ -223,12 +223,7 @@ def _worker():
     _check_rl_outputs(rank, sizes, start, "cpu")
     dist.barrier()
     print("ALL CHECKS PASSED", flush=True)
-    dist.destroy_process_group()
-    # (interpreter teardown skipped, as tests/parallel/test_parallel.py's workers: a process
-    # group's background thread still joinable at exit can abort a finished run)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_worker()
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -70,17 +70,14 @@ def run_checks(rank, world, group):
 
 
 def _worker_main():
-    from dist_launch import init_worker
+    from dist_launch import finish_worker, init_worker
 
     rank, world = init_worker(timeout_s=60)
     import torch.distributed as dist
 
     run_checks(rank, world, dist.group.WORLD)
     print("ALL CHECKS PASSED", flush=True)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_worker()
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
