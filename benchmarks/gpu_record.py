@@ -1,16 +1,16 @@
 """Records of a GPU run (benchmarks/results/gpu.jsonl's format), shared by the scripts that
-benchmarks/gpu_check.sh drives.
+benchmarks/gpu/check.sh drives.
 
 A record stands alone: it names the commit (FLCE_COMMIT, since the device gets no .git and may
-have no git), the run (FLCE_RUN: one id per gpu_check.sh call, so that records of the same call
+have no git), the run (FLCE_RUN: one id per gpu/check.sh call, so that records of the same call
 can be compared), the device, its driver, CUDA, torch, Python and what flce was built with
 (flce.build_info(): the arch list). Records are appended one line at a time and
 flushed to disk at once, so that a step cut at its limit keeps every record written before the
 cut. A measurement in progress lives in a partial file (`write_partial`): the complete record is
-appended when it is done, and gpu_check.sh appends the partial one (``"complete": false``) when
+appended when it is done, and gpu/check.sh appends the partial one (``"complete": false``) when
 the step that was writing it dies.
 
-FLCE_GPU_DRY_RUN=1 (tests/tools/test_gpu_check.py: the control flow of gpu_check.sh on a machine
+FLCE_GPU_DRY_RUN=1 (tests/tools/test_gpu_check.py: the control flow of gpu/check.sh on a machine
 without a GPU) leaves torch out: the environment is a stand-in that says so.
 """
 import datetime

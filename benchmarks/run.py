@@ -11,7 +11,7 @@
              behind docs/img/collapse.png)
   profile    warm-up and profiled steps for nsys / ncu / torch.profiler (docs/profiling.md)
   demo       the two-minute tour: collapse, gradient accuracy, one cost line
-  gpu-check  benchmarks/gpu_check.sh on a GPU machine: headline | rest [--plan]
+  gpu-check  benchmarks/gpu/check.sh on a GPU machine: headline | rest [--plan]
   plots      draw docs/img/*.png from the records in benchmarks/results/
   report     rewrite docs/benchmarks.md's result tables from the records (--check: compare only)
 
@@ -97,7 +97,7 @@ def _demo(argv):
 
 
 def _gpu_check(argv):
-    return subprocess.call(["bash", os.path.join(HERE, "gpu_check.sh"), *argv])
+    return subprocess.call(["bash", os.path.join(HERE, "gpu", "check.sh"), *argv])
 
 
 def _plots(argv):

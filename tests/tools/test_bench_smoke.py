@@ -111,7 +111,7 @@ def test_run_subcommands(capsys):
 
 
 def test_run_gpu_check_plan(capfd):
-    """`run.py gpu-check` hands its arguments to benchmarks/gpu_check.sh."""
+    """`run.py gpu-check` hands its arguments to benchmarks/gpu/check.sh."""
     assert run.main(["gpu-check", "headline", "--plan"]) == 0
     assert "budget" in capfd.readouterr().out
 

@@ -1,10 +1,10 @@
-"""benchmarks/gpu_check.sh's control flow on a machine without a GPU, and its record writers.
+"""benchmarks/gpu/check.sh's control flow on a machine without a GPU, and its record writers.
 
 Each phase runs for real with every command stubbed: a stand-in interpreter (PYTHON) and stub
 nvidia-smi / nvcc / ncu / compute-sanitizer on PATH log their calls and fail or hang where told;
-gpu_tests_record.py runs for real in its dry-run mode (FLCE_GPU_DRY_RUN=1: no torch), and
-`python -m flce.check` has a stand-in that writes its records as the check does (one per shape,
-the partial one first). The runs show that the limits of each phase fit its budget,
+benchmarks/gpu/tests_record.py runs for real in its dry-run mode (FLCE_GPU_DRY_RUN=1: no
+torch), and `python -m flce.check` has a stand-in that writes its records as the check does (one
+per shape, the partial one first). The runs show that the limits of each phase fit its budget,
 that a shape's record is appended the moment it is measured (and kept, marked incomplete, when
 its step is cut), and that a failed or timed-out step is reported and the next one runs.
 """
@@ -21,11 +21,12 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu", "check.sh")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
 
 import gpu_record  # noqa: E402
-import gpu_tests_record  # noqa: E402
+import tests_record  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and coreutils' timeout")
@@ -76,7 +77,7 @@ for a in "$@"; do
   [[ $a == --junitxml=* ]] && printf '%s' "$junit" >"${a#--junitxml=}"
 done
 case $1 in
-  benchmarks/gpu_tests_record.py) exec "$REAL_PYTHON" "$@" ;;
+  benchmarks/gpu/tests_record.py) exec "$REAL_PYTHON" "$@" ;;
 esac
 exit 0
 """
@@ -220,7 +221,7 @@ def test_rest_dry_run(tmp_path):
 def test_rest_without_a_build_and_a_cut_shape(tmp_path):
     proc, summary, records, calls = _run(
         tmp_path, "rest", GPU_CHECK_MAX_LIMIT="1", FAKE_FAIL="cuda_backend",
-        FAKE_HANG="gpu_target_check.py", FLCE_GPU_DRY_HANG="4096,256000,4096")
+        FAKE_HANG="gpu/target_check.py", FLCE_GPU_DRY_HANG="4096,256000,4096")
     assert proc.returncode == 1
     status = _status(summary)
     assert status["build_reuse"][0] == 3 and status["build"][0] == 0
@@ -279,7 +280,7 @@ def test_junit_counts(tmp_path):
         '<testcase classname="m" name="err"><error/></testcase>'
         '<testcase classname="m" name="skip"><skipped/></testcase></testsuite></testsuites>'
     )).write(report)
-    passed, failed, skipped, failures, reports = gpu_tests_record.counts(
+    passed, failed, skipped, failures, reports = tests_record.counts(
         [str(report), str(tmp_path / "missing.xml")])
     assert (passed, failed, skipped) == (1, 3, 1)
     assert failures[:2] == ["m::bad", "m::err"] and "missing.xml: no report" in failures[2]

@@ -1,7 +1,7 @@
 """Append a gpu_tests record to a gpu.jsonl file from the JUnit XML reports of the GPU script's
-pytest steps (benchmarks/gpu_check.sh):
+pytest steps (benchmarks/gpu/check.sh):
 
-    python benchmarks/gpu_tests_record.py OUT.jsonl junit_a.xml [junit_b.xml ...]
+    python benchmarks/gpu/tests_record.py OUT.jsonl junit_a.xml [junit_b.xml ...]
 
 Record: {"op": "gpu_tests", "date", "commit", "run", "device", "driver", "cuda", "torch",
 "python", "build", "passed", "failed", "skipped", "reports": {file: [passed, failed, skipped]},
@@ -12,7 +12,7 @@ import os
 import sys
 import xml.etree.ElementTree as ET
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu_record  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """The cost of fp32 training's gradient GEMMs in float64 (FLCE_CUDA_FP32_GRAD=fp64) on a GPU,
 against the SGEMM path and against the GEMMs alone; one record per shape, appended as measured.
 
-    python benchmarks/gpu_fp64_cost.py --record OUT.jsonl [--shapes 16384,32768,1024;...]
+    python benchmarks/gpu/fp64_cost.py --record OUT.jsonl [--shapes 16384,32768,1024;...]
 
 Per shape (fp32 inputs, TF32 off), medians of --repeats steps after --warmup (CUDA events):
   flce_fp32     flce.linear_cross_entropy forward + backward, FLCE_CUDA_FP32_GRAD=fp32 (SGEMMs)
@@ -19,7 +19,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: the record writer
 import gpu_record  # noqa: E402
 
 SHAPES = "16384,32768,1024;4096,128256,4096"
