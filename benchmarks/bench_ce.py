@@ -40,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_record  # noqa: E402
+import _records  # noqa: E402
 from _peers import PeakMemory, cpu_model  # noqa: E402
 from _progress import Progress  # noqa: E402
 
@@ -198,7 +198,7 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--record", help="append one JSON record per (shape, dtype) to this file")
     p.add_argument("--partial", help="the (shape, dtype) in progress, rewritten after each "
-                   "implementation (default: RECORD.partial; benchmarks/gpu_record.py)")
+                   "implementation (default: RECORD.partial; benchmarks/_records.py)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -234,14 +234,14 @@ def main(argv=None):
                 progress.done(f"{r['ms']:.2f} ms, {r['peak_gib']:.3f} GiB" if "ms" in r
                               else f"failed: {r.get('error')}")
                 if args.record:  # what is measured so far, should the run be cut
-                    gpu_record.write_partial(partial, make_record(n, v, dt, rate, floor_ms, res,
+                    _records.write_partial(partial, make_record(n, v, dt, rate, floor_ms, res,
                                                                   args.device))
             rows.append((n, v, dt, rate, floor_ms, res))
             print_table(rows[-1:], args.device)
             if args.record:
                 rec = make_record(n, v, dt, rate, floor_ms, res, args.device)
                 rec["complete"] = True
-                gpu_record.finish(args.record, partial, rec)
+                _records.finish(args.record, partial, rec)
     return 0
 
 
@@ -263,7 +263,7 @@ def print_table(rows, device):
 
 def make_record(n, v, dt, rate, floor_ms, res, device="cuda"):
     """The (shape, dtype)'s record in gpu.jsonl's format ("complete": false until done)."""
-    rec = gpu_record.environment()
+    rec = _records.environment()
     if device == "cpu":  # the measured device, not the machine's GPU
         rec.update(device=cpu_model(), threads=torch.get_num_threads())
     rec.update(op="cross_entropy", n=n, v=v,
@@ -272,7 +272,7 @@ def make_record(n, v, dt, rate, floor_ms, res, device="cuda"):
                ms_range={k: [round(r["ms_min"], 4), round(r["ms_max"], 4)]
                          for k, r in res.items() if "ms" in r},
                peak_gib={k: round(r["peak_gib"], 4) for k, r in res.items() if "ms" in r},
-               margin40_rel_err={k: gpu_record.sig(r["margin40_rel_err"], 3)
+               margin40_rel_err={k: _records.sig(r["margin40_rel_err"], 3)
                                  for k, r in res.items() if "ms" in r},
                skipped={k: r["skipped"] for k, r in res.items() if "skipped" in r},
                errors={k: str(r["error"])[:300] for k, r in res.items() if "error" in r},

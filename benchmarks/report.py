@@ -132,7 +132,7 @@ def step_table(r):
                  f"rate of the same run, {r['copy_gb_s']:g} GB/s")
     caption = (f"**{title}, {_dtype(r)}, {_shape(r)}** ({_where(r)}{extra}). "
                f"Source: {r.get('source', 'unknown')}.")
-    not_run = r.get("not_run") or r.get("skipped") or {}
+    not_run = r.get("skipped") or {}
     if not_run:
         caption += " Not run: " + "; ".join(f"`{k}` ({v})" for k, v in not_run.items()) + "."
     return caption + "\n\n" + table([head[k] for k in keep], rows)

@@ -13,7 +13,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gpu_record  # noqa: E402
+import _records  # noqa: E402
 
 
 def counts(paths):
@@ -50,10 +50,10 @@ def main(argv):
         return 2
     out, paths = argv[0], argv[1:]
     passed, failed, skipped, failures, reports = counts(paths)
-    rec = gpu_record.environment()
+    rec = _records.environment()
     rec.update(op="gpu_tests", passed=passed, failed=failed, skipped=skipped, reports=reports,
                failures=failures[:50])
-    gpu_record.append(out, rec)
+    _records.append(out, rec)
     print(rec)
     return 0
 

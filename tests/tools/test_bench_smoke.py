@@ -99,6 +99,8 @@ def test_floor_is_the_faster_engine():
         assert rec["floor"] == floor and set(rec["peak_gib"]) == {"flce"}
     rows = [row("flce", 1.5), row("gemm3", 0.0, "failed: x"), row("gemm3-flce", 3.0)]
     assert bench.floor_row(rows)["impl"] == "gemm3-flce"
+    # what did not run, under the name flce.check's and bench_ce.py's records give it
+    assert bench.record(rows, args)["skipped"] == {"gemm3": "failed: x"}
     assert bench.floor_row([row("flce", 1.5)]) is None
 
 

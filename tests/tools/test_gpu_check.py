@@ -25,7 +25,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu", "check.sh")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
 
-import gpu_record  # noqa: E402
+import _records  # noqa: E402
 import tests_record  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
@@ -241,35 +241,69 @@ def test_rest_without_a_build_and_a_cut_shape(tmp_path):
 
 def test_commit_from_the_environment_and_without_git(monkeypatch):
     monkeypatch.setenv("FLCE_COMMIT", "0123abc")
-    assert gpu_record.commit() == "0123abc"
+    assert _records.commit() == "0123abc"
     monkeypatch.delenv("FLCE_COMMIT")
     monkeypatch.setenv("PATH", "/nonexistent")  # no git binary: None, not FileNotFoundError
-    assert gpu_record.commit() is None
-    assert gpu_record.driver_version() is None
+    assert _records.commit() is None
+    assert _records.driver_version() is None
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_of_a_checkout_says_dirty(tmp_path, monkeypatch):
+    """Every record writer's commit: the checkout's, ``+dirty`` once a tracked file changed
+    (an untracked file is not a change); None where there is no checkout."""
+    monkeypatch.delenv("FLCE_COMMIT", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (repo / "a.txt").write_text("a\n")
+    subprocess.run(git + ["add", "a.txt"], check=True)
+    subprocess.run(git + ["commit", "-qm", "a"], check=True)
+    sha = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    monkeypatch.setattr(_records, "REPO", str(repo))
+    (repo / "untracked.txt").write_text("u\n")
+    assert _records.commit() == sha
+    (repo / "a.txt").write_text("b\n")
+    assert _records.commit() == sha + "+dirty"
+    monkeypatch.setattr(_records, "REPO", str(tmp_path))  # no checkout
+    assert _records.commit() is None
 
 
 def test_append_partial_and_finish(tmp_path):
     records, partial = tmp_path / "r.jsonl", tmp_path / "r.partial"
-    gpu_record.append(records, {"a": 1})
-    gpu_record.write_partial(partial, {"b": 2, "complete": False})
-    gpu_record.write_partial(partial, {"b": 3, "complete": False})
+    _records.append(records, {"a": 1})
+    _records.write_partial(partial, {"b": 2, "complete": False})
+    _records.write_partial(partial, {"b": 3, "complete": False})
     assert json.loads(partial.read_text()) == {"b": 3, "complete": False}
-    gpu_record.finish(records, partial, {"b": 3, "complete": True})
+    _records.finish(records, partial, {"b": 3, "complete": True})
     assert not partial.exists()
     assert [json.loads(x) for x in records.read_text().splitlines()] == [
         {"a": 1}, {"b": 3, "complete": True}]
     with pytest.raises(ValueError):  # NaN is not JSON: refused, not written as NaN
-        gpu_record.append(records, {"x": float("nan")})
-    assert gpu_record.sig(float("nan")) is None and gpu_record.sig(26.0934567) == 26.093
+        _records.append(records, {"x": float("nan")})
+    assert _records.sig(float("nan")) is None and _records.sig(26.0934567) == 26.093
 
 
 def test_environment_names_the_build(monkeypatch):
     monkeypatch.setenv("FLCE_COMMIT", "0123abc")
     monkeypatch.setenv("FLCE_RUN", "r1")
     monkeypatch.delenv("FLCE_GPU_DRY_RUN", raising=False)
-    env = gpu_record.environment()
+    env = _records.environment()
     assert (env["commit"], env["run"], env["torch"]) == ("0123abc", "r1", torch.__version__)
-    assert set(gpu_record.BUILD_KEYS) <= set(env["build"]) and "arch_list" in env["build"]
+    assert set(_records.BUILD_KEYS) <= set(env["build"]) and "arch_list" in env["build"]
+
+
+def test_dry_run_leaves_torch_out():
+    """The GPU check's record writers run on the stand-in interpreter's host without torch."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import _records; "
+            "env = _records.environment(); print(env['device'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "benchmarks")],
+                         capture_output=True, text=True, timeout=60, check=True,
+                         env=dict(os.environ, FLCE_GPU_DRY_RUN="1"))
+    assert out.stdout.split("\n")[0] == "dry run (no GPU) False"
 
 
 def test_junit_counts(tmp_path):
