@@ -19,17 +19,23 @@ supersedes them (benchmarks/report.py takes the latest).
 
 FLCE_GPU_DRY_RUN=1 (tests/tools/test_gpu_check.py: the control flow of the GPU check on a
 machine without a GPU) leaves torch out: the environment is a stand-in that says so.
+
+The measuring runs also print a progress line as each step starts and ends (``Progress``).
 """
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+if importlib.util.find_spec("flce") is None:  # not installed: the checkout's in-place build
+    sys.path.insert(0, os.path.join(REPO, "python"))
 # flce.build_info()'s keys that say what was measured (the rest describe the CPU backend).
 BUILD_KEYS = ("version", "torch", "cuda", "arch_list", "sass", "cuda_backend")
 
@@ -75,23 +81,15 @@ def _today():
     return datetime.date.today().isoformat()
 
 
-def device_name(device):
-    import torch
-
-    if str(device).startswith("cuda"):
-        return torch.cuda.get_device_name()
-    import _peers
-
-    return _peers.cpu_model()
-
-
 def base(device, op):
-    """The fields every record of the benchmarks here starts with."""
+    """The fields every record of the benchmarks here starts with; ``device``: "cpu" or
+    "cuda"."""
     import torch
+    from flce.check import device_name  # (the self-check's records name devices so too)
 
-    cpu = not str(device).startswith("cuda")
     return {"date": _today(), "device": device_name(device), "torch": torch.__version__,
-            "commit": commit(), "threads": torch.get_num_threads() if cpu else None, "op": op}
+            "commit": commit(), "threads": torch.get_num_threads() if device == "cpu" else None,
+            "op": op}
 
 
 def environment():
@@ -174,3 +172,51 @@ def read(*paths):
         with open(path) as fh:
             out.extend(json.loads(line) for line in fh if line.strip())
     return out
+
+
+def hms(seconds):
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Progress lines for long benchmark runs: what runs now, the time since the start and,
+    once a step has finished, an estimate of the time left.
+
+        progress = Progress(total=8)
+        progress.start("fp32 N=4096 V=32768 D=512: flce")
+        ...                                   # the measurement
+        progress.done("1.62 s, 246 MB")
+
+    prints, on stdout and flushed at once (a run cut by a timeout keeps what it printed):
+
+        [1/8 0:00:00] fp32 N=4096 V=32768 D=512: flce ...
+        [1/8 0:00:14] fp32 N=4096 V=32768 D=512: flce: 1.62 s, 246 MB (ETA 0:01:38)
+
+    The estimate assumes the steps left take as long as the finished ones did on average: right
+    for repeats of one configuration, rough across shapes."""
+
+    def __init__(self, total, out=None, clock=time.monotonic):
+        self.total, self.done_steps = max(int(total), 1), 0
+        self.out = out or sys.stdout
+        self.clock = clock
+        self.t0 = clock()
+        self.what = ""
+
+    def _head(self):
+        k = min(self.done_steps + 1, self.total)
+        return f"[{k}/{self.total} {hms(self.clock() - self.t0)}]"
+
+    def start(self, what):
+        """A step begins: name it."""
+        self.what = what
+        print(f"{self._head()} {what} ...", file=self.out, flush=True)
+
+    def done(self, result="done"):
+        """The step begun last has finished with ``result`` (a short summary)."""
+        head = self._head()
+        self.done_steps += 1
+        left = self.total - self.done_steps
+        elapsed = self.clock() - self.t0
+        eta = f" (ETA {hms(elapsed / self.done_steps * left)})" if left > 0 else ""
+        print(f"{head} {self.what}: {result}{eta}", file=self.out, flush=True)

@@ -22,13 +22,11 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
-IMG = os.path.join(REPO, "docs", "img")
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers  # noqa: E402
 import _records  # noqa: E402
+
+IMG = os.path.join(_records.REPO, "docs", "img")
 
 # The implementations as the pictures name them, in drawing order.
 LABELS = {"flce": "flce", "flce_recompute": "flce (recompute path)", "eager": "F.cross_entropy",
@@ -38,10 +36,6 @@ LABELS = {"flce": "flce", "flce_recompute": "flce (recompute path)", "eager": "F
 COLORS = {"flce": "C3", "flce_recompute": "C1", "eager": "C0", "compile": "C2", "chunked": "C4",
           "liger": "C5", "cce": "C6", "gemm3": "0.6"}
 COLLAPSE_MARGINS = tuple(range(0, 105, 5))
-
-
-def read_records(*paths):
-    return _records.read(*paths)
 
 
 # ---- records -------------------------------------------------------------------------------
@@ -141,10 +135,7 @@ def config_label(r):
 def _speed_sets(records):
     recs = [r for r in records if r.get("op") == "linear_cross_entropy" and r.get("ms")]
     recs = _latest(recs, _records.config_key)
-    devices = []
-    for r in recs:
-        if r["device"] not in devices:
-            devices.append(r["device"])
+    devices = list(dict.fromkeys(r["device"] for r in recs))
     return [(dev, [r for r in recs if r["device"] == dev]) for dev in devices]
 
 
@@ -208,7 +199,7 @@ def plot_speed_memory(records, path):
 
 
 def plot_train_lm(records, path):
-    sys.path.insert(0, os.path.join(REPO, "examples"))
+    sys.path.insert(0, os.path.join(_records.REPO, "examples"))
     import train_lm
 
     recs = [r for r in records if r.get("op") == "train_lm"]
@@ -220,16 +211,16 @@ def plot_train_lm(records, path):
     train_lm.plot(_latest(same, lambda r: (r["variant"], r["dtype"])), path)
 
 
-def draw(out=IMG, results=RESULTS):
+def draw(out=IMG, results=_records.RESULTS):
     """Draw every picture whose records exist; returns the paths written."""
     os.makedirs(out, exist_ok=True)
-    records = read_records(os.path.join(results, "cpu.jsonl"), os.path.join(results, "gpu.jsonl"))
+    records = _records.read(os.path.join(results, "cpu.jsonl"), os.path.join(results, "gpu.jsonl"))
     written = []
     for name, fn, recs in (
             ("collapse.png", plot_collapse, records),
             ("speed_memory.png", plot_speed_memory, records),
             ("train_lm.png", plot_train_lm,
-             read_records(os.path.join(results, "train_lm.jsonl")))):
+             _records.read(os.path.join(results, "train_lm.jsonl")))):
         try:
             fn(recs, os.path.join(out, name))
         except ValueError as e:
@@ -245,7 +236,7 @@ def main(argv=None):
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=IMG, help="folder of the pictures (default: docs/img)")
-    p.add_argument("--results", default=RESULTS, help="folder of the records")
+    p.add_argument("--results", default=_records.RESULTS, help="folder of the records")
     args = p.parse_args(argv)
     return draw(args.out, args.results)
 

@@ -22,17 +22,12 @@ import statistics
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+import torch
 
-import torch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peers import DTYPES  # noqa: E402  (and the checkout's flce where none is installed)
 
-try:
-    import flce
-except ImportError:  # not installed and no PYTHONPATH=python: the checkout's in-place build
-    sys.path.insert(0, os.path.join(_HERE, "..", "python"))
-    import flce
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+import flce  # noqa: E402
 
 
 def parse_args(argv=None):

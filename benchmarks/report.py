@@ -196,10 +196,7 @@ def other_line(r):
 
 def results_region(records):
     recs = latest(records)
-    devices = []
-    for r in recs:
-        if r["device"] not in devices:
-            devices.append(r["device"])
+    devices = list(dict.fromkeys(r["device"] for r in recs))
     order = {"linear_cross_entropy": 0, "cross_entropy": 1, "collapse": 2, "gpu_tests": 3}
     parts = []
     for dev in devices:

@@ -21,6 +21,7 @@ time left once one is done), and with --record PATH append one JSON line per con
 soon as it is measured (benchmarks/_records.py; the committed ones are in benchmarks/results/).
 Method and current results: docs/benchmarks.md.
 """
+import importlib
 import os
 import subprocess
 import sys
@@ -29,38 +30,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _linear(argv):
-    import bench
-
-    bench.main(argv)
-    return 0
-
-
-def _ce(argv):
-    import bench_ce
-
-    return bench_ce.main(argv)
-
-
-def _accuracy(argv):
-    import accumulation
-
-    accumulation.main(argv)
-    return 0
-
-
-def _parallel(argv):
-    import bench_parallel
-
-    return bench_parallel.main(argv)
-
-
 def _collapse(argv):
     import argparse
 
     import _records
     import plots
-    from _progress import Progress
 
     p = argparse.ArgumentParser(prog="benchmarks/run.py collapse",
                                 description="The mean loss's relative error against the float64 "
@@ -76,23 +50,9 @@ def _collapse(argv):
     args = p.parse_args(argv)
     margins = tuple(int(m) for m in args.margins.split(","))
     rec = plots.collapse_record(args.device, args.V, args.D, args.N, margins,
-                                progress=Progress(len(margins)))
+                                progress=_records.Progress(len(margins)))
     if args.record:
         _records.append(args.record, rec)
-    return 0
-
-
-def _profile(argv):
-    import profile_step
-
-    profile_step.main(argv)
-    return 0
-
-
-def _demo(argv):
-    import demo
-
-    demo.main(argv)
     return 0
 
 
@@ -100,22 +60,21 @@ def _gpu_check(argv):
     return subprocess.call(["bash", os.path.join(HERE, "gpu", "check.sh"), *argv])
 
 
-def _plots(argv):
-    import plots
-
-    plots.main(argv)
-    return 0
-
-
-def _report(argv):
-    import report
-
-    return report.main(argv)
+# The subcommands that are a module's main(argv); its exit status, where it returns one.
+MODULES = {"linear": "bench", "ce": "bench_ce", "accuracy": "accumulation",
+           "parallel": "bench_parallel", "profile": "profile_step", "demo": "demo",
+           "plots": "plots", "report": "report"}
 
 
-COMMANDS = {"linear": _linear, "ce": _ce, "accuracy": _accuracy, "parallel": _parallel,
-            "collapse": _collapse, "profile": _profile, "demo": _demo, "gpu-check": _gpu_check,
-            "plots": _plots, "report": _report}
+def _module(name):
+    def command(argv):
+        rc = importlib.import_module(name).main(argv)
+        return rc if isinstance(rc, int) else 0
+    return command
+
+
+COMMANDS = {**{k: _module(m) for k, m in MODULES.items()}, "collapse": _collapse,
+            "gpu-check": _gpu_check}
 
 
 def main(argv=None):

@@ -22,38 +22,12 @@
 #     -d .whl liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 # (quack's CuTe DSL wheel, 92 MB, is over what a call can carry.)
 #
-# headline: env, wheels, build for 9.0a, ptxas, check (`python -m flce.check --quick --only
-#   correctness`: every path against float64, the collapse), bench (`python -m flce.check
-#   --quick --only speed`, its own process: flce.cross_entropy at [16384, 64128] bf16 against its
-#   bytes' time, then at [4096 x 4096 x 128256] the 3 cuBLAS GEMMs, the default path, eager, the
-#   forward without gradients against its logits GEMM, Liger and CCE last: one record per
-#   configuration), test_cuda (tests/cuda/test_cuda.py), record_tests (its gpu_tests record),
-#   profile (one profiled step and a memory snapshot).
-# rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
-#   .gpu_build/; without one it builds first, and the steps at the end are cut by the budget),
-#   bench_large (`python -m flce.check` at N = 16384 and V = 256000), bench_ce (cross-entropy
-#   on given logits, inputs made on the GPU), fp64_cost (FLCE_CUDA_FP32_GRAD=fp64 against SGEMM and DGEMM), test_suite (the
-#   device-parametrized suite without the files run above), record_tests, no_sync (training
-#   steps under torch.cuda.set_sync_debug_mode("error")), target_modes,
-#   memcheck and racecheck (compute-sanitizer), ncu_rows (the row kernels' counters), nvtx,
-#   cpu_bf16 (the host CPU's bf16 step at [4096 x 512 x 32768], AMX on the lent machines' hosts:
-#   `python -m flce.check --device cpu`, its record beside the GPU's).
-#
-# Every step runs in its own process under its own limit (cut to what is left of the budget),
-# with its output in its own log; a step that fails or times out is reported and the next one
-# runs. The limits of a phase's steps add up to at most its budget (--plan checks it;
-# tests/tools/test_gpu_check.py runs both phases with every command stubbed). Files in $OUT (default
-# benchmarks/results/gpu-RUN, RUN = date-PHASE; the device tool returns at most 8):
-#   gpu_records.jsonl  records in benchmarks/results/gpu.jsonl's format, each appended the
-#                      moment it is measured (a shape cut mid-way: "complete": false); append
-#                      them to benchmarks/results/gpu.jsonl, never edit the old ones
-#   summary.txt        one line per step: exit status, seconds, ok / FAILED / TIMEOUT / SKIPPED
-#   table.txt          the benchmarks' tables (also printed last)
-#   gpu_logs.tgz       every step's log, the JUnit reports, the profiler trace (packed after
-#                      each step)
-#   flce_build.tgz     headline: the build (_C*.so and _build_info.py) for rest's .gpu_build/
-#   memory_snapshot.pickle  headline: the allocator's history over one step (pytorch.org/memory_viz)
-# Exit status 1 if any step failed, timed out or was skipped.
+# Each phase's steps and limits, and the files it leaves in $OUT (default
+# benchmarks/results/gpu-RUN, RUN = date-PHASE; at most 8, what the device tool returns), are in
+# docs/profiling.md's table. Every step runs in its own process under its own limit (cut to what
+# is left of the budget), its output in its own log (packed into gpu_logs.tgz after each step);
+# a step that fails or times out is reported in summary.txt and the next one runs. Exit status 1
+# if any step failed, timed out or was skipped.
 #
 # Dry runs (no GPU): PYTHON=a stand-in interpreter and stub nvcc / ncu / compute-sanitizer /
 # nvidia-smi on PATH; FLCE_GPU_DRY_RUN=1 makes the record writers stand-ins too;

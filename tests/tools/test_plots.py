@@ -18,7 +18,7 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 
 def _records(name):
-    return plots.read_records(os.path.join(RESULTS, name))
+    return plots._records.read(os.path.join(RESULTS, name))
 
 
 def test_committed_records():
