@@ -37,22 +37,6 @@ FLOORS = ("gemm3", "gemm3-flce")
 # (exact_bf16_grad=True: the CPU backend's split gradient tile on AMX), beside its defaults.
 FLCE_PATHS = {"flce": {}, "flce-single": {"single_pass": True},
               "flce-recompute": {"single_pass": False}, "flce-exact": {"exact_bf16_grad": True}}
-DESCRIPTIONS = {
-    "flce": "flce.linear_cross_entropy",
-    "flce-single": "flce.linear_cross_entropy(single_pass=True)",
-    "flce-recompute": "flce.linear_cross_entropy(single_pass=False)",
-    "flce-exact": "flce.linear_cross_entropy(exact_bf16_grad=True)",
-    "eager": "F.linear + .float() + F.cross_entropy (eager)",
-    "compile": "torch.compile of the eager code",
-    "chunked": "torch F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
-    "liger": "Liger-Kernel liger_fused_linear_cross_entropy",
-    "cce": "Apple cut_cross_entropy.linear_cross_entropy",
-    "gemm3": "the step's 3 GEMMs alone (torch.mm: logits, dE, dW): a floor",
-    "gemm3-flce": "the step's 3 GEMMs alone on flce's CPU tile-GEMM engine (fp32 products): "
-                  "a floor",
-    "flce-soft": "flce.linear_cross_entropy with probability targets (soft_targets)",
-    "eager-soft": "F.linear + .float() + F.cross_entropy with probability targets (eager)",
-}
 
 
 def soft_targets(t, v, _cache={}):

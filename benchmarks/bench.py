@@ -1,18 +1,11 @@
 """The linear step (`python benchmarks/run.py linear`): flce's fused linear cross-entropy against
 its peers, forward + backward time, peak memory and loss accuracy at a large target margin.
 
-    python benchmarks/run.py linear                  # N=4096 V=32768 D=512, fp32, default peers
-    python benchmarks/run.py linear --dtype fp32,bf16 --record benchmarks/results/cpu.jsonl
-    python benchmarks/run.py linear --dtype bf16 --compile --csv out.csv
-    python benchmarks/run.py linear --shapes 256x4096x64,1024x8192x256 --peers eager,chunked,liger
-    python benchmarks/run.py linear --load 2 --peers eager,chunked   # 2 busy processes compete
-    python benchmarks/run.py linear --isa avx2                       # an AVX2-only CPU, emulated
-
 A configuration is one (dtype, shape); every (implementation, configuration) runs in its own
 fresh process, and a progress line is printed as each starts and ends. With --record, each
 configuration's record (benchmarks/results/cpu.jsonl's format, benchmarks/_records.py) is
-appended the moment the configuration is done. See docs/benchmarks.md for the method. Take
-numbers on a quiet machine: the timings are medians, but a busy CPU still moves them (the
+appended the moment the configuration is done. docs/benchmarks.md has examples and the method.
+Take numbers on a quiet machine: the timings are medians, but a busy CPU still moves them (the
 table and the record keep the load average before and after).
 """
 import argparse

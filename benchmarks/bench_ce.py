@@ -10,23 +10,12 @@ A progress line is printed as each (configuration, implementation) starts and en
 --record, a configuration's record is appended as soon as it is done (and rewritten to
 --partial after each implementation before that).
 
-Implementations (each in a fresh process, every repeat on the same logits):
-  flce          flce.cross_entropy(logits, target)
-  flce_inplace  the same with inplace_backward=True on logits that an op produced, as a
-                model's are (a clone of the leaf, made outside the timed region): the gradient
-                overwrites them and reaches the leaf's .grad (flce refuses a leaf itself)
-  eager         F.cross_entropy(logits.float(), target): TorchTitan's loss function
-  compiled      torch.compile of eager
-  native        F.cross_entropy(logits, target) in the logits' dtype (no fp32 copy)
-  composite     flce's formulas in torch ops (flce._composite: an fp32 copy of the logits, as
-                flce's logits-level drop-in was before it had kernels)
-  liger         Liger's cross-entropy (liger_kernel.transformers.LigerCrossEntropyLoss), CUDA
-                and when installed
-
-The floor ("bytes") is the logits read forward, read again and the gradient written backward,
-at the copy rate measured in the same run (a clone of a tensor of the logits' size: read +
-write). Medians of --repeats timed steps after --warmup. Memory: the peak above what was
-allocated before the step (the logits, targets and nothing else), which includes the gradient.
+Each implementation runs in a fresh process, every repeat on the same logits; they, the floor
+("bytes": the logits read twice and the gradient written once at the copy rate measured in the
+same run) and the method are in docs/benchmarks.md. flce_inplace runs on logits that an op
+produced, as a model's are (a clone of the leaf, made outside the timed region: flce refuses a
+leaf). Memory: the peak above what was allocated before the step (the logits, targets and
+nothing else), which includes the gradient.
 """
 import argparse
 import json
