@@ -1,4 +1,4 @@
-"""Shared machinery of bench.py, bench_ce.py, demo.py and plots.py: the implementations
+"""Shared machinery of bench.py, bench_ce.py, demo.py and run.py collapse: the implementations
 compared, the inputs they get, their options' parsing, and the per-process measurement of time,
 peak memory and large-margin accuracy.
 

@@ -164,6 +164,14 @@ def config_key(r):
             r.get("world"))
 
 
+def latest(records, key=config_key):
+    """The last record of each ``key(record)``, in the order the keys first appear."""
+    out = {}
+    for r in records:
+        out[key(r)] = r
+    return list(out.values())
+
+
 def read(*paths):
     out = []
     for path in paths:
