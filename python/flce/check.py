@@ -778,7 +778,7 @@ def speed(dev, quick, tiny, dtype, out_path, partial, base_record, linear=None, 
 class Record(dict):
     """One configuration's record. With ``partial`` (a path), each measurement rewrites it
     there (``"complete": false``), so that a caller who has to cut the run mid-configuration
-    (benchmarks/gpu_check.sh) keeps what was measured."""
+    (benchmarks/gpu/check.sh) keeps what was measured."""
 
     def __init__(self, partial, base, **fields):
         super().__init__(base, **fields, ms={}, ms_range={}, peak_gib={}, skipped={},
