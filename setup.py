@@ -17,6 +17,7 @@ Environment:
   FLCE_NVCC_THREADS       nvcc --threads (arches of one .cu compiled in parallel); unset: the
                           cores MAX_JOBS leaves idle when there are fewer .cu files than jobs.
   FLCE_PTXAS_VERBOSE=1    pass -Xptxas -v (registers and spills per kernel, used by CI).
+  FLCE_DEBUG_INFO=1       keep the host code's debug info (Python's -g); default -g0.
 See docs/build.md.
 """
 import glob
@@ -139,6 +140,11 @@ include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"
 # is compiled with OpenMP (torch's CPU build parallelizes with OpenMP); the module then needs
 # libgomp.so.1, which is the one libtorch_cpu has already loaded.
 cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+# -g0 after the -g of Python's own CFLAGS: debug info for torch's templates about doubles each
+# C++ unit's compile time and makes the module several times larger, for line numbers that only
+# a developer's debugger reads (FLCE_DEBUG_INFO=1 keeps them). Symbols stay in backtraces.
+if os.environ.get("FLCE_DEBUG_INFO") != "1":
+    cxx_flags.append("-g0")
 define_macros = []
 ext_kwargs = {"extra_link_args": ["-fopenmp"]}
 
