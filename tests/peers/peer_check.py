@@ -108,7 +108,7 @@ def compare(got, ref, *, dtype_in, names):
         assert_close_to_ref(g, r, torch.float32, factor=LOSS_FACTOR, what=name)
 
 
-def _grads_close(leaves, refs, *, low_dtype=None):
+def grads_close(leaves, refs, *, low_dtype=None):
     """Every element within GRAD_FACTOR roundings (relative to max(|ref|, rms(ref)), plus half
     the dtype's smallest subnormal spacing: fp16 gradients below 6e-5 are subnormal), and
     norm-wise within GRAD_NORM_FACTOR or just above the floor where the gradient's own
@@ -152,7 +152,7 @@ def run_ce(logits, target, *, seed, class_weight=None, objective=None, backward=
     if backward:
         objective(out).backward()
         objective({k: ref[k] for k in names}).backward()
-        _grads_close({"input": leaf}, {"input": z64.grad})
+        grads_close({"input": leaf}, {"input": z64.grad})
     return out, leaf.grad
 
 
@@ -213,5 +213,5 @@ def run_lce(x, w, t, b=None, *, seed, class_weight=None, shift=0, objective=None
         objective(out).backward()
         objective({k: ref[k] for k in names}).backward()
         refs = {"input": x64.grad, "weight": w64.grad, "bias": None if b64 is None else b64.grad}
-        _grads_close(leaves, refs, low_dtype=autocast)
+        grads_close(leaves, refs, low_dtype=autocast)
     return out, leaves
