@@ -60,6 +60,8 @@ def ref_outputs(z64, t, *, class_weight=None, ignore_index=-100, reduction="mean
 
 
 def as_dict(out):
+    if isinstance(out, dict):
+        return out
     return out._asdict() if isinstance(out, tuple) else {"loss": out}
 
 
@@ -134,15 +136,19 @@ def grads_close(leaves, refs, *, low_dtype=None):
 
 def run_ce(logits, target, *, seed, class_weight=None, objective=None, backward=True,
            inplace_backward=False, return_lse=False, return_accuracy=False,
-           return_z_loss=False, **opts):
-    """flce.cross_entropy on ``logits`` [N, V] against the float64 reference."""
+           return_z_loss=False, fn=None, **opts):
+    """flce.cross_entropy on ``logits`` [N, V] against the float64 reference.
+
+    ``fn(logits, target, class_weight, **options)``: another entry point in its place, which
+    lays the [N, V] logits out as its peer does and returns per-token outputs as [N]."""
     objective = objective or random_objective(seed)
+    fn = fn or flce.cross_entropy
     leaf = logits.detach().clone().requires_grad_(backward)
     # inplace_backward writes over the logits: a non-leaf view of the leaf takes it
     x = leaf * 1 if inplace_backward else leaf
-    out = as_dict(flce.cross_entropy(x, target, class_weight, return_lse=return_lse,
-                                     return_accuracy=return_accuracy, return_z_loss=return_z_loss,
-                                     inplace_backward=inplace_backward, **opts))
+    out = as_dict(fn(x, target, class_weight, return_lse=return_lse,
+                     return_accuracy=return_accuracy, return_z_loss=return_z_loss,
+                     inplace_backward=inplace_backward, **opts))
     z64 = logits.detach().double().requires_grad_(backward)
     ref = ref_outputs(z64, target, class_weight=class_weight, **opts)
     names = [n for n in FIELDS if n in out and n != "accuracy"]
