@@ -10,8 +10,6 @@ gradient. ``lse_partial`` (a precomputed per-128-column lse) has no counterpart.
 ``use_compile`` runs each case under ``torch.compile(fullgraph=True)`` too: here three cases
 (a compile costs seconds on the CPU). Shapes scaled down for the CPU (README.md).
 """
-import math
-
 import pytest
 import torch
 
