@@ -12,7 +12,9 @@ points, each case run on both:
 * ``flce.parallel.cross_entropy`` on ``inp`` itself (classes last, the vocabulary sharded over
   ``group``; TE's ``dist_process_group``), here on a one-rank gloo group in this process: TE's
   own cases all pass ``dist_process_group=None``, and flce's multi-rank path has its own suite
-  (tests/parallel/).
+  (tests/parallel/). (Not ``flce.parallel.vocab_parallel_cross_entropy``: that is Megatron's
+  drop-in, with Megatron's label smoothing, ``alpha / (V - 1)`` off the target, where TE smooths
+  as torch does, ``alpha / V`` on every class.)
 
 TE squares the loss before the backward (so that the upstream gradient is not 1): the objective
 here too. Shapes scaled down for the CPU (README.md).
