@@ -227,18 +227,21 @@ def test_correctness_with_forward_only(B, T, V, ignore_index, reduction, dtype):
                          [(z, a, p) for z in (False, True) for a in (False, True)
                           for p in (False, True)])
 def test_structured_output(return_z_loss, return_accuracy, return_predicted_tokens):
-    if return_predicted_tokens:
+    if return_predicted_tokens and not HAS_PREDICTED_TOKENS:
         pytest.skip("Liger's return_predicted_tokens: flce has no counterpart (yet)")
-    s = seed_of("structured", return_z_loss, return_accuracy)
+    s = seed_of("structured", return_z_loss, return_accuracy, return_predicted_tokens)
     z, t = logits_and_targets(1, 3, 3, torch.float32, s)
-    out = flce.cross_entropy(z, t, return_z_loss=return_z_loss, return_accuracy=return_accuracy)
-    if not (return_z_loss or return_accuracy):
+    more = dict(return_predicted_tokens=True) if return_predicted_tokens else {}
+    out = flce.cross_entropy(z, t, return_z_loss=return_z_loss, return_accuracy=return_accuracy,
+                             **more)
+    if not (return_z_loss or return_accuracy or return_predicted_tokens):
         assert isinstance(out, torch.Tensor) and out.shape == ()
         return
     # a NamedTuple, the loss first (tuple unpacking keeps working)
     assert isinstance(out, tuple) and out[0] is out.loss and out.loss.shape == ()
     assert hasattr(out, "z_loss") == return_z_loss
     assert hasattr(out, "accuracy") == return_accuracy
+    assert hasattr(out, "predicted_tokens") == return_predicted_tokens
     run_ce(z, t, seed=s, return_z_loss=return_z_loss, return_accuracy=return_accuracy)
 
 
