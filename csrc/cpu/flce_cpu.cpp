@@ -51,24 +51,20 @@ namespace {
 constexpr int64_t BLOCK_N = 256;   // rows per tile
 // Rows per tile of the recompute backward for 16-bit inputs: each tile adds its dC product
 // into the Kahan accumulators of its vocabulary block (the first one stores it), less often
-// with taller tiles. bf16 at N=4096, V=32768, D=512 on the 2-core Xeon of docs/benchmarks.md:
-// 256 -> 512 rows 1.09-1.10 s -> 0.98-1.00 s (AMX), 3.11 -> 2.98 s (AVX2 emulated); 512 ->
-// 1024 rows, once the first add was a store (5 Dec 2026), 3-10% faster on AMX in 5 rounds
-// (e.g. 0.926 -> 0.850 s), 2.60 -> 2.49 s with AMX held off; 2048 rows were slower again. 34
-// MiB of tiles on 2 workers, where bf16 is far below chunked torch's memory; fp32, at chunked
-// torch's, keeps 256.
+// with taller tiles; 1024 rows were the fastest measured, with AMX and without, and 2048 slower
+// (docs/cpu-backend.md, "Tiles and GEMMs"). 34 MiB of tiles on 2 workers, where bf16 is far
+// below chunked torch's memory; fp32, at chunked torch's, keeps 256.
 constexpr int64_t BLOCK_N_WIDE = 1024;
 // Vocabulary columns per tile: 256 for fp32 inputs, 2048 for 16-bit ones (Operands::block_v).
 // fp32's backward is the one whose peak memory competes with chunked torch's, and each worker
 // holds a tile, a packed weight tile (onednn) or product tile (blas) and a partial of the dC
-// block, all proportional to the tile's columns: at N=4096, V=32768, D=512 on 2 workers, 512
-// columns peaked at 83.1 MB (onednn) / 80.8 MB (blas), 384 at 80.3 / 80.3, 256 at 79.1-79.6 /
-// 78.3, against chunked torch's 80.2; the time moved by 0-5% (docs/cpu-backend.md). bf16 gains
-// from wide tiles (its split gradient tile runs 4 GEMMs per tile, each adding into the Kahan
-// accumulators) and has memory to spare (about a quarter of chunked torch's). The single pass
-// takes wide tiles for every dtype: its logits are held per row block anyway, and each tile adds
-// its dE product into the Kahan accumulators once (fp32: 1.96 -> 1.90 s on the Xeon of
-// docs/benchmarks.md).
+// block, all proportional to the tile's columns: 256 keeps the peak below chunked torch's at
+// about the time of 512. bf16 gains from wide tiles (its split gradient tile runs 4 GEMMs per
+// tile, each adding into the Kahan accumulators) and has memory to spare (about a quarter of
+// chunked torch's). The single pass takes wide tiles for every dtype: its logits are held per
+// row block anyway, and each tile adds its dE product into the Kahan accumulators once. The
+// measurements: docs/cpu-backend.md, "Tiles and GEMMs" (the single pass's: "Forward + backward
+// in one pass").
 constexpr int64_t BLOCK_V_F32 = 256;
 using cpu::BLOCK_V_WIDE;  // cpu/single_pass.h
 // Worker ranges and tiles start at multiples of ALIGN rows / columns.

@@ -4,17 +4,16 @@
 // The single pass holds a row block's logits per worker (up to 152 MiB in all): the dC GEMM
 // reads each tile transposed, a column at a time across ~1000 rows 8 KiB apart, so with 4 KiB
 // pages every row is a page of its own (a TLB miss per row). Huge pages (2 MiB) cover 250 rows
-// each. Measured at N=4096, V=32768, D=512 (fp32, 2-core Xeon, 5 Dec 2026): 2-3% faster than
-// a std::vector (medians 1.48-1.60 s -> 1.43-1.57 s), in 16 of 19 interleaved rounds. Where
-// the kernel grants huge pages only on request (THP "madvise" mode, as there) madvise asks;
-// where THP is off the pages stay 4 KiB and nothing else changes.
+// each, which saves a few percent of the fp32 single pass (docs/cpu-backend.md, "Forward +
+// backward in one pass"). Where the kernel grants huge pages only on request (THP "madvise"
+// mode) madvise asks; where THP is off the pages stay 4 KiB and nothing else changes.
 //
 // The array starts 16 bytes past its 2 MiB boundary, where glibc puts a large std::vector's
-// data (a page boundary plus its 16-byte header): starting on the boundary itself took 4%
-// longer, as a page-aligned std::vector-sized array did, for reasons not pinned down (4 KiB
-// aliasing between the tile rows, 8256 bytes apart, and MKL's page-aligned packing buffers is
-// one candidate). Value-initialized (zeroed) by the worker that allocates it, as before: the
-// page faults happen in one tight loop, not inside the GEMM that first writes each page.
+// data (a page boundary plus its 16-byte header): starting on the boundary itself is slower
+// (same section), as a page-aligned std::vector-sized array is, for reasons not pinned down (4
+// KiB aliasing between the tile rows, 8256 bytes apart, and MKL's page-aligned packing buffers
+// is one candidate). Value-initialized (zeroed) by the worker that allocates it: the page faults
+// happen in one tight loop, not inside the GEMM that first writes each page.
 #pragma once
 
 #include <cstddef>

@@ -20,13 +20,10 @@ constexpr int64_t TILE_PAD = 16;
 // by tile ([tiles, rows, block_v + TILE_PAD] fp32 per worker, at most ceil(V / block_v) +
 // workers tiles in all), within kFusedWorkspaceBytes (kFusedWorkspaceBytes16 for 16-bit inputs).
 // Up to FUSED_BLOCK_N rows: every row block streams dW's accumulators (V * D fp32 sums and bf16
-// compensations) through memory once, which a taller block does less often. On a 2-core Xeon
-// with AMX (N=4096, V=32768, D=512, docs/benchmarks.md) 128 / 256 / 512 / 1024 rows took 2.23 /
-// 1.83 / 1.64 / 1.55 s in fp32 and 1.64 / 1.29 / 1.15 / 1.08 s in bf16; on a 2-core Zen 4, 256
-// and 512 rows took the same time. 1024 rows (fp32, same Xeon, 5 Dec 2026, afternoon): 1.71-1.73
-// s -> 1.63-1.67 s, for 69 MiB more logits at that shape (the single pass's peak growth 174 ->
-// 243 MB, eager's 1536). A block never has more rows than N (rounded up to 16): a short batch
-// holds no logits it does not have.
+// compensations) through memory once, which a taller block does less often; 1024 rows were the
+// fastest of 128-1024 measured, for more logits held (docs/cpu-backend.md, "Forward + backward
+// in one pass"). A block never has more rows than N (rounded up to 16): a short batch holds no
+// logits it does not have.
 constexpr int64_t FUSED_BLOCK_N = 1024;
 // fp32: 1024 rows of V = 32768 on 2 workers, (16 + 2) tiles of 2064 floats per row. 16-bit
 // inputs' single pass also holds the gradients in fp32 and the weight packed twice: their logits

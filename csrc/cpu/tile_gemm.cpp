@@ -134,10 +134,9 @@ void gemm_blas(at::ScalarType dtype, int64_t m, int64_t n, int64_t k, GemmOperan
 // ---------------------------------------------------------------------------------------------
 
 // Blocks of C per brgemm call: [MB, NB] with the whole k (in KC chunks). 64 x 64 keeps an fp32
-// B block of k = 512 in L2. Measured when the blocks of a tile were shared between threads, on
-// a 2-core Zen 5 (fwd + bwd at N=4096, V=32768, D=512) it took fp32 from 1.55 to 1.36 s and bf16
-// from 1.30 to 1.21 s against 32 x 64 (the cost per brgemm call, a kernel lookup among them, is
-// spread over twice the work); 128 x 64, 32 x 128, 64 x 32 and 64 x 128 were slower.
+// B block of k = 512 in L2 and spreads the fixed cost of each brgemm call (a kernel lookup
+// among it) over twice the work of 32 x 64: the fastest of the block shapes measured
+// (docs/cpu-backend.md, "Tiles and GEMMs").
 constexpr int64_t MB = 64;
 constexpr int64_t NB = 64;
 // The kernels accumulate k in registers, one FMA after another; over a long k (dE's k is the

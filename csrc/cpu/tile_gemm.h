@@ -15,10 +15,9 @@
 //   lacks the mixed-precision GEMMs.
 //
 // Why two: MKL's GEMMs are the fastest there are on Intel CPUs (AMX bf16), but elsewhere MKL
-// runs generic code: on an AMD EPYC (Zen 4, 2 cores) its sgemm reaches ~100-130 GFLOP/s and
-// its bf16 GEMM about as much, where oneDNN's kernels reach ~170 (fp32) and ~350 (bf16). The
-// default is blas on Intel CPUs and onednn elsewhere where torch's oneDNN kernels work;
-// FLCE_CPU_GEMM=blas|onednn overrides it (docs/cpu-backend.md).
+// runs generic code, well below oneDNN's kernels (on a Zen 4 about 0.6x their rate in fp32 and
+// a third in bf16). The default is blas on Intel CPUs and onednn elsewhere where torch's oneDNN
+// kernels work; FLCE_CPU_GEMM=blas|onednn overrides it (docs/cpu-backend.md, "Tiles and GEMMs").
 #pragma once
 
 #include <ATen/ATen.h>

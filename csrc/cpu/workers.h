@@ -9,9 +9,9 @@
 //
 // Why: a fork/join per tile costs nothing on an idle machine and everything on a busy one. With
 // one busy process per core, every join waits for a descheduled thread (a scheduler time slice,
-// milliseconds), and the forward + backward used to meet thousands of them (issue 14: a small
-// forward 15x slower under load, 0.20 s -> 3.0 s). One region per phase meets one join, and the
-// backward one barrier per block of the outer axis (docs/cpu-backend.md). Results never depend
+// milliseconds), and a fork/join per tile meets thousands of them per forward + backward (a
+// small forward 15x slower under load, docs/cpu-backend.md, "Parallelism"). One region per phase
+// meets one join, and the backward one barrier per block of the outer axis. Results never depend
 // on scheduling: which worker computes what, and in which order partials are added, is fixed by
 // the shapes and the worker count.
 #pragma once
