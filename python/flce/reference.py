@@ -30,10 +30,7 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
     """
     if ignore_index is None:
         ignore_index = -100
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = transformed_logits(logits, softcap, temperature)
     n, v = logits.shape
     vocab_size = v if vocab_size is None else vocab_size
     valid = target != ignore_index
@@ -144,10 +141,7 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
     graph, whose gradient at the pivot, ``Y p_a - y_a``, does not cancel. The z-loss is ``z_loss lse^2`` per row times the
     row's target mass ``sum_c y_c`` (1 for a distribution without class weights; a one-hot
     target with class weights: its class's weight, as for class indices)."""
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = transformed_logits(logits, softcap, temperature)
     n, v = logits.shape
     y = target.to(logits.dtype)
     if label_smoothing:
@@ -192,6 +186,16 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
     if reduction == "mean":
         return loss.sum() / n
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def transformed_logits(logits, softcap=None, temperature=1.0):
+    """The logits as the loss takes them: ``softcap * tanh(z / softcap)``, then divided by the
+    temperature."""
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits
 
 
 def _weighted_gaps(y, gap):
