@@ -194,6 +194,13 @@ def test_options_shift_and_grads(entry):
     g1, = torch.autograd.grad(out.loss, leaf)
     g2, = torch.autograd.grad(ref.loss, leaf)
     assert torch.equal(g1, g2)
+    if entry == "logits":  # the gradient written over the logits: the tokens were taken before
+        z = leaf.detach().clone().requires_grad_()
+        zi = z * 1.0
+        out = flce.cross_entropy(zi, t, inplace_backward=True, **kw)
+        assert torch.equal(out.predicted_tokens, want)
+        out.loss.backward()
+        assert torch.equal(z.grad, g2)
 
 
 def test_training_call_takes_the_recompute_path():
