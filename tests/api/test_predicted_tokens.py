@@ -8,7 +8,7 @@ import torch
 
 import flce
 from flce import _ops
-from helpers import as_f64, gen, rand_inputs
+from helpers import CUDA_DEVICES, as_f64, gen, rand_inputs
 
 IGNORE = -100
 
@@ -288,9 +288,15 @@ def test_refusals(monkeypatch):
     m = flce.LinearCrossEntropy(return_predicted_tokens=True, reduction="sum")
     assert "return_predicted_tokens=True" in repr(m)
     assert torch.equal(m(x, w, t).predicted_tokens, _want(x.double() @ w.double().T, t))
-    # The CUDA backend: refused before any op runs (the backend test patched as the host
-    # emulation's routing patches it; the float64 composite path included).
+    # The CUDA backend's refusal comes before any op runs: here with the backend test patched
+    # as the host emulation's routing patches it (which test_cuda_backend_refuses runs).
     monkeypatch.setattr(_ops, "is_cuda_backend", lambda t: True)
+    _refused_on_cuda(x, w, t)
+
+
+def _refused_on_cuda(x, w, t):
+    """The CUDA backend raises, the composite path's float64 included; without the flag the
+    call runs."""
     match = "return_predicted_tokens=True is not implemented on the CUDA backend"
     for xx, ww in ((x, w), (x.double(), w.double())):
         with pytest.raises(NotImplementedError, match=match):
@@ -298,7 +304,13 @@ def test_refusals(monkeypatch):
         with pytest.raises(NotImplementedError, match=match):
             flce.cross_entropy(xx @ ww.T, t, return_predicted_tokens=True)
     assert flce.linear_cross_entropy(x, w, t, return_predicted_tokens=False,
-                                     single_pass=False).shape == ()
+                                     single_pass=False).isfinite()
+
+
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+def test_cuda_backend_refuses(device):
+    """On a GPU, or the host emulation."""
+    _refused_on_cuda(*(a.to(device) for a in _case(n=32, v=20, seed=5)))
 
 
 def test_opcheck():
