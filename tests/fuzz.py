@@ -37,13 +37,11 @@ first-order bound of an ideal implementation at the same precision (``bounds``):
   fp32), else fp32; an fp16 tile's power-of-two scale comes
   from an a-priori bound of the rows' gradients, and what its subnormals cannot hold is lost.
   Target distributions (probability targets; class weights with label smoothing on the fused
-  soft ops): on the composite path the pivot's entry ``-g Y q_a + g y_rest`` cancels from terms
-  of ``|g| Y`` whose few roundings are absolute there (and the sum of the weights'
-  accumulation); the fused ops form it as every column's ``A p_a - g y_a`` while ``p_a <= 1/2``
-  and in the collapse-safe form beyond, a few roundings of the smaller set of terms (and the
-  weights' accumulation times ``p_a``); the CUDA soft ops keep the pivot's entry in fp32,
-  not the class target's, and round the rest; the CPU's soft ops and the composite path
-  (targets that require grad) keep fp32 tiles.
+  soft ops): the fused ops and the composite path form the pivot's entry as every column's
+  ``A p_a - g y_a`` while ``p_a <= 1/2`` and in the collapse-safe form beyond, a few roundings
+  of the smaller set of terms (and the weights' accumulation times ``p_a``); the CUDA soft ops
+  keep the pivot's entry in fp32, not the class target's, and round the rest; the CPU's soft
+  ops and the composite path (targets that require grad) keep fp32 tiles.
 - d target (probability targets that require grad): ``|g| (1 - eps) w_c`` times the error of
   ``-log p_c = nll_a + (z_a - z_c)`` (``sum_{j != c} p_j dz_j + q_c dz_c``, ``lse_x``'s rounding
   times ``q_a``, a few ulps) and of the z-loss's ``lse^2``, then one rounding to the targets'
@@ -535,14 +533,11 @@ def reference_and_bounds(c, inputs):
     fused_dist = (c.backend == "cpu" or c.cuda_distributions) and (
         not c.soft_grad if c.soft else bool(c.class_weight and c.label_smoothing))
     if v and (c.soft or fused_dist):
-        # The pivot's entry. The composite path differentiates the collapse-safe form: autograd's
-        # -g Y q_a + g sum_c y'_c - g y'_a cancels to g (Y p_a - y'_a) from terms of |g| Y q_a
-        # each, whose roundings (Y, q_a, the products and sums: ~6 ulps) are absolute there, and
-        # it sums the weights apart from Y, so that their accumulation error stays whole. The
-        # fused ops (math.h soft_row_grad) take g (A p_a - y'_a), every column's form, while
-        # p_a <= 1/2, and (A - g Y) p_a - g Y q_a + g y_rest beyond: a few ulps of the smaller
-        # set of terms; their y_rest, a sum of V weights, enters twice (in Y = y_a + y_rest)
-        # and leaves its accumulation error times p_a only.
+        # The pivot's entry: g (A p_a - y'_a), every column's form, while p_a <= 1/2, and
+        # (A - g Y) p_a - g Y q_a + g y_rest beyond, on the fused ops (math.h soft_row_grad) and
+        # the composite path (flce.reference soft_cross_entropy's two forms) alike: a few ulps
+        # of the smaller set of terms; y_rest, a sum of V weights, leaves its accumulation
+        # error times p_a.
         if c.soft:
             y_w = y_eff
         else:  # y'_c = w_c ((1 - eps) [c = t] + eps / V), none for an ignored row
@@ -553,11 +548,8 @@ def reference_and_bounds(c, inputs):
         g_abs = g_loss.abs()[:, None]
         y_rest = y_mass - y_w
         lg = math.log2(2 * v)
-        if not fused_dist:
-            piv_err = U32 * g_abs * (6 * y_mass * (1 - p) + (4 + lg) * y_mass)
-        else:
-            terms = torch.where(p <= 0.5, y_mass * p + y_w, y_mass * (1 - p) + y_rest)
-            piv_err = U32 * g_abs * (6 * terms + (3 + lg) * p * y_rest)
+        terms = torch.where(p <= 0.5, y_mass * p + y_w, y_mass * (1 - p) + y_rest)
+        piv_err = U32 * g_abs * (6 * terms + (3 + lg) * p * y_rest)
         err_gu = err_gu + torch.where(near, chain_up * piv_err, 0.0)
     # the tile's rounding: the CUDA backend's 16-bit GEMMs take it in the compute dtype (its
     # target entry kept in fp32), as the CPU's bf16 GEMMs do where they round it once

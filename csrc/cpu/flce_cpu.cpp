@@ -172,24 +172,56 @@ void fold_rows(const Operands& o, float cap, float temp, const State& empty, Fol
   });
 }
 
-at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
-                             const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                             int64_t vocab_start, int64_t ignore_index, double softcap,
-                             double temperature) {
+// partial_stats, and with `argmax` ([N] int64) each row's RowState::arg.
+at::Tensor partial_stats_impl(const at::Tensor& input, const at::Tensor& weight,
+                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                              int64_t vocab_start, int64_t ignore_index, double softcap,
+                              double temperature, at::Tensor* argmax) {
   check_linear_args(input, weight, target, bias);
   const Operands o = prepare(input, weight, bias);
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();
   at::Tensor out = at::empty({o.n, kPartialCols}, input.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
+  int64_t* arg = nullptr;
+  if (argmax) {
+    *argmax = at::empty({o.n}, tgt.options());
+    arg = argmax->data_ptr<int64_t>();
+  }
   fold_rows(
       o, static_cast<float>(softcap), static_cast<float>(temperature), RowState{},
       [&](float* row, int64_t i, int64_t v0, int64_t bv, RowState& state, float*) {
         const int64_t tl = shard_col(t[i], vocab_start, ignore_index);
-        fold_row(row, bv, tl < 0 ? -1 : tl - v0, state);
+        fold_row(row, bv, tl < 0 ? -1 : tl - v0, state, false, arg ? vocab_start + v0 : -1);
       },
-      [&](int64_t i, const RowState& state) { state.store(st + i * kPartialCols); });
+      [&](int64_t i, const RowState& state) {
+        state.store(st + i * kPartialCols);
+        if (arg) arg[i] = state.arg;
+      });
   return out;
+}
+
+at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
+                             const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                             int64_t vocab_start, int64_t ignore_index, double softcap,
+                             double temperature) {
+  return partial_stats_impl(input, weight, target, bias, vocab_start, ignore_index, softcap,
+                            temperature, nullptr);
+}
+
+// ops.cpp forward_argmax: forward's outputs and the column of each row's largest non-target
+// logit (RowState::arg).
+Tensor5 forward_argmax_cpu(const at::Tensor& input, const at::Tensor& weight,
+                           const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                           int64_t ignore_index, double label_smoothing, double z_loss,
+                           double softcap, double temperature,
+                           std::optional<bool> /*exact_bf16_grad: the autograd's*/) {
+  at::Tensor argmax;
+  const at::Tensor partial = partial_stats_impl(input, weight, target, bias, 0, ignore_index,
+                                                softcap, temperature, &argmax);
+  auto [loss, lse, stats, ent] = combine_cpu(partial.unsqueeze(0), target, weight.size(0),
+                                             ignore_index, label_smoothing, z_loss);
+  return {loss, lse, stats, ent, argmax};
 }
 
 // Gradient accumulator rows of `width` floats: fp32 sums and their compensations, stored as
@@ -1193,6 +1225,7 @@ TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("soft_backward", &soft_backward_cpu);
   m.impl("soft_sum_and_grad", &soft_sum_and_grad_cpu);
   m.impl("partial_stats", &partial_stats_cpu);
+  m.impl("forward_argmax", &forward_argmax_cpu);
   m.impl("combine", &cpu::combine_cpu);
   m.impl("backward", &backward_cpu);
   m.impl("sum_and_grad", &sum_and_grad_cpu);

@@ -68,15 +68,21 @@ void for_rows(int64_t n, F f) {
   });
 }
 
-at::Tensor logits_stats_cpu(const at::Tensor& logits, const at::Tensor& target,
-                            int64_t vocab_start, int64_t ignore_index, double softcap,
-                            double temperature, bool /*with_sum*/, bool /*with_entropy*/) {
+// logits_stats, and with `argmax` ([N] int64) each row's RowState::arg.
+at::Tensor logits_stats_impl(const at::Tensor& logits, const at::Tensor& target,
+                             int64_t vocab_start, int64_t ignore_index, double softcap,
+                             double temperature, at::Tensor* argmax) {
   check_logits_args(logits, target);
   const Logits z(logits, softcap, temperature);
   const at::Tensor tgt = target.contiguous();
   const int64_t* t = tgt.data_ptr<int64_t>();
   at::Tensor out = at::empty({z.n, kPartialCols}, logits.options().dtype(at::kFloat));
   float* st = out.data_ptr<float>();
+  int64_t* arg = nullptr;
+  if (argmax) {
+    *argmax = at::empty({z.n}, tgt.options());
+    arg = argmax->data_ptr<int64_t>();
+  }
   // (The sum and u cost little here beside the widening of the chunk: always computed.)
   for_rows(z.n, [&](int64_t i, float* buf) {
     RowState row;
@@ -84,11 +90,19 @@ at::Tensor logits_stats_cpu(const at::Tensor& logits, const at::Tensor& target,
     for (int64_t c0 = 0; c0 < z.v; c0 += kChunk) {
       const int64_t cn = std::min(kChunk, z.v - c0);
       z.load(i, c0, cn, buf);
-      fold_row(buf, cn, tl < 0 ? -1 : tl - c0, row);
+      fold_row(buf, cn, tl < 0 ? -1 : tl - c0, row, false, arg ? vocab_start + c0 : -1);
     }
     row.store(st + i * kPartialCols);
+    if (arg) arg[i] = row.arg;
   });
   return out;
+}
+
+at::Tensor logits_stats_cpu(const at::Tensor& logits, const at::Tensor& target,
+                            int64_t vocab_start, int64_t ignore_index, double softcap,
+                            double temperature, bool /*with_sum*/, bool /*with_entropy*/) {
+  return logits_stats_impl(logits, target, vocab_start, ignore_index, softcap, temperature,
+                           nullptr);
 }
 
 Tensor4 logits_forward_cpu(const at::Tensor& logits, const at::Tensor& target,
@@ -99,6 +113,20 @@ Tensor4 logits_forward_cpu(const at::Tensor& logits, const at::Tensor& target,
                                                temperature, label_smoothing != 0.0, with_entropy);
   return combine_cpu(partials.unsqueeze(0), target, logits.size(1), ignore_index, label_smoothing,
                      z_loss);
+}
+
+// ops.cpp logits_forward_argmax: logits_forward's outputs and the column of each row's largest
+// non-target logit (RowState::arg).
+Tensor5 logits_forward_argmax_cpu(const at::Tensor& logits, const at::Tensor& target,
+                                  int64_t ignore_index, double label_smoothing, double z_loss,
+                                  double softcap, double temperature, bool /*with_entropy*/,
+                                  bool /*inplace_backward: autograd's*/) {
+  at::Tensor argmax;
+  const at::Tensor partials =
+      logits_stats_impl(logits, target, 0, ignore_index, softcap, temperature, &argmax);
+  auto [loss, lse, stats, ent] = combine_cpu(partials.unsqueeze(0), target, logits.size(1),
+                                             ignore_index, label_smoothing, z_loss);
+  return {loss, lse, stats, ent, argmax};
 }
 
 // The gradient of every row into out (the logits' dtype and layout; out may be the logits).
@@ -250,6 +278,7 @@ TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("soft_logits_backward", &soft_logits_backward_cpu);
   m.impl("logits_stats", &logits_stats_cpu);
   m.impl("logits_forward", &logits_forward_cpu);
+  m.impl("logits_forward_argmax", &logits_forward_argmax_cpu);
   m.impl("logits_backward", &logits_backward_cpu);
   m.impl("logits_backward_", &logits_backward_inplace_cpu);
 }

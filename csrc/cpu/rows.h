@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -21,7 +22,39 @@ struct RowState {
   OnlineLse lse = lse_empty();  // over non-target logits
   float z_t = neg_inf();        // target logit, where this shard holds it
   float sum_z = 0.f, sum_c = 0.f;  // Kahan sum of all logits (label smoothing)
+  // return_predicted_tokens: the global column of the largest non-target logit folded so far
+  // (the first of equals, as torch.argmax), kArgNone while no non-target column has been
+  // folded, kArgNaN for good once a non-target logit is NaN (torch.argmax would take the first
+  // NaN; flce gives those rows -1). merge() and the partials do not carry it: one shard's
+  // forward returns it beside them.
+  static constexpr int64_t kArgNone = -1, kArgNaN = -2;
+  int64_t arg = kArgNone;
+  float arg_max = neg_inf();
   float sum() const { return kahan_result(sum_z, sum_c); }
+  // Fold a tile (its target masked; col0: its first global column) into arg, given its largest
+  // logit mx (row_max skips NaN) and its sum of exponentials s (NaN where the tile holds a NaN
+  // or a +inf: only then is it scanned for a NaN). Tiles come in column order, so the column
+  // moves only to a strictly larger mx: an equal later one keeps the earlier, lower column.
+  // After the row's first tiles the scan for mx is rare.
+  void track_argmax(const float* row, int64_t bv, float mx, float s, int64_t col0) {
+    if (arg == kArgNaN) return;
+    if (std::isnan(s)) {
+      for (int64_t j = 0; j < bv; ++j) {
+        if (std::isnan(row[j])) {
+          arg = kArgNaN;
+          return;
+        }
+      }
+    }
+    if (arg >= 0 && !(mx > arg_max)) return;
+    for (int64_t j = 0; j < bv; ++j) {
+      if (row[j] == mx) {
+        arg = col0 + j;
+        arg_max = mx;
+        return;
+      }
+    }
+  }
   // Append the statistics of a later vocabulary range: only the range that holds the target
   // has its logit (NaN passes through).
   void merge(const RowState& b) {
@@ -44,7 +77,10 @@ struct RowState {
 // loss_only: the caller needs the loss alone and no label smoothing (the single pass without
 // it): the entropy's u and the sum of logits stay 0, and the row takes two vector passes (max,
 // sum of exponentials) instead of three (the sum of logits) with the entropy's product in one.
-inline void fold_row(float* row, int64_t bv, int64_t tl, RowState& st, bool loss_only = false) {
+// arg_col0 >= 0: the tile's first global column, and the row's argmax is tracked
+// (RowState::track_argmax).
+inline void fold_row(float* row, int64_t bv, int64_t tl, RowState& st, bool loss_only = false,
+                     int64_t arg_col0 = -1) {
   const bool has_t = tl >= 0 && tl < bv;
   float z_target = 0.f;
   if (has_t) {
@@ -60,6 +96,7 @@ inline void fold_row(float* row, int64_t bv, int64_t tl, RowState& st, bool loss
   float u = 0.f;
   const float s = loss_only ? row_sum_exp(row, bv, ref) : row_sum_exp(row, bv, ref, &u);
   lse_add_tile(st.lse, mx, s, u);
+  if (arg_col0 >= 0) st.track_argmax(row, bv, mx, s, arg_col0);
   if (has_t) row[tl] = z_target;
   if (!loss_only) kahan_add(st.sum_z, st.sum_c, row_sum(row, bv));
 }

@@ -383,7 +383,7 @@ the forward and a recomputing backward."""
 
 
 def plan(x, params=(), others=(), *, classes, distribution=False, row_weight=False,
-         single_pass=None, reduction="mean", per_token=False, accuracy=False,
+         single_pass=None, reduction="mean", per_token=False, argmax=False,
          target_grad=False, inplace=False, linear=True, shards=None):
     """The path of a call, for every entry point (flce.api, flce.parallel): the semantic choice
     is made here and nowhere else; the backends decide only their resource fallbacks (the CUDA
@@ -394,14 +394,15 @@ def plan(x, params=(), others=(), *, classes, distribution=False, row_weight=Fal
     read (probability targets, class weights); classes: V (or C). distribution: probability
     targets, or class weights with label smoothing; row_weight: the rows carry their target's
     class weight; per_token: per-token outputs are asked for (the single pass returns the loss
-    alone); accuracy: the accuracy output; target_grad: the probability targets need a
+    alone); argmax: an output of the logits' argmax (the accuracy, the predicted tokens), which
+    the target distributions' ops do not keep; target_grad: the probability targets need a
     gradient; inplace: cross_entropy's inplace_backward; shards: the number of vocabulary
     shards, for flce.parallel (whose checks have refused what the composite path alone serves,
     and whose ranks must choose alike: an empty shard included; its target distributions have
     no single pass)."""
     composite = shards is None and (
         0 in (x.shape[-1], classes) or needs_composite(x, *params, *others) or
-        (distribution and (accuracy or target_grad or inplace or not fused_distribution(x))))
+        (distribution and (argmax or target_grad or inplace or not fused_distribution(x))))
     training = torch.is_grad_enabled() and \
         any(t is not None and t.requires_grad for t in (x,) + tuple(params))
     single = False
@@ -479,14 +480,15 @@ def check_single_pass(requested, reduction, per_token):
         raise TypeError(f"flce: single_pass must be None, True or False, got {requested!r}")
     if requested and (reduction == "none" or per_token):
         raise ArgumentError("flce: single_pass=True needs reduction 'mean' or 'sum' and none of "
-                            "return_lse, return_entropy, return_accuracy, return_z_loss (nor "
+                            "return_lse, return_entropy, return_accuracy, return_z_loss, "
+                            "return_predicted_tokens (nor "
                             "z_loss_weighting='none' beside class weights or probability "
                             "targets: each needs the per-token lse; the single pass returns the "
                             f"loss alone); got reduction={reduction!r}, per-token outputs asked: "
                             f"{bool(per_token)}")
 
 
-_OUTPUT_FIELDS = ("loss", "lse", "entropy", "accuracy", "z_loss")
+_OUTPUT_FIELDS = ("loss", "lse", "entropy", "accuracy", "z_loss", "predicted_tokens")
 
 
 def _output_types():
@@ -516,11 +518,12 @@ def named_output(**fields):
     return _OUTPUT_TYPES[names](*(fields[f] for f in names))
 
 
-def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accuracy=None):
-    """``loss`` alone, or ``(loss, [lse], [entropy], [accuracy])`` shaped like the target
-    (``accuracy``: already reduced as the loss, or None when not asked for), named
-    (named_output)."""
-    if not (return_lse or return_entropy or accuracy is not None):
+def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accuracy=None,
+                      predicted=None):
+    """``loss`` alone, or ``(loss, [lse], [entropy], [accuracy], [predicted_tokens])`` shaped
+    like the target (``accuracy``: already reduced as the loss, or None when not asked for;
+    ``predicted``: per row, or None), named (named_output)."""
+    if not (return_lse or return_entropy or accuracy is not None or predicted is not None):
         return loss
     out = {"loss": loss}
     if return_lse:
@@ -529,6 +532,8 @@ def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accu
         out["entropy"] = entropy.reshape(lead)
     if accuracy is not None:
         out["accuracy"] = accuracy
+    if predicted is not None:
+        out["predicted_tokens"] = predicted.reshape(lead)
     return named_output(**out)
 
 
@@ -580,14 +585,14 @@ def shift_amount(shift):
 
 
 def unshift(out, k, reduction):
-    """An entry point's result with ``shift=k``: its per-token outputs (lse, entropy, and with
-    ``reduction="none"`` the loss and accuracy) without the last k positions, which have no
-    target: ``(..., T - k)``, as Cut Cross Entropy returns them."""
+    """An entry point's result with ``shift=k``: its per-token outputs (lse, entropy, predicted
+    tokens, and with ``reduction="none"`` the loss and accuracy) without the last k positions,
+    which have no target: ``(..., T - k)``, as Cut Cross Entropy returns them."""
     if not k:
         return out
 
     def cut(name, x):
-        per_token = name in ("lse", "entropy") or reduction == "none"
+        per_token = name in ("lse", "entropy", "predicted_tokens") or reduction == "none"
         return x[..., :max(0, x.shape[-1] - k)] if per_token else x
 
     if isinstance(out, torch.Tensor):
@@ -596,18 +601,21 @@ def unshift(out, k, reduction):
 
 
 def outputs_from_stats(loss, lse, stats, entropy, target, opts, lead, row_weight, return_lse,
-                       return_entropy, return_accuracy):
+                       return_entropy, return_accuracy, argmax=None):
     """An entry point's return value from an op's per-token ``(loss, lse, stats, entropy)``:
     the loss times ``row_weight`` (per-class weights, or None) and reduced as
     ``opts.reduction``, then the per-token outputs asked for (per_token_outputs), the accuracy
-    from the row statistics."""
+    from the row statistics, the predicted tokens from them and ``argmax`` (the ``*_argmax``
+    ops' column of each row's largest non-target logit; None: not asked for)."""
     if row_weight is not None:
         loss = loss * row_weight
     acc = accuracy_from_stats(stats, target, opts.ignore_index) if return_accuracy else None
     return per_token_outputs(
         reduce_loss(loss, target, opts.ignore_index, opts.reduction, lead, row_weight), lse,
         entropy, lead, return_lse, return_entropy,
-        reduce_accuracy(acc, target, opts.ignore_index, opts.reduction, lead, return_accuracy))
+        reduce_accuracy(acc, target, opts.ignore_index, opts.reduction, lead, return_accuracy),
+        None if argmax is None else predicted_from_stats(stats, argmax, target,
+                                                         opts.ignore_index))
 
 
 def distribution_outputs(loss, lse, entropy, target, opts, lead, row_weight, return_lse,
@@ -642,6 +650,29 @@ def accuracy_from_stats(stats, target, ignore_index):
     z_t, u_x): m_x is the largest non-target logit, and a NaN logit makes s_x or z_t NaN."""
     return _composite.token_accuracy(stats[:, 2], stats[:, 0], target, ignore_index,
                                      torch.isnan(stats[:, 1]) | torch.isnan(stats[:, 2]))
+
+
+def predicted_from_stats(stats, argmax, target, ignore_index):
+    """return_predicted_tokens from the row statistics (m_x, s_x, z_t, u_x) and ``argmax``, the
+    ``*_argmax`` ops' column of m_x (the largest non-target logit, the first of equals; -1: no
+    non-target column; -2: a NaN non-target logit): the argmax of the row's logits with
+    torch.argmax's ties, the lowest column (the target where z_t > m_x, the lower of the two
+    columns where z_t = m_x, +inf included); -1 for ignored tokens and rows with a NaN logit."""
+    z_t, m_x = stats[:, 2], stats[:, 0]
+    tie = torch.where(argmax < 0, target, torch.minimum(target, argmax))
+    pred = torch.where(z_t > m_x, target, torch.where(z_t == m_x, tie, argmax))
+    bad = (target == ignore_index) | torch.isnan(z_t) | (argmax == -2)
+    return torch.where(bad, -1, pred)
+
+
+def check_predicted_tokens(wanted, x):
+    """return_predicted_tokens: a bool, on a backend that serves it (``x``'s)."""
+    check_flags(return_predicted_tokens=wanted)
+    if wanted and _ops.is_cuda_backend(x):
+        raise NotImplementedError(
+            "flce: return_predicted_tokens=True is not implemented on the CUDA backend yet (its "
+            "row kernels do not keep the argmax's column); compute logits.argmax(-1) "
+            "separately, or call flce on CPU tensors")
 
 
 def reduce_accuracy(accuracy, target, ignore_index, reduction, shape, wanted):

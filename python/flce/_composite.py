@@ -62,6 +62,24 @@ def accuracy_from_logits(logits, target, ignore_index):
                               torch.isnan(logits).any(1)) * valid
 
 
+def predicted_from_logits(logits, target, opts):
+    """return_predicted_tokens of materialized logits ``[N, C]``: torch.argmax of each row's
+    logits as the loss takes them (after the softcap and temperature), ties to the lowest
+    column; -1 for ignored tokens (``target`` None: probability targets, none ignored) and rows
+    with a NaN logit, as the fused ops' (_common.predicted_from_stats). int64, not
+    differentiable."""
+    with torch.no_grad():
+        n, c = logits.shape
+        if c == 0:
+            return torch.full((n,), -1, dtype=torch.int64, device=logits.device)
+        z = reference.transformed_logits(logits.to(compute_dtype(logits.dtype)),
+                                         opts.softcap or None, opts.temperature)
+        bad = torch.isnan(z).any(1)
+        if target is not None:
+            bad = bad | (target == opts.ignore_index)
+        return torch.where(bad, -1, z.argmax(1))
+
+
 def logits_per_token(logits, target, opts, vocab_size=None, weight=None):
     """Per-token (loss, lse, entropy) of given logits ``[N, V]`` (in their dtype); with
     per-class ``weight``, the loss weighted as torch weights it (flce.reference)."""

@@ -174,6 +174,25 @@ def register(namespace, cuda_format):
 
     torch.library.register_autograd(name("forward"), backward, setup_context=setup_context)
 
+    # return_predicted_tokens: forward and logits_forward with the argmax's column (CPU ops of
+    # the flce namespace only, csrc/ops.cpp), whose autograd is theirs.
+    has_argmax = namespace == "flce"
+    if has_argmax:
+        @torch.library.register_fake(name("forward_argmax"))
+        def _forward_argmax_fake(input, *args, **kwargs):
+            out = _forward_fake(input, *args, **kwargs)
+            return out + (input.new_empty((input.shape[0],), dtype=torch.int64),)
+
+        def argmax_setup_context(ctx, inputs, output):
+            setup_context(ctx, inputs, output[:4])
+            ctx.mark_non_differentiable(output[4])
+
+        def argmax_backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy, grad_argmax):
+            return backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy)
+
+        torch.library.register_autograd(name("forward_argmax"), argmax_backward,
+                                        setup_context=argmax_setup_context)
+
     # Target distributions (probability targets; class targets with weights and smoothing).
     @torch.library.register_fake(name("soft_partial_stats"))
     def _soft_partial_stats_fake(input, weight, target, bias, class_weight, vocab_start,
@@ -352,6 +371,22 @@ def register(namespace, cuda_format):
 
     torch.library.register_autograd(name("logits_forward"), logits_backward,
                                     setup_context=logits_setup_context)
+    if has_argmax:
+        @torch.library.register_fake(name("logits_forward_argmax"))
+        def _logits_forward_argmax_fake(logits, *args, **kwargs):
+            out = _logits_forward_fake(logits, *args, **kwargs)
+            return out + (logits.new_empty((logits.shape[0],), dtype=torch.int64),)
+
+        def logits_argmax_setup_context(ctx, inputs, output):
+            logits_setup_context(ctx, inputs, output[:4])
+            ctx.mark_non_differentiable(output[4])
+
+        def logits_argmax_backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy,
+                                   grad_argmax):
+            return logits_backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy)
+
+        torch.library.register_autograd(name("logits_forward_argmax"), logits_argmax_backward,
+                                        setup_context=logits_argmax_setup_context)
 
     # Target distributions on given logits.
     @torch.library.register_fake(name("soft_logits_stats"))

@@ -18,7 +18,7 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                           return_accuracy=False, shift=False, single_pass=None,
                           exact_bf16_grad=None, class_weight=None, linear_weight=None,
                           linear_bias=None, options=None, return_z_loss=False,
-                          z_loss_weighting="target"):
+                          z_loss_weighting="target", return_predicted_tokens=False):
     r"""Fused, collapse-safe ``cross_entropy(input @ weight.T + bias, target)``.
 
     A drop-in for ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target, ...)``
@@ -114,12 +114,22 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
             weights), ``"mean"`` over those weights; ``"none"``, as Liger, unweighted, ``"mean"``
             over the non-ignored tokens (probability targets: the rows). Without class weights
             and with class targets both are the same.
+        return_predicted_tokens: also return each token's predicted class, the argmax of its
+            logits ``z`` (after the softcap and temperature), shape ``(...)``, int64, with
+            ``torch.argmax``'s ties (the lowest class id, ``+inf`` included); -1 for ignored
+            tokens, as Liger's ``return_predicted_tokens``, and for tokens whose logits hold a
+            NaN. With class targets on the CPU backend, from the forward's own pass (the column
+            of the largest non-target logit kept beside the row statistics); probability
+            targets and class weights with label smoothing take the composite path, which
+            materializes the logits, as ``return_accuracy`` does. Not on the CUDA backend yet,
+            nor vocab-parallel (``NotImplementedError``).
 
     Returns:
         The loss in float32 (float64 for float64 inputs); where more is asked for, a
         ``NamedTuple`` of the loss, then the lse when ``return_lse``, the entropy when
-        ``return_entropy``, the accuracy when ``return_accuracy`` and the z-loss when
-        ``return_z_loss`` (fields ``loss``, ``lse``, ``entropy``, ``accuracy``, ``z_loss``).
+        ``return_entropy``, the accuracy when ``return_accuracy``, the z-loss when
+        ``return_z_loss`` and the predicted tokens when ``return_predicted_tokens`` (fields
+        ``loss``, ``lse``, ``entropy``, ``accuracy``, ``z_loss``, ``predicted_tokens``).
     """
     try:
         k = _common.shift_amount(shift)
@@ -131,7 +141,8 @@ def _linear_cross_entropy(input, weight=None, target=None, *, bias=None, ignore_
                  label_smoothing=label_smoothing, softcap=softcap, temperature=temperature,
                  return_entropy=return_entropy, return_accuracy=return_accuracy, shift=k,
                  single_pass=single_pass, exact_bf16_grad=exact_bf16_grad,
-                 class_weight=class_weight, linear_bias=linear_bias, options=options)
+                 class_weight=class_weight, linear_bias=linear_bias, options=options,
+                 return_predicted_tokens=return_predicted_tokens)
     weight = _alias("weight", weight, "linear_weight", linear_weight)
 
     def rows():
@@ -155,7 +166,8 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
                     reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                     temperature=1.0, return_lse=False, return_entropy=False,
                     return_accuracy=False, shift=0, single_pass=None, exact_bf16_grad=None,
-                    class_weight=None, linear_weight=None, linear_bias=None, options=None):
+                    class_weight=None, linear_weight=None, linear_bias=None, options=None,
+                    return_predicted_tokens=False):
     """linear_cross_entropy's outputs but the z-loss's and with the last ``shift`` positions
     (ignored) kept."""
     bias = _alias("bias", bias, "linear_bias", linear_bias)
@@ -169,6 +181,7 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
         from . import parallel
 
         if parallel.is_vocab_sharded(weight):
+            _refuse_vocab_parallel_predicted(return_predicted_tokens)
             return parallel._linear_dtensor(
                 input, weight, target, bias=bias, ignore_index=ignore_index,
                 reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
@@ -182,10 +195,11 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
     _common.check_one_device((("input", input), ("class_weight", class_weight)))
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy)
+    _common.check_predicted_tokens(return_predicted_tokens, input)
     shift = _common.shift_amount(shift)
     # (here, for every path: the composite ones never ask for the single pass's rule)
-    _common.check_single_pass(single_pass, opts.reduction,
-                              return_lse or return_entropy or return_accuracy)
+    per_token = return_lse or return_entropy or return_accuracy or return_predicted_tokens
+    _common.check_single_pass(single_pass, opts.reduction, per_token)
     if input.is_cuda:
         _build.check_cuda_device(input.device)
     exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
@@ -193,7 +207,8 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
     if _common.is_soft(target):
         _common.check_soft_ignore_index(ignore_index)
         return _soft_linear(input, weight, target, bias, opts, reduction, class_weight,
-                            return_lse, return_entropy, return_accuracy, shift, single_pass)
+                            return_lse, return_entropy, return_accuracy, shift, single_pass,
+                            return_predicted_tokens)
     if shift:
         target = _common.shift_target(target, opts.ignore_index, shift)
     lead = target.shape
@@ -202,11 +217,11 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(class_weight, weight.shape[0], t, opts.ignore_index,
                                            input.dtype)
-    per_token = return_lse or return_entropy or return_accuracy
     plan = _common.plan(x, (weight, bias), (cw,), classes=weight.shape[0],
                         distribution=cw is not None and bool(opts.label_smoothing),
                         row_weight=row_weight is not None, single_pass=single_pass,
-                        reduction=reduction, per_token=per_token, accuracy=return_accuracy)
+                        reduction=reduction, per_token=per_token,
+                        argmax=return_accuracy or return_predicted_tokens)
     if plan.distribution:
         # Class weights with label smoothing: a target distribution (y_c = w_c ((1 - eps)
         # [c = t] + eps / V)), its z-loss weighted by the row's weight as torch weights the nll.
@@ -216,7 +231,7 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
         # float64, functorch transforms, forward-mode AD, D = 0 (the logits are the bias, or 0,
         # as torch's composition has them), V = 0 (the empty sums), and class weights with label
         # smoothing where the fused target distributions do not serve it (the CUDA backend, the
-        # accuracy output): flce's formulas in differentiable torch ops.
+        # accuracy and predicted tokens): flce's formulas in differentiable torch ops.
         _common.check_target_range(t, weight.shape[0], opts.ignore_index)
         logits = _composite.linear_logits(x, weight, bias)
         loss, lse, entropy = _composite.logits_per_token(logits, t, opts, weight=cw)
@@ -225,7 +240,9 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
             else None, t, opts.ignore_index, reduction, lead, return_accuracy)
         return _common.per_token_outputs(
             _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
-            entropy, lead, return_lse, return_entropy, acc)
+            entropy, lead, return_lse, return_entropy, acc,
+            _composite.predicted_from_logits(logits, t, opts) if return_predicted_tokens
+            else None)
     args = (x, weight, t, bias) + opts.op_args()
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
     if plan.single_pass:
@@ -233,10 +250,22 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
                                      temperature=opts.temperature,
                                      exact_bf16_grad=exact_bf16_grad)[0]
-    loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature,
-                                                 exact_bf16_grad=exact_bf16_grad)
+    argmax = None
+    if return_predicted_tokens:
+        loss, lse, stats, entropy, argmax = _ops.ops.forward_argmax(
+            *args, opts.temperature, exact_bf16_grad=exact_bf16_grad)
+    else:
+        loss, lse, stats, entropy = _ops.ops.forward(*args, opts.temperature,
+                                                     exact_bf16_grad=exact_bf16_grad)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
-                                      return_lse, return_entropy, return_accuracy)
+                                      return_lse, return_entropy, return_accuracy, argmax)
+
+
+def _refuse_vocab_parallel_predicted(wanted):
+    if wanted:
+        raise NotImplementedError(
+            "flce: return_predicted_tokens=True is not implemented on the vocab-parallel path "
+            "yet (a DTensor sharded over the vocabulary); compute the logits' argmax separately")
 
 
 def _with_z_loss(call, rows, soft, class_weight, z_loss, ignore_index, reduction,
@@ -272,19 +301,20 @@ def _with_z_loss(call, rows, soft, class_weight, z_loss, ignore_index, reduction
         flat = lse.reshape(-1)
         loss = loss + reduce(torch.where(zw == 0, 0.0, zw * flat * flat))
     fields = {"loss": loss, "lse": lse} if return_lse else {"loss": loss}
-    fields.update((f, x) for f, x in zip(out._fields, out) if f in ("entropy", "accuracy"))
+    fields.update((f, x) for f, x in zip(out._fields, out)
+                  if f in ("entropy", "accuracy", "predicted_tokens"))
     if return_z_loss:
         fields["z_loss"] = _common.z_loss_output(lse, zw, reduce)
     return _common.named_output(**fields)
 
 
 def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, return_lse,
-                 return_entropy, return_accuracy, shift, single_pass):
+                 return_entropy, return_accuracy, shift, single_pass, return_predicted_tokens):
     """Probability targets ``(..., V)``: fused (flce::soft_forward: the target rows read tile by
     tile beside the logits, collapse-safe), or the composite path (flce.reference
     soft_cross_entropy; the ``[N, V]`` logits materialized in float32, float64 for float64
-    inputs) for what the fused ops do not serve: gradients of the targets, the accuracy output,
-    float64, functorch transforms and the CUDA backend."""
+    inputs) for what the fused ops do not serve: gradients of the targets, the accuracy and
+    predicted tokens, float64, functorch transforms and the CUDA backend."""
     if shift:
         raise ArgumentError("flce: shift=True takes class-index targets; shift probability "
                             "targets before the call")
@@ -297,7 +327,8 @@ def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, ret
     cw = _common.soft_class_weights(class_weight, v, input.dtype)
     plan = _common.plan(x, (weight, bias), (q, cw), classes=v, distribution=True,
                         single_pass=single_pass, reduction=reduction,
-                        per_token=return_lse or return_entropy, accuracy=return_accuracy,
+                        per_token=return_lse or return_entropy,
+                        argmax=return_accuracy or return_predicted_tokens,
                         target_grad=q.requires_grad)
     if plan.distribution:
         return _distribution(x, weight, q, bias, cw, None, opts, lead, plan, return_lse,
@@ -306,7 +337,9 @@ def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, ret
     loss, lse, entropy, acc = _composite.soft_per_token(logits, q, opts, cw)
     return _common.per_token_outputs(
         _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
-        return_entropy, _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
+        return_entropy, _common.reduce_rows(acc, reduction, lead) if return_accuracy else None,
+        _composite.predicted_from_logits(logits, None, opts) if return_predicted_tokens
+        else None)
 
 
 def _distribution(x, weight, target, bias, cw, row_weight, opts, lead, plan, return_lse,
@@ -349,7 +382,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
                   reduction="mean", label_smoothing=0.0, *, z_loss=0.0, softcap=None,
                   temperature=1.0, return_lse=False, return_entropy=False,
                   return_accuracy=False, inplace_backward=False, return_z_loss=False,
-                  z_loss_weighting="target"):
+                  z_loss_weighting="target", return_predicted_tokens=False):
     r"""Collapse-safe ``torch.nn.functional.cross_entropy`` on given logits.
 
     A drop-in for ``F.cross_entropy(input, target, weight, ignore_index=..., reduction=...,
@@ -386,13 +419,15 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             when nothing else needs the logits afterwards (autograd raises if something saved
             them). ``input`` is otherwise never written.
 
-        return_z_loss, z_loss_weighting: as :func:`linear_cross_entropy`.
+        return_z_loss, z_loss_weighting, return_predicted_tokens: as
+            :func:`linear_cross_entropy` (the predicted tokens shaped like the loss's rows).
 
     Returns:
         The loss; where more is asked for, a ``NamedTuple`` of the loss, then the per-token lse
         when ``return_lse`` and the per-token entropy when ``return_entropy`` (shaped like
-        ``target``), the accuracy when ``return_accuracy`` and the z-loss when
-        ``return_z_loss`` (fields ``loss``, ``lse``, ``entropy``, ``accuracy``, ``z_loss``).
+        ``target``), the accuracy when ``return_accuracy``, the z-loss when ``return_z_loss``
+        and the predicted tokens when ``return_predicted_tokens`` (fields ``loss``, ``lse``,
+        ``entropy``, ``accuracy``, ``z_loss``, ``predicted_tokens``).
     """
     _common.check_flags(return_z_loss=return_z_loss)
     _common.z_loss_weighting(z_loss_weighting)
@@ -411,7 +446,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
             input, target, weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, z_loss=zl, softcap=softcap,
             temperature=temperature, return_lse=lse, return_entropy=return_entropy,
-            return_accuracy=return_accuracy, inplace_backward=inplace_backward)
+            return_accuracy=return_accuracy, inplace_backward=inplace_backward,
+            return_predicted_tokens=return_predicted_tokens)
     return _with_z_loss(call, rows, _common.is_soft(target), weight, z_loss, ignore_index,
                         reduction, label_smoothing, return_lse, return_z_loss, z_loss_weighting)
 
@@ -419,13 +455,14 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, reduction="mean",
                            label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
                            return_lse=False, return_entropy=False, return_accuracy=False,
-                           inplace_backward=False):
+                           inplace_backward=False, return_predicted_tokens=False):
     """cross_entropy's outputs, the z-loss's in the loss as given."""
     _common.check_tensor("input", input)
     if _common.is_dtensor(input):
         # (its argument checks run in the ranks' exchange: linear_cross_entropy's note)
         from . import parallel
 
+        _refuse_vocab_parallel_predicted(return_predicted_tokens)
         return parallel.cross_entropy_dtensor(
             input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
@@ -441,6 +478,7 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
                                  f"got {input.dtype}")
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy, inplace_backward=inplace_backward)
+    _common.check_predicted_tokens(return_predicted_tokens, input)
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
     lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
     target = _common.unbatched_target(input, target)
@@ -474,7 +512,8 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
         y = target.reshape(1, c) if input.dim() == 1 else target.movedim(1, -1).reshape(rows, c)
         cw = _common.soft_class_weights(weight, c, input.dtype)
         if _common.plan(logits, (), (y, cw), classes=c, distribution=True, linear=False,
-                        accuracy=return_accuracy, target_grad=y.requires_grad).distribution:
+                        argmax=return_accuracy or return_predicted_tokens,
+                        target_grad=y.requires_grad).distribution:
             # Fused: the target rows read chunk by chunk beside the logits.
             loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
                 logits, y, cw, None, *opts.op_args(), opts.temperature)
@@ -486,12 +525,15 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
         return _common.per_token_outputs(
             _common.reduce_rows(loss, reduction, lead), lse, entropy, lead, return_lse,
             return_entropy,
-            _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
+            _common.reduce_rows(acc, reduction, lead) if return_accuracy else None,
+            _composite.predicted_from_logits(logits, None, opts) if return_predicted_tokens
+            else None)
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(weight, c, t, opts.ignore_index, input.dtype)
     plan = _common.plan(logits, (), (weight,), classes=c, linear=False,
                         distribution=cw is not None and bool(opts.label_smoothing),
-                        accuracy=return_accuracy, inplace=inplace_backward)
+                        argmax=return_accuracy or return_predicted_tokens,
+                        inplace=inplace_backward)
     if plan.distribution:
         # Class weights with label smoothing: a target distribution (linear_cross_entropy's).
         loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
@@ -505,20 +547,27 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
             logits.to(cdt), t, opts, weight=cw)
         acc = _composite.accuracy_from_logits(logits, t, opts.ignore_index) \
             if return_accuracy else None
+        predicted = _composite.predicted_from_logits(logits, t, opts) \
+            if return_predicted_tokens else None
     else:
         if inplace_backward and torch.is_grad_enabled():
             _common.check_inplace_target(logits, input, "input")
-        loss, lse, stats, entropy = _ops.ops.logits_forward(
+        op = _ops.ops.logits_forward_argmax if return_predicted_tokens else \
+            _ops.ops.logits_forward
+        loss, lse, stats, entropy, *argmax = op(
             logits, t, opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap,
             opts.temperature, return_entropy, inplace_backward)
         if row_weight is not None:
             loss = loss * row_weight
         acc = _common.accuracy_from_stats(stats, t, opts.ignore_index) \
             if return_accuracy else None
+        predicted = _common.predicted_from_stats(stats, argmax[0], t, opts.ignore_index) \
+            if return_predicted_tokens else None
     return _common.per_token_outputs(
         _common.reduce_loss(loss, t, opts.ignore_index, reduction, lead, row_weight), lse,
         entropy, lead, return_lse, return_entropy,
-        _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy))
+        _common.reduce_accuracy(acc, t, opts.ignore_index, reduction, lead, return_accuracy),
+        predicted)
 
 
 def _alias(name, value, torch_name, torch_value):
@@ -537,18 +586,20 @@ class LinearCrossEntropy(torch.nn.Module):
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0,
                  softcap=None, temperature=1.0, return_lse=False, return_entropy=False,
                  return_accuracy=False, shift=False, single_pass=None, exact_bf16_grad=None,
-                 class_weight=None, return_z_loss=False, z_loss_weighting="target"):
+                 class_weight=None, return_z_loss=False, z_loss_weighting="target",
+                 return_predicted_tokens=False):
         super().__init__()
         _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature)
         _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
-                            return_accuracy=return_accuracy, return_z_loss=return_z_loss)
+                            return_accuracy=return_accuracy, return_z_loss=return_z_loss,
+                            return_predicted_tokens=return_predicted_tokens)
         _common.shift_amount(shift)
         _common.z_loss_weighting(z_loss_weighting)
         if class_weight is not None:
             _common.check_tensor("class_weight", class_weight)
         self.register_buffer("class_weight", class_weight)
-        _common.check_single_pass(single_pass, reduction,
-                                  return_lse or return_entropy or return_accuracy)
+        _common.check_single_pass(single_pass, reduction, return_lse or return_entropy or
+                                  return_accuracy or return_predicted_tokens)
         _common.exact_bf16_grad(exact_bf16_grad)
         self.ignore_index = ignore_index
         self.reduction = reduction
@@ -564,6 +615,7 @@ class LinearCrossEntropy(torch.nn.Module):
         self.exact_bf16_grad = exact_bf16_grad
         self.return_z_loss = return_z_loss
         self.z_loss_weighting = z_loss_weighting
+        self.return_predicted_tokens = return_predicted_tokens
 
     def forward(self, input, weight, target, bias=None):
         return linear_cross_entropy(input, weight, target, bias=bias,
@@ -577,7 +629,8 @@ class LinearCrossEntropy(torch.nn.Module):
                                     exact_bf16_grad=self.exact_bf16_grad,
                                     class_weight=self.class_weight,
                                     return_z_loss=self.return_z_loss,
-                                    z_loss_weighting=self.z_loss_weighting)
+                                    z_loss_weighting=self.z_loss_weighting,
+                                    return_predicted_tokens=self.return_predicted_tokens)
 
     def extra_repr(self):
         # (the options set away from their defaults, as torch's modules print theirs)
@@ -587,7 +640,8 @@ class LinearCrossEntropy(torch.nn.Module):
                               ("return_entropy", False), ("return_accuracy", False),
                               ("shift", False), ("single_pass", None),
                               ("exact_bf16_grad", None), ("return_z_loss", False),
-                              ("z_loss_weighting", "target")):
+                              ("z_loss_weighting", "target"),
+                              ("return_predicted_tokens", False)):
             if getattr(self, name) != default:
                 shown.append(f"{name}={getattr(self, name)!r}")
         return ", ".join(shown)

@@ -8,6 +8,8 @@ float64 on small and medium shapes to check an implementation, not to train.
 Autograd through it gives the collapse-safe gradient: the target column's gradient is
 ``-sigmoid(lse_x - z_t)`` (computed by autograd of the softplus form), not ``p_t - 1``.
 """
+import math
+
 import torch
 
 __all__ = ["linear_cross_entropy", "logits_cross_entropy", "soft_cross_entropy"]
@@ -28,10 +30,7 @@ def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
     """
     if ignore_index is None:
         ignore_index = -100
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = transformed_logits(logits, softcap, temperature)
     n, v = logits.shape
     vocab_size = v if vocab_size is None else vocab_size
     valid = target != ignore_index
@@ -137,13 +136,12 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
     ``-log p_c = nll_a + (z_a - z_c)``, ``nll_a = softplus(lse_x - z_a)`` the collapse-safe
     loss of class ``a`` (logits_cross_entropy with target ``a``): both terms are >= 0, so the
     loss keeps its relative accuracy where a target concentrated on ``a`` makes it tiny, where
-    ``lse - sum_c y_c z_c`` rounds to 0. The z-loss is ``z_loss lse^2`` per row times the
+    ``lse - sum_c y_c z_c`` rounds to 0. Where ``p_a <= 1/2`` the same value is taken as
+    ``Y (lse - z_a) + sum_c y_c (z_a - z_c)`` (``Y = sum_c y_c``) with ``z_a`` a constant of the
+    graph, whose gradient at the pivot, ``Y p_a - y_a``, does not cancel. The z-loss is ``z_loss lse^2`` per row times the
     row's target mass ``sum_c y_c`` (1 for a distribution without class weights; a one-hot
     target with class weights: its class's weight, as for class indices)."""
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = transformed_logits(logits, softcap, temperature)
     n, v = logits.shape
     y = target.to(logits.dtype)
     if label_smoothing:
@@ -158,17 +156,29 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
         a = logits.detach().argmax(dim=1)
         nll_a, lse, entropy = logits_cross_entropy(logits, a, reduction="none", return_lse=True,
                                                    return_entropy=True, ignore_index=-1)
+        big_y = y.sum(1)
         gap = logits.gather(1, a[:, None]) - logits  # z_a - z_c >= 0
         # The pivot's own term (z_a - z_a = 0) is left out of the sum: through it the gradient
         # of z_a would be (sum_c y_c) - y_a, which loses the other columns' mass where it is
         # below y_a's ulp (and may come out of the wrong sign); without it, sum_{c != a} y_c.
         y_rest = y.scatter(1, a[:, None], 0.0)
-        # (a column without target weight adds nothing, also where its logit is -inf: 0, not
-        # 0 * inf; elsewhere y * gap, whose gradient in y is the gap also where y is 0)
-        loss = nll_a * y.sum(1) + torch.where((y_rest == 0) & torch.isinf(gap), 0.0,
-                                              y_rest * gap).sum(1)
+        safe = nll_a * big_y + _weighted_gaps(y_rest, gap)
+        # That form's gradient of z_a is -Y q_a + Y_rest (q_a = 1 - p_a, autograd's of the
+        # softplus), which cancels where p_a is small: a pivot that is not the target's mode
+        # (~400 roundings of Y at V = 4000). Where p_a <= 1/2 (nll_a >= log 2), the row takes
+        # the form whose gradient of z_a is Y p_a - y_a, as the fused ops' (math.h
+        # soft_row_grad): Y (lse - M) + sum_c y_c (M - z_c) with M the pivot's value, a constant
+        # of the graph, so that z_a enters through the logsumexp (p_a) and its own term (-y_a).
+        # Its value is as accurate there: lse - M >= log 2 and every term is >= 0. Beyond,
+        # fp32 rounds p_a towards 1 and the collapse-safe form stays. (A non-finite pivot keeps
+        # it too, and the other form's inputs are zeros that keep its derivatives finite.)
+        top = logits.detach().gather(1, a[:, None])
+        direct_row = (nll_a.detach() >= math.log(2.0)) & torch.isfinite(top[:, 0])
+        shifted = torch.where(direct_row[:, None], logits - top, 0.0)
+        direct = big_y * torch.logsumexp(shifted, dim=1) + _weighted_gaps(y, -shifted)
+        loss = torch.where(direct_row, direct, safe)
         if z_loss:
-            loss = loss + z_loss * lse * lse * y.sum(1)
+            loss = loss + z_loss * lse * lse * big_y
     if reduction == "none":
         return loss, lse, entropy
     if reduction == "sum":
@@ -176,6 +186,23 @@ def soft_cross_entropy(logits, target, *, reduction="mean", label_smoothing=0.0,
     if reduction == "mean":
         return loss.sum() / n
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def transformed_logits(logits, softcap=None, temperature=1.0):
+    """The logits as the loss takes them: ``softcap * tanh(z / softcap)``, then divided by the
+    temperature."""
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
+def _weighted_gaps(y, gap):
+    """Per row sum_c y_c gap_c; a column without target weight adds nothing, also where its gap
+    is infinite (a -inf logit): 0, not 0 * inf. Elsewhere y * gap, whose gradient in y is the
+    gap also where y is 0."""
+    return torch.where((y == 0) & torch.isinf(gap), 0.0, y * gap).sum(1)
 
 
 def linear_cross_entropy(input, weight, target, *, bias=None, ignore_index=-100,

@@ -219,8 +219,8 @@ def test_pivot_gradient_with_class_weights_and_smoothing(device, n, v, target, r
     roundings of its terms A p_a + y_a (torch's F.cross_entropy: 25-65). Held to 8 + log2(2V)
     roundings: p_a's divisor is a sum of V fp32 exponentials, as every fp32 softmax's (measured:
     6-17 at V = 32000). The CUDA backend on its fused soft ops (FLCE_CUDA_DISTRIBUTIONS=1), which
-    share math.h's formula; its default, the composite path, differentiates flce.reference's
-    pivot form, and probability targets there still cancel."""
+    share math.h's formula; its default, the composite path, is
+    test_composite_pivot_gradient_with_class_weights_and_smoothing's."""
     if request.node.callspec.id.endswith(("cuda", "cuda-host")):
         monkeypatch.setenv("FLCE_CUDA_DISTRIBUTIONS", "1")
     g = torch.Generator().manual_seed(51)
@@ -286,3 +286,81 @@ def test_weighted_mean_over_zero_weights_is_nan_like_torch(device, entry):
     assert got.isnan(), got
     assert torch.equal(grad.isnan(), zs.grad.isnan()), (grad.isnan().sum(1), zs.grad.isnan().sum(1))
     assert torch.all(grad[~zs.grad.isnan()] == zs.grad[~zs.grad.isnan()])
+
+
+def _pivot_case(n, v, target):
+    """Liger's case above: randn logits, class weights rand(V), label smoothing 0.1, "sum",
+    class or (sharp) probability targets whose mode is not the pivot; with its float64 gradient
+    and target weights y."""
+    g = torch.Generator().manual_seed(51)
+    x = torch.randn(n, v, generator=g)
+    t = torch.randint(0, v, (n,), generator=g)
+    w = torch.rand(v, generator=g)
+    x64 = x.double().requires_grad_()
+    if target == "class":
+        tgt = t
+        reference.logits_cross_entropy(x64, t, weight=w.double(), label_smoothing=0.1,
+                                       reduction="sum").backward()
+        y = w.double() * 0.1 / v + torch.zeros(n, v, dtype=torch.float64).scatter(
+            1, t[:, None], (w.double()[t] * 0.9)[:, None])
+    else:
+        tgt = torch.softmax(torch.randn(n, v, generator=g) * 4, 1)
+        reference.soft_cross_entropy(x64, tgt.double(), weight=w.double(), label_smoothing=0.1,
+                                     reduction="sum").backward()
+        y = w.double() * (0.9 * tgt.double() + 0.1 / v)
+    return x, tgt, w, x64.grad, y
+
+
+@pytest.mark.parametrize("target", ["class", "probabilities"])
+def test_composite_pivot_gradient_with_class_weights_and_smoothing(target):
+    """The composite path (torch.func.grad here; float64, double backward and targets that
+    require grad take it too, and CUDA's probability targets by default) at each row's largest
+    logit that is not its target: dz_a = Y p_a - y_a. flce.reference's collapse-safe form gave
+    autograd -Y q_a + y_rest there, which cancels from terms of Y: 417 fp32 roundings of the
+    terms Y p_a + y_a at V = 4000. Held to the fused ops' bound, 8 + log2(2V) (measured: 3-5)."""
+    n, v = 8, 4000
+    x, tgt, w, want, y = _pivot_case(n, v, target)
+    got = torch.func.grad(lambda z: flce.cross_entropy(z, tgt, w, label_smoothing=0.1,
+                                                       reduction="sum"))(x)
+    a = x.argmax(1, keepdim=True)
+    p_a = torch.softmax(x.double(), 1).gather(1, a)[:, 0]
+    y_a = y.gather(1, a)[:, 0]
+    assert torch.all(y_a < 0.01 * y.sum(1)) and torch.all(p_a < 0.5)
+    err = (got.double().gather(1, a)[:, 0] - want.gather(1, a)[:, 0]).abs() / (
+        _U32 * (y.sum(1) * p_a + y_a))
+    limit = 8 + math.log2(2 * v)
+    assert err.max().item() <= limit, f"pivot gradient {err.max().item():.1f} roundings off"
+    # and every other column, at fp32's accuracy of the row's largest entry
+    assert rel_err(got, want) < 1e-6
+
+
+def test_composite_pivot_forms_agree_in_float64():
+    """flce.reference takes a row's loss in one of two forms by whether its pivot's p_a is at
+    most 1/2: both sides of that switch (and a row at it) through gradcheck, gradgradcheck,
+    forward-mode AD and vmap, with the probability targets differentiated too."""
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(5, 7, dtype=torch.float64, generator=gen)
+    z[0, 2] += 6.0  # p_a near 1: the collapse-safe form
+    z[1, 4] += 1.0  # p_a < 1/2
+    z[2, :] = 0.0
+    z[2, 1] = math.log(6.0)  # p_a = 1/2 (up to a rounding)
+    q = torch.softmax(torch.randn(5, 7, dtype=torch.float64, generator=gen), 1)
+    cw = torch.rand(7, dtype=torch.float64, generator=gen) + 0.5
+    p_a = torch.softmax(z, 1).amax(1)
+    assert (p_a > 0.5).any() and (p_a < 0.49).any()
+
+    def f(zz, qq):
+        return reference.soft_cross_entropy(zz, qq, weight=cw, label_smoothing=0.1,
+                                            z_loss=1e-2, reduction="none")[0]
+
+    z.requires_grad_()
+    q.requires_grad_()
+    assert torch.autograd.gradcheck(f, (z, q))
+    assert torch.autograd.gradgradcheck(f, (z, q))
+    gz, = torch.autograd.grad(f(z, q).sum(), z)
+    z, q = z.detach(), q.detach()
+    tz = torch.randn(z.shape, dtype=torch.float64, generator=gen)
+    _, tangent = torch.func.jvp(lambda zz: f(zz, q).sum(), (z,), (tz,))
+    torch.testing.assert_close(tangent, (gz * tz).sum(), rtol=1e-12, atol=1e-12)
+    per_row = torch.func.vmap(torch.func.grad(lambda zz, qq: f(zz[None], qq[None]).sum()))(z, q)
+    torch.testing.assert_close(per_row, gz, rtol=1e-12, atol=0)
