@@ -513,8 +513,10 @@ _OUTPUT_TYPES = _output_types()
 def named_output(**fields):
     """The entry points' result where more than the loss is returned: a NamedTuple of the
     outputs asked for, in ``_OUTPUT_FIELDS`` order, the loss first (tuple unpacking keeps
-    working; ``out.lse`` names them)."""
+    working; ``out.lse`` names them); the loss alone where nothing else is asked for."""
     names = tuple(f for f in _OUTPUT_FIELDS if f in fields)
+    if names == ("loss",):
+        return fields["loss"]
     return _OUTPUT_TYPES[names](*(fields[f] for f in names))
 
 

@@ -177,6 +177,10 @@ def test_return_z_loss_and_its_weighting(device, entry, reduction, weights):
             weight=None if cw is None else cw.double().cpu())
         torch.testing.assert_close(ce.loss.double().cpu().reshape(want.shape), base + want,
                                    rtol=2e-5, atol=1e-6)
+        # the loss alone (the z-loss added apart under "none" with weights): a plain tensor
+        alone = call(z_loss_weighting=rule)
+        assert isinstance(alone, torch.Tensor)
+        torch.testing.assert_close(alone, ce.loss, rtol=0, atol=0)
     with pytest.raises(ValueError, match="z_loss_weighting"):
         call(z_loss_weighting="liger")
 

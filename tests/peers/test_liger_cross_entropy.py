@@ -2,7 +2,6 @@
 flce.cross_entropy, CPU backend, against float64 (peer_check.run_ce). Liger's names map as
 docs/api.md says: lse_square_scale -> z_loss, its z-loss rule -> z_loss_weighting="none",
 return_token_accuracy -> return_accuracy. Shapes scaled down for the CPU (README.md)."""
-import inspect
 
 import pytest
 import torch
@@ -10,8 +9,6 @@ import torch
 import flce
 from helpers import gen
 from peer_check import run_ce, seed_of
-
-HAS_PREDICTED_TOKENS = "return_predicted_tokens" in inspect.signature(flce.cross_entropy).parameters
 
 # Liger's (2, 4096, 32000) "llama" and (3, 423, 32000) "weird" shapes, scaled down
 BIG = [(2, 32, 2048), (3, 23, 2053)]
@@ -131,21 +128,12 @@ def test_correctness_with_weight(B, T, V, reduction, dtype):
     run_ce(z, t, seed=s, class_weight=w, reduction=reduction)
 
 
-# flce defect: z_loss_weighting="none" beside class weights, with nothing but the loss asked
-# for, raises KeyError in _common.named_output (api.py _with_z_loss builds a result of the loss
-# alone); return_z_loss=True, which Liger's call does not pass, takes the same path and works.
-LONE_LOSS_KEYERROR = pytest.mark.xfail(
-    strict=True, raises=KeyError,
-    reason="flce defect: z_loss_weighting='none' with class weights and only the loss "
-           "returned raises KeyError ('loss',) in _common.named_output")
-
-
 @pytest.mark.parametrize("B, T, V", BIG)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("ignore_index, z_loss, label_smoothing, softcap",
                          [(-100, 1e-4, 0.1, 30.0), (42, 1e-5, 0.2, 40.0)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("return_z_loss", [pytest.param(False, marks=LONE_LOSS_KEYERROR), True])
+@pytest.mark.parametrize("return_z_loss", [False, True])
 def test_correctness_with_weight_with_other_params(B, T, V, reduction, ignore_index, z_loss,
                                                    label_smoothing, softcap, dtype,
                                                    return_z_loss):
@@ -227,8 +215,6 @@ def test_correctness_with_forward_only(B, T, V, ignore_index, reduction, dtype):
                          [(z, a, p) for z in (False, True) for a in (False, True)
                           for p in (False, True)])
 def test_structured_output(return_z_loss, return_accuracy, return_predicted_tokens):
-    if return_predicted_tokens and not HAS_PREDICTED_TOKENS:
-        pytest.skip("Liger's return_predicted_tokens: flce has no counterpart (yet)")
     s = seed_of("structured", return_z_loss, return_accuracy, return_predicted_tokens)
     z, t = logits_and_targets(1, 3, 3, torch.float32, s)
     more = dict(return_predicted_tokens=True) if return_predicted_tokens else {}
@@ -249,8 +235,6 @@ def test_structured_output(return_z_loss, return_accuracy, return_predicted_toke
 @pytest.mark.parametrize("ignore_index", [-100, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_correctness_with_predicted_tokens(B, T, V, ignore_index, dtype):
-    if not HAS_PREDICTED_TOKENS:
-        pytest.skip("Liger's return_predicted_tokens: flce has no counterpart (yet)")
     s = seed_of("predicted", B, T, V, ignore_index, dtype)
     z, t = logits_and_targets(B, T, V, dtype, s)
     t[torch.randperm(t.numel(), generator=gen(s + 1))[:t.numel() // 4]] = ignore_index

@@ -4,7 +4,6 @@ against float64 (peer_check.run_lce). Liger passes (lin_weight, input, target, b
 input first. lse_square_scale -> z_loss with Liger's z-loss rule (z_loss_weighting="none"),
 ce_weight -> class_weight, return_token_accuracy -> return_accuracy; accum_dtype has no
 counterpart (flce accumulates in fp32 always). Shapes scaled down for the CPU (README.md)."""
-import inspect
 
 import pytest
 import torch
@@ -12,9 +11,6 @@ import torch
 import flce
 from helpers import gen
 from peer_check import run_lce, seed_of
-
-HAS_PREDICTED_TOKENS = "return_predicted_tokens" in inspect.signature(
-    flce.api._linear_cross_entropy).parameters
 
 # Liger's (8, 128, 1024, 4096) and the "random shape" (4, 47, 31, 123)
 SHAPES = [(2, 32, 256, 1024), (4, 47, 31, 123)]
@@ -151,8 +147,6 @@ def test_structured_output(return_z_loss, return_accuracy):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("ignore_index", [-100, 2])
 def test_correctness_with_predicted_tokens(B, T, H, V, dtype, bias, ignore_index):
-    if not HAS_PREDICTED_TOKENS:
-        pytest.skip("Liger's return_predicted_tokens: flce has no counterpart (yet)")
     s = seed_of("predicted", B, T, H, V, dtype, bias, ignore_index)
     g = gen(s)
     x = torch.randn(B * T, H, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
