@@ -21,9 +21,11 @@ __all__ = ["linear_distillation", "LinearDistillation", "DIVERGENCES"]
 
 DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
 
-# Rows per chunk: as many as keep a chunk's [rows, V] logits within this many elements (each
-# fp32 [rows, V] temporary of the row math is 64 MiB at most; about ten are alive at once).
-CHUNK_ELEMENTS = 2 ** 24
+# Rows per chunk: as many as keep one [rows, V] buffer of the computation dtype within this many
+# bytes (the row math holds about ten such buffers at once; see _rows), and at least one.
+CHUNK_BYTES = 2 ** 26
+# The widened weight one GEMM of a 16-bit input reads at a time (_Classifier).
+BLOCK_BYTES = 2 ** 24
 
 
 def _dominant(z):
@@ -131,8 +133,10 @@ def _rows(z_s, z_t, target, valid, divergence, beta, temperature, hard_weight, s
     return loss, g_s, g_t
 
 
-def _chunks(n, v):
-    rows = max(1, min(n, CHUNK_ELEMENTS // max(v, 1)))
+def _chunks(n, v, itemsize):
+    """Row chunks ``[(lo, hi)]``: as many rows as keep one ``[rows, V]`` buffer of the
+    computation dtype within CHUNK_BYTES."""
+    rows = max(1, min(n, CHUNK_BYTES // max(v * itemsize, 1)))
     return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
 
 
@@ -140,10 +144,54 @@ def _compute_dtype(x_s, x_t):
     return torch.float64 if torch.float64 in (x_s.dtype, x_t.dtype) else torch.float32
 
 
-def _widen(x, w, b, cdt):
-    """The input, the weight (in the input's dtype first: fp32 master weights of 16-bit inputs
-    compute as flce's composite path does) and the bias, in the computation dtype."""
-    return x.to(cdt), w.to(x.dtype).to(cdt), None if b is None else b.to(x.dtype).to(cdt)
+class _Classifier:
+    """One model's classifier in the chunk loop: a row chunk's logits and its gradient GEMMs in
+    the computation dtype. The weight's values are taken in the input's dtype (fp32 master
+    weights of 16-bit inputs compute as flce's composite path does); where that is narrower than
+    the computation dtype, the GEMMs run over vocabulary blocks of at most BLOCK_BYTES of widened
+    weight (torch's CPU GEMMs give no fp32 output of 16-bit operands), so no widened copy of the
+    whole weight is made."""
+
+    def __init__(self, x, w, b, cdt):
+        self.x, self.cdt = x, cdt
+        # (float64 inputs: a float32 weight widens exactly; 16-bit inputs: fp32 master weights
+        # rounded once to the input's dtype, 16-bit the whole call)
+        self.w = w.to(cdt) if x.dtype == cdt else w.to(x.dtype)
+        self.b = None if b is None else b.to(x.dtype).to(cdt)
+        v, d = w.shape
+        self.blocks = [(0, v)] if x.dtype == cdt else \
+            [(lo, min(lo + max(1, BLOCK_BYTES // (4 * max(d, 1))), v))
+             for lo in range(0, v, max(1, BLOCK_BYTES // (4 * max(d, 1))))]
+
+    def rows(self, lo, hi):
+        """The chunk's hidden states in the computation dtype (a view where they are)."""
+        return self.x[lo:hi].to(self.cdt)
+
+    def _weight(self, a, b):
+        return self.w[a:b].to(self.cdt)
+
+    def logits(self, x, out):
+        """``x @ W.T + b`` into ``out`` ([rows, V], the computation dtype)."""
+        for a, b in self.blocks:
+            torch.mm(x, self._weight(a, b).T, out=out[:, a:b])
+        if self.b is not None:
+            out.add_(self.b)
+        return out
+
+    def backward(self, g, x, gx, gw, gb):
+        """``gx = g @ W`` (written), ``gw += g.T @ x``, ``gb += g.sum(0)`` (accumulated in place;
+        each None where not wanted) for the chunk's logit gradient ``g``."""
+        for i, (a, b) in enumerate(self.blocks):
+            w = self._weight(a, b) if gx is not None else None
+            if gx is not None:
+                if i == 0:
+                    torch.mm(g[:, a:b], w, out=gx)
+                else:
+                    gx.addmm_(g[:, a:b], w)
+            if gw is not None:
+                gw[a:b].addmm_(g[:, a:b].T, x)
+        if gb is not None:
+            gb.add_(g.sum(0))
 
 
 def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
@@ -151,44 +199,29 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
     in ``needs`` (student input, weight, bias, teacher input, weight, bias), each row's logit
     gradient times ``row_scale[n]`` (None: no gradients), in the computation dtype."""
     cdt = _compute_dtype(x_s, x_t)
-    xs, ws, bs = _widen(x_s, w_s, b_s, cdt)
-    xt, wt, bt = _widen(x_t, w_t, b_t, cdt)
-    grad_s = row_scale is not None and any(needs[:3])
-    grad_t = row_scale is not None and any(needs[3:])
-    losses, gx_s, gx_t = [], [], []
-    gw_s = torch.zeros_like(ws) if grad_s and needs[1] else None
-    gb_s = torch.zeros(ws.shape[0], dtype=cdt, device=ws.device) if grad_s and needs[2] else None
-    gw_t = torch.zeros_like(wt) if grad_t and needs[4] else None
-    gb_t = torch.zeros(wt.shape[0], dtype=cdt, device=wt.device) if grad_t and needs[5] else None
-    for lo, hi in _chunks(xs.shape[0], ws.shape[0]):
-        z_s = xs[lo:hi] @ ws.T
-        z_t = xt[lo:hi] @ wt.T
-        if bs is not None:
-            z_s = z_s + bs
-        if bt is not None:
-            z_t = z_t + bt
-        loss, g_s, g_t = _rows(z_s, z_t, target[lo:hi], valid[lo:hi], *cfg, grad_s, grad_t)
-        losses.append(loss)
+    models = (_Classifier(x_s, w_s, b_s, cdt), _Classifier(x_t, w_t, b_t, cdt))
+    wanted = (row_scale is not None and any(needs[:3]), row_scale is not None and any(needs[3:]))
+    n, v = x_s.shape[0], w_s.shape[0]
+    loss = torch.empty(n, dtype=cdt, device=x_s.device)
+    grads = [None] * 6
+    for m, (x, w) in enumerate(((x_s, w_s), (x_t, w_t))):
+        if wanted[m]:
+            need_x, need_w, need_b = needs[3 * m:3 * m + 3]
+            grads[3 * m] = x.new_empty(x.shape, dtype=cdt) if need_x else None
+            grads[3 * m + 1] = w.new_zeros(w.shape, dtype=cdt) if need_w else None
+            grads[3 * m + 2] = w.new_zeros(v, dtype=cdt) if need_b else None
+    for lo, hi in _chunks(n, v, torch.finfo(cdt).bits // 8):
+        xs, xt = models[0].rows(lo, hi), models[1].rows(lo, hi)
+        z_s = models[0].logits(xs, xs.new_empty(hi - lo, v))
+        z_t = models[1].logits(xt, xt.new_empty(hi - lo, v))
+        loss[lo:hi], g_s, g_t = _rows(z_s, z_t, target[lo:hi], valid[lo:hi], *cfg, *wanted)
+        del z_s, z_t
         scale = None if row_scale is None else row_scale[lo:hi, None].to(cdt)
-        if grad_s:
-            g_s = g_s * scale
-            if needs[0]:
-                gx_s.append(g_s @ ws)
-            if gw_s is not None:
-                gw_s = gw_s + g_s.T @ xs[lo:hi]
-            if gb_s is not None:
-                gb_s = gb_s + g_s.sum(0)
-        if grad_t:
-            g_t = g_t * scale
-            if needs[3]:
-                gx_t.append(g_t @ wt)
-            if gw_t is not None:
-                gw_t = gw_t + g_t.T @ xt[lo:hi]
-            if gb_t is not None:
-                gb_t = gb_t + g_t.sum(0)
-    loss = torch.cat(losses) if losses else xs.new_zeros(0)
-    return loss, (torch.cat(gx_s) if gx_s else None, gw_s, gb_s,
-                  torch.cat(gx_t) if gx_t else None, gw_t, gb_t)
+        for m, g, x in ((0, g_s, xs), (1, g_t, xt)):
+            if g is not None:
+                gx, gw, gb = grads[3 * m:3 * m + 3]
+                models[m].backward(g.mul_(scale), x, None if gx is None else gx[lo:hi], gw, gb)
+    return loss, tuple(grads)
 
 
 def _cast(grads, tensors):

@@ -258,10 +258,27 @@ def test_chunks(monkeypatch, reduction):
         return [loss] + [x.grad for x in leaves if x is not None and x.dtype.is_floating_point]
 
     whole = run()
-    monkeypatch.setattr(distill, "CHUNK_ELEMENTS", 3 * V)
-    assert len(distill._chunks(21, V)) == 7
+    monkeypatch.setattr(distill, "CHUNK_BYTES", 3 * V * 8)
+    assert len(distill._chunks(21, V, 8)) == 7
     for a, b in zip(run(), whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vocab_blocks(monkeypatch, dtype):
+    """16-bit inputs: GEMMs over vocabulary blocks of widened weight (blocks of 7 to 10 classes
+    and a shorter last one, then of one class) against the float64 reference."""
+    tensors = _inputs(dtype, "cpu")
+    kw = dict(hard_weight=0.5, beta=0.3, temperature=1.2)
+    _, grads = _reference(tensors, torch.ones(()), **kw)
+    for block_rows in (7, 1):
+        monkeypatch.setattr(distill, "BLOCK_BYTES", block_rows * 4 * DT)
+        xs, ws, xt, wt, t, bs, bt = leaves = _leaves(tensors)
+        flce.linear_distillation(xs, ws, xt, wt, t, student_bias=bs, teacher_bias=bt,
+                                 **kw).backward()
+        for i, (leaf, r) in enumerate(zip(leaves, grads)):
+            if r is not None:
+                assert_grad_close(leaf.grad, r, what=str(i))
 
 
 def test_module():
