@@ -1,9 +1,9 @@
 """Knowledge distillation on two classifiers: ``flce.linear_distillation`` and
 ``flce.LinearDistillation``.
 
-A chunked composite path: row chunks whose ``[rows, V]`` logits stay within a fixed number of
-elements, both logit GEMMs per chunk, the collapse-safe divergence and its analytic logit
-gradients (docs/numerics.md, "Distillation"), then the gradient GEMMs, all in plain torch ops
+A chunked composite path: row chunks whose ``[rows, V]`` logits stay within CHUNK_BYTES, both
+logit GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
+(docs/numerics.md, "Distillation"), then the gradient GEMMs, all in plain torch ops
 (CPU and CUDA tensors alike). The ``[N, V]`` logits are never held whole.
 
 The row math (``_dominant``, ``_mix``, ``_kl_grad``, ``_rows``) is written as a later C++ port
@@ -146,8 +146,9 @@ def _compute_dtype(x_s, x_t):
 
 class _Classifier:
     """One model's classifier in the chunk loop: a row chunk's logits and its gradient GEMMs in
-    the computation dtype. The weight's values are taken in the input's dtype (fp32 master
-    weights of 16-bit inputs compute as flce's composite path does); where that is narrower than
+    the computation dtype. The weight's values are taken in the input's dtype and the bias's in
+    its own (fp32 master weights of 16-bit inputs compute as flce.linear_cross_entropy's composite
+    path does: the weight rounded once to 16 bits, the bias exact); where that is narrower than
     the computation dtype, the GEMMs run over vocabulary blocks of at most BLOCK_BYTES of widened
     weight (torch's CPU GEMMs give no fp32 output of 16-bit operands), so no widened copy of the
     whole weight is made."""
@@ -157,7 +158,7 @@ class _Classifier:
         # (float64 inputs: a float32 weight widens exactly; 16-bit inputs: fp32 master weights
         # rounded once to the input's dtype, 16-bit the whole call)
         self.w = w.to(cdt) if x.dtype == cdt else w.to(x.dtype)
-        self.b = None if b is None else b.to(x.dtype).to(cdt)
+        self.b = None if b is None else b.to(cdt)
         v, d = w.shape
         self.blocks = [(0, v)] if x.dtype == cdt else \
             [(lo, min(lo + max(1, BLOCK_BYTES // (4 * max(d, 1))), v))

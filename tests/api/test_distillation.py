@@ -54,10 +54,12 @@ def _leaves(tensors, teacher_grad=True):
 
 
 def _reference(tensors, upstream, **kw):
-    """float64 loss and the gradients of (loss * upstream).sum() in every floating tensor."""
+    """float64 loss and the gradients of (loss * upstream).sum() in every floating tensor; the
+    weights' values in their input's dtype, the biases' in their own (flce.linear_cross_entropy's
+    master-weight semantics)."""
     xs, ws, xt, wt, t, bs, bt = tensors
     wide = [None if x is None else
-            x.detach().cpu().to(xs.dtype if i in (1, 5) else xt.dtype if i in (3, 6) else
+            x.detach().cpu().to(xs.dtype if i == 1 else xt.dtype if i == 3 else
                                 x.dtype).double().requires_grad_()
             if x.dtype.is_floating_point else x.cpu() for i, x in enumerate(tensors)]
     w_xs, w_ws, w_xt, w_wt, w_t, w_bs, w_bt = wide
