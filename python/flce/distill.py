@@ -375,6 +375,9 @@ def linear_distillation(student_input, student_weight, teacher_input, teacher_we
     if teacher_weight.shape[0] != student_weight.shape[0]:
         raise ArgumentError(f"flce: teacher_weight's V ({teacher_weight.shape[0]}) must equal "
                             f"student_weight's ({student_weight.shape[0]}): one vocabulary")
+    if student_weight.shape[0] == 0:
+        raise ArgumentError("flce: student_weight and teacher_weight must have at least one "
+                            "class (V >= 1): a distribution over no class has no divergence")
     divergence, beta, opts, hard_weight, soft_weight = _options(
         divergence, beta, temperature, hard_weight, soft_weight, ignore_index, reduction)
     k = _common.shift_amount(shift)
