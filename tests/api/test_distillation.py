@@ -403,7 +403,7 @@ def test_compile_fullgraph():
                                         beta=0.3, temperature=2.0)
 
     def run(fn):
-        xs, ws, xt, wt, t, bs, _ = leaves = _leaves(tensors, teacher_grad=False)
+        xs, ws, xt, wt, t, bs, _ = _leaves(tensors, teacher_grad=False)
         loss = fn(xs, ws, xt, wt, t, bs)
         loss.backward()
         return [loss, xs.grad, ws.grad, bs.grad]
