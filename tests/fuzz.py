@@ -50,6 +50,18 @@ first-order bound of an ideal implementation at the same precision (``bounds``):
   against us), a pairwise fp32 accumulation of ``|g| |W|`` (``|g| |X|``), and one rounding to
   the gradient's dtype.
 
+A case in ``DISTILL_FRACTION`` (the "cpu" backend; a stream of its own) is
+``flce.linear_distillation`` instead (``entry="distill"``): a divergence and beta, hard and soft
+weights, temperature, a teacher of another hidden size, the teacher's gradients or none, and
+with ``confident`` a class both models' biases raise (the same class or two different ones).
+Its per-token losses and every gradient are compared with ``flce.reference.distillation`` in
+float64, held to ``FACTOR`` times a first-order bound (``_distill_bounds``): the logits' GEMM
+error as above (both models, divided by the temperature) through the float64 logit gradient,
+plus 4 ulps of the terms the collapse-safe row math sums (``P_j`` times the magnitude of each
+log-probability taken from its row's largest logit); the logit gradient's
+own error is that of its probabilities at the same scale, carried by ``|W|`` and ``|X|`` into
+dE, dW and the bias as above, then one rounding to the gradient's dtype.
+
 A failing case shrinks itself (options off, sizes halved, layouts made plain, while it still
 fails) and prints a repro. The suite runs a short seeded run (tests/api/test_fuzz.py); a long one:
 
@@ -86,6 +98,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SOFT_KINDS = ["dense", "sharp", "onehot", "sparse"]
 SOFT_FRACTION = 0.3  # of the cases: probability targets
 PIVOT_FRACTION = 0.1  # of the others: class weights with label smoothing at the pivot (draw)
+DISTILL_FRACTION = 0.15  # of the "cpu" cases: flce.linear_distillation (draw)
+DIVERGENCES = [("jsd", 0.5), ("jsd", 0.1), ("jsd", 0.9), ("jsd", 0.0), ("jsd", 1.0),
+               ("forward_kl", 0.5), ("reverse_kl", 0.5)]
 
 
 @dataclasses.dataclass
@@ -125,6 +140,13 @@ class Case:
     soft_grad: bool = False       # the probability targets require grad (the composite path)
     zero_weights: bool = False    # class targets: class weight 0 at every present target (the
                                   # weighted mean is 0/0 = NaN, its gradients too, as torch's)
+    divergence: str = "jsd"       # distill: "jsd" | "forward_kl" | "reverse_kl"
+    beta: float = 0.5             # distill, "jsd"
+    hard_weight: float = 0.0      # distill
+    soft_weight: float = 1.0      # distill
+    d_teacher: int = 0            # distill: the teacher's hidden size (0: d)
+    teacher_grad: bool = False    # distill: the teacher's tensors require grad
+    same_class: bool = True       # distill with confident: both models favour one class
 
     def code(self):
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -187,6 +209,20 @@ def draw(rng, backend):
             c.zero_weights = True
     if backend == "cuda-host" and (c.soft or c.class_weight and c.label_smoothing):
         c.cuda_distributions = random.Random(c.seed + 1).random() < 0.5  # (its own stream too)
+    k = random.Random(f"distill-{c.seed}")  # (its own stream too)
+    if backend == "cpu" and k.random() < DISTILL_FRACTION:
+        # (plain torch ops on every device: the CUDA backend's emulation has nothing to add)
+        c = dataclasses.replace(
+            c, entry="distill", soft="", class_weight=False, label_smoothing=0.0, z_loss=0.0,
+            softcap=0.0, lse=False, entropy=False, single_pass=None, exact_bf16_grad=None,
+            class_dim=0, zero_weights=False, soft_grad=False, soft_dtype="fp32",
+            cuda_distributions=False, ignore=k.choice([0.0, 0.0, 0.2, 1.0]))
+        c.divergence, c.beta = k.choice(DIVERGENCES)
+        c.hard_weight = k.choice([0.0, 0.0, 0.5, 1.0])
+        c.soft_weight = k.choice([1.0, 1.0, 0.5, 2.0])
+        c.d_teacher = k.choice([0, 0, 8, 40])
+        c.teacher_grad = k.random() < 0.3
+        c.same_class = k.random() < 0.5
     return c
 
 
@@ -214,6 +250,8 @@ def _view(a, layout):
 
 def make_inputs(c):
     """The case's tensors (values first, then their layouts): dict of name -> tensor."""
+    if c.entry == "distill":
+        return _distill_inputs(c)
     g = torch.Generator().manual_seed(c.seed)
     dt = DTYPES[c.dtype]
     n = math.prod(c.lead)
@@ -325,6 +363,8 @@ def _row_shape(c, inputs):
 
 def run_flce(c, inputs):
     """flce's outputs and gradients: dict name -> float64 tensor (CPU), row-major [rows, ...]."""
+    if c.entry == "distill":
+        return _run_distill(c, inputs)
     grads = ("input", "weight", "bias") + (("target",) if c.soft_grad else ())
     leaves = {k: v.detach().requires_grad_() for k, v in inputs.items() if k in grads}
     target = leaves.get("target", inputs["target"])
@@ -668,8 +708,156 @@ def reference_and_bounds(c, inputs):
     return ref, bound
 
 
+def _distill_inputs(c):
+    """A distillation case's tensors: each model's input, weight and bias ("s_" the student's,
+    "t_" the teacher's; with ``confident`` a class raised by the biases, the student's by 1 to
+    1.2 times the teacher's margin, half the rows' targets moved to the student's class)."""
+    g = torch.Generator().manual_seed(c.seed)
+    dt = DTYPES[c.dtype]
+    wdt = torch.float32 if c.master else dt
+    t = torch.randint(0, c.v, c.lead, generator=g)
+    if c.ignore:
+        t = torch.where(torch.rand(c.lead, generator=g) < c.ignore, torch.full_like(t, -100), t)
+    top = int(torch.randint(0, c.v, (1,), generator=g))
+    other = top if c.same_class or c.v == 1 else (top + 1) % c.v
+    if c.confident:
+        half = torch.rand(c.lead, generator=g) < 0.5
+        t = torch.where(half & (t != -100), torch.full_like(t, other), t)
+    out = {"target": _view(t, c.t_layout)}
+    for p, d, cls, margin in (("s_", c.d, other, c.confident * (1 + 0.2 * float(
+            torch.rand((), generator=g, dtype=torch.float64)))),
+                              ("t_", c.d_teacher or c.d, top, c.confident)):
+        x = torch.randn(c.lead + (d,), generator=g, dtype=torch.float64) * c.scale / d ** 0.25
+        w = torch.randn((c.v, d), generator=g, dtype=torch.float64) / d ** 0.25
+        out[p + "input"] = _view(x.to(dt), c.x_layout)
+        out[p + "weight"] = _view(w.to(wdt), c.w_layout)
+        if c.bias or c.confident:
+            b = torch.randn(c.v, generator=g, dtype=torch.float64) * 0.5
+            b[cls] += margin
+            out[p + "bias"] = _view(b.to(wdt), "strided" if c.w_layout == "strided" else "plain")
+    return out
+
+
+def _run_distill(c, inputs):
+    """flce.linear_distillation's per-token losses (the reduction's result for "mean"/"sum")
+    and gradients, as run_flce."""
+    grads = ("s_input", "s_weight", "s_bias") + \
+        (("t_input", "t_weight", "t_bias") if c.teacher_grad else ())
+    leaves = {k: v.detach().requires_grad_() if k in grads else v for k, v in inputs.items()}
+    loss = flce.linear_distillation(
+        leaves["s_input"], leaves["s_weight"], leaves["t_input"], leaves["t_weight"],
+        leaves["target"], divergence=c.divergence, beta=c.beta, temperature=c.temperature,
+        hard_weight=c.hard_weight, soft_weight=c.soft_weight, reduction=c.reduction,
+        student_bias=leaves.get("s_bias"), teacher_bias=leaves.get("t_bias"))
+    assert loss.dtype == torch.float32, loss.dtype
+    up = _upstreams(c, c.lead)["loss"] if c.reduction == "none" else torch.tensor(1.0)
+    (loss * up.float()).sum().backward()
+    got = {"loss": loss.detach().double().reshape(-1)}
+    for k in grads:
+        if k in leaves:
+            leaf = leaves[k]
+            assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, k
+            got["d" + k] = leaf.grad.double()
+    return got
+
+
+def _distill_bounds(c, inputs):
+    """float64 reference (flce.reference.distillation) and first-order bounds for a
+    distillation case, as the module docstring states."""
+    from flce import reference
+
+    dt = DTYPES[c.dtype]
+    t = inputs["target"].reshape(-1)
+    n, v, temp = t.shape[0], c.v, c.temperature
+    models = {}
+    for p in ("s_", "t_"):
+        x = inputs[p + "input"].double().reshape(n, inputs[p + "input"].shape[-1])
+        w = inputs[p + "weight"].to(dt).double()
+        b = inputs[p + "bias"].double() if p + "bias" in inputs else None
+        z = x @ w.T + (b if b is not None else 0.0)
+        mag = x.abs() @ w.abs().T + (b.abs() if b is not None else 0.0)
+        dz = math.ceil(math.log2(2 * x.shape[1])) * U32 * mag + U32 * z.abs()
+        models[p] = (x, w, b, z.requires_grad_(), dz)
+    zs, zt = models["s_"][3], models["t_"][3]
+    kw = dict(divergence=c.divergence, beta=c.beta, temperature=temp,
+              hard_weight=c.hard_weight, soft_weight=c.soft_weight)
+    per_token = reference.distillation(zs, zt, t, reduction="none", **kw)
+    valid = t != -100
+    count = max(int(valid.sum()), 1)
+    up = _upstreams(c, c.lead)["loss"].reshape(-1) if c.reduction == "none" else \
+        torch.full((n,), 1.0 / count if c.reduction == "mean" else 1.0, dtype=torch.float64)
+    gs, gt = torch.autograd.grad((per_token * up).sum(), (zs, zt))
+    with torch.no_grad():
+        # each row's log-probabilities' magnitudes from their largest logit: |z_j - z_a| +
+        # log1p(s), the terms the row math sums with weights P_j (and the untempered student's
+        # for the hard term)
+        def stats(z):
+            # (P_j, or 1 - P_j where that is smaller: the collapse-safe row math forms a
+            # dominant class's entries from the others' mass)
+            d = z - z.amax(1, keepdim=True)
+            logp = torch.log_softmax(z, 1)
+            return torch.minimum(torch.exp(logp), -torch.expm1(logp)), \
+                d.abs() + (-logp.amax(1, keepdim=True))
+
+        p_s, m_s = stats(zs / temp)
+        p_t, m_t = stats(zt / temp)
+        p_h, m_h = stats(zs)
+        units = (8 + math.log2(2 * v)) * U32
+        soft = c.soft_weight * 4 * U32 * ((p_s + p_t) * (m_s + m_t)).sum(1)
+        hard = c.hard_weight * 4 * U32 * (m_h.gather(1, t.clamp_min(0)[:, None])[:, 0] + 1)
+        logit_err = ((gs.abs() * models["s_"][4]).sum(1) / up.abs().clamp_min(1e-300) +
+                     (gt.abs() * models["t_"][4]).sum(1) / up.abs().clamp_min(1e-300))
+        # (the fp32 loss: one rounding, and half its smallest subnormal below its range)
+        loss_bound = torch.where(valid, soft + hard + logit_err + 2 * U32 * per_token.abs() +
+                                 TINY[torch.float32], 0.0)
+        ref = {}
+        bound = {}
+        if c.reduction == "none":
+            ref["loss"], bound["loss"] = per_token.detach(), loss_bound
+        else:
+            scale = 1.0 / count if c.reduction == "mean" else 1.0
+            ref["loss"] = (per_token.detach().sum() * scale).reshape(1)
+            bound["loss"] = ((loss_bound.sum() + units * per_token.abs().sum()) *
+                             scale).reshape(1)
+        # the logit gradients' errors: their probabilities' relative errors (the logits' and
+        # the row math's) at the weights' scale, per row's upstream
+        weight = (c.soft_weight / temp) * (p_s + p_t) + c.hard_weight * p_h
+        rowerr = units * (1 + torch.maximum(m_s, m_t).amax(1, keepdim=True)) + \
+            2 * (torch.maximum(models["s_"][4], models["t_"][4]) / temp).amax(1, keepdim=True)
+        acc = math.log2(2 * max(n, v)) * U32
+        sub = 8 * TINY[torch.float32] * (1 + c.soft_weight / temp + c.hard_weight) * \
+            (1 + torch.maximum(m_s, m_t).amax(1, keepdim=True))
+        for p, g in (("s_", gs), ("t_", gt)):
+            if p == "t_" and not c.teacher_grad:
+                continue
+            # (and a few of fp32's subnormal spacings, times the factors r_j - KL that multiply
+            # a subnormal P_j: entries below fp32's normal range)
+            tile = torch.where(valid[:, None], (g.abs() + weight * up.abs()[:, None]) * rowerr +
+                               sub * up.abs()[:, None], 0.0)
+            x, w, b = models[p][:3]
+            gdt = {"input": dt, "weight": inputs[p + "weight"].dtype,
+                   "bias": inputs[p + "weight"].dtype}
+            parts = {"input": (g @ w, tile @ w.abs() + acc * g.abs() @ w.abs()),
+                     "weight": (g.T @ x, tile.T @ x.abs() + acc * g.abs().T @ x.abs())}
+            if b is not None:
+                parts["bias"] = (g.sum(0), tile.sum(0) + acc * g.abs().sum(0))
+            for k, (r, e) in parts.items():
+                ref["d" + p + k] = r.reshape(inputs[p + k].shape)
+                bound["d" + p + k] = (e + UNIT[gdt[k]] * r.abs() + TINY[gdt[k]]).reshape(
+                    inputs[p + k].shape)
+    return ref, bound
+
+
 def check(c):
     """None if the case passes, else a string saying what failed (an exception included)."""
+    if c.entry == "distill":
+        try:
+            inputs = make_inputs(c)
+            got = run_flce(c, inputs)
+            ref, bound = _distill_bounds(c, inputs)
+        except Exception:  # noqa: BLE001  (a crash is a finding)
+            return "raised:\n" + traceback.format_exc(limit=6)
+        return _compare(c, got, ref, bound)
     try:
         if c.backend == "cuda-host":
             import cuda_emulation
@@ -707,32 +895,48 @@ def check(c):
                 bad.append(f"{k}: not NaN (and 0 for ignored rows) as torch's")
         return "; ".join(bad) if bad else None
     for k in ref:
-        r, b, x = ref[k], bound[k], got[k].reshape(ref[k].shape)
         counted = math.prod(_row_shape(c, inputs)) > 0 if c.soft else \
             bool((inputs["target"] != -100).any())
         if c.reduction == "mean" and k == "loss" and not counted:
+            x = got[k]
             ok = bool(torch.isnan(x).all())  # the mean of nothing: NaN, as torch
             if not ok:
                 bad.append(f"{k}: {x.tolist()} where the mean of no token is NaN")
             continue
-        err = (x - r).abs()
-        finite = torch.isfinite(x)
-        over = ~finite | (err > FACTOR * b)
-        if over.any():
-            ratio = (err / b.clamp_min(1e-300)).nan_to_num(math.inf)
-            i = int(ratio.reshape(-1).argmax())
-            bad.append(f"{k}: {int(over.sum())}/{over.numel()} elements beyond {FACTOR}x the bound"
-                       f"; worst at flat index {i}: got {x.reshape(-1)[i].item():.8e}, float64 "
-                       f"{r.reshape(-1)[i].item():.8e}, bound {b.reshape(-1)[i].item():.3e} "
-                       f"({ratio.reshape(-1)[i].item():.2f}x)")
+        bad += _compare_one(k, got[k], ref[k], bound[k])
     return "; ".join(bad) if bad else None
+
+
+def _compare(c, got, ref, bound):
+    """None if every output is within FACTOR times its bound (distillation: the mean of no
+    token is 0, as Liger's and TRL's, which the reference gives), else what failed."""
+    bad = []
+    for k in ref:
+        bad += _compare_one(k, got[k], ref[k], bound[k])
+    return "; ".join(bad) if bad else None
+
+
+def _compare_one(k, x, r, b):
+    """[] if every element of output ``k`` is finite and within FACTOR times its bound, else
+    one line saying where it is worst."""
+    x = x.reshape(r.shape)
+    err = (x - r).abs()
+    over = ~torch.isfinite(x) | (err > FACTOR * b)
+    if not over.any():
+        return []
+    ratio = (err / b.clamp_min(1e-300)).nan_to_num(math.inf)
+    i = int(ratio.reshape(-1).argmax())
+    return [f"{k}: {int(over.sum())}/{over.numel()} elements beyond {FACTOR}x the bound; worst "
+            f"at flat index {i}: got {x.reshape(-1)[i].item():.8e}, float64 "
+            f"{r.reshape(-1)[i].item():.8e}, bound {b.reshape(-1)[i].item():.3e} "
+            f"({ratio.reshape(-1)[i].item():.2f}x)"]
 
 
 def ratios(c):
     """Per output, the largest error / bound ratio of a passing case (the fuzzer's margin)."""
     inputs = make_inputs(c)
     got = run_flce(c, inputs)
-    ref, bound = reference_and_bounds(c, inputs)
+    ref, bound = (_distill_bounds if c.entry == "distill" else reference_and_bounds)(c, inputs)
     return {k: float(((got[k].reshape(ref[k].shape) - ref[k]).abs() / bound[k].clamp_min(1e-300))
                      .max()) if ref[k].numel() else 0.0 for k in ref}
 
@@ -744,7 +948,8 @@ def _simpler(c):
              "single_pass": None, "exact_bf16_grad": None, "confident": 0.0, "scale": 1.0, "x_layout": "plain",
              "w_layout": "plain", "t_layout": "plain", "class_dim": 0, "master": False,
              "reduction": "sum", "cuda_distributions": False, "soft_grad": False,
-             "soft_dtype": "fp32", "soft": "", "zero_weights": False}
+             "soft_dtype": "fp32", "soft": "", "zero_weights": False, "hard_weight": 0.0,
+             "soft_weight": 1.0, "d_teacher": 0, "teacher_grad": False, "same_class": True}
     for k, val in plain.items():
         if getattr(c, k) != val:
             yield dataclasses.replace(c, **{k: val})

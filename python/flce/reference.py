@@ -2,8 +2,8 @@
 
 Collapse-safe (``softplus(lse_x - z_t)``, not ``lse - z_t``), any dtype: the options of
 :func:`flce.linear_cross_entropy` but ``shift`` and ``return_accuracy``, per-class weights on
-given logits (:func:`logits_cross_entropy`) and probability targets
-(:func:`soft_cross_entropy`). It materializes the ``[N, V]`` logits, so use it in
+given logits (:func:`logits_cross_entropy`), probability targets
+(:func:`soft_cross_entropy`) and distillation (:func:`distillation`). It materializes the ``[N, V]`` logits, so use it in
 float64 on small and medium shapes to check an implementation, not to train.
 Autograd through it gives the collapse-safe gradient: the target column's gradient is
 ``-sigmoid(lse_x - z_t)`` (computed by autograd of the softplus form), not ``p_t - 1``.
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["linear_cross_entropy", "logits_cross_entropy", "soft_cross_entropy"]
+__all__ = ["linear_cross_entropy", "logits_cross_entropy", "soft_cross_entropy", "distillation"]
 
 
 def logits_cross_entropy(logits, target, *, ignore_index=-100, reduction="mean",
@@ -223,6 +223,71 @@ def linear_cross_entropy(input, weight, target, *, bias=None, ignore_index=-100,
     loss, *per_token = out
     return (loss.reshape(shape) if reduction == "none" else loss,
             *(t.reshape(shape) for t in per_token))
+
+
+def _log_softmax_safe(z):
+    """``(log p, e = 1 - p_a, is_a)`` of softmax(z) from the row's largest logit ``a``: every
+    ``log p_j`` is ``(z_j - z_a) - log1p(s)``, ``s = sum_{j != a} exp(z_j - z_a)``, with
+    ``z_a - z_a`` a constant 0 (not a difference that autograd would take of z_a twice): the
+    gradient of ``z_a`` is then minus the sum of the other columns' gradients, with nothing
+    near 1 subtracted."""
+    a = z.detach().argmax(dim=1, keepdim=True)
+    is_a = torch.zeros_like(z, dtype=torch.bool).scatter_(1, a, True)
+    d = torch.where(is_a, 0.0, z - z.gather(1, a))
+    s = torch.where(is_a, 0.0, torch.exp(d)).sum(1, keepdim=True)
+    log1p_s = torch.log1p(s)
+    return d - log1p_s, -torch.expm1(-log1p_s), is_a
+
+
+def distillation(student_logits, teacher_logits, target=None, *, divergence="jsd", beta=0.5,
+                 temperature=1.0, hard_weight=0.0, soft_weight=1.0, ignore_index=-100,
+                 reduction="mean"):
+    """Collapse-safe distillation loss of logits ``[N, V]`` (flce.linear_distillation's
+    semantics), in the logits' dtype (pass float64 for a reference); differentiable in both.
+
+    ``KL(P || R) = sum_j P_j (log P_j - log R_j)`` with every log-probability from its row's
+    largest logit (``_log_softmax_safe``), so that ``log P_a - log R_a`` at a class both put
+    their mass on is the difference of two small, accurate numbers. The JSD's mixture
+    ``M = beta T + (1 - beta) S`` is ``logaddexp`` of the two weighted log-probabilities, except
+    at a shared dominant class, where ``log M_a = log1p(-(beta e_T + (1 - beta) e_S))``.
+    ``"jsd"`` at beta 0 / 1 is forward / reverse KL. The hard term is
+    :func:`logits_cross_entropy` of the un-tempered student logits; ignored tokens contribute
+    nothing; ``"mean"`` divides by the number of non-ignored tokens (at least 1)."""
+    n = student_logits.shape[0]
+    if target is None:
+        target = torch.zeros(n, dtype=torch.int64, device=student_logits.device)
+    valid = target != ignore_index
+    if divergence == "jsd" and beta in (0.0, 1.0):
+        divergence = "forward_kl" if beta == 0.0 else "reverse_kl"
+    log_s, e_s, is_a_s = _log_softmax_safe(student_logits / temperature)
+    log_t, e_t, is_a_t = _log_softmax_safe(teacher_logits / temperature)
+
+    def kl(log_p, log_r):
+        return (torch.exp(log_p) * (log_p - log_r)).sum(1)
+
+    if divergence == "forward_kl":
+        soft = kl(log_t, log_s)
+    elif divergence == "reverse_kl":
+        soft = kl(log_s, log_t)
+    elif divergence == "jsd":
+        shared = is_a_s & is_a_t
+        mixed = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta))
+        e_m = beta * e_t + (1 - beta) * e_s
+        log_m = torch.where(shared, torch.log1p(-e_m), mixed)
+        soft = beta * kl(log_t, log_m) + (1 - beta) * kl(log_s, log_m)
+    else:
+        raise ValueError(f"unknown divergence {divergence!r}")
+    loss = soft_weight * soft
+    if hard_weight:
+        hard = logits_cross_entropy(student_logits, torch.where(valid, target, ignore_index),
+                                    ignore_index=ignore_index, reduction="none")
+        loss = loss + hard_weight * hard
+    loss = torch.where(valid, loss, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1)
 
 
 def _softplus(x):

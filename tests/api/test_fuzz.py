@@ -132,6 +132,24 @@ REGRESSIONS = {
                                                  dtype="bf16", reduction="sum", temperature=1.7,
                                                  entropy=True, exact_bf16_grad=False,
                                                  confident=150.0),
+    # (the bound's own completeness) distillation: an fp32 loss below fp32's subnormals (2e-59
+    # at margin 150), an fp16 weight gradient below fp16's (2e-27)
+    "distill_loss_below_subnormals": Case(seed=1382239370, entry="distill", lead=(3, 16), v=3,
+                                          d=24, dtype="bf16", reduction="none", confident=150.0,
+                                          scale=4.0, beta=0.9, soft_weight=0.5, d_teacher=8),
+    # (the bound's own completeness) fp32 logit gradients below fp32's normal range, whose
+    # subnormal P_j multiply r_j - KL ~ 90: dW of 5e-43 off by 2e-43
+    "distill_subnormal_gradients": Case(seed=1480289748, entry="distill", lead=(16,), v=400,
+                                        d=64, bias=True, ignore=0.2, reduction="sum",
+                                        temperature=1.7, confident=150.0, w_layout="strided",
+                                        divergence="reverse_kl", hard_weight=0.5, d_teacher=8,
+                                        same_class=False),
+    "distill_fp16_grad_below_subnormals": Case(seed=877547840, entry="distill", lead=(1, 7),
+                                               v=3, d=8, dtype="fp16", reduction="none",
+                                               temperature=0.5, confident=60.0, scale=4.0,
+                                               x_layout="strided", beta=1.0, hard_weight=1.0,
+                                               d_teacher=8, teacher_grad=True,
+                                               same_class=False),
 }
 
 
@@ -189,6 +207,24 @@ PLANTED = {
     "soft_target_grad_scaled": (Case(seed=16, entry="logits", lead=(16,), v=64, dtype="bf16",
                                      soft="dense", soft_grad=True), "dtarget",
                                 lambda x: x * (1 + 1e-5)),
+    # distillation: a forward KL ~1 off by 1e-4 (the bound, the worst case of the GEMMs'
+    # roundings through the logit gradient as above, is ~1e-5 of it); the textbook F.kl_div of
+    # log_softmax, 0 where both models put 1 - 1e-26 on one class; one student gradient element
+    # off by 1e-3 of its row's largest; the teacher's bf16 weight gradient 2 ulps off
+    "distill_loss_scaled": (Case(seed=60, entry="distill", lead=(16,), v=64, d=16,
+                                 reduction="none", divergence="forward_kl"), "loss",
+                            lambda x: x * (1 + 1e-4)),
+    "distill_collapsed_loss": (Case(seed=61, entry="distill", lead=(16,), v=64, d=16,
+                                    reduction="none", confident=60.0, divergence="forward_kl"),
+                               "loss", lambda x: torch.where(x < 1e-6, torch.zeros_like(x), x)),
+    "distill_dinput_element": (Case(seed=62, entry="distill", lead=(16,), v=100, d=24,
+                                    divergence="reverse_kl", hard_weight=0.5), "ds_input",
+                               lambda x: x.index_put_((torch.tensor([3]), torch.tensor([5])),
+                                                      x[3].abs().max() * 1e-3,
+                                                      accumulate=True)),
+    "distill_teacher_dweight_bf16": (Case(seed=63, entry="distill", lead=(31,), v=64, d=16,
+                                          dtype="bf16", teacher_grad=True, beta=0.3),
+                                     "dt_weight", lambda x: x * (1 + 2 * 2 ** -7)),
 }
 
 
@@ -227,9 +263,11 @@ def test_cases_cover_the_options():
             c = fuzz.draw(rng, backend)
             for f in seen:
                 seen[f].add(repr(getattr(c, f)))
-    for f, want in {"entry": 2, "dtype": 3, "master": 2, "bias": 2, "class_weight": 2,
+    for f, want in {"entry": 3, "dtype": 3, "master": 2, "bias": 2, "class_weight": 2,
                     "reduction": 3, "single_pass": 3, "x_layout": 3, "w_layout": 4,
                     "t_layout": 2, "class_dim": 2, "lse": 2, "entropy": 2, "softcap": 3,
                     "temperature": 3, "confident": 4, "ignore": 3, "soft": 5, "soft_dtype": 3,
-                    "soft_grad": 2, "cuda_distributions": 2}.items():
+                    "soft_grad": 2, "cuda_distributions": 2, "divergence": 3, "beta": 4,
+                    "hard_weight": 3, "soft_weight": 3, "d_teacher": 3, "teacher_grad": 2,
+                    "same_class": 2}.items():
         assert len(seen[f]) >= want, (f, seen[f])
