@@ -265,22 +265,47 @@ def check_one_device(named):
         raise ArgumentError(f"flce: all tensors must be on one device, got {listing}")
 
 
+def check_classifier_shapes(x, w, names=("input", "weight")):
+    """Hidden states ``(..., D)`` and a classifier ``(V, D)`` as nn.Linear stores it."""
+    xn, wn = names
+    check_tensor(xn, x)
+    check_tensor(wn, w)
+    if x.dim() < 1:
+        raise ArgumentError(f"flce: {xn} must have shape (..., D), got a 0-d tensor")
+    if w.dim() != 2:
+        k_dim = "; torch's K-dimensional classifier is not supported" if wn == "weight" else ""
+        raise ArgumentError(f"flce: {wn} must have shape (V, D), got {tuple(w.shape)}{k_dim}")
+    if x.shape[-1] != w.shape[1]:
+        hint = (f"; {wn} looks transposed: flce takes it as nn.Linear stores it, (V, D) "
+                f"(lm_head.weight, not lm_head.weight.T)"
+                if x.shape[-1] == w.shape[0] else "")
+        raise ArgumentError(f"flce: {xn}'s last dimension ({x.shape[-1]}) must equal {wn}'s "
+                            f"D ({w.shape[1]}); {xn} {tuple(x.shape)}, {wn} "
+                            f"{tuple(w.shape)}{hint}")
+
+
+def check_classifier_dtypes(x, w, b, names=("input", "weight", "bias")):
+    """The compute dtype of ``x``, ``w`` in it or fp32 master weights, ``b`` ``(V,)`` in
+    ``w``'s dtype."""
+    xn, wn, bn = names
+    if x.dtype not in FLOAT_DTYPES:
+        raise DtypeError(f"flce: {xn} must be float32, bfloat16, float16 or float64, got "
+                         f"{x.dtype}")
+    if w.dtype not in (x.dtype, torch.float32):
+        raise DtypeError(f"flce: {wn} must have {xn}'s dtype ({x.dtype}) or be float32 "
+                         f"master weights, got {w.dtype}")
+    if b is not None:
+        check_tensor(bn, b)
+        if tuple(b.shape) != (w.shape[0],):
+            raise ArgumentError(f"flce: {bn} must have shape ({w.shape[0]},), got "
+                                f"{tuple(b.shape)}")
+        if b.dtype != w.dtype:
+            raise DtypeError(f"flce: {bn} must have {wn}'s dtype ({w.dtype}), got {b.dtype}")
+
+
 def validate_linear(input, weight, target, bias):
     """The tensors of a linear cross-entropy call (options: :class:`Options`)."""
-    check_tensor("input", input)
-    check_tensor("weight", weight)
-    if input.dim() < 1:
-        raise ArgumentError("flce: input must have shape (..., D), got a 0-d tensor")
-    if weight.dim() != 2:
-        raise ArgumentError(f"flce: weight must have shape (V, D), got {tuple(weight.shape)}; "
-                            f"torch's K-dimensional classifier is not supported")
-    if input.shape[-1] != weight.shape[1]:
-        hint = ("; weight looks transposed: flce takes it as nn.Linear stores it, (V, D) "
-                "(lm_head.weight, not lm_head.weight.T)"
-                if input.shape[-1] == weight.shape[0] else "")
-        raise ArgumentError(f"flce: input's last dimension ({input.shape[-1]}) must equal weight's "
-                            f"D ({weight.shape[1]}); input {tuple(input.shape)}, weight "
-                            f"{tuple(weight.shape)}{hint}")
+    check_classifier_shapes(input, weight)
     lead = tuple(input.shape[:-1])
     extra = len(lead) + (1 if is_soft(target) else 0)  # a probability target's V
     if isinstance(target, torch.Tensor) and target.dim() > extra and \
@@ -293,20 +318,7 @@ def validate_linear(input, weight, target, bias):
                           class_shape=lead)
     else:
         check_target(target, lead, "input's leading dimensions")
-    if input.dtype not in FLOAT_DTYPES:
-        raise DtypeError(f"flce: input must be float32, bfloat16, float16 or float64, got "
-                        f"{input.dtype}")
-    if weight.dtype not in (input.dtype, torch.float32):
-        raise DtypeError(f"flce: weight must have input's dtype ({input.dtype}) or be float32 "
-                        f"master weights, got {weight.dtype}")
-    if bias is not None:
-        check_tensor("bias", bias)
-        if bias.shape != (weight.shape[0],):
-            raise ArgumentError(f"flce: bias must have shape ({weight.shape[0]},), got "
-                                f"{tuple(bias.shape)}")
-        if bias.dtype != weight.dtype:
-            raise DtypeError(f"flce: bias must have weight's dtype ({weight.dtype}), got "
-                            f"{bias.dtype}")
+    check_classifier_dtypes(input, weight, bias)
     check_one_device((("input", input), ("weight", weight), ("target", target), ("bias", bias)))
 
 

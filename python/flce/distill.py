@@ -269,37 +269,13 @@ class _Distillation(torch.autograd.Function):
 
 def _check_pair(prefix, x, w, b, lead=None):
     """One model's hidden states ``(..., D)``, classifier ``(V, D)`` and bias ``(V,)``."""
-    _common.check_tensor(f"{prefix}_input", x)
-    _common.check_tensor(f"{prefix}_weight", w)
-    if x.dim() < 1:
-        raise ArgumentError(f"flce: {prefix}_input must have shape (..., D), got a 0-d tensor")
-    if w.dim() != 2:
-        raise ArgumentError(f"flce: {prefix}_weight must have shape (V, D), got "
-                            f"{tuple(w.shape)}")
-    if x.shape[-1] != w.shape[1]:
-        hint = (f"; {prefix}_weight looks transposed: pass it as nn.Linear stores it, (V, D)"
-                if x.shape[-1] == w.shape[0] else "")
-        raise ArgumentError(f"flce: {prefix}_input's last dimension ({x.shape[-1]}) must equal "
-                            f"{prefix}_weight's D ({w.shape[1]}); {prefix}_input "
-                            f"{tuple(x.shape)}, {prefix}_weight {tuple(w.shape)}{hint}")
+    names = (f"{prefix}_input", f"{prefix}_weight", f"{prefix}_bias")
+    _common.check_classifier_shapes(x, w, names[:2])
     if lead is not None and tuple(x.shape[:-1]) != lead:
         raise ArgumentError(f"flce: {prefix}_input's leading dimensions {tuple(x.shape[:-1])} "
                             f"must equal student_input's {lead} (one teacher row per student "
                             f"token)")
-    if x.dtype not in _common.FLOAT_DTYPES:
-        raise DtypeError(f"flce: {prefix}_input must be float32, bfloat16, float16 or float64, "
-                         f"got {x.dtype}")
-    if w.dtype not in (x.dtype, torch.float32):
-        raise DtypeError(f"flce: {prefix}_weight must have {prefix}_input's dtype ({x.dtype}) "
-                         f"or be float32 master weights, got {w.dtype}")
-    if b is not None:
-        _common.check_tensor(f"{prefix}_bias", b)
-        if tuple(b.shape) != (w.shape[0],):
-            raise ArgumentError(f"flce: {prefix}_bias must have shape ({w.shape[0]},), got "
-                                f"{tuple(b.shape)}")
-        if b.dtype != w.dtype:
-            raise DtypeError(f"flce: {prefix}_bias must have {prefix}_weight's dtype "
-                             f"({w.dtype}), got {b.dtype}")
+    _common.check_classifier_dtypes(x, w, b, names)
 
 
 def _options(divergence, beta, temperature, hard_weight, soft_weight, ignore_index, reduction):
