@@ -11,7 +11,7 @@ The profiled steps run between torch.cuda.profiler.start() and stop() (cudaProfi
 so nsys with --capture-range=cudaProfilerApi and ncu with --profile-from-start off see exactly
 them and none of the warm-up. Each step is inside NVTX ranges "profile::step", with
 "profile::forward" and "profile::backward" nested; flce's CUDA launches add "flce::forward" /
-"flce::backward" ranges from C++ (FLCE_NVTX=0 disables them; docs/profiling.md). The speed of light printed is the GEMM work alone: 2 N V D flops
+"flce::backward" ranges from C++ (docs/profiling.md). The speed of light printed is the GEMM work alone: 2 N V D flops
 per GEMM, 4 GEMMs for a recomputing backward (forward logits, recomputed logits, dE, dC), 3 when
 the forward keeps its exponentials.
 """

@@ -291,15 +291,13 @@ step ncu_rows "$NCU" --clock-control none --kernel-name regex:row_ --launch-skip
   --launch-count 2 --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
   --section MemoryWorkloadAnalysis "$PY" benchmarks/profile_step.py --n 4096 --v 128256 \
   --d 4096 --warmup 1 --steps 1
-# Every flce kernel inside a flce:: NVTX range, none with FLCE_NVTX=0 (ncu: nsys is absent).
+# Every flce kernel inside a flce:: NVTX range (ncu: nsys is absent).
 # shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
 step nvtx bash -c 'set -e; n=("$1" --clock-control none --csv --metrics gpu__time_duration.sum)
 "${n[@]}" "$2" benchmarks/gpu/nvtx_check.py >"$3/ncu_all.csv"
 "${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/gpu/nvtx_check.py \
   >"$3/ncu_in.csv"
-FLCE_NVTX=0 "${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/gpu/nvtx_check.py \
-  >"$3/ncu_off.csv"
-"$2" benchmarks/gpu/nvtx_check.py --compare "$3/ncu_all.csv" "$3/ncu_in.csv" "$3/ncu_off.csv"' \
+"$2" benchmarks/gpu/nvtx_check.py --compare "$3/ncu_all.csv" "$3/ncu_in.csv"' \
   _ "$NCU" "$PY" "$LOGS"
 # The host CPU's bf16 training step (AMX on the lent machines' Xeons: docs/cpu-backend.md's AMX
 # predictions become a record).

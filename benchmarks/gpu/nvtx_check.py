@@ -2,15 +2,14 @@
 
 Workload (default): one step of each flce path at a small shape (the single pass, the
 recompute path with lse and entropy, cross-entropy on given logits, in place too), each op's
-CUDA launches inside its flce:: range. benchmarks/gpu/check.sh profiles it three times:
+CUDA launches inside its flce:: range. benchmarks/gpu/check.sh profiles it twice:
 
     ncu --csv --metrics gpu__time_duration.sum python benchmarks/gpu/nvtx_check.py > all.csv
     ncu --csv --nvtx --nvtx-include "regex:flce::.*/" ... > in_ranges.csv
-    FLCE_NVTX=0 ncu --csv --nvtx --nvtx-include "regex:flce::.*/" ... > off.csv
-    python benchmarks/gpu/nvtx_check.py --compare all.csv in_ranges.csv off.csv
+    python benchmarks/gpu/nvtx_check.py --compare all.csv in_ranges.csv
 
 --compare checks that every flce kernel (the names of csrc/cuda/*.cu's kernels) of the first
-run is in the second, and that FLCE_NVTX=0 leaves none in the third.
+run is in the second.
 """
 import csv
 import sys
@@ -49,17 +48,16 @@ def kernels(path):
     return names
 
 
-def compare(all_csv, in_csv, off_csv):
+def compare(all_csv, in_csv):
     def ours(names):
         return sorted(n for n in names if any(k in n for k in FLCE_KERNELS))
 
-    every, inside, off = kernels(all_csv), kernels(in_csv), kernels(off_csv)
+    every, inside = kernels(all_csv), kernels(in_csv)
     mine = ours(every)
     print(f"flce kernels launched: {len(mine)} ({len(set(mine))} distinct); inside flce:: "
-          f"ranges: {len(ours(inside))} (all kernels inside: {len(inside)}); with FLCE_NVTX=0: "
-          f"{len(off)}")
+          f"ranges: {len(ours(inside))} (all kernels inside: {len(inside)})")
     missing = sorted(set(mine) - set(ours(inside)))
-    ok = bool(mine) and ours(inside) == mine and not off
+    ok = bool(mine) and ours(inside) == mine
     if missing:
         print("outside every flce range:", *missing, sep="\n  ")
     print("NVTX ranges: ok" if ok else "NVTX ranges: FAILED")
@@ -67,6 +65,6 @@ def compare(all_csv, in_csv, off_csv):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--compare":
+    if len(sys.argv) == 4 and sys.argv[1] == "--compare":
         sys.exit(compare(*sys.argv[2:]))
     workload()

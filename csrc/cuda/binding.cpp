@@ -32,22 +32,11 @@
 namespace flce {
 namespace binding {
 
-// FLCE_NVTX=0 disables the ranges (read once; unset or empty: on).
-bool nvtx_enabled() {
-  static const bool on = [] {
-    const char* s = std::getenv("FLCE_NVTX");
-    return s == nullptr || *s == '\0' || std::strcmp(s, "0") != 0;
-  }();
-  return on;
-}
+// Always on: without a profiler attached NVTX's calls return at once (no tool is injected), so a
+// switch would save nothing a step can measure.
+NvtxRange::NvtxRange(const char* name) { nvtxRangePushA(name); }
 
-NvtxRange::NvtxRange(const char* name) : on_(nvtx_enabled()) {
-  if (on_) nvtxRangePushA(name);
-}
-
-NvtxRange::~NvtxRange() {
-  if (on_) nvtxRangePop();
-}
+NvtxRange::~NvtxRange() { nvtxRangePop(); }
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "flce: CUDA launch of ", what, " failed: ",

@@ -40,16 +40,13 @@ namespace binding {
 using cuda::DType;
 using Tensor5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// An NVTX range for the scope; FLCE_NVTX=0 disables them (read once).
+// An NVTX range for the scope.
 class NvtxRange {
  public:
   explicit NvtxRange(const char* name);
   ~NvtxRange();
   NvtxRange(const NvtxRange&) = delete;
   NvtxRange& operator=(const NvtxRange&) = delete;
-
- private:
-  bool on_;
 };
 
 void check_launch(cudaError_t err, const char* what);
