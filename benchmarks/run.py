@@ -9,6 +9,8 @@
   parallel   the collectives of vocab-parallel cross-entropy: flce's against Megatron's (gloo)
   collapse   the loss's relative error against float64 at target margins 0-100 (the record
              behind docs/img/collapse.png)
+  distill    flce.linear_distillation against eager torch and Liger, beside the 5 GEMMs;
+             --collapse: its error against float64 at margins 0-100 (docs/img/distill_collapse.png)
   profile    warm-up and profiled steps for nsys / ncu / torch.profiler (docs/profiling.md)
   demo       the two-minute tour: collapse, gradient accuracy, one cost line
   gpu-check  benchmarks/gpu_check.sh on a GPU machine: headline | rest [--plan]
@@ -82,6 +84,12 @@ def _collapse(argv):
     return 0
 
 
+def _distill(argv):
+    import bench_distill
+
+    return bench_distill.main(argv)
+
+
 def _profile(argv):
     import profile_step
 
@@ -114,8 +122,8 @@ def _report(argv):
 
 
 COMMANDS = {"linear": _linear, "ce": _ce, "accuracy": _accuracy, "parallel": _parallel,
-            "collapse": _collapse, "profile": _profile, "demo": _demo, "gpu-check": _gpu_check,
-            "plots": _plots, "report": _report}
+            "collapse": _collapse, "distill": _distill, "profile": _profile, "demo": _demo,
+            "gpu-check": _gpu_check, "plots": _plots, "report": _report}
 
 
 def main(argv=None):
