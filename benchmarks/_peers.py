@@ -1,9 +1,11 @@
-"""Shared machinery of bench.py and demo.py: the implementations compared, the inputs they get,
-and the per-process measurement of time, peak memory and large-margin accuracy.
+"""Shared machinery of bench.py, bench_ce.py, demo.py and run.py collapse: the implementations
+compared, the inputs they get, their options' parsing, and the per-process measurement of time,
+peak memory and large-margin accuracy.
 
-Each measurement runs in a fresh child process (``python _peers.py '<json spec>'``) so that one
-implementation's allocator caches, compiled graphs and thread pools cannot flatter or penalize the
-next one, and so that the child's peak resident set size is that implementation's alone.
+Each measurement runs in a fresh child process (``python _peers.py '<json spec>'``; bench_ce.py
+runs its own the same way) so that one implementation's allocator caches, compiled graphs and
+thread pools cannot flatter or penalize the next one, and so that the child's peak resident set
+size is that implementation's alone.
 """
 import importlib.util
 import json
@@ -17,10 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-if importlib.util.find_spec("flce") is None:
-    sys.path.insert(0, os.path.join(REPO, "python"))
+import _records  # noqa: F401  (puts the checkout's flce on the path where none is installed)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,22 +37,6 @@ FLOORS = ("gemm3", "gemm3-flce")
 # (exact_bf16_grad=True: the CPU backend's split gradient tile on AMX), beside its defaults.
 FLCE_PATHS = {"flce": {}, "flce-single": {"single_pass": True},
               "flce-recompute": {"single_pass": False}, "flce-exact": {"exact_bf16_grad": True}}
-DESCRIPTIONS = {
-    "flce": "flce.linear_cross_entropy",
-    "flce-single": "flce.linear_cross_entropy(single_pass=True)",
-    "flce-recompute": "flce.linear_cross_entropy(single_pass=False)",
-    "flce-exact": "flce.linear_cross_entropy(exact_bf16_grad=True)",
-    "eager": "F.linear + .float() + F.cross_entropy (eager)",
-    "compile": "torch.compile of the eager code",
-    "chunked": "torch F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
-    "liger": "Liger-Kernel liger_fused_linear_cross_entropy",
-    "cce": "Apple cut_cross_entropy.linear_cross_entropy",
-    "gemm3": "the step's 3 GEMMs alone (torch.mm: logits, dE, dW): a floor",
-    "gemm3-flce": "the step's 3 GEMMs alone on flce's CPU tile-GEMM engine (fp32 products): "
-                  "a floor",
-    "flce-soft": "flce.linear_cross_entropy with probability targets (soft_targets)",
-    "eager-soft": "F.linear + .float() + F.cross_entropy with probability targets (eager)",
-}
 
 
 def soft_targets(t, v, _cache={}):
@@ -115,6 +98,28 @@ def _gemm_operand(n, v, dtype, _cache={}):
     return _cache[key]
 
 
+def names(parser, option, text, choices, empty=False):
+    """The comma list ``text`` of ``option``, each one of ``choices`` (argparse's error if not:
+    the option and what it takes named)."""
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in out if s not in choices]
+    if bad or not (out or empty):
+        parser.error(f"{option}: unknown {bad}; choose from {tuple(choices)}")
+    return out
+
+
+def shapes(parser, option, text, dims):
+    """``option``'s comma list of shapes, NxV or NxVxD (``dims`` numbers each, all >= 1)."""
+    try:
+        out = [tuple(int(a) for a in s.lower().split("x")) for s in text.split(",") if s.strip()]
+    except ValueError:
+        out = []
+    if not out or any(len(s) != dims or min(s) < 1 for s in out):
+        form = "x".join("NVD"[:dims])
+        parser.error(f"{option}: {form},{form},... of integers >= 1, got {text!r}")
+    return out
+
+
 def available(name):
     """None when ``name`` can run here, else the reason it cannot (benchmarks/bench.py adds
     the device's reasons)."""
@@ -146,27 +151,6 @@ def child_env(name, device, isa=None):
     if isa == "avx2":
         env.update(EMULATE_AVX2)
     return env
-
-
-def cpu_model():
-    """The CPU as /proc/cpuinfo names it ("AMD EPYC, family 25 model 17"), or platform's guess."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu family", "model", "CPU part") and key not in fields:
-                    fields[key] = value.strip()
-                if not line.strip() and fields:
-                    break
-    except OSError:
-        pass
-    if "model name" not in fields:
-        import platform
-        return platform.processor() or platform.machine()
-    extra = f", family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields else ""
-    return fields["model name"] + extra
 
 
 # A competing process for `--load`: pure CPU (an interpreter loop; no I/O, no network) that ends
@@ -316,15 +300,6 @@ def large_margin_error(f, v, d, dtype, device, margin, n=16, seed=1):
     return abs(got - ref) / abs(ref), float(margins.mean()), got, ref
 
 
-# ---- memory probes -----------------------------------------------------------------------------
-
-def PeakMemory(device):
-    """Peak bytes of a block, beyond its start (.bytes) and in all (.total): flce.check's probe
-    (imported here, so that a peer's process loads flce only where it measures)."""
-    from flce.check import Peak
-    return Peak(device)
-
-
 # ---- one measurement (runs in the child) ---------------------------------------------------------
 
 def measure(spec):
@@ -374,7 +349,9 @@ def measure(spec):
     x.grad = None
     w.grad = None
     del loss
-    with PeakMemory(device) as mem:
+    from flce.check import Peak  # (a peer's process loads flce only here, where it measures)
+
+    with Peak(device) as mem:
         step()
     out["peak_mem_bytes"] = mem.bytes
     out["peak_total_bytes"] = mem.total
@@ -393,11 +370,12 @@ def isa_level(device):
     return torch.backends.cpu.get_cpu_capability()
 
 
-def run_child(spec, timeout=None):
-    """Run :func:`measure` for ``spec`` in a fresh interpreter; returns its dict, or one with an
-    ``error`` key when the child fails. ``spec["isa"] == "avx2"`` emulates an AVX2-only CPU in
-    the child (EMULATE_AVX2)."""
-    cmd = [sys.executable, os.path.abspath(__file__), json.dumps(spec)]
+def run_child(spec, timeout=None, script=(os.path.abspath(__file__),)):
+    """Run ``script`` (this file's :func:`measure`, or the command line of another script whose
+    child prints its result as the last JSON line) for ``spec`` in a fresh interpreter; returns
+    its dict, or one with an ``error`` key when the child fails. ``spec["isa"] == "avx2"``
+    emulates an AVX2-only CPU in the child (EMULATE_AVX2)."""
+    cmd = [sys.executable, *script, json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env=child_env(spec["impl"], spec["device"], spec.get("isa")))

@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _records  # noqa: E402
-from _progress import Progress  # noqa: E402
 
 
 def tile_grad(z, t, scale):
@@ -114,7 +113,7 @@ def main(argv=None):
     variants = [(torch.bfloat16, args.group, False), (torch.float32, args.group, False),
                 (torch.float32, 1024, True)]
     tokens = [int(s) for s in args.tokens.split(",")]
-    progress = Progress(len(variants) * len(tokens))
+    progress = _records.Progress(len(variants) * len(tokens))
     for dtype, group, kahan in variants:
         for n in tokens:
             progress.start(f"dW accumulation, {str(dtype).replace('torch.', '')} N={n} "

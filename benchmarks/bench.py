@@ -1,18 +1,11 @@
 """The linear step (`python benchmarks/run.py linear`): flce's fused linear cross-entropy against
 its peers, forward + backward time, peak memory and loss accuracy at a large target margin.
 
-    python benchmarks/run.py linear                  # N=4096 V=32768 D=512, fp32, default peers
-    python benchmarks/run.py linear --dtype fp32,bf16 --record benchmarks/results/cpu.jsonl
-    python benchmarks/run.py linear --dtype bf16 --compile --csv out.csv
-    python benchmarks/run.py linear --shapes 256x4096x64,1024x8192x256 --peers eager,chunked,liger
-    python benchmarks/run.py linear --load 2 --peers eager,chunked   # 2 busy processes compete
-    python benchmarks/run.py linear --isa avx2                       # an AVX2-only CPU, emulated
-
 A configuration is one (dtype, shape); every (implementation, configuration) runs in its own
 fresh process, and a progress line is printed as each starts and ends. With --record, each
 configuration's record (benchmarks/results/cpu.jsonl's format, benchmarks/_records.py) is
-appended the moment the configuration is done. See docs/benchmarks.md for the method. Take
-numbers on a quiet machine: the timings are medians, but a busy CPU still moves them (the
+appended the moment the configuration is done. docs/benchmarks.md has examples and the method.
+Take numbers on a quiet machine: the timings are medians, but a busy CPU still moves them (the
 table and the record keep the load average before and after).
 """
 import argparse
@@ -27,7 +20,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers  # noqa: E402
 import _records  # noqa: E402
-from _progress import Progress  # noqa: E402
 
 DEFAULT_PEERS = ("eager", "chunked", "cce", "gemm3")
 CSV_COLUMNS = ("impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
@@ -77,18 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--record", help="append each configuration's record to this JSON-lines file "
                    "as it finishes (e.g. benchmarks/results/cpu.jsonl)")
     args = p.parse_args(argv)
-    args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in args.dtype_list if d not in _peers.DTYPES]
-    if bad or not args.dtype_list:
-        p.error(f"--dtype: unknown {bad}; choose from {tuple(_peers.DTYPES)}")
+    args.dtype_list = _peers.names(p, "--dtype", args.dtypes, _peers.DTYPES)
     if args.shapes:
-        try:
-            args.shape_list = [tuple(int(a) for a in s.lower().split("x"))
-                               for s in args.shapes.split(",") if s.strip()]
-        except ValueError:
-            p.error("--shapes: NxVxD,NxVxD,...")
-        if not args.shape_list or any(len(s) != 3 for s in args.shape_list):
-            p.error("--shapes: NxVxD,NxVxD,...")
+        args.shape_list = _peers.shapes(p, "--shapes", args.shapes, 3)
         args.N, args.V, args.D = args.shape_list[0]
     else:
         args.shape_list = [(args.N, args.V, args.D)]
@@ -102,12 +85,7 @@ def parse_args(argv=None):
     for name in ("N", "V", "D", "repeats", "acc_V", "acc_D", "warmup", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"-{name if len(name) == 1 else '-' + name.replace('_', '-')} must be >= 1")
-    if any(x < 1 for s in args.shape_list for x in s):
-        p.error("--shapes: every N, V, D must be >= 1")
-    peers = [s.strip() for s in args.peers.split(",") if s.strip()]
-    unknown = [s for s in peers if s not in _peers.IMPLS[1:]]
-    if unknown:
-        p.error(f"--peers: unknown {unknown}; choose from {_peers.IMPLS[1:]}")
+    peers = _peers.names(p, "--peers", args.peers, _peers.IMPLS[1:], empty=True)
     if args.compile and "compile" not in peers:
         peers.insert(peers.index("eager") + 1 if "eager" in peers else 0, "compile")
     if args.device == "cpu" and "gemm3" in peers and "gemm3-flce" not in peers:
@@ -164,7 +142,7 @@ def _merge(results):
 
 def run(args, log=print, progress=None):
     """Measure every implementation of ``args`` (one configuration); returns one row dict per
-    implementation. ``progress`` (a _progress.Progress) gets a step per child process."""
+    implementation. ``progress`` (a _records.Progress) gets a step per child process."""
     rows = {}
     results = {name: [] for name in args.impls}
     for name in args.impls:
@@ -202,7 +180,9 @@ def run(args, log=print, progress=None):
                 else:
                     log(f" {msg}")
     after = os.getloadavg()[0]
-    cpu = _peers.cpu_model() if args.device == "cpu" else ""
+    from flce.check import device_name
+
+    cpu = device_name("cpu") if args.device == "cpu" else ""
     for name in runnable:
         row = rows[name]
         row.update(loadavg_before=before, loadavg_after=after, cpu=cpu)
@@ -309,9 +289,10 @@ def record(rows, args, argv=None):
                loss_rel_err_m40={r["impl"]: r["loss_rel_err"] for r in ok
                                  if r.get("loss_rel_err") is not None},
                source="benchmarks/run.py linear" + (f" {' '.join(argv)}" if argv else ""))
-    not_run = {r["impl"]: r["status"] for r in rows if r["status"] != "ok"}
-    if not_run:
-        rec["not_run"] = not_run
+    # (the name flce.check's records and benchmarks/bench_ce.py's give the same fact)
+    skipped = {r["impl"]: r["status"] for r in rows if r["status"] != "ok"}
+    if skipped:
+        rec["skipped"] = skipped
     if args.device == "cpu":  # as the children ran
         rec["threads"] = next((r["threads"] for r in ok if r.get("threads")), rec["threads"])
     if args.margin != 40.0:  # the key names margin 40; say so where it is another
@@ -326,7 +307,7 @@ def main(argv=None):
     runnable = sum(1 for cfg in configs for n in args.impls if skip_reason(n, cfg) is None)
     print(f"flce benchmark, the linear step: {', '.join(args.impls)}; {len(configs)} "
           f"configuration(s), {runnable * args.rounds} child process(es)", flush=True)
-    progress = Progress(runnable * args.rounds)
+    progress = _records.Progress(runnable * args.rounds)
     all_rows = []
     for cfg in configs:
         rows = run(cfg, progress=progress)

@@ -10,42 +10,28 @@ A progress line is printed as each (configuration, implementation) starts and en
 --record, a configuration's record is appended as soon as it is done (and rewritten to
 --partial after each implementation before that).
 
-Implementations (each in a fresh process, every repeat on the same logits):
-  flce          flce.cross_entropy(logits, target)
-  flce_inplace  the same with inplace_backward=True on logits that an op produced, as a
-                model's are (a clone of the leaf, made outside the timed region): the gradient
-                overwrites them and reaches the leaf's .grad (flce refuses a leaf itself)
-  eager         F.cross_entropy(logits.float(), target): TorchTitan's loss function
-  compiled      torch.compile of eager
-  native        F.cross_entropy(logits, target) in the logits' dtype (no fp32 copy)
-  composite     flce's formulas in torch ops (flce._composite: an fp32 copy of the logits, as
-                flce's logits-level drop-in was before it had kernels)
-  liger         Liger's cross-entropy (liger_kernel.transformers.LigerCrossEntropyLoss), CUDA
-                and when installed
-
-The floor ("bytes") is the logits read forward, read again and the gradient written backward,
-at the copy rate measured in the same run (a clone of a tensor of the logits' size: read +
-write). Medians of --repeats timed steps after --warmup. Memory: the peak above what was
-allocated before the step (the logits, targets and nothing else), which includes the gradient.
+Each implementation runs in a fresh process, every repeat on the same logits; they, the floor
+("bytes": the logits read twice and the gradient written once at the copy rate measured in the
+same run) and the method are in docs/benchmarks.md. flce_inplace runs on logits that an op
+produced, as a model's are (a clone of the leaf, made outside the timed region: flce refuses a
+leaf). Memory: the peak above what was allocated before the step (the logits, targets and
+nothing else), which includes the gradient.
 """
 import argparse
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_record  # noqa: E402
-from _peers import PeakMemory, cpu_model  # noqa: E402
-from _progress import Progress  # noqa: E402
+import _peers  # noqa: E402
+import _records  # noqa: E402
 
 IMPLS = ("flce", "flce_inplace", "eager", "compiled", "native", "composite", "liger")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_impl(name):
@@ -102,7 +88,7 @@ def inputs(n, v, dtype, device, seed=0):
 def measure(spec):
     """One implementation at one shape, in this (child) process."""
     name, device = spec["impl"], spec["device"]
-    dtype = DTYPES[spec["dtype"]]
+    dtype = _peers.DTYPES[spec["dtype"]]
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     f = make_impl(name)
@@ -129,7 +115,9 @@ def measure(spec):
         step(logits())
     times = [step(logits())[0] for _ in range(spec["repeats"])]
     z = logits()
-    with PeakMemory(device) as mem:
+    from flce.check import Peak  # (a peer's process loads flce only here, where it measures)
+
+    with Peak(device) as mem:
         _, loss = step(z)
     del z
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
@@ -171,18 +159,6 @@ def copy_rate(n, v, dtype, device, repeats=5):
     return 2 * z.numel() * z.element_size() / statistics.median(times[1:])
 
 
-def run_child(spec, timeout):
-    try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                               json.dumps(spec)], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="benchmarks/run.py ce",
                                 description=__doc__.split("\n\n")[0],
@@ -198,26 +174,22 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--record", help="append one JSON record per (shape, dtype) to this file")
     p.add_argument("--partial", help="the (shape, dtype) in progress, rewritten after each "
-                   "implementation (default: RECORD.partial; benchmarks/gpu_record.py)")
+                   "implementation (default: RECORD.partial; benchmarks/_records.py)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(measure(json.loads(args.child))), flush=True)
+        print(json.dumps(measure(json.loads(args.child))), flush=True)
         return 0
-    shapes = [tuple(int(a) for a in s.lower().split("x")) for s in args.shapes.split(",")]
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    shapes = _peers.shapes(p, "--shapes", args.shapes, 2)
+    dtypes = _peers.names(p, "--dtypes", args.dtypes, _peers.DTYPES)
+    impls = _peers.names(p, "--impls", args.impls, IMPLS)
     partial = args.partial or f"{args.record}.partial"
-    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [d for d in dtypes if d not in DTYPES] + [i for i in impls if i not in IMPLS]
-    if bad or any(len(s) != 2 for s in shapes):
-        p.error(f"unknown {bad}; --shapes NxV,..., --dtypes from {tuple(DTYPES)}, --impls from "
-                f"{IMPLS}")
     runnable = [i for i in impls if available(i, args.device) is None]
-    progress = Progress(len(shapes) * len(dtypes) * len(runnable))
+    progress = _records.Progress(len(shapes) * len(dtypes) * len(runnable))
     rows = []
     for n, v in shapes:
         for dt in dtypes:
-            dtype = DTYPES[dt]
+            dtype = _peers.DTYPES[dt]
             rate = copy_rate(n, v, dtype, args.device)
             floor_ms = 1e3 * 3 * n * v * torch.finfo(dtype).bits / 8 / rate
             res = {}
@@ -229,26 +201,28 @@ def main(argv=None):
                 spec = dict(impl=name, device=args.device, dtype=dt, n=n, v=v,
                             repeats=args.repeats, warmup=args.warmup, threads=args.threads)
                 progress.start(f"{args.device} [{n}, {v}] {dt}: {name}")
-                res[name] = run_child(spec, args.timeout)
+                res[name] = _peers.run_child(spec, args.timeout,
+                                             script=(os.path.abspath(__file__), "--child"))
                 r = res[name]
                 progress.done(f"{r['ms']:.2f} ms, {r['peak_gib']:.3f} GiB" if "ms" in r
                               else f"failed: {r.get('error')}")
                 if args.record:  # what is measured so far, should the run be cut
-                    gpu_record.write_partial(partial, make_record(n, v, dt, rate, floor_ms, res,
+                    _records.write_partial(partial, make_record(n, v, dt, rate, floor_ms, res,
                                                                   args.device))
             rows.append((n, v, dt, rate, floor_ms, res))
             print_table(rows[-1:], args.device)
             if args.record:
                 rec = make_record(n, v, dt, rate, floor_ms, res, args.device)
                 rec["complete"] = True
-                gpu_record.finish(args.record, partial, rec)
+                _records.finish(args.record, partial, rec)
     return 0
 
 
 def print_table(rows, device):
     for n, v, dt, rate, floor_ms, res in rows:
+        mb = n * v * torch.finfo(_peers.DTYPES[dt]).bits // 8 / 1e6
         print(f"\n{device} [{n}, {v}] {dt}: copy rate {rate / 1e9:.1f} GB/s, bytes' floor "
-              f"{floor_ms:.2f} ms (3 x {n * v * torch.finfo(DTYPES[dt]).bits // 8 / 1e6:.0f} MB)")
+              f"{floor_ms:.2f} ms (3 x {mb:.0f} MB)")
         print(f"{'impl':14s} {'ms':>9s} {'x floor':>8s} {'x flce':>7s} {'peak GiB':>9s} "
               f"{'margin-40 err':>14s}")
         base = res.get("flce", {}).get("ms")
@@ -263,16 +237,17 @@ def print_table(rows, device):
 
 def make_record(n, v, dt, rate, floor_ms, res, device="cuda"):
     """The (shape, dtype)'s record in gpu.jsonl's format ("complete": false until done)."""
-    rec = gpu_record.environment()
+    rec = _records.environment()
     if device == "cpu":  # the measured device, not the machine's GPU
-        rec.update(device=cpu_model(), threads=torch.get_num_threads())
-    rec.update(op="cross_entropy", n=n, v=v,
-               dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dt],
+        from flce.check import device_name
+
+        rec.update(device=device_name("cpu"), threads=torch.get_num_threads())
+    rec.update(op="cross_entropy", n=n, v=v, dtype=_records.DTYPE_NAMES[dt],
                ms={k: round(r["ms"], 4) for k, r in res.items() if "ms" in r},
                ms_range={k: [round(r["ms_min"], 4), round(r["ms_max"], 4)]
                          for k, r in res.items() if "ms" in r},
                peak_gib={k: round(r["peak_gib"], 4) for k, r in res.items() if "ms" in r},
-               margin40_rel_err={k: gpu_record.sig(r["margin40_rel_err"], 3)
+               margin40_rel_err={k: _records.sig(r["margin40_rel_err"], 3)
                                  for k, r in res.items() if "ms" in r},
                skipped={k: r["skipped"] for k, r in res.items() if "skipped" in r},
                errors={k: str(r["error"])[:300] for k, r in res.items() if "error" in r},

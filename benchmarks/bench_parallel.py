@@ -97,10 +97,9 @@ def main(argv=None):
         worker(args.tokens, args.dim, args.repeats)
         return 0
     import _records
-    from _progress import Progress
     from dist_launch import launch
 
-    progress = Progress(len(args.world))
+    progress = _records.Progress(len(args.world))
     failed = 0
     for world in args.world:
         progress.start(f"vocab-parallel collectives, world {world}, N in {args.tokens}")

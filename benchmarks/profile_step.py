@@ -22,17 +22,13 @@ import statistics
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+import torch
 
-import torch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peers import DTYPES  # noqa: E402  (and the checkout's flce where none is installed)
 
-try:
-    import flce
-except ImportError:  # not installed and no PYTHONPATH=python: the checkout's in-place build
-    sys.path.insert(0, os.path.join(_HERE, "..", "python"))
-    import flce
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+import flce  # noqa: E402
+from flce.check import Peak  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -140,10 +136,6 @@ def run(args):
     fn = loss_fn(args.impl)
     for _ in range(args.warmup):
         step(fn, x, w, t, args.forward_only, cuda)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base_mem = torch.cuda.memory_allocated()
 
     prof = None
     if args.torch_profiler:
@@ -152,7 +144,8 @@ def run(args):
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         prof = torch.profiler.profile(activities=acts, record_shapes=True)
     times = []
-    with prof if prof is not None else contextlib.nullcontext():
+    with Peak("cuda" if cuda else "cpu") as mem, \
+            prof if prof is not None else contextlib.nullcontext():
         if cuda:
             torch.cuda.profiler.start()
         for _ in range(args.steps):
@@ -194,8 +187,7 @@ def run(args):
             if args.forward_only:
                 break
     if cuda:
-        peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
-        print(f"  peak memory above inputs and grads: {peak:.1f} MiB "
+        print(f"  peak memory above inputs and grads: {mem.bytes / 2**20:.1f} MiB "
               f"(logits in fp32 would be {args.n * args.v * 4 / 2**20:.1f} MiB)")
     if args.torch_profiler:
         print(f"  torch.profiler Chrome trace: {args.torch_profiler}")

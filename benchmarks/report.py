@@ -1,8 +1,10 @@
-"""The result tables of docs/benchmarks.md, generated from the committed records
-(`python benchmarks/run.py report`).
+"""docs/ from the committed records: docs/benchmarks.md's result tables (`python
+benchmarks/run.py report`) and the README's pictures in docs/img (`python benchmarks/run.py
+plots`).
 
     python benchmarks/run.py report            # rewrite the generated regions of the doc
     python benchmarks/run.py report --check    # exit 1 if they differ from the records' tables
+    python benchmarks/run.py plots             # draw docs/img/*.png (--out DIR: somewhere else)
 
 A generated region is the text between ``<!-- generated:NAME:begin -->`` and
 ``<!-- generated:NAME:end -->``; everything outside the markers is left as it is. Regions:
@@ -12,9 +14,15 @@ A generated region is the text between ``<!-- generated:NAME:begin -->`` and
             GPU test runs
   train_lm  examples/train_lm.py's latest runs (benchmarks/results/train_lm.jsonl)
 
-Every table names the date, device and commit of its numbers. tests/tools/test_report.py regenerates
-the regions from the committed records and compares them with the committed doc, so the doc
-cannot drift from the records.
+Pictures: ``collapse.png`` (the loss's error against the target margin, the latest ``collapse``
+record), ``speed_memory.png`` (time over the 3-GEMM floor and peak memory per implementation,
+one row per device, the ``linear_cross_entropy`` records) and ``train_lm.png`` (the latest
+train_lm run's loss curves).
+
+Every table and picture names the date, device and commit of its numbers.
+tests/tools/test_report.py regenerates the regions from the committed records and compares them
+with the committed doc, so the doc cannot drift from the records; tests/tools/test_plots.py
+draws the pictures.
 """
 import argparse
 import os
@@ -25,10 +33,11 @@ sys.path.insert(0, HERE)
 import _records  # noqa: E402
 
 DOC = os.path.join(_records.REPO, "docs", "benchmarks.md")
+IMG = os.path.join(_records.REPO, "docs", "img")
 # The floors (rows of their own, last in a table) and what a time is divided by.
 FLOORS = {"linear_cross_entropy": ("gemm3", "gemm3-flce", "gemm4"), "cross_entropy": ("bytes",)}
 FLOOR_NAME = {"linear_cross_entropy": "gemm3", "cross_entropy": "bytes"}
-COLLAPSE_MARGINS = (0, 10, 15, 20, 40, 60, 80, 90, 100)
+COLLAPSE_MARGINS = (0, 10, 15, 20, 40, 60, 80, 90, 100)  # the collapse table's rows
 LOAD_NOTE = 1.0  # a load average above this marks a table's timings as contended
 
 
@@ -96,14 +105,6 @@ def _where(r):
 
 # ---- the configurations --------------------------------------------------------------------
 
-def latest(records):
-    """The last record of each configuration, in the order the configurations first appear."""
-    out = {}
-    for r in records:
-        out[_records.config_key(r)] = r
-    return list(out.values())
-
-
 def step_table(r):
     """One configuration of the linear step or of cross-entropy on logits."""
     op = r["op"]
@@ -132,7 +133,7 @@ def step_table(r):
                  f"rate of the same run, {r['copy_gb_s']:g} GB/s")
     caption = (f"**{title}, {_dtype(r)}, {_shape(r)}** ({_where(r)}{extra}). "
                f"Source: {r.get('source', 'unknown')}.")
-    not_run = r.get("not_run") or r.get("skipped") or {}
+    not_run = r.get("skipped") or {}
     if not_run:
         caption += " Not run: " + "; ".join(f"`{k}` ({v})" for k, v in not_run.items()) + "."
     return caption + "\n\n" + table([head[k] for k in keep], rows)
@@ -195,11 +196,8 @@ def other_line(r):
 
 
 def results_region(records):
-    recs = latest(records)
-    devices = []
-    for r in recs:
-        if r["device"] not in devices:
-            devices.append(r["device"])
+    recs = _records.latest(records)
+    devices = list(dict.fromkeys(r["device"] for r in recs))
     order = {"linear_cross_entropy": 0, "cross_entropy": 1, "collapse": 2, "gpu_tests": 3}
     parts = []
     for dev in devices:
@@ -273,6 +271,171 @@ def train_lm_region(records):
     return caption + "\n\n" + table([""] + [name for _, _, name in cols], rows)
 
 
+# ---- the pictures --------------------------------------------------------------------------
+
+# The implementations as the pictures name them, in drawing order.
+LABELS = {"flce": "flce", "flce_recompute": "flce (recompute path)", "eager": "F.cross_entropy",
+          "compile": "torch.compile(F.cross_entropy)",
+          "chunked": "torch F.linear_cross_entropy", "liger": "Liger (Triton)",
+          "cce": "Cut Cross Entropy", "gemm3": "3 GEMMs alone (floor)"}
+COLORS = {"flce": "C3", "flce_recompute": "C1", "eager": "C0", "compile": "C2", "chunked": "C4",
+          "liger": "C5", "cce": "C6", "gemm3": "0.6"}
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_collapse(records, path):
+    recs = [r for r in records if r.get("op") == "collapse"]
+    if not recs:
+        raise ValueError("no collapse records")
+    rec = recs[-1]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    floor = 2.0 ** -24
+    for impl in LABELS:
+        if impl not in rec["rel_err"]:
+            continue
+        # Exactly equal to the reference would be -inf on a log axis: drawn at the floor / 10.
+        ys = [max(e, floor / 10) for e in rec["rel_err"][impl]]
+        # The peers collapse together: distinct line styles keep each one visible.
+        style = {"flce": dict(lw=2.5, marker="o", ms=4),
+                 "eager": dict(lw=4, alpha=0.45, marker="s", ms=6),
+                 "compile": dict(lw=1.5, ls="--", marker="^", ms=4),
+                 "chunked": dict(lw=1.2, ls=":", marker="v", ms=4)}.get(impl, dict(lw=1.2))
+        ax.semilogy(rec["margins"], ys, color=COLORS[impl], label=LABELS[impl], **style)
+    mid = rec["margins"][len(rec["margins"]) // 3]
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax.text(mid, 1.5, "relative error 1: the loss came out as exactly 0", fontsize=8)
+    ax.axhline(floor, color="0.5", lw=0.8, ls=":")
+    ax.text(mid, floor * 1.5, "fp32 unit roundoff 2^-24", fontsize=8, color="0.4")
+    ax.set_ylim(floor / 20, 30)
+    ax.set_xlabel("target margin  z_t - max_{j != t} z_j")
+    ax.set_ylabel("|loss - float64 reference| / reference")
+    ax.set_title(f"Loss collapse at large margins: mean loss of {rec['n']} tokens, fp32, "
+                 f"V = {rec['v']}, "
+                 f"D = {rec['d']}\n{rec['device']}, torch {rec['torch']}, {rec['date']}, "
+                 f"commit {rec['commit']}", fontsize=9)
+    ax.legend(fontsize=8, loc="center right")
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def config_label(r):
+    """The configuration's extras beyond device, dtype and shape ("" for a quiet native run)."""
+    extra = []
+    if r.get("load"):
+        extra.append(f"{r['load']} busy processes")
+    if r.get("isa") not in (None, "native"):
+        extra.append(f"isa {r['isa']}")
+    return ", ".join(extra)
+
+
+def _speed_sets(records):
+    recs = [r for r in records if r.get("op") == "linear_cross_entropy" and r.get("ms")]
+    recs = _records.latest(recs)
+    devices = list(dict.fromkeys(r["device"] for r in recs))
+    return [(dev, [r for r in recs if r["device"] == dev]) for dev in devices]
+
+
+def plot_speed_memory(records, path):
+    sets = _speed_sets(records)
+    if not sets:
+        raise ValueError("no linear_cross_entropy records")
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(sets), 2, figsize=(13, 4.4 * len(sets)), squeeze=False)
+    for row, (device, recs) in enumerate(sets):
+        impls = [i for i in LABELS if any(i in r["ms"] for r in recs)]
+        bars = [i for i in impls if i != "gemm3"]
+        width = 0.8 / max(len(bars), 1)
+        ax_t, ax_m = axes[row]
+        groups = [f"{r['dtype']}\nN={r['n']} V={r['v']} D={r['d']}"
+                  + (f"\n{config_label(r)}" if config_label(r) else "") for r in recs]
+        for k, impl in enumerate(bars):
+            xs = [g + (k - (len(bars) - 1) / 2) * width for g in range(len(recs))]
+            for x, r in zip(xs, recs):
+                floor = r["ms"].get(r.get("floor") or "gemm3")  # bench.py: the faster engine
+                t = r["ms"].get(impl)
+                if t is not None and floor:
+                    ax_t.bar(x, t / floor, width, color=COLORS[impl])
+                    ax_t.text(x, t / floor, f"{t:.0f}" if t >= 100 else f"{t:.1f}",
+                              ha="center", va="bottom", fontsize=6.5, rotation=90)
+                mem = r.get("peak_gib", {}).get(impl)
+                if mem is not None:
+                    ax_m.bar(x, mem, width, color=COLORS[impl])
+                    ax_m.text(x, mem, f"{mem * 1024:.0f} MB" if mem < 1 else f"{mem:.2f} G",
+                              ha="center", va="bottom", fontsize=6.5, rotation=90)
+        ax_t.axhline(1.0, color="k", lw=1, ls="--")
+        handles = [Patch(color=COLORS[i], label=LABELS[i]) for i in bars]
+        handles.append(Line2D([], [], color="k", lw=1, ls="--", label="3 GEMMs alone (floor) = 1"))
+        ax_t.set_ylabel("fwd + bwd time / the 3 GEMMs' time\n(bar labels: ms)")
+        ax_m.set_ylabel("peak memory beyond inputs (GiB)\n(bar labels: size)")
+        for ax in (ax_t, ax_m):
+            ax.set_xticks(range(len(recs)))
+            ax.set_xticklabels(groups, fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.45)
+        ax_t.legend(handles=handles, fontsize=7, loc="upper left", ncol=3)
+        dates = sorted({r["date"] for r in recs})
+        commits = sorted({r.get("commit", "") for r in recs})
+        torches = sorted({r.get("torch", "") for r in recs})
+        threads = {r.get("threads") for r in recs} - {None}
+        where = device + (f", {threads.pop()} threads" if len(threads) == 1 else "")
+        loads = [x for r in recs for x in (r.get("loadavg") or []) if x is not None]
+        if loads:
+            # A CPU shared with other work: its timings are contended ones (docs/benchmarks.md).
+            where += f", load average {min(loads):.1f}-{max(loads):.1f}"
+        ax_t.set_title(f"{where}: time (median), torch {', '.join(torches)}\n"
+                       f"{', '.join(dates)}, commit {', '.join(commits)}", fontsize=9)
+        ax_m.set_title(f"{where}: peak memory\n(forward + backward, gradients included)",
+                       fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_train_lm(records, path):
+    sys.path.insert(0, os.path.join(_records.REPO, "examples"))
+    import train_lm
+
+    recs = [r for r in records if r.get("op") == "train_lm"]
+    if not recs:
+        raise ValueError("no train_lm records")
+    # The latest run of each (variant, dtype) at the latest record's configuration; the header
+    # names the first one's date and commit (the stock run's).
+    same = [r for r in recs if r["config"] == recs[-1]["config"]]
+    train_lm.plot(_records.latest(same, lambda r: (r["variant"], r["dtype"])), path)
+
+
+def draw(out=IMG, results=_records.RESULTS):
+    """Draw every picture whose records exist; returns the paths written."""
+    os.makedirs(out, exist_ok=True)
+    records = _records.read(os.path.join(results, "cpu.jsonl"), os.path.join(results, "gpu.jsonl"))
+    written = []
+    for name, fn, recs in (
+            ("collapse.png", plot_collapse, records),
+            ("speed_memory.png", plot_speed_memory, records),
+            ("train_lm.png", plot_train_lm,
+             _records.read(os.path.join(results, "train_lm.jsonl")))):
+        try:
+            fn(recs, os.path.join(out, name))
+        except ValueError as e:
+            print(f"{name}: not drawn ({e})")
+            continue
+        written.append(os.path.join(out, name))
+        print(f"wrote {written[-1]}")
+    return written
+
+
 # ---- the document --------------------------------------------------------------------------
 
 def regions(results=_records.RESULTS):
@@ -325,6 +488,15 @@ def main(argv=None):
     else:
         print(f"{args.doc}: already up to date")
     return 0
+
+
+def plots_main(argv=None):
+    p = argparse.ArgumentParser(prog="benchmarks/run.py plots",
+                                description="Draw docs/img/*.png from the records.")
+    p.add_argument("--out", default=IMG, help="folder of the pictures (default: docs/img)")
+    p.add_argument("--results", default=_records.RESULTS, help="folder of the records")
+    args = p.parse_args(argv)
+    return draw(args.out, args.results)
 
 
 if __name__ == "__main__":

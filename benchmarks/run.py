@@ -13,7 +13,7 @@
              --collapse: its error against float64 at margins 0-100 (docs/img/distill_collapse.png)
   profile    warm-up and profiled steps for nsys / ncu / torch.profiler (docs/profiling.md)
   demo       the two-minute tour: collapse, gradient accuracy, one cost line
-  gpu-check  benchmarks/gpu_check.sh on a GPU machine: headline | rest [--plan]
+  gpu-check  benchmarks/gpu/check.sh on a GPU machine: headline | rest [--plan]
   plots      draw docs/img/*.png from the records in benchmarks/results/
   report     rewrite docs/benchmarks.md's result tables from the records (--check: compare only)
 
@@ -23,6 +23,7 @@ time left once one is done), and with --record PATH append one JSON line per con
 soon as it is measured (benchmarks/_records.py; the committed ones are in benchmarks/results/).
 Method and current results: docs/benchmarks.md.
 """
+import importlib
 import os
 import subprocess
 import sys
@@ -30,39 +31,44 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-
-def _linear(argv):
-    import bench
-
-    bench.main(argv)
-    return 0
+COLLAPSE_MARGINS = tuple(range(0, 105, 5))
 
 
-def _ce(argv):
-    import bench_ce
+def collapse_record(device="cpu", v=8192, d=64, n=16, margins=COLLAPSE_MARGINS, progress=None):
+    """The mean loss's relative error against the float64 collapse-safe reference, fp32 inputs,
+    per implementation and target margin (rows built by _peers.margin_batch, the reference
+    computed from the same rounded tensors). ``progress``: a step per margin."""
+    import torch
 
-    return bench_ce.main(argv)
+    import _peers
+    import _records
 
-
-def _accuracy(argv):
-    import accumulation
-
-    accumulation.main(argv)
-    return 0
-
-
-def _parallel(argv):
-    import bench_parallel
-
-    return bench_parallel.main(argv)
+    impls = [i for i in ("flce", "eager", "compile", "chunked", "liger", "cce")
+             if _peers.available(i) is None and not (i == "liger" and device == "cpu")]
+    fns = {i: _peers.make_impl(i, device) for i in impls}
+    rel = {i: [] for i in impls}
+    got_margins = []
+    for m in margins:
+        if progress is not None:
+            progress.start(f"collapse, margin {m}")
+        for i in impls:
+            err, mean_margin, _, _ = _peers.large_margin_error(fns[i], v, d, torch.float32,
+                                                               device, float(m), n=n, seed=m)
+            rel[i].append(err)
+        got_margins.append(mean_margin)
+        if progress is not None:
+            progress.done(", ".join(f"{i} {rel[i][-1]:.1e}" for i in impls))
+    rec = _records.base(device, "collapse")
+    rec.update(dtype="float32", n=n, v=v, d=d, margins=list(margins),
+               mean_margins=got_margins, rel_err=rel,
+               source="benchmarks/run.py collapse: |mean loss - float64 reference| / reference")
+    return rec
 
 
 def _collapse(argv):
     import argparse
 
     import _records
-    import plots
-    from _progress import Progress
 
     p = argparse.ArgumentParser(prog="benchmarks/run.py collapse",
                                 description="The mean loss's relative error against the float64 "
@@ -72,58 +78,39 @@ def _collapse(argv):
     p.add_argument("-V", type=int, default=8192)
     p.add_argument("-D", type=int, default=64)
     p.add_argument("-N", type=int, default=16, help="tokens per margin")
-    p.add_argument("--margins", default=",".join(map(str, plots.COLLAPSE_MARGINS)))
+    p.add_argument("--margins", default=",".join(map(str, COLLAPSE_MARGINS)))
     p.add_argument("--record", help="append the record to this file "
                    "(benchmarks/results/cpu.jsonl for the README's picture)")
     args = p.parse_args(argv)
     margins = tuple(int(m) for m in args.margins.split(","))
-    rec = plots.collapse_record(args.device, args.V, args.D, args.N, margins,
-                                progress=Progress(len(margins)))
+    rec = collapse_record(args.device, args.V, args.D, args.N, margins,
+                                progress=_records.Progress(len(margins)))
     if args.record:
         _records.append(args.record, rec)
     return 0
 
 
-def _distill(argv):
-    import bench_distill
-
-    return bench_distill.main(argv)
-
-
-def _profile(argv):
-    import profile_step
-
-    profile_step.main(argv)
-    return 0
-
-
-def _demo(argv):
-    import demo
-
-    demo.main(argv)
-    return 0
-
-
 def _gpu_check(argv):
-    return subprocess.call(["bash", os.path.join(HERE, "gpu_check.sh"), *argv])
+    return subprocess.call(["bash", os.path.join(HERE, "gpu", "check.sh"), *argv])
 
 
-def _plots(argv):
-    import plots
-
-    plots.main(argv)
-    return 0
-
-
-def _report(argv):
-    import report
-
-    return report.main(argv)
+# The subcommands that are a module's main(argv) (or MODULE.FUNCTION(argv)); its exit status,
+# where it returns one.
+MODULES = {"linear": "bench", "ce": "bench_ce", "accuracy": "accumulation",
+           "parallel": "bench_parallel", "profile": "profile_step", "demo": "demo",
+           "distill": "bench_distill", "report": "report", "plots": "report.plots_main"}
 
 
-COMMANDS = {"linear": _linear, "ce": _ce, "accuracy": _accuracy, "parallel": _parallel,
-            "collapse": _collapse, "distill": _distill, "profile": _profile, "demo": _demo,
-            "gpu-check": _gpu_check, "plots": _plots, "report": _report}
+def _module(name):
+    def command(argv):
+        module, _, function = name.partition(".")
+        rc = getattr(importlib.import_module(module), function or "main")(argv)
+        return rc if isinstance(rc, int) else 0
+    return command
+
+
+COMMANDS = {**{k: _module(m) for k, m in MODULES.items()}, "collapse": _collapse,
+            "gpu-check": _gpu_check}
 
 
 def main(argv=None):

@@ -22,6 +22,7 @@
 #include <tuple>
 
 #include "cuda/device.h"
+#include "cuda/heuristics.h"
 #include "cuda/params.h"
 #include "flce_ops.h"
 
@@ -149,13 +150,8 @@ struct LinearJob {
   const SoftJob* soft = nullptr;
 };
 
-// Rows per group (the gradient buffer [G, V]) and per logits sub-chunk (fp32 [S, V]) within the
-// workspace budget (heuristics.h). must = false: no plan (0 rows) when fewer than kMinRows rows
-// fit (the single pass then runs forward + recompute backward); must = true: at least one row.
-struct ChunkPlan {
-  int64_t group_rows = 0, sub_rows = 0;
-  bool in_place = false;  // fp32: logits computed into the group buffer, dz written over them
-};
+// heuristics::chunk_plan within the workspace budget (FLCE_CUDA_WORKSPACE_MB).
+using heuristics::ChunkPlan;
 ChunkPlan plan_chunks(int64_t n, int64_t v, at::ScalarType compute, bool split, bool must);
 // Master weights (16-bit compute, fp32 weight) take the gradient tile as hi + lo for dW.
 bool split_grad(const LinearJob& job, bool need_c);

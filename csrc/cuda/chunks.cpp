@@ -138,28 +138,8 @@ at::Tensor gather_partials(const at::Tensor& partials, const Shard& shard) {
 }
 
 ChunkPlan plan_chunks(int64_t n, int64_t v, at::ScalarType compute, bool split, bool must) {
-  ChunkPlan plan;
-  const int64_t ld = logits_ld(v);
-  const int64_t budget = workspace_bytes();
-  auto rows = [must](int64_t r) {
-    if (r >= kMinRows) return r / kMinRows * kMinRows;
-    return must ? std::max<int64_t>(r, 1) : int64_t{0};
-  };
-  if (compute == at::kFloat) {
-    plan.in_place = true;  // the fp32 logits are the group buffer; dz is written over them
-    plan.group_rows = std::min(rows(budget / (4 * ld)), heuristics::kFp32GroupRows);
-    plan.sub_rows = plan.group_rows;
-  } else {
-    const int64_t scratch =
-        std::min(budget / heuristics::kSubChunkShare, heuristics::kSubChunkMaxBytes);
-    plan.sub_rows = rows(scratch / (4 * ld));
-    const int64_t elt = 2 * (split ? 2 : 1);
-    plan.group_rows = rows(std::max<int64_t>(budget - plan.sub_rows * ld * 4, 0) / (elt * ld));
-  }
-  if (plan.sub_rows < 1 || plan.group_rows < 1) return ChunkPlan{};
-  plan.group_rows = std::min(plan.group_rows, std::max<int64_t>(n, 1));
-  plan.sub_rows = std::min(plan.sub_rows, plan.group_rows);
-  return plan;
+  return heuristics::chunk_plan(n, logits_ld(v), workspace_bytes(), compute == at::kFloat, split,
+                                must);
 }
 
 bool split_grad(const LinearJob& job, bool need_c) {

@@ -24,6 +24,7 @@
 
 #include "common.cuh"
 #include "flce/math.h"
+#include "heuristics.h"
 #include "params.h"
 #include "static_switch.h"
 
@@ -858,26 +859,8 @@ bool with_grad_kernel(const RowGradParams& p, DType dtype, F&& fn) {
   return served;
 }
 
-// CTAs per split for `ctas` row CTAs on the device: at least two waves of the resident CTAs
-// (per_sm from the occupancy of the kernel instance), at most one split per tile, and among
-// those the count whose last wave is fullest (a short last wave idles the rest of the GPU).
 int splits_for(int64_t ctas, int64_t v, int per_sm, int sm_count) {
-  const int64_t tiles = std::max<int64_t>((v + kTile - 1) / kTile, 1);
-  const int64_t slots = static_cast<int64_t>(std::max(per_sm, 1)) * std::max(sm_count, 1);
-  ctas = std::max<int64_t>(ctas, 1);
-  const int64_t lo = std::min<int64_t>(std::max<int64_t>((2 * slots + ctas - 1) / ctas, 1), tiles);
-  int64_t best = lo;
-  double best_fill = -1;
-  for (int64_t s = lo; s <= std::min<int64_t>(tiles, 2 * lo); ++s) {
-    const int64_t total = ctas * s;
-    const double fill = static_cast<double>(total) /
-                        static_cast<double>((total + slots - 1) / slots * slots);
-    if (fill > best_fill + 1e-9) {
-      best = s;
-      best_fill = fill;
-    }
-  }
-  return static_cast<int>(std::min<int64_t>(best, 65535));
+  return binding::heuristics::row_splits(ctas, (v + kTile - 1) / kTile, per_sm, sm_count);
 }
 
 }  // namespace

@@ -375,10 +375,54 @@ def cpu_memory_budget(n, v):
     return 2 * n * v
 
 
-def single_pass(requested, reduction, per_token, x, weight=None):
+Plan = collections.namedtuple("Plan", ("composite", "distribution", "single_pass"))
+Plan.__doc__ = """How one call runs: ``composite`` (flce._composite, differentiable torch ops),
+else the fused ops, as a target ``distribution`` (flce::soft_*) or on class ids, by the
+``single_pass`` (loss and gradients in the forward: flce::sum_and_grad, soft_sum_and_grad) or
+the forward and a recomputing backward."""
+
+
+def plan(x, params=(), others=(), *, classes, distribution=False, row_weight=False,
+         single_pass=None, reduction="mean", per_token=False, accuracy=False,
+         target_grad=False, inplace=False, linear=True, shards=None):
+    """The path of a call, for every entry point (flce.api, flce.parallel): the semantic choice
+    is made here and nowhere else; the backends decide only their resource fallbacks (the CUDA
+    chunk sizes, the CPU's row blocks).
+
+    x: the rows the op reads ([N, D] hidden states, or [N, C] logits where not ``linear``);
+    params: the other tensors that may need gradients (weight, bias); others: further tensors
+    read (probability targets, class weights); classes: V (or C). distribution: probability
+    targets, or class weights with label smoothing; row_weight: the rows carry their target's
+    class weight; per_token: per-token outputs are asked for (the single pass returns the loss
+    alone); accuracy: the accuracy output; target_grad: the probability targets need a
+    gradient; inplace: cross_entropy's inplace_backward; shards: the number of vocabulary
+    shards, for flce.parallel (whose checks have refused what the composite path alone serves,
+    and whose ranks must choose alike: an empty shard included; its target distributions have
+    no single pass)."""
+    composite = shards is None and (
+        0 in (x.shape[-1], classes) or needs_composite(x, *params, *others) or
+        (distribution and (accuracy or target_grad or inplace or not fused_distribution(x))))
+    training = torch.is_grad_enabled() and \
+        any(t is not None and t.requires_grad for t in (x,) + tuple(params))
+    single = False
+    if linear and training and not composite and not (row_weight and not distribution) and \
+            not (distribution and (shards is not None or _ops.is_cuda_backend(x))):
+        # (one device's CPU choice depends on the classifier's shape; several shards' choice is
+        # the CUDA rule, made alike on every rank)
+        weight = params[0] if (shards or 1) == 1 and params else None
+        single = _single_pass_rule(single_pass, reduction, per_token, x, weight)
+        if single and (shards or 1) > 1 and not _ops.is_cuda_backend(x):
+            if single_pass:
+                raise ArgumentError("flce.parallel: single_pass=True over several ranks needs "
+                                    "the CUDA backend (the CPU backend's single pass is "
+                                    "single-device)")
+            single = False
+    return Plan(composite, distribution and not composite, single)
+
+
+def _single_pass_rule(requested, reduction, per_token, x, weight=None):
     """Whether the loss and its gradients come from the single pass (flce::sum_and_grad);
-    per_token: lse or entropy outputs are asked for (the single pass returns the loss alone).
-    The default rule, for every backend, is here and nowhere else."""
+    per_token: lse or entropy outputs are asked for (the single pass returns the loss alone)."""
     if requested is None:
         # fp16 stays on the recompute path: its gradient tile needs a scale that depends on
         # every row's statistics, which the single pass has only row chunk by row chunk.
@@ -387,13 +431,12 @@ def single_pass(requested, reduction, per_token, x, weight=None):
         if _ops.is_cuda_backend(x):
             return True
         # The CPU: the fastest exact path within a memory budget (docs/cpu-backend.md). The
-        # single pass saves the recompute's logit GEMM (fp32 at N=4096, V=32768, D=512 on a
-        # 2-core Xeon: 2.07 s against 3.20 s) but holds dW's compensation for all of V (and
-        # 16-bit inputs' gradients in fp32), O(V D) memory where the recompute path's is
+        # single pass saves the recompute's logit GEMM but holds dW's compensation for all of V
+        # (and 16-bit inputs' gradients in fp32), O(V D) memory where the recompute path's is
         # O(min(N, V) D): it is the default while that stays within cpu_memory_budget. Where
         # bf16 GEMMs run on AMX the logit GEMM is cheap and the single pass's streaming of dW's
-        # accumulators costs more (1.40 s against 1.03 s there, gradient tiles split): bf16
-        # keeps the recompute path, whichever way its tiles are rounded (cpu::bf16_grad).
+        # accumulators costs more than it saves: bf16 keeps the recompute path there, whichever
+        # way its tiles are rounded (cpu::bf16_grad).
         if x.dtype == torch.bfloat16 and _ops.CPU_BF16_AMX:
             return False
         if weight is None:

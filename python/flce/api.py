@@ -183,7 +183,7 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy)
     shift = _common.shift_amount(shift)
-    # (here, for every path: the composite ones never ask _common.single_pass)
+    # (here, for every path: the composite ones never ask for the single pass's rule)
     _common.check_single_pass(single_pass, opts.reduction,
                               return_lse or return_entropy or return_accuracy)
     if input.is_cuda:
@@ -202,14 +202,17 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(class_weight, weight.shape[0], t, opts.ignore_index,
                                            input.dtype)
-    composite = 0 in weight.shape or _common.needs_composite(x, weight, bias)
-    if not composite and cw is not None and opts.label_smoothing and not return_accuracy and \
-            _common.fused_distribution(x):
+    per_token = return_lse or return_entropy or return_accuracy
+    plan = _common.plan(x, (weight, bias), (cw,), classes=weight.shape[0],
+                        distribution=cw is not None and bool(opts.label_smoothing),
+                        row_weight=row_weight is not None, single_pass=single_pass,
+                        reduction=reduction, per_token=per_token, accuracy=return_accuracy)
+    if plan.distribution:
         # Class weights with label smoothing: a target distribution (y_c = w_c ((1 - eps)
         # [c = t] + eps / V)), its z-loss weighted by the row's weight as torch weights the nll.
-        return _distribution(x, weight, t, bias, cw, row_weight, opts, lead, single_pass,
+        return _distribution(x, weight, t, bias, cw, row_weight, opts, lead, plan,
                              return_lse, return_entropy)
-    if composite or (cw is not None and opts.label_smoothing):
+    if plan.composite:
         # float64, functorch transforms, forward-mode AD, D = 0 (the logits are the bias, or 0,
         # as torch's composition has them), V = 0 (the empty sums), and class weights with label
         # smoothing where the fused target distributions do not serve it (the CUDA backend, the
@@ -225,9 +228,7 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
             entropy, lead, return_lse, return_entropy, acc)
     args = (x, weight, t, bias) + opts.op_args()
     mask = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
-    per_token = return_lse or return_entropy or return_accuracy
-    if _common.single_pass(single_pass, reduction, per_token, x, weight) and any(mask) and \
-            torch.is_grad_enabled() and row_weight is None:
+    if plan.single_pass:
         # The loss is a sum (or mean) whose gradients are known up to the upstream scalar.
         return _ops.ops.sum_and_grad(*args, mask, reduction == "mean",
                                      temperature=opts.temperature,
@@ -294,9 +295,12 @@ def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, ret
     x = input.reshape(rows, d)
     q = target.reshape(rows, v)
     cw = _common.soft_class_weights(class_weight, v, input.dtype)
-    if d > 0 and v > 0 and not return_accuracy and not q.requires_grad and \
-            not _common.needs_composite(x, weight, bias, q) and _common.fused_distribution(x):
-        return _distribution(x, weight, q, bias, cw, None, opts, lead, single_pass, return_lse,
+    plan = _common.plan(x, (weight, bias), (q, cw), classes=v, distribution=True,
+                        single_pass=single_pass, reduction=reduction,
+                        per_token=return_lse or return_entropy, accuracy=return_accuracy,
+                        target_grad=q.requires_grad)
+    if plan.distribution:
+        return _distribution(x, weight, q, bias, cw, None, opts, lead, plan, return_lse,
                              return_entropy)
     logits = _composite.linear_logits(x, weight, bias)
     loss, lse, entropy, acc = _composite.soft_per_token(logits, q, opts, cw)
@@ -305,16 +309,14 @@ def _soft_linear(input, weight, target, bias, opts, reduction, class_weight, ret
         return_entropy, _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
 
 
-def _distribution(x, weight, target, bias, cw, row_weight, opts, lead, single_pass, return_lse,
+def _distribution(x, weight, target, bias, cw, row_weight, opts, lead, plan, return_lse,
                   return_entropy):
     """A target distribution on the fused ops (flce::soft_*): probability targets ``[N, V]``, or
     class ids with class weights (``row_weight``: their targets' weights) and label smoothing;
     the single pass (soft_sum_and_grad, the CPU backend's) where flce.linear_cross_entropy's
     rule takes it."""
     mask = [x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
-    if _common.single_pass(single_pass, opts.reduction, return_lse or return_entropy, x,
-                           weight) and any(mask) and torch.is_grad_enabled() and \
-            not _ops.is_cuda_backend(x):
+    if plan.single_pass:
         return _ops.ops.soft_sum_and_grad(x, weight, target, bias, cw, row_weight,
                                           *opts.op_args(), opts.temperature, mask,
                                           opts.reduction == "mean")[0]
@@ -471,8 +473,8 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
     if soft:
         y = target.reshape(1, c) if input.dim() == 1 else target.movedim(1, -1).reshape(rows, c)
         cw = _common.soft_class_weights(weight, c, input.dtype)
-        if not return_accuracy and not y.requires_grad and c > 0 and \
-                not _common.needs_composite(logits, y) and _common.fused_distribution(logits):
+        if _common.plan(logits, (), (y, cw), classes=c, distribution=True, linear=False,
+                        accuracy=return_accuracy, target_grad=y.requires_grad).distribution:
             # Fused: the target rows read chunk by chunk beside the logits.
             loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
                 logits, y, cw, None, *opts.op_args(), opts.temperature)
@@ -487,15 +489,16 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
             _common.reduce_rows(acc, reduction, lead) if return_accuracy else None)
     t = target.reshape(-1).to(torch.int64)
     cw, row_weight = _common.class_weights(weight, c, t, opts.ignore_index, input.dtype)
-    composite = _common.needs_composite(logits, weight)
-    if not composite and cw is not None and opts.label_smoothing and not return_accuracy and \
-            c > 0 and not inplace_backward and _common.fused_distribution(logits):
+    plan = _common.plan(logits, (), (weight,), classes=c, linear=False,
+                        distribution=cw is not None and bool(opts.label_smoothing),
+                        accuracy=return_accuracy, inplace=inplace_backward)
+    if plan.distribution:
         # Class weights with label smoothing: a target distribution (linear_cross_entropy's).
         loss, lse, _, _, entropy = _ops.ops.soft_logits_forward(
             logits, t, cw, row_weight, *opts.op_args(), opts.temperature)
         return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
                                             return_lse, return_entropy)
-    if composite or (weight is not None and opts.label_smoothing):
+    if plan.composite:
         _common.check_target_range(t, c, opts.ignore_index)
         cdt = _composite.compute_dtype(input.dtype)
         loss, lse, entropy = _composite.logits_per_token(

@@ -778,7 +778,7 @@ def speed(dev, quick, tiny, dtype, out_path, partial, base_record, linear=None, 
 class Record(dict):
     """One configuration's record. With ``partial`` (a path), each measurement rewrites it
     there (``"complete": false``), so that a caller who has to cut the run mid-configuration
-    (benchmarks/gpu_check.sh) keeps what was measured."""
+    (benchmarks/gpu/check.sh) keeps what was measured."""
 
     def __init__(self, partial, base, **fields):
         super().__init__(base, **fields, ms={}, ms_range={}, peak_gib={}, skipped={},
@@ -954,6 +954,18 @@ def commit(info):
         return None
 
 
+def driver_version():
+    """The NVIDIA driver's version as nvidia-smi prints it, or None (no nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
 def device_name(dev):
     """The GPU's name, or the CPU's as /proc/cpuinfo has it (as benchmarks/results' records)."""
     if dev == "cuda":
@@ -1044,6 +1056,7 @@ def main(argv=None):
                 "torch": torch.__version__, "commit": commit(info),
                 "threads": torch.get_num_threads() if dev == "cpu" else None,
                 "cuda": torch.version.cuda if dev == "cuda" else None,
+                "driver": driver_version() if dev == "cuda" else None,
                 "run": os.environ.get("FLCE_RUN") or None,
                 "python": platform.python_version(), "source": cmd,
                 "correctness": None if args.only == "speed" else

@@ -585,20 +585,6 @@ def _check_distribution(target, soft, class_weight, opts, x, shift=False,
     return True
 
 
-def _use_single_pass(single_pass, reduction, per_token, x, world):
-    """The single pass for training over several ranks: on the CUDA backend, as
-    flce.linear_cross_entropy decides (its op all-gathers each chunk of rows' statistics; the
-    CPU backend's single pass is single-device). One rank makes flce.linear_cross_entropy's
-    choice after the exchange, from the shard's shapes."""
-    use = _common.single_pass(single_pass, reduction, per_token, x)
-    if use and world > 1 and not _ops.is_cuda_backend(x):
-        if single_pass:
-            raise ArgumentError("flce.parallel: single_pass=True over several ranks needs the "
-                                "CUDA backend (the CPU backend's single pass is single-device)")
-        return False
-    return use
-
-
 def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=None,
                                         bias_local=None, ignore_index=-100, reduction="mean",
                                         label_smoothing=0.0, z_loss=0.0, softcap=None,
@@ -711,12 +697,14 @@ def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ig
         if sequence_parallel and input.dim() < 2:
             raise ArgumentError("flce.parallel: sequence_parallel needs input of shape "
                                 "(tokens, ..., D)")
-        needs_grad = torch.is_grad_enabled() and (
-            input.requires_grad or weight_local.requires_grad
-            or (bias_local is not None and bias_local.requires_grad))
         per_token = return_lse or return_entropy or return_accuracy
-        use_single = needs_grad and class_weight is None and not distribution and \
-            _use_single_pass(single_pass, reduction, per_token, input, world)
+
+        def use_single(x, w, b, shards):
+            return _common.plan(x, (w, b), classes=w.shape[0], distribution=distribution,
+                                row_weight=class_weight is not None, single_pass=single_pass,
+                                reduction=reduction, per_token=per_token,
+                                shards=shards).single_pass
+        single = use_single(input, weight_local, bias_local, world)
         d = input.shape[-1]
         if shift:
             target = _common.shift_target(target, opts.ignore_index, shift)
@@ -735,7 +723,7 @@ def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ig
                 _DTYPE_CODES[input.dtype], _DTYPE_CODES[weight_local.dtype],
                 int(bias_local is not None), opts.ignore_index, _float_bits(opts.label_smoothing),
                 _float_bits(opts.z_loss), _float_bits(opts.softcap), _REDUCTION_CODES[reduction],
-                int(bool(sequence_parallel)), _float_bits(opts.temperature), int(use_single),
+                int(bool(sequence_parallel)), _float_bits(opts.temperature), int(single),
                 _weights_meta(class_weight), int(soft),
                 -1 if exact_bf16_grad is None else int(exact_bf16_grad), shift,
                 int(bool(reduce_input_grad)),
@@ -752,9 +740,8 @@ def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ig
     tokens = _tokens(group, world, bool(reduce_input_grad), bool(sequence_parallel))
     if world == 1:
         # flce.linear_cross_entropy's choice, which on the CPU depends on the shapes
-        use_single = needs_grad and class_weight is None and not distribution and \
-            _common.single_pass(single_pass, reduction, per_token, x, w)
-    if use_single:
+        single = use_single(x, w, b, 1)
+    if single:
         # The single pass's own op, with the group: every chunk of rows all-gathers its
         # statistics inside it. One rank: its gradients through the op's registered autograd.
         mask = [x.requires_grad, w.requires_grad, b is not None and b.requires_grad]

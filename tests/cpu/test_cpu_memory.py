@@ -28,8 +28,9 @@ def test_peak_memory_is_gradients_plus_budget(impl, dtype, size):
     if impl == "flce-soft":
         # probability targets take the path flce.linear_cross_entropy's rule picks at this shape
         dt = _peers.DTYPES[dtype]
-        single = _common.single_pass(None, "mean", False, torch.empty(2048, 32, dtype=dt),
-                                     torch.empty(65537, 32, dtype=dt))
+        w = torch.empty(65537, 32, dtype=dt, requires_grad=True)
+        single = _common.plan(torch.empty(2048, 32, dtype=dt), (w,), classes=65537,
+                              distribution=True).single_pass
     # The single pass's logits workspace is a constant (fp32: at most 152 MiB, 544 rows of
     # V = 65537 on 2 workers here), so N is large enough that it is far below one fp32 [N, V]
     # buffer.

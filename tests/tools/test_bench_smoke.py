@@ -16,9 +16,10 @@ BENCH_DIR = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH_DIR)
 
 import bench  # noqa: E402
+import bench_ce  # noqa: E402
 import demo  # noqa: E402
 import run  # noqa: E402
-from _progress import Progress  # noqa: E402
+from _records import Progress  # noqa: E402
 
 EXPECTED_COLUMNS = ["impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
                     "time_median_s", "time_min_s", "time_max_s", "peak_mem_mb", "peak_total_mb",
@@ -75,6 +76,27 @@ def test_run_linear_end_to_end(tmp_path):
     assert float(rows["chunked"]["loss_rel_err"]) == 1.0
 
 
+def test_run_ce_end_to_end(tmp_path):
+    """`run.py ce`: a child process per implementation, its progress lines, the table, and the
+    configuration's record appended (complete, its partial file gone)."""
+    rec_path = tmp_path / "records.jsonl"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH_DIR, "run.py"), "ce", "--device", "cpu", "--shapes",
+         "64x512", "--dtypes", "fp32", "--impls", "flce,eager", "--repeats", "1", "--warmup",
+         "1", "--record", str(rec_path)], capture_output=True, text=True, timeout=600,
+        cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[1/2 0:00:" in proc.stdout and "cpu [64, 512] fp32: eager: " in proc.stdout
+    assert "margin-40 err" in proc.stdout
+    (rec,) = [json.loads(line) for line in rec_path.read_text().splitlines()]
+    assert (rec["op"], rec["n"], rec["v"], rec["dtype"], rec["complete"]) == (
+        "cross_entropy", 64, 512, "float32", True)
+    assert rec["threads"] >= 1 and rec["device"] and not rec["errors"]
+    assert set(rec["ms"]) == {"flce", "eager", "bytes"} and all(t > 0 for t in rec["ms"].values())
+    assert rec["margin40_rel_err"]["eager"] == 1.0 and rec["margin40_rel_err"]["flce"] < 1e-3
+    assert not os.path.exists(f"{rec_path}.partial")
+
+
 def test_floor_is_the_faster_engine():
     """On the CPU `linear` times the 3 GEMMs on torch.mm (gemm3) and on flce's tile GEMMs
     (gemm3-flce); the table's and the record's floor is the faster of those that ran, named."""
@@ -99,6 +121,8 @@ def test_floor_is_the_faster_engine():
         assert rec["floor"] == floor and set(rec["peak_gib"]) == {"flce"}
     rows = [row("flce", 1.5), row("gemm3", 0.0, "failed: x"), row("gemm3-flce", 3.0)]
     assert bench.floor_row(rows)["impl"] == "gemm3-flce"
+    # what did not run, under the name flce.check's and bench_ce.py's records give it
+    assert bench.record(rows, args)["skipped"] == {"gemm3": "failed: x"}
     assert bench.floor_row([row("flce", 1.5)]) is None
 
 
@@ -111,7 +135,7 @@ def test_run_subcommands(capsys):
 
 
 def test_run_gpu_check_plan(capfd):
-    """`run.py gpu-check` hands its arguments to benchmarks/gpu_check.sh."""
+    """`run.py gpu-check` hands its arguments to benchmarks/gpu/check.sh."""
     assert run.main(["gpu-check", "headline", "--plan"]) == 0
     assert "budget" in capfd.readouterr().out
 
@@ -149,6 +173,9 @@ def test_bench_rejects_bad_arguments(capsys):
     assert "unknown ['nope']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["-N", "0"])
+    with pytest.raises(SystemExit):  # (not a ValueError from int(""))
+        bench_ce.main(["--shapes", "4096x"])
+    assert "--shapes: NxV,NxV,... of integers >= 1, got '4096x'" in capsys.readouterr().err
 
 
 def test_liger_on_cpu_refused_at_large_shapes(monkeypatch):

@@ -70,7 +70,7 @@ def test_check_quick_on_cpu(tmp_path):
 
 
 def test_partial_record_after_each_measurement(tmp_path):
-    """--partial: what a caller that must cut the run keeps (benchmarks/gpu_check.sh)."""
+    """--partial: what a caller that must cut the run keeps (benchmarks/gpu/check.sh)."""
     from flce import check
 
     path = tmp_path / "partial.json"

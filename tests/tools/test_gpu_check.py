@@ -1,10 +1,10 @@
-"""benchmarks/gpu_check.sh's control flow on a machine without a GPU, and its record writers.
+"""benchmarks/gpu/check.sh's control flow on a machine without a GPU, and its record writers.
 
 Each phase runs for real with every command stubbed: a stand-in interpreter (PYTHON) and stub
 nvidia-smi / nvcc / ncu / compute-sanitizer on PATH log their calls and fail or hang where told;
-gpu_tests_record.py runs for real in its dry-run mode (FLCE_GPU_DRY_RUN=1: no torch), and
-`python -m flce.check` has a stand-in that writes its records as the check does (one per shape,
-the partial one first). The runs show that the limits of each phase fit its budget,
+benchmarks/gpu/tests_record.py runs for real in its dry-run mode (FLCE_GPU_DRY_RUN=1: no
+torch), and `python -m flce.check` has a stand-in that writes its records as the check does (one
+per shape, the partial one first). The runs show that the limits of each phase fit its budget,
 that a shape's record is appended the moment it is measured (and kept, marked incomplete, when
 its step is cut), and that a failed or timed-out step is reported and the next one runs.
 """
@@ -21,11 +21,12 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu", "check.sh")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
 
-import gpu_record  # noqa: E402
-import gpu_tests_record  # noqa: E402
+import _records  # noqa: E402
+import tests_record  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and coreutils' timeout")
@@ -76,7 +77,7 @@ for a in "$@"; do
   [[ $a == --junitxml=* ]] && printf '%s' "$junit" >"${a#--junitxml=}"
 done
 case $1 in
-  benchmarks/gpu_tests_record.py) exec "$REAL_PYTHON" "$@" ;;
+  benchmarks/gpu/tests_record.py) exec "$REAL_PYTHON" "$@" ;;
 esac
 exit 0
 """
@@ -220,7 +221,7 @@ def test_rest_dry_run(tmp_path):
 def test_rest_without_a_build_and_a_cut_shape(tmp_path):
     proc, summary, records, calls = _run(
         tmp_path, "rest", GPU_CHECK_MAX_LIMIT="1", FAKE_FAIL="cuda_backend",
-        FAKE_HANG="gpu_target_check.py", FLCE_GPU_DRY_HANG="4096,256000,4096")
+        FAKE_HANG="gpu/target_check.py", FLCE_GPU_DRY_HANG="4096,256000,4096")
     assert proc.returncode == 1
     status = _status(summary)
     assert status["build_reuse"][0] == 3 and status["build"][0] == 0
@@ -240,35 +241,69 @@ def test_rest_without_a_build_and_a_cut_shape(tmp_path):
 
 def test_commit_from_the_environment_and_without_git(monkeypatch):
     monkeypatch.setenv("FLCE_COMMIT", "0123abc")
-    assert gpu_record.commit() == "0123abc"
+    assert _records.commit() == "0123abc"
     monkeypatch.delenv("FLCE_COMMIT")
     monkeypatch.setenv("PATH", "/nonexistent")  # no git binary: None, not FileNotFoundError
-    assert gpu_record.commit() is None
-    assert gpu_record.driver_version() is None
+    assert _records.commit() is None
+    assert _records.driver_version() is None
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_commit_of_a_checkout_says_dirty(tmp_path, monkeypatch):
+    """Every record writer's commit: the checkout's, ``+dirty`` once a tracked file changed
+    (an untracked file is not a change); None where there is no checkout."""
+    monkeypatch.delenv("FLCE_COMMIT", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (repo / "a.txt").write_text("a\n")
+    subprocess.run(git + ["add", "a.txt"], check=True)
+    subprocess.run(git + ["commit", "-qm", "a"], check=True)
+    sha = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    monkeypatch.setattr(_records, "REPO", str(repo))
+    (repo / "untracked.txt").write_text("u\n")
+    assert _records.commit() == sha
+    (repo / "a.txt").write_text("b\n")
+    assert _records.commit() == sha + "+dirty"
+    monkeypatch.setattr(_records, "REPO", str(tmp_path))  # no checkout
+    assert _records.commit() is None
 
 
 def test_append_partial_and_finish(tmp_path):
     records, partial = tmp_path / "r.jsonl", tmp_path / "r.partial"
-    gpu_record.append(records, {"a": 1})
-    gpu_record.write_partial(partial, {"b": 2, "complete": False})
-    gpu_record.write_partial(partial, {"b": 3, "complete": False})
+    _records.append(records, {"a": 1})
+    _records.write_partial(partial, {"b": 2, "complete": False})
+    _records.write_partial(partial, {"b": 3, "complete": False})
     assert json.loads(partial.read_text()) == {"b": 3, "complete": False}
-    gpu_record.finish(records, partial, {"b": 3, "complete": True})
+    _records.finish(records, partial, {"b": 3, "complete": True})
     assert not partial.exists()
     assert [json.loads(x) for x in records.read_text().splitlines()] == [
         {"a": 1}, {"b": 3, "complete": True}]
     with pytest.raises(ValueError):  # NaN is not JSON: refused, not written as NaN
-        gpu_record.append(records, {"x": float("nan")})
-    assert gpu_record.sig(float("nan")) is None and gpu_record.sig(26.0934567) == 26.093
+        _records.append(records, {"x": float("nan")})
+    assert _records.sig(float("nan")) is None and _records.sig(26.0934567) == 26.093
 
 
 def test_environment_names_the_build(monkeypatch):
     monkeypatch.setenv("FLCE_COMMIT", "0123abc")
     monkeypatch.setenv("FLCE_RUN", "r1")
     monkeypatch.delenv("FLCE_GPU_DRY_RUN", raising=False)
-    env = gpu_record.environment()
+    env = _records.environment()
     assert (env["commit"], env["run"], env["torch"]) == ("0123abc", "r1", torch.__version__)
-    assert set(gpu_record.BUILD_KEYS) <= set(env["build"]) and "arch_list" in env["build"]
+    assert set(_records.BUILD_KEYS) <= set(env["build"]) and "arch_list" in env["build"]
+
+
+def test_dry_run_leaves_torch_out():
+    """The GPU check's record writers run on the stand-in interpreter's host without torch."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import _records; "
+            "env = _records.environment(); print(env['device'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "benchmarks")],
+                         capture_output=True, text=True, timeout=60, check=True,
+                         env=dict(os.environ, FLCE_GPU_DRY_RUN="1"))
+    assert out.stdout.split("\n")[0] == "dry run (no GPU) False"
 
 
 def test_junit_counts(tmp_path):
@@ -279,7 +314,7 @@ def test_junit_counts(tmp_path):
         '<testcase classname="m" name="err"><error/></testcase>'
         '<testcase classname="m" name="skip"><skipped/></testcase></testsuite></testsuites>'
     )).write(report)
-    passed, failed, skipped, failures, reports = gpu_tests_record.counts(
+    passed, failed, skipped, failures, reports = tests_record.counts(
         [str(report), str(tmp_path / "missing.xml")])
     assert (passed, failed, skipped) == (1, 3, 1)
     assert failures[:2] == ["m::bad", "m::err"] and "missing.xml: no report" in failures[2]

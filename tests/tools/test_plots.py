@@ -1,4 +1,4 @@
-"""benchmarks/plots.py draws the README's pictures from the committed records (seconds, Agg).
+"""benchmarks/report.py draws the README's pictures from the committed records (seconds, Agg).
 
 It also checks that the committed records say what the pictures are there to show, so that a
 record set that lost them (a collapse that no longer happens, a missing floor) is noticed."""
@@ -12,13 +12,13 @@ pytest.importorskip("matplotlib")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-import plots  # noqa: E402
+import report  # noqa: E402
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 
 def _records(name):
-    return plots.read_records(os.path.join(RESULTS, name))
+    return report._records.read(os.path.join(RESULTS, name))
 
 
 def test_committed_records():
@@ -32,12 +32,12 @@ def test_committed_records():
     # fp32-logit accuracy (~1e-7 - 1e-5 relative) while the loss is a normal fp32 number.
     assert all(e == 1.0 for m, e in zip(margins, collapse["rel_err"]["eager"]) if m >= 20)
     assert all(collapse["rel_err"]["flce"][at[m]] < 1e-4 for m in margins if m <= 80)
-    speed = plots._speed_sets(cpu)
+    speed = report._speed_sets(cpu)
     assert speed and all("gemm3" in r["ms"] and "flce" in r["ms"] for _, rs in speed for r in rs)
 
 
 def test_draw(tmp_path):
-    written = plots.draw(str(tmp_path), RESULTS)
+    written = report.draw(str(tmp_path), RESULTS)
     names = sorted(os.path.basename(p) for p in written)
     assert names == ["collapse.png", "speed_memory.png", "train_lm.png"]
     for path in written:

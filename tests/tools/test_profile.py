@@ -57,9 +57,10 @@ def test_bad_arguments_are_rejected(bad):
 
 
 def test_nvtx_check_compare(tmp_path):
-    """benchmarks/nvtx_check.py's reading of ncu --csv reports (the GPU script's NVTX check)."""
+    """benchmarks/gpu/nvtx_check.py's reading of ncu --csv reports (the GPU check's NVTX
+    step)."""
     spec = importlib.util.spec_from_file_location(
-        "nvtx_check", os.path.join(ROOT, "benchmarks", "nvtx_check.py"))
+        "nvtx_check", os.path.join(ROOT, "benchmarks", "gpu", "nvtx_check.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'

@@ -27,7 +27,7 @@ def test_every_latest_configuration_is_in_the_doc():
         doc = fh.read()
     records = report._records.read(*(os.path.join(report._records.RESULTS, f)
                                      for f in ("gpu.jsonl", "cpu.jsonl")))
-    for r in report.latest(records):
+    for r in report._records.latest(records):
         assert f"### {r['device']}" in doc
         if r["op"] in ("linear_cross_entropy", "cross_entropy"):
             assert report._shape(r) in doc and f"commit {r['commit']}" in doc

@@ -1,7 +1,7 @@
 """Append a gpu_tests record to a gpu.jsonl file from the JUnit XML reports of the GPU script's
-pytest steps (benchmarks/gpu_check.sh):
+pytest steps (benchmarks/gpu/check.sh):
 
-    python benchmarks/gpu_tests_record.py OUT.jsonl junit_a.xml [junit_b.xml ...]
+    python benchmarks/gpu/tests_record.py OUT.jsonl junit_a.xml [junit_b.xml ...]
 
 Record: {"op": "gpu_tests", "date", "commit", "run", "device", "driver", "cuda", "torch",
 "python", "build", "passed", "failed", "skipped", "reports": {file: [passed, failed, skipped]},
@@ -12,8 +12,8 @@ import os
 import sys
 import xml.etree.ElementTree as ET
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_record  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _records  # noqa: E402
 
 
 def counts(paths):
@@ -50,10 +50,10 @@ def main(argv):
         return 2
     out, paths = argv[0], argv[1:]
     passed, failed, skipped, failures, reports = counts(paths)
-    rec = gpu_record.environment()
+    rec = _records.environment()
     rec.update(op="gpu_tests", passed=passed, failed=failed, skipped=skipped, reports=reports,
                failures=failures[:50])
-    gpu_record.append(out, rec)
+    _records.append(out, rec)
     print(rec)
     return 0
 

@@ -2,12 +2,12 @@
 
 Workload (default): one step of each flce path at a small shape (the single pass, the
 recompute path with lse and entropy, cross-entropy on given logits, in place too), each op's
-CUDA launches inside its flce:: range. benchmarks/gpu_check.sh profiles it three times:
+CUDA launches inside its flce:: range. benchmarks/gpu/check.sh profiles it three times:
 
-    ncu --csv --metrics gpu__time_duration.sum python benchmarks/nvtx_check.py > all.csv
+    ncu --csv --metrics gpu__time_duration.sum python benchmarks/gpu/nvtx_check.py > all.csv
     ncu --csv --nvtx --nvtx-include "regex:flce::.*/" ... > in_ranges.csv
     FLCE_NVTX=0 ncu --csv --nvtx --nvtx-include "regex:flce::.*/" ... > off.csv
-    python benchmarks/nvtx_check.py --compare all.csv in_ranges.csv off.csv
+    python benchmarks/gpu/nvtx_check.py --compare all.csv in_ranges.csv off.csv
 
 --compare checks that every flce kernel (the names of csrc/cuda/*.cu's kernels) of the first
 run is in the second, and that FLCE_NVTX=0 leaves none in the third.

@@ -4,16 +4,16 @@
 # phases of at most BUDGET_S (default 300 s) each, so that both and a rerun fit in one 15-minute
 # lease. docs/profiling.md ("The GPU check") has the same commands and what to do with the files.
 #
-#   bash benchmarks/gpu_check.sh headline         # run a phase (on the GPU machine)
-#   bash benchmarks/gpu_check.sh rest
-#   bash benchmarks/gpu_check.sh headline --plan  # its steps and limits; exit 1 if over budget
+#   bash benchmarks/gpu/check.sh headline         # run a phase (on the GPU machine)
+#   bash benchmarks/gpu/check.sh rest
+#   bash benchmarks/gpu/check.sh headline --plan  # its steps and limits; exit 1 if over budget
 #
 # From a session, with the device tool (the sha substituted here: the device has no .git):
-#   run  command: FLCE_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu_check.sh headline
+#   run  command: FLCE_COMMIT=<git rev-parse --short HEAD> bash benchmarks/gpu/check.sh headline
 #        carry: [".whl"]                 timeout_s: 330
 #   then, from the headline's files: mkdir -p .gpu_build && tar -xzf FILES_AT/flce_build.tgz
 #        -C .gpu_build (the build, so that rest need not rebuild on a fresh machine)
-#   run  command: FLCE_COMMIT=<sha> bash benchmarks/gpu_check.sh rest
+#   run  command: FLCE_COMMIT=<sha> bash benchmarks/gpu/check.sh rest
 #        carry: [".whl", ".gpu_build"]   timeout_s: 330
 #
 # .whl/ (ignored by git) holds the wheels the device cannot download, for Python 3.12:
@@ -22,38 +22,12 @@
 #     -d .whl liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 # (quack's CuTe DSL wheel, 92 MB, is over what a call can carry.)
 #
-# headline: env, wheels, build for 9.0a, ptxas, check (`python -m flce.check --quick --only
-#   correctness`: every path against float64, the collapse), bench (`python -m flce.check
-#   --quick --only speed`, its own process: flce.cross_entropy at [16384, 64128] bf16 against its
-#   bytes' time, then at [4096 x 4096 x 128256] the 3 cuBLAS GEMMs, the default path, eager, the
-#   forward without gradients against its logits GEMM, Liger and CCE last: one record per
-#   configuration), test_cuda (tests/cuda/test_cuda.py), record_tests (its gpu_tests record),
-#   profile (one profiled step and a memory snapshot).
-# rest: env, wheels, build_reuse (the headline's build, kept on a warm machine or carried in
-#   .gpu_build/; without one it builds first, and the steps at the end are cut by the budget),
-#   bench_large (`python -m flce.check` at N = 16384 and V = 256000), bench_ce (cross-entropy
-#   on given logits, inputs made on the GPU), fp64_cost (FLCE_CUDA_FP32_GRAD=fp64 against SGEMM and DGEMM), test_suite (the
-#   device-parametrized suite without the files run above), record_tests, no_sync (training
-#   steps under torch.cuda.set_sync_debug_mode("error")), target_modes,
-#   memcheck and racecheck (compute-sanitizer), ncu_rows (the row kernels' counters), nvtx,
-#   cpu_bf16 (the host CPU's bf16 step at [4096 x 512 x 32768], AMX on the lent machines' hosts:
-#   `python -m flce.check --device cpu`, its record beside the GPU's).
-#
-# Every step runs in its own process under its own limit (cut to what is left of the budget),
-# with its output in its own log; a step that fails or times out is reported and the next one
-# runs. The limits of a phase's steps add up to at most its budget (--plan checks it;
-# tests/tools/test_gpu_check.py runs both phases with every command stubbed). Files in $OUT (default
-# benchmarks/results/gpu-RUN, RUN = date-PHASE; the device tool returns at most 8):
-#   gpu_records.jsonl  records in benchmarks/results/gpu.jsonl's format, each appended the
-#                      moment it is measured (a shape cut mid-way: "complete": false); append
-#                      them to benchmarks/results/gpu.jsonl, never edit the old ones
-#   summary.txt        one line per step: exit status, seconds, ok / FAILED / TIMEOUT / SKIPPED
-#   table.txt          the benchmarks' tables (also printed last)
-#   gpu_logs.tgz       every step's log, the JUnit reports, the profiler trace (packed after
-#                      each step)
-#   flce_build.tgz     headline: the build (_C*.so and _build_info.py) for rest's .gpu_build/
-#   memory_snapshot.pickle  headline: the allocator's history over one step (pytorch.org/memory_viz)
-# Exit status 1 if any step failed, timed out or was skipped.
+# Each phase's steps and limits, and the files it leaves in $OUT (default
+# benchmarks/results/gpu-RUN, RUN = date-PHASE; at most 8, what the device tool returns), are in
+# docs/profiling.md's table. Every step runs in its own process under its own limit (cut to what
+# is left of the budget), its output in its own log (packed into gpu_logs.tgz after each step);
+# a step that fails or times out is reported in summary.txt and the next one runs. Exit status 1
+# if any step failed, timed out or was skipped.
 #
 # Dry runs (no GPU): PYTHON=a stand-in interpreter and stub nvcc / ncu / compute-sanitizer /
 # nvidia-smi on PATH; FLCE_GPU_DRY_RUN=1 makes the record writers stand-ins too;
@@ -66,12 +40,12 @@ PLAN_ONLY=0
 case $PHASE in
   headline | rest) ;;
   *)
-    echo "usage: bash benchmarks/gpu_check.sh headline|rest [--plan]" >&2
+    echo "usage: bash benchmarks/gpu/check.sh headline|rest [--plan]" >&2
     exit 2
     ;;
 esac
 
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2
 BUDGET_S=${BUDGET_S:-300}
 
 # Each phase's steps, in the order they run, NAME:LIMIT_S. The limits add up to at most the
@@ -149,7 +123,7 @@ step() {
   shift
   local limit=${LIMIT[$name]:-}
   if [[ -z $limit ]]; then
-    echo "gpu_check.sh: step $name is in no plan of phase $PHASE" >&2
+    echo "benchmarks/gpu/check.sh: step $name is in no plan of phase $PHASE" >&2
     exit 3
   fi
   local left=$((BUDGET_S - (SECONDS - T0)))
@@ -252,7 +226,7 @@ if [[ $PHASE == headline ]]; then
   step test_cuda "$PY" -m pytest -q -rfEs -p no:cacheprovider -k "not cuda-host" \
     --junitxml="$LOGS/junit_cuda.xml" tests/cuda/test_cuda.py tests/tools/test_check_ptxas.py \
     tests/tools/test_build_info.py::test_extension_uses_the_process_libstdcxx
-  step record_tests "$PY" benchmarks/gpu_tests_record.py "$RECORDS" "$LOGS/junit_cuda.xml"
+  step record_tests "$PY" benchmarks/gpu/tests_record.py "$RECORDS" "$LOGS/junit_cuda.xml"
   step profile "$PY" benchmarks/profile_step.py --n 4096 --v 128256 --d 4096 --warmup 2 \
     --steps 1 --torch-profiler "$LOGS/trace_4096x128256x4096.json" \
     --memory-snapshot "$OUT/memory_snapshot.pickle"
@@ -280,14 +254,14 @@ sed -n '/^linear_cross_entropy  N=/,/^(floor/p' "$LOGS/bench_large.log" >>"$OUT/
 step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --dtypes bf16 \
   --impls flce,eager,liger,flce_inplace,compiled --repeats 10 --timeout 60 --record "$RECORDS" \
   --partial "$PARTIAL"
-step fp64_cost "$PY" benchmarks/gpu_fp64_cost.py --repeats 3 --record "$RECORDS"
+step fp64_cost "$PY" benchmarks/gpu/fp64_cost.py --repeats 3 --record "$RECORDS"
 # The device-parametrized suites on "cuda", without the files that ran on their own above.
 step test_suite "$PY" -m pytest -q -rfE -p no:cacheprovider --durations=10 tests \
   -m "not cuda_host" -k cuda --ignore=tests/cuda/test_cuda.py \
   --ignore=tests/tools/test_check_ptxas.py --ignore=tests/parallel/test_parallel_cuda.py \
   --ignore=tests/tools/test_gpu_check.py --ignore=tests/cuda/test_driver_mutations.py \
   --junitxml="$LOGS/junit_suite.xml"
-step record_tests "$PY" benchmarks/gpu_tests_record.py "$RECORDS" "$LOGS/junit_suite.xml"
+step record_tests "$PY" benchmarks/gpu/tests_record.py "$RECORDS" "$LOGS/junit_suite.xml"
 # Training steps without a host sync.
 step no_sync "$PY" -c "import sys, torch
 sys.path.insert(0, 'python'); import flce
@@ -306,12 +280,12 @@ print('training steps without a host sync: ok')"
 # A bad target in every check mode, each in its own process; any failing process fails the step.
 # shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
 step target_modes bash -c 'rc=0
-for m in 0 sync 1; do FLCE_CHECK_TARGETS=$m "$1" benchmarks/gpu_target_check.py none || rc=1; done
-FLCE_CHECK_TARGETS=1 "$1" benchmarks/gpu_target_check.py mean || rc=1
+for m in 0 sync 1; do FLCE_CHECK_TARGETS=$m "$1" benchmarks/gpu/target_check.py none || rc=1; done
+FLCE_CHECK_TARGETS=1 "$1" benchmarks/gpu/target_check.py mean || rc=1
 exit $rc' _ "$PY"
 step memcheck "$SANITIZER" --tool memcheck --error-exitcode 1 --leak-check no \
-  "$PY" benchmarks/gpu_sanitize.py
-step racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 "$PY" benchmarks/gpu_sanitize.py
+  "$PY" benchmarks/gpu/sanitize.py
+step racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 "$PY" benchmarks/gpu/sanitize.py
 # The row kernels' counters at the anchor shape (DRAM throughput, issue slots, stalls).
 step ncu_rows "$NCU" --clock-control none --kernel-name regex:row_ --launch-skip 4 \
   --launch-count 2 --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
@@ -320,11 +294,12 @@ step ncu_rows "$NCU" --clock-control none --kernel-name regex:row_ --launch-skip
 # Every flce kernel inside a flce:: NVTX range, none with FLCE_NVTX=0 (ncu: nsys is absent).
 # shellcheck disable=SC2016 # (the bash -c script expands its own arguments)
 step nvtx bash -c 'set -e; n=("$1" --clock-control none --csv --metrics gpu__time_duration.sum)
-"${n[@]}" "$2" benchmarks/nvtx_check.py >"$3/ncu_all.csv"
-"${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/nvtx_check.py >"$3/ncu_in.csv"
-FLCE_NVTX=0 "${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/nvtx_check.py \
+"${n[@]}" "$2" benchmarks/gpu/nvtx_check.py >"$3/ncu_all.csv"
+"${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/gpu/nvtx_check.py \
+  >"$3/ncu_in.csv"
+FLCE_NVTX=0 "${n[@]}" --nvtx --nvtx-include "regex:flce::.*/" "$2" benchmarks/gpu/nvtx_check.py \
   >"$3/ncu_off.csv"
-"$2" benchmarks/nvtx_check.py --compare "$3/ncu_all.csv" "$3/ncu_in.csv" "$3/ncu_off.csv"' \
+"$2" benchmarks/gpu/nvtx_check.py --compare "$3/ncu_all.csv" "$3/ncu_in.csv" "$3/ncu_off.csv"' \
   _ "$NCU" "$PY" "$LOGS"
 # The host CPU's bf16 training step (AMX on the lent machines' Xeons: docs/cpu-backend.md's AMX
 # predictions become a record).

@@ -1,7 +1,7 @@
 """The cost of fp32 training's gradient GEMMs in float64 (FLCE_CUDA_FP32_GRAD=fp64) on a GPU,
 against the SGEMM path and against the GEMMs alone; one record per shape, appended as measured.
 
-    python benchmarks/gpu_fp64_cost.py --record OUT.jsonl [--shapes 16384,32768,1024;...]
+    python benchmarks/gpu/fp64_cost.py --record OUT.jsonl [--shapes 16384,32768,1024;...]
 
 Per shape (fp32 inputs, TF32 off), medians of --repeats steps after --warmup (CUDA events):
   flce_fp32     flce.linear_cross_entropy forward + backward, FLCE_CUDA_FP32_GRAD=fp32 (SGEMMs)
@@ -9,7 +9,7 @@ Per shape (fp32 inputs, TF32 off), medians of --repeats steps after --warmup (CU
   sgemm3        the step's 3 GEMMs in fp32 alone (logits, dE, dW)
   sgemm_dgemm2  the logits SGEMM and the dE, dW GEMMs in fp64 alone (operands already fp64)
 Record: {"op": "fp32_grad_cost", "n", "v", "d", "dtype": "float32", "ms": {...},
-"ms_range": {...}, "fp64_over_fp32": flce_fp64 / flce_fp32, plus gpu_record's environment}.
+"ms_range": {...}, "fp64_over_fp32": flce_fp64 / flce_fp32, plus _records.environment()}.
 Hopper's FP64 tensor cores run DGEMM at about SGEMM's rate: fp64_over_fp32 is the figure that
 decides whether fp64 becomes fp32 training's default on sm_90 (within 1.2x).
 """
@@ -19,8 +19,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import gpu_record  # noqa: E402
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: the record writer
+import _records  # noqa: E402
 
 SHAPES = "16384,32768,1024;4096,128256,4096"
 
@@ -78,18 +78,18 @@ def main(argv=None):
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    env = gpu_record.environment()
+    env = _records.environment()
     for shape in args.shapes.split(";"):
         n, v, d = (int(a) for a in shape.split(","))
         res = measure(n, v, d, args.warmup, args.repeats)
         rec = dict(env)
         rec.update(op="fp32_grad_cost", n=n, v=v, d=d, dtype="float32", warmup=args.warmup,
                    repeats=args.repeats,
-                   ms={k: gpu_record.sig(r[0]) for k, r in res.items()},
-                   ms_range={k: [gpu_record.sig(r[1]), gpu_record.sig(r[2])]
+                   ms={k: _records.sig(r[0]) for k, r in res.items()},
+                   ms_range={k: [_records.sig(r[1]), _records.sig(r[2])]
                              for k, r in res.items()},
-                   fp64_over_fp32=gpu_record.sig(res["flce_fp64"][0] / res["flce_fp32"][0], 4))
-        gpu_record.append(args.record, rec)
+                   fp64_over_fp32=_records.sig(res["flce_fp64"][0] / res["flce_fp32"][0], 4))
+        _records.append(args.record, rec)
         ms = rec["ms"]
         print(f"fp32 N={n} V={v} D={d}: flce SGEMM grads {ms['flce_fp32']:.2f} ms, fp64 grads "
               f"{ms['flce_fp64']:.2f} ms ({rec['fp64_over_fp32']:.2f}x); GEMMs alone: 3 SGEMM "

@@ -4,14 +4,14 @@ IndexError). Prints each stage with flush, so a crash shows where it happened. E
 when a checking mode (FLCE_CHECK_TARGETS=1, the default, or sync) let the bad target through
 both calls; FLCE_CHECK_TARGETS=0 (off) only has to not crash.
 
-    python benchmarks/gpu_target_check.py [none|mean]
+    python benchmarks/gpu/target_check.py [none|mean]
 """
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 import flce  # noqa: E402
 
 
