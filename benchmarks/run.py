@@ -9,8 +9,8 @@
   parallel   the collectives of vocab-parallel cross-entropy: flce's against Megatron's (gloo)
   collapse   the loss's relative error against float64 at target margins 0-100 (the record
              behind docs/img/collapse.png)
-  distill    flce.linear_distillation against eager torch and Liger, beside the 5 GEMMs;
-             --collapse: its error against float64 at margins 0-100 (docs/img/distill_collapse.png)
+  distill    flce.linear_distillation against eager torch and Liger, beside the 5 GEMMs
+             (time, peak memory)
   profile    warm-up and profiled steps for nsys / ncu / torch.profiler (docs/profiling.md)
   demo       the two-minute tour: collapse, gradient accuracy, one cost line
   gpu-check  benchmarks/gpu/check.sh on a GPU machine: headline | rest [--plan]
@@ -98,7 +98,7 @@ def _gpu_check(argv):
 # where it returns one.
 MODULES = {"linear": "bench", "ce": "bench_ce", "accuracy": "accumulation",
            "parallel": "bench_parallel", "profile": "profile_step", "demo": "demo",
-           "distill": "bench_distill", "report": "report", "plots": "report.plots_main"}
+           "distill": "bench.distill_main", "report": "report", "plots": "report.plots_main"}
 
 
 def _module(name):
