@@ -136,23 +136,10 @@ def teacher(x, w, _cache={}):
     return _cache[key]
 
 
-def trl_divergence(z_s, z_t, beta):
-    """Per-token divergence from logits as TRL's ``generalized_jsd_loss`` computes it (Liger's
-    chunked loss likewise per chunk): fp32 log_softmax of both, forward KL at beta 0, otherwise
-    the mixture by logsumexp and F.kl_div(log_target=True) against it."""
-    log_s = F.log_softmax(z_s.float(), dim=-1)
-    log_t = F.log_softmax(z_t.float(), dim=-1)
-    if beta == 0:
-        return F.kl_div(log_s, log_t, reduction="none", log_target=True).sum(-1)
-    log_m = torch.logsumexp(torch.stack([log_s + math.log(1 - beta),
-                                         log_t + math.log(beta)]), dim=0)
-    return (beta * F.kl_div(log_m, log_t, reduction="none", log_target=True)
-            + (1 - beta) * F.kl_div(log_m, log_s, reduction="none", log_target=True)).sum(-1)
-
-
 def distill_impl(name, beta=BETA, compiled=True):
     """``f(x_s, w_s, x_t, w_t) -> mean loss`` for the distillation implementation ``name``
-    (its divergence "jsd" at ``beta`` or "fkl", forward KL)."""
+    (its divergence "jsd" at ``beta`` or "fkl", forward KL); "eager" is examples/distill.py's
+    stock recipe (TRL's generalized_jsd_loss)."""
     kind, _, div = name.partition("-")
     beta = beta if div == "jsd" else 0.0
     if kind == "flce":
@@ -161,10 +148,13 @@ def distill_impl(name, beta=BETA, compiled=True):
         return lambda x, w, xt, wt: flce.linear_distillation(x, w, xt, wt, divergence=div,
                                                              beta=beta)
     if kind == "eager":  # the teacher's logits without grad, as a frozen teacher's
+        sys.path.insert(0, os.path.join(_records.REPO, "examples"))
+        from distill import stock_divergence
+
         def f(x, w, xt, wt):
             with torch.no_grad():
                 z_t = F.linear(xt, wt)
-            return trl_divergence(F.linear(x, w), z_t, beta).mean()
+            return stock_divergence(F.linear(x, w), z_t, beta).mean()
         return f
     if kind == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
