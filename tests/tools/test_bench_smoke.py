@@ -149,6 +149,23 @@ def test_distill_peers_agree():
         bench.parse_args(["--peers", "chunked"], distill=True)
 
 
+def test_distill_collapse_record():
+    """`run.py collapse --distill` at margins 0 and 40: where the models agree, the eager
+    formula's forward KL returns a wrong loss and no gradient at the student's class (1 - p
+    rounds to 0); where they disagree, its JSD gradient there is lost likewise. flce keeps fp32
+    accuracy in both."""
+    rec = run.distill_collapse_record(v=256, d=16, n=4, margins=(0, 40))
+    assert rec["op"] == "distill_collapse" and rec["margins"] == [0, 40]
+    for case in ("agree", "disagree"):
+        for name in ("flce-jsd", "flce-fkl"):
+            assert max(rec["rel_err"][case][name]["loss"]) < 1e-4, (case, name)
+            assert max(rec["rel_err"][case][name]["grad"]) < 1e-4, (case, name)
+        assert all(r > 2.0 ** -126 for k in ("jsd", "fkl") for r in rec["ref"][case][k]["grad"])
+    eager = rec["rel_err"]["agree"]["eager-fkl"]
+    assert eager["loss"][0] < 1e-4 and eager["loss"][1] > 0.5 and eager["grad"][1] > 0.5
+    assert rec["rel_err"]["disagree"]["eager-jsd"]["grad"][1] > 0.5
+
+
 def test_floor_is_the_faster_engine():
     """On the CPU `linear` times the 3 GEMMs on torch.mm (gemm3) and on flce's tile GEMMs
     (gemm3-flce); the table's and the record's floor is the faster of those that ran, named."""
