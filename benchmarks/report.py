@@ -371,7 +371,7 @@ def plot_distill_collapse(records, path):
     hold it) are not drawn."""
     rec = _last(records, "distill_collapse")
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
     for col, case in enumerate(("agree", "disagree")):
         for row, what in enumerate(("loss", "grad")):
             ax = axes[row][col]
@@ -394,11 +394,11 @@ def plot_distill_collapse(records, path):
             ax.set_ylabel("|x - float64 reference| / |reference|", fontsize=8)
         axes[1][col].set_xlabel("margin  z_a - max_{j != a} z_j" + (
             " (the teacher's: margin + 1)" if case == "agree" else ""))
-    axes[0][0].legend(fontsize=7, loc="center right")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
     fig.suptitle(f"Distillation at large margins: {rec['n']} tokens, fp32, V = {rec['v']}, "
                  f"D = {rec['d']}, jsd beta = {rec['beta']}; not drawn: margins where the "
                  f"float64 value is below fp32's range (2^-126)\n{_stamp(rec)}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

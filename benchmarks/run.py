@@ -101,15 +101,15 @@ def distill_collapse_record(v=4096, d=64, n=8, margins=COLLAPSE_MARGINS, progres
                                                   x_t.double() @ w_t.double().T,
                                                   divergence="jsd", beta=beta)
                 ref.backward()
-                g_ref = w_ref.grad[a]
-                mag[case][div]["loss"].append(abs(float(ref)))
+                ref, g_ref = float(ref.detach()), w_ref.grad[a]
+                mag[case][div]["loss"].append(abs(ref))
                 mag[case][div]["grad"].append(float(g_ref.norm()))
                 for i in impls:
                     w_i = w.clone().requires_grad_(True)
                     loss = _peers.distill_impl(f"{i}-{div}", compiled=False)(x, w_i, x_t, w_t)
                     loss.backward()
                     e = errs[f"{i}-{div}"]
-                    e["loss"].append(abs(float(loss.detach()) - float(ref)) / abs(float(ref)))
+                    e["loss"].append(abs(float(loss.detach()) - ref) / abs(ref))
                     e["grad"].append(float((w_i.grad[a].double() - g_ref).norm() / g_ref.norm()))
         if progress is not None:
             progress.done(", ".join(f"{i} {e['grad'][-1]:.1e}" for i, e in rel["agree"].items())
