@@ -16,9 +16,9 @@ A generated region is the text between ``<!-- generated:NAME:begin -->`` and
 
 Pictures: ``collapse.png`` (the loss's error against the target margin, the latest ``collapse``
 record), ``distill_collapse.png`` (distillation's loss and student gradient likewise, the latest
-``distill_collapse`` record), ``speed_memory.png`` (time over the 3-GEMM floor and peak memory per implementation,
-one row per device, the ``linear_cross_entropy`` records) and ``train_lm.png`` (the latest
-train_lm run's loss curves).
+``distill_collapse`` record), ``speed_memory.png`` (time over the 3-GEMM floor and peak memory per
+implementation, one row per device, the ``linear_cross_entropy`` records) and ``train_lm.png`` (the
+latest train_lm run's loss curves).
 
 Every table and picture names the date, device and commit of its numbers.
 tests/tools/test_report.py regenerates the regions from the committed records and compares them
@@ -309,7 +309,8 @@ def _pyplot():
 
 # The peers collapse together: distinct line styles keep each one visible.
 STYLES = {"flce": dict(lw=2.5, marker="o", ms=4),
-          "eager": dict(lw=4, alpha=0.45, marker="s", ms=6), "compile": dict(lw=1.5, ls="--", marker="^", ms=4),
+          "eager": dict(lw=4, alpha=0.45, marker="s", ms=6),
+          "compile": dict(lw=1.5, ls="--", marker="^", ms=4),
           "chunked": dict(lw=1.2, ls=":", marker="v", ms=4)}
 
 

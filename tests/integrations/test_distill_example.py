@@ -1,13 +1,12 @@
-"""examples/distill.py --quick: a teacher trained briefly, then a student distilled from it with
-the stock recipe (log_softmax + F.kl_div, TRL's generalized JSD) and with
-flce.linear_distillation, from the same initialization on the same batches.
+"""examples/distill.py --quick: a teacher trained briefly, then a student distilled from it with the
+stock recipe (log_softmax + F.kl_div, TRL's generalized JSD) and with flce.linear_distillation,
+from the same initialization on the same batches.
 
-The two students differ by rounding alone. At step 1 (equal weights) the two losses differ by
-the rounding of each: a mean over tokens of sums over V = 2048 terms p (log p - log m), some of
-either sign, in fp32 (measured: 1.3e-7 = 2.2 u, u = 2^-24). The test allows 64 u. After it the
-gradients' rounding differences move the weights apart (AdamW), and the difference grows:
-measured at most 4.1e-7 over the quick config's 20 steps. The test allows 1e-5 over the run. A divergence computed at the wrong beta, a gradient off by a factor or a token
-dropped moves the loss by more than 1e-3 within a step or two."""
+The two students differ by rounding alone. At step 1 (equal weights) the two losses differ by the
+rounding of each: a mean over tokens of sums over V = 2048 terms p (log p - log m), some of either
+sign, in fp32 (measured: 1.3e-7 = 2.2 u, u = 2^-24). The test allows 64 u. After it the gradients'
+rounding differences move the weights apart (AdamW), and the difference grows: measured at most
+4.1e-7 over the quick config's 20 steps. The test allows 1e-5 over the run."""
 import importlib.util
 import json
 import os
