@@ -29,10 +29,15 @@ LIGER_CPU_MAX_MACS = 2 ** 26
 
 IMPLS = ("flce", "eager", "compile", "chunked", "liger", "cce", "flce-single", "flce-recompute",
          "flce-exact", "gemm3", "gemm3-flce", "flce-soft", "eager-soft")
-# The floors: the step's 3 GEMMs on torch.mm and on flce's own CPU tile-GEMM engine; a run's
-# floor is the faster of those it timed (benchmarks/bench.py), so that "x floor" >= 1 for any
-# implementation that computes the 3 GEMMs with either engine.
-FLOORS = ("gemm3", "gemm3-flce")
+# `run.py distill`'s implementations (benchmarks/bench.py --distill): a student's loss against a
+# frozen teacher's logits, and its floor, the 5 GEMMs. "flce" there is linear_cross_entropy on
+# the student alone, the memory reference.
+DISTILL = ("flce-jsd", "flce-fkl", "eager-jsd", "eager-fkl", "liger-jsd", "gemm5", "gemm5-flce")
+BETA = 0.5  # the distillation runs' JSD beta
+# The floors: a step's GEMMs (3 for cross-entropy, 5 for distillation) on torch.mm and on flce's
+# own CPU tile-GEMM engine; a run's floor is the faster of those it timed (benchmarks/bench.py),
+# so that "x floor" >= 1 for any implementation that computes those GEMMs with either engine.
+FLOORS = ("gemm3", "gemm3-flce", "gemm5", "gemm5-flce")
 # flce's two training paths forced (single_pass=True / False), and its exact bf16 gradients
 # (exact_bf16_grad=True: the CPU backend's split gradient tile on AMX), beside its defaults.
 FLCE_PATHS = {"flce": {}, "flce-single": {"single_pass": True},
@@ -89,6 +94,77 @@ class _Gemm3Flce(torch.autograd.Function):
                 torch.ops.flce.cpu_tile_gemm(g, x, trans_a=True), None)
 
 
+def _mm(a, b, trans_a=False, trans_b=False):
+    return (a.T if trans_a else a) @ (b.T if trans_b else b)
+
+
+def _tile_mm(a, b, trans_a=False, trans_b=False):
+    return torch.ops.flce.cpu_tile_gemm(a, b, trans_a=trans_a, trans_b=trans_b)
+
+
+class _Gemm5(torch.autograd.Function):
+    """The 5 GEMMs of a distillation step with a frozen teacher (issue 55's count), no loss
+    math: both logits forward; backward the student's logits again (a recomputing path's), then
+    ``dz @ W_S`` and ``dz^T @ X_S``. ``mm``: torch.mm or flce's tile GEMM; ``g`` as in
+    _Gemm3Flce (None: multiply the recomputed logits)."""
+
+    @staticmethod
+    def forward(ctx, x, w, x_t, w_t, g, mm):
+        z = mm(x, w, trans_b=True)
+        mm(x_t, w_t, trans_b=True)
+        ctx.mm = mm
+        ctx.save_for_backward(x, w, g)
+        return z.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, _):
+        x, w, g = ctx.saved_tensors
+        z = ctx.mm(x, w, trans_b=True)
+        dz = z if g is None else g
+        return ctx.mm(dz, w), ctx.mm(dz, x, trans_a=True), None, None, None, None
+
+
+def teacher(x, w, _cache={}):
+    """The frozen teacher of a distillation run: its hidden states and classifier in the
+    student's shapes (random_batch, seed 1), made once per batch, as soft_targets is: an
+    input."""
+    key = (tuple(x.shape), tuple(w.shape), x.dtype, x.device)
+    if key not in _cache:
+        _cache.clear()
+        _cache[key] = random_batch(x.shape[0], w.shape[0], x.shape[1], x.dtype, x.device,
+                                   seed=1)[:2]
+    return _cache[key]
+
+
+def distill_impl(name, beta=BETA, compiled=True):
+    """``f(x_s, w_s, x_t, w_t) -> mean loss`` for the distillation implementation ``name``
+    (its divergence "jsd" at ``beta`` or "fkl", forward KL); "eager" is examples/distill.py's
+    stock recipe (TRL's generalized_jsd_loss)."""
+    kind, _, div = name.partition("-")
+    beta = beta if div == "jsd" else 0.0
+    if kind == "flce":
+        import flce
+        div = "jsd" if div == "jsd" else "forward_kl"
+        return lambda x, w, xt, wt: flce.linear_distillation(x, w, xt, wt, divergence=div,
+                                                             beta=beta)
+    if kind == "eager":  # the teacher's logits without grad, as a frozen teacher's
+        sys.path.insert(0, os.path.join(_records.REPO, "examples"))
+        from distill import stock_divergence
+
+        def f(x, w, xt, wt):
+            with torch.no_grad():
+                z_t = F.linear(xt, wt)
+            return stock_divergence(F.linear(x, w), z_t, beta).mean()
+        return f
+    if kind == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta,
+                                       compiled=compiled)
+        return lambda x, w, xt, wt: loss(x, w, xt, wt, torch.zeros(x.shape[0], dtype=torch.long,
+                                                                   device=x.device))
+    raise ValueError(f"unknown implementation {name!r}; choose from {DISTILL}")
+
+
 def _gemm_operand(n, v, dtype, _cache={}):
     """An [n, v] operand in ``dtype`` for _Gemm3Flce's backward, made once per shape."""
     key = (n, v, dtype)
@@ -125,6 +201,8 @@ def available(name):
     the device's reasons)."""
     if name in ("eager", "compile", "gemm3", "gemm3-flce") or name in FLCE_PATHS:
         return None
+    if name in DISTILL:
+        return None if name != "liger-jsd" else available("liger")
     if name == "chunked":
         if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn,
                                                                  "LinearCrossEntropyOptions"):
@@ -146,7 +224,7 @@ EMULATE_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
 
 def child_env(name, device, isa=None):
     env = dict(os.environ)
-    if name == "liger" and device == "cpu":
+    if name == "liger" and device == "cpu":  # (its distillation loss is torch.compile'd)
         env["TRITON_INTERPRET"] = "1"
     if isa == "avx2":
         env.update(EMULATE_AVX2)
@@ -242,7 +320,20 @@ def make_impl(name, device):
                                                                      x.dtype)
             return _Gemm3Flce.apply(x, w.to(x.dtype), g)
         return f
-    raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
+    if name in ("gemm5", "gemm5-flce"):
+        import flce  # noqa: F401  (registers torch.ops.flce.*)
+
+        def f(x, w, t, bias=None):
+            g = None
+            if name == "gemm5-flce" and x.dtype != torch.float32:
+                g = _gemm_operand(x.shape[0], w.shape[0], x.dtype)
+            mm = _tile_mm if name == "gemm5-flce" else _mm
+            return _Gemm5.apply(x, w, *teacher(x, w), g, mm)
+        return f
+    if name in DISTILL:
+        loss = distill_impl(name)
+        return lambda x, w, t, bias=None: loss(x, w, *teacher(x, w))
+    raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS + DISTILL}")
 
 
 def random_batch(n, v, d, dtype, device, seed=0):
@@ -355,7 +446,7 @@ def measure(spec):
         step()
     out["peak_mem_bytes"] = mem.bytes
     out["peak_total_bytes"] = mem.total
-    if spec.get("accuracy", True) and name not in FLOORS:
+    if spec.get("accuracy", True) and name not in FLOORS + DISTILL:
         rel, mean_margin, _, _ = large_margin_error(
             f, spec["acc_V"], spec["acc_D"], dtype, device, spec["margin"])
         out["loss_rel_err"] = rel

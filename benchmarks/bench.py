@@ -1,5 +1,8 @@
 """The linear step (`python benchmarks/run.py linear`): flce's fused linear cross-entropy against
-its peers, forward + backward time, peak memory and loss accuracy at a large target margin.
+its peers, forward + backward time, peak memory and loss accuracy at a large target margin; and
+distillation (`python benchmarks/run.py distill`): flce.linear_distillation against eager torch
+and Liger on the same student and frozen teacher, beside flce.linear_cross_entropy on the
+student alone (the memory reference) and the step's 5 GEMMs (the floor).
 
 A configuration is one (dtype, shape); every (implementation, configuration) runs in its own
 fresh process, and a progress line is printed as each starts and ends. With --record, each
@@ -22,6 +25,7 @@ import _peers  # noqa: E402
 import _records  # noqa: E402
 
 DEFAULT_PEERS = ("eager", "chunked", "cce", "gemm3")
+DISTILL_PEERS = ("flce-fkl", "eager-jsd", "eager-fkl", "liger-jsd", "flce", "gemm5")
 CSV_COLUMNS = ("impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "status",
                "time_median_s", "time_min_s", "time_max_s", "peak_mem_mb", "peak_total_mb",
                "time_vs_flce", "mem_vs_flce", "loss", "acc_margin", "loss_rel_err",
@@ -29,8 +33,12 @@ CSV_COLUMNS = ("impl", "device", "dtype", "N", "V", "D", "threads", "repeats", "
                "isa", "cpu_gemm", "cpu", "rounds")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="benchmarks/run.py linear",
+def parse_args(argv=None, distill=False):
+    """``distill``: `run.py distill`'s implementations (base flce-jsd, floor gemm5)."""
+    base, peers, choices = "flce", DEFAULT_PEERS, _peers.IMPLS[1:]
+    if distill:
+        base, peers, choices = "flce-jsd", DISTILL_PEERS, _peers.DISTILL[1:] + ("flce",)
+    p = argparse.ArgumentParser(prog=f"benchmarks/run.py {'distill' if distill else 'linear'}",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -43,11 +51,12 @@ def parse_args(argv=None):
     p.add_argument("--shapes", help="comma list of NxVxD, in place of -N -V -D")
     p.add_argument("--repeats", type=int, default=5, help="timed runs; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (compiles, caches)")
-    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
-                   help=f"comma-separated peers of flce from {_peers.IMPLS[1:]}; 'cce' and "
-                        "'liger' are skipped when not installed; 'gemm3' is the floor, the "
-                        "step's 3 GEMMs alone, on the CPU timed on torch.mm and on flce's tile "
-                        "GEMMs ('gemm3-flce'), the faster kept (default: %(default)s)")
+    p.add_argument("--peers", default=",".join(peers),
+                   help=f"comma-separated peers of {base} from {choices}; 'cce' and "
+                        "'liger*' are skipped when not installed; 'gemm3' ('gemm5') is the floor, "
+                        "the step's 3 (distillation's 5) GEMMs alone, on the CPU timed on "
+                        "torch.mm and on flce's tile GEMMs ('-flce'), the faster kept "
+                        "(default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="also time torch.compile of the eager code")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
@@ -69,6 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--record", help="append each configuration's record to this JSON-lines file "
                    "as it finishes (e.g. benchmarks/results/cpu.jsonl)")
     args = p.parse_args(argv)
+    args.distill = distill
     args.dtype_list = _peers.names(p, "--dtype", args.dtypes, _peers.DTYPES)
     if args.shapes:
         args.shape_list = _peers.shapes(p, "--shapes", args.shapes, 3)
@@ -85,12 +95,13 @@ def parse_args(argv=None):
     for name in ("N", "V", "D", "repeats", "acc_V", "acc_D", "warmup", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"-{name if len(name) == 1 else '-' + name.replace('_', '-')} must be >= 1")
-    peers = _peers.names(p, "--peers", args.peers, _peers.IMPLS[1:], empty=True)
+    peers = _peers.names(p, "--peers", args.peers, choices, empty=True)
     if args.compile and "compile" not in peers:
         peers.insert(peers.index("eager") + 1 if "eager" in peers else 0, "compile")
-    if args.device == "cpu" and "gemm3" in peers and "gemm3-flce" not in peers:
-        peers.insert(peers.index("gemm3") + 1, "gemm3-flce")
-    args.impls = ["flce"] + [s for s in peers if s != "flce"]
+    for floor in ("gemm3", "gemm5"):
+        if args.device == "cpu" and floor in peers and f"{floor}-flce" not in peers:
+            peers.insert(peers.index(floor) + 1, f"{floor}-flce")
+    args.impls = [base] + [s for s in peers if s != base]
     return args
 
 
@@ -113,7 +124,7 @@ def skip_reason(name, args):
     reason = _peers.available(name)
     if reason is not None:
         return reason
-    if name == "gemm3-flce" and args.device != "cpu":
+    if name in ("gemm3-flce", "gemm5-flce") and args.device != "cpu":
         return "flce's tile-GEMM engine is the CPU backend's"
     if name == "liger" and args.device == "cpu":
         macs = args.N * args.V * args.D
@@ -126,7 +137,8 @@ def skip_reason(name, args):
 def _spec(name, args):
     return {"impl": name, "device": args.device, "dtype": args.dtype, "N": args.N, "V": args.V,
             "D": args.D, "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
-            "margin": args.margin, "acc_V": args.acc_V, "acc_D": args.acc_D, "isa": args.isa}
+            "margin": args.margin, "acc_V": args.acc_V, "acc_D": args.acc_D, "isa": args.isa,
+            "accuracy": not args.distill}
 
 
 def _merge(results):
@@ -219,8 +231,8 @@ def format_table(rows, args):
     floor = fr and fr["time_median_s"]
     head = (f"{'impl':{wid}s} {'time (s)':>9s} {'x flce':>7s} {'x floor':>7s} {'first (s)':>9s} "
             f"{'/time':>6s} "
-            f"{'peak MB':>8s} {'x flce':>7s} {'loss':>9s} "
-            f"{'rel.err @ m=' + format(args.margin, 'g'):>14s}")
+            f"{'peak MB':>8s} {'x flce':>7s} {'loss':>9s}"
+            + ("" if args.distill else f" {'rel.err @ m=' + format(args.margin, 'g'):>14s}"))
     ok = [r for r in rows if r["status"] == "ok"]
     env = ""
     if ok:
@@ -245,17 +257,19 @@ def format_table(rows, args):
                      f"{_fmt(floor and r['time_median_s'] / floor, '7.2f')} "
                      f"{r['time_first_s']:9.3f} "
                      f"{r['first_vs_median']:6.2f} {r['peak_mem_mb']:8.0f} "
-                     f"{_fmt(r.get('mem_vs_flce'), '7.2f')} {r['loss']:9.5f} "
-                     f"{_fmt(r.get('loss_rel_err'), '14.2e')}")
-    lines.append("x floor: time over the step's 3 GEMMs alone (the same shapes and dtype), the "
-                 "faster of torch.mm (gemm3) and flce's tile GEMMs (gemm3-flce)"
-                 + (f": here {fr['impl']}." if fr else "."))
-    lines.append("x flce: ratio to flce (> 1: flce is faster / smaller). first: the process's "
-                 "first fwd+bwd, /time: its ratio to the median. peak MB: growth of peak memory "
-                 "during one fwd+bwd above the inputs, gradients included.")
-    lines.append(f"rel.err: |loss - float64 collapse-safe reference| / reference on a "
-                 f"{args.acc_V}x{args.acc_D} side batch at target margin ~{args.margin:g} "
-                 "(1.00 = the loss came out as exactly 0).")
+                     f"{_fmt(r.get('mem_vs_flce'), '7.2f')} {r['loss']:9.5f}"
+                     + ("" if args.distill else f" {_fmt(r.get('loss_rel_err'), '14.2e')}"))
+    gemms = "gemm5" if args.distill else "gemm3"
+    lines.append(f"x floor: time over the step's {gemms[-1]} GEMMs alone (the same shapes and "
+                 f"dtype), the faster of torch.mm ({gemms}) and flce's tile GEMMs "
+                 f"({gemms}-flce)" + (f": here {fr['impl']}." if fr else "."))
+    lines.append(f"x flce: ratio to {args.impls[0]} (> 1: it is faster / smaller). first: the "
+                 "process's first fwd+bwd, /time: its ratio to the median. peak MB: growth of "
+                 "peak memory during one fwd+bwd above the inputs, gradients included.")
+    if not args.distill:
+        lines.append(f"rel.err: |loss - float64 collapse-safe reference| / reference on a "
+                     f"{args.acc_V}x{args.acc_D} side batch at target margin ~{args.margin:g} "
+                     "(1.00 = the loss came out as exactly 0).")
     return "\n".join(lines)
 
 
@@ -272,10 +286,12 @@ def record(rows, args, argv=None):
     (``ms``) and peak memory growth (``peak_gib``, gradients included; not for the floor
     ``gemm3``) per implementation that ran, the loss's relative error at the side batch's margin,
     the floor (``floor``: the faster of the floors that ran, whose ratio docs/benchmarks.md
-    reports) and how it was measured."""
+    reports) and how it was measured. Distillation's, ``op: "linear_distillation"``: no
+    accuracy; ``beta`` (its JSD's) and ``grad_gib`` (the student's gradients, in every peak)."""
     ok = [r for r in rows if r["status"] == "ok"]
     fr = floor_row(rows)
-    rec = _records.base(args.device, "linear_cross_entropy")
+    rec = _records.base(args.device, "linear_distillation" if args.distill
+                        else "linear_cross_entropy")
     rec.update(dtype=_records.DTYPE_NAMES[args.dtype], n=args.N, v=args.V, d=args.D,
                repeats=args.repeats, rounds=args.rounds, load=args.load, isa=args.isa,
                cpu_gemm=next((r.get("cpu_gemm") for r in ok if r.get("cpu_gemm")), None),
@@ -288,7 +304,12 @@ def record(rows, args, argv=None):
                floor=fr and fr["impl"],
                loss_rel_err_m40={r["impl"]: r["loss_rel_err"] for r in ok
                                  if r.get("loss_rel_err") is not None},
-               source="benchmarks/run.py linear" + (f" {' '.join(argv)}" if argv else ""))
+               source=f"benchmarks/run.py {'distill' if args.distill else 'linear'}"
+               + (f" {' '.join(argv)}" if argv else ""))
+    if args.distill:  # the teacher is frozen: the student's gradients are in every peak
+        del rec["loss_rel_err_m40"]
+        rec.update(beta=_peers.BETA, grad_gib=round((args.N + args.V) * args.D * torch.finfo(
+            _peers.DTYPES[args.dtype]).bits / 8 / 2 ** 30, 5))
     # (the name flce.check's records and benchmarks/bench_ce.py's give the same fact)
     skipped = {r["impl"]: r["status"] for r in rows if r["status"] != "ok"}
     if skipped:
@@ -300,12 +321,13 @@ def record(rows, args, argv=None):
     return rec
 
 
-def main(argv=None):
+def main(argv=None, distill=False):
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    args = parse_args(argv, distill)
     configs = configurations(args)
     runnable = sum(1 for cfg in configs for n in args.impls if skip_reason(n, cfg) is None)
-    print(f"flce benchmark, the linear step: {', '.join(args.impls)}; {len(configs)} "
+    print(f"flce benchmark, {'distillation' if distill else 'the linear step'}: "
+          f"{', '.join(args.impls)}; {len(configs)} "
           f"configuration(s), {runnable * args.rounds} child process(es)", flush=True)
     progress = _records.Progress(runnable * args.rounds)
     all_rows = []
@@ -322,6 +344,10 @@ def main(argv=None):
     if args.csv:
         print(f"wrote {args.csv}")
     return all_rows
+
+
+def distill_main(argv=None):
+    return main(argv, distill=True)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ A generated region is the text between ``<!-- generated:NAME:begin -->`` and
   train_lm  examples/train_lm.py's latest runs (benchmarks/results/train_lm.jsonl)
 
 Pictures: ``collapse.png`` (the loss's error against the target margin, the latest ``collapse``
-record), ``speed_memory.png`` (time over the 3-GEMM floor and peak memory per implementation,
-one row per device, the ``linear_cross_entropy`` records) and ``train_lm.png`` (the latest
-train_lm run's loss curves).
+record), ``distill_collapse.png`` (distillation's loss and student gradient likewise, the latest
+``distill_collapse`` record), ``speed_memory.png`` (time over the 3-GEMM floor and peak memory per
+implementation, one row per device, the ``linear_cross_entropy`` records) and ``train_lm.png`` (the
+latest train_lm run's loss curves).
 
 Every table and picture names the date, device and commit of its numbers.
 tests/tools/test_report.py regenerates the regions from the committed records and compares them
@@ -25,6 +26,7 @@ with the committed doc, so the doc cannot drift from the records; tests/tools/te
 draws the pictures.
 """
 import argparse
+import math
 import os
 import sys
 
@@ -35,8 +37,13 @@ import _records  # noqa: E402
 DOC = os.path.join(_records.REPO, "docs", "benchmarks.md")
 IMG = os.path.join(_records.REPO, "docs", "img")
 # The floors (rows of their own, last in a table) and what a time is divided by.
-FLOORS = {"linear_cross_entropy": ("gemm3", "gemm3-flce", "gemm4"), "cross_entropy": ("bytes",)}
-FLOOR_NAME = {"linear_cross_entropy": "gemm3", "cross_entropy": "bytes"}
+FLOORS = {"linear_cross_entropy": ("gemm3", "gemm3-flce", "gemm4"), "cross_entropy": ("bytes",),
+          "linear_distillation": ("gemm5", "gemm5-flce")}
+FLOOR_NAME = {"linear_cross_entropy": "gemm3", "cross_entropy": "bytes",
+              "linear_distillation": "gemm5"}
+TITLES = {"linear_cross_entropy": "Linear cross-entropy, forward + backward",
+          "cross_entropy": "Cross-entropy on given logits, forward + backward",
+          "linear_distillation": "Distillation (a frozen teacher), forward + backward"}
 COLLAPSE_MARGINS = (0, 10, 15, 20, 40, 60, 80, 90, 100)  # the collapse table's rows
 LOAD_NOTE = 1.0  # a load average above this marks a table's timings as contended
 
@@ -111,26 +118,36 @@ def step_table(r):
     # A record names its floor where it timed several (benchmarks/bench.py: the faster engine).
     floor_key = r.get("floor") or FLOOR_NAME[op]
     floor = r["ms"].get(floor_key)
-    base = r["ms"].get("flce")
+    base_key = "flce-jsd" if op == "linear_distillation" else "flce"
+    base = r["ms"].get(base_key)
     err_key = "loss_rel_err_m40" if op == "linear_cross_entropy" else "margin40_rel_err"
     errs = r.get(err_key) or {}
     impls = [i for i in r["ms"] if i not in FLOORS[op]] + [i for i in FLOORS[op] if i in r["ms"]]
-    head = ["implementation", "time", f"x {floor_key}" if floor else None, "x flce",
-            "peak memory", "loss rel. err @ m=40" if errs else None]
+    peaks = r.get("peak_gib") or {}
+    # Distillation's memory reference: flce.linear_cross_entropy on the student alone.
+    mem_base = peaks.get("flce") if op == "linear_distillation" else None
+    head = ["implementation", "time", f"x {floor_key}" if floor else None, f"x {base_key}",
+            "peak memory", "x `flce`'s" if mem_base else None,
+            "loss rel. err @ m=40" if errs else None]
     keep = [k for k, h in enumerate(head) if h is not None]
     rows = []
     for i in impls:
         ms = r["ms"][i]
         row = [f"`{i}`", fmt_time(ms), fmt_ratio(ms / floor) if floor else None,
                fmt_ratio(ms / base) if base and i not in FLOORS[op] else "",
-               fmt_mem((r.get("peak_gib") or {}).get(i)), fmt_err(errs.get(i))]
+               fmt_mem(peaks.get(i)),
+               fmt_ratio(peaks[i] / mem_base) if mem_base and i in peaks else "",
+               fmt_err(errs.get(i))]
         rows.append([row[k] for k in keep])
-    title = ("Linear cross-entropy, forward + backward" if op == "linear_cross_entropy"
-             else "Cross-entropy on given logits, forward + backward")
+    title = TITLES[op]
     extra = ""
     if op == "cross_entropy" and r.get("copy_gb_s"):
         extra = (f"; `bytes`: the logits read twice and the gradient written once at the copy "
                  f"rate of the same run, {r['copy_gb_s']:g} GB/s")
+    if r.get("grad_gib"):
+        extra = (f"; jsd at beta {r['beta']:g}; `flce`: linear_cross_entropy on the student "
+                 f"alone; peak memory includes the student's gradients, "
+                 f"{fmt_mem(r['grad_gib'])}")
     caption = (f"**{title}, {_dtype(r)}, {_shape(r)}** ({_where(r)}{extra}). "
                f"Source: {r.get('source', 'unknown')}.")
     not_run = r.get("skipped") or {}
@@ -198,7 +215,8 @@ def other_line(r):
 def results_region(records):
     recs = _records.latest(records)
     devices = list(dict.fromkeys(r["device"] for r in recs))
-    order = {"linear_cross_entropy": 0, "cross_entropy": 1, "collapse": 2, "gpu_tests": 3}
+    order = {"linear_cross_entropy": 0, "cross_entropy": 1, "linear_distillation": 2,
+             "collapse": 3, "gpu_tests": 4}
     parts = []
     for dev in devices:
         parts.append(f"### {dev}")
@@ -289,41 +307,100 @@ def _pyplot():
     return plt
 
 
-def plot_collapse(records, path):
-    recs = [r for r in records if r.get("op") == "collapse"]
-    if not recs:
-        raise ValueError("no collapse records")
-    rec = recs[-1]
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+# The peers collapse together: distinct line styles keep each one visible.
+STYLES = {"flce": dict(lw=2.5, marker="o", ms=4),
+          "eager": dict(lw=4, alpha=0.45, marker="s", ms=6),
+          "compile": dict(lw=1.5, ls="--", marker="^", ms=4),
+          "chunked": dict(lw=1.2, ls=":", marker="v", ms=4)}
+
+
+def _error_axes(ax, margins, lines, one):
+    """Relative errors against the margin on a log axis, ``lines``: ``(label, errors, style)``
+    (a NaN error is not drawn); a line at 1 (``one`` says what it means) and at fp32's unit
+    roundoff."""
     floor = 2.0 ** -24
-    for impl in LABELS:
-        if impl not in rec["rel_err"]:
-            continue
+    for label, errs, style in lines:
         # Exactly equal to the reference would be -inf on a log axis: drawn at the floor / 10.
-        ys = [max(e, floor / 10) for e in rec["rel_err"][impl]]
-        # The peers collapse together: distinct line styles keep each one visible.
-        style = {"flce": dict(lw=2.5, marker="o", ms=4),
-                 "eager": dict(lw=4, alpha=0.45, marker="s", ms=6),
-                 "compile": dict(lw=1.5, ls="--", marker="^", ms=4),
-                 "chunked": dict(lw=1.2, ls=":", marker="v", ms=4)}.get(impl, dict(lw=1.2))
-        ax.semilogy(rec["margins"], ys, color=COLORS[impl], label=LABELS[impl], **style)
-    mid = rec["margins"][len(rec["margins"]) // 3]
+        ax.semilogy(margins, [e if math.isnan(e) else max(e, floor / 10) for e in errs],
+                    label=label, **style)
+    mid = margins[len(margins) // 3]
     ax.axhline(1.0, color="k", lw=0.8, ls=":")
-    ax.text(mid, 1.5, "relative error 1: the loss came out as exactly 0", fontsize=8)
+    ax.text(mid, 1.5, one, fontsize=8)
     ax.axhline(floor, color="0.5", lw=0.8, ls=":")
     ax.text(mid, floor * 1.5, "fp32 unit roundoff 2^-24", fontsize=8, color="0.4")
     ax.set_ylim(floor / 20, 30)
+    ax.grid(alpha=0.3, which="both")
+
+
+def _stamp(rec):
+    return f"{rec['device']}, torch {rec['torch']}, {rec['date']}, commit {rec['commit']}"
+
+
+def _last(records, op):
+    recs = [r for r in records if r.get("op") == op]
+    if not recs:
+        raise ValueError(f"no {op} records")
+    return recs[-1]
+
+
+def plot_collapse(records, path):
+    rec = _last(records, "collapse")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    _error_axes(ax, rec["margins"], [
+        (LABELS[i], rec["rel_err"][i], dict(color=COLORS[i], **STYLES.get(i, dict(lw=1.2))))
+        for i in LABELS if i in rec["rel_err"]],
+        "relative error 1: the loss came out as exactly 0")
     ax.set_xlabel("target margin  z_t - max_{j != t} z_j")
     ax.set_ylabel("|loss - float64 reference| / reference")
     ax.set_title(f"Loss collapse at large margins: mean loss of {rec['n']} tokens, fp32, "
-                 f"V = {rec['v']}, "
-                 f"D = {rec['d']}\n{rec['device']}, torch {rec['torch']}, {rec['date']}, "
-                 f"commit {rec['commit']}", fontsize=9)
+                 f"V = {rec['v']}, D = {rec['d']}\n{_stamp(rec)}", fontsize=9)
     ax.legend(fontsize=8, loc="center right")
-    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+DISTILL_LABELS = {"flce": "flce.linear_distillation", "eager": "eager F.kl_div(log_softmax)",
+                  "liger": "Liger LigerFusedLinearJSDLoss"}
+
+
+def plot_distill_collapse(records, path):
+    """The latest ``distill_collapse`` record: a column per case (the models agree, disagree),
+    the mean loss's error above, the student gradient's below; jsd solid, forward KL dashed.
+    Margins whose float64 reference is below fp32's normal range (2^-126: no fp32 result can
+    hold it) are not drawn."""
+    rec = _last(records, "distill_collapse")
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    for col, case in enumerate(("agree", "disagree")):
+        for row, what in enumerate(("loss", "grad")):
+            ax = axes[row][col]
+            lines = []
+            for name, errs in rec["rel_err"][case].items():
+                impl, div = name.split("-")
+                style = dict(STYLES.get(impl, dict(lw=1.2)), color=COLORS[impl])
+                if div == "fkl":
+                    style.update(ls="--", marker=None)
+                label = f"{DISTILL_LABELS[impl]}, {'jsd' if div == 'jsd' else 'forward KL'}"
+                refs = rec["ref"][case][div][what]
+                lines.append((label, [e if r >= 2.0 ** -126 else math.nan
+                                      for e, r in zip(errs[what], refs)], style))
+            _error_axes(ax, rec["margins"], lines,
+                        "relative error 1: the result came out as 0 or as noise")
+            ax.set_title(("both models confident on the same class" if case == "agree" else
+                          "confident on different classes")
+                         + (": mean loss" if what == "loss" else
+                            ": student gradient dW_S at its class"), fontsize=9)
+            ax.set_ylabel("|x - float64 reference| / |reference|", fontsize=8)
+        axes[1][col].set_xlabel("margin  z_a - max_{j != a} z_j" + (
+            " (the teacher's: margin + 1)" if case == "agree" else ""))
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"Distillation at large margins: {rec['n']} tokens, fp32, V = {rec['v']}, "
+                 f"D = {rec['d']}, jsd beta = {rec['beta']}; not drawn: margins where the "
+                 f"float64 value is below fp32's range (2^-126)\n{_stamp(rec)}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -423,6 +500,7 @@ def draw(out=IMG, results=_records.RESULTS):
     written = []
     for name, fn, recs in (
             ("collapse.png", plot_collapse, records),
+            ("distill_collapse.png", plot_distill_collapse, records),
             ("speed_memory.png", plot_speed_memory, records),
             ("train_lm.png", plot_train_lm,
              _records.read(os.path.join(results, "train_lm.jsonl")))):

@@ -8,7 +8,10 @@
              arithmetic on the CPU, against float64)
   parallel   the collectives of vocab-parallel cross-entropy: flce's against Megatron's (gloo)
   collapse   the loss's relative error against float64 at target margins 0-100 (the record
-             behind docs/img/collapse.png)
+             behind docs/img/collapse.png); --distill: distillation's loss and student
+             gradient (docs/img/distill_collapse.png)
+  distill    flce.linear_distillation against eager torch and Liger, beside the 5 GEMMs
+             (time, peak memory)
   profile    warm-up and profiled steps for nsys / ncu / torch.profiler (docs/profiling.md)
   demo       the two-minute tour: collapse, gradient accuracy, one cost line
   gpu-check  benchmarks/gpu/check.sh on a GPU machine: headline | rest [--plan]
@@ -63,6 +66,62 @@ def collapse_record(device="cpu", v=8192, d=64, n=16, margins=COLLAPSE_MARGINS, 
     return rec
 
 
+def distill_collapse_record(v=4096, d=64, n=8, margins=COLLAPSE_MARGINS, progress=None):
+    """Relative errors against float64 (flce.reference.distillation of the same rounded fp32
+    tensors) of distillation's mean loss and of the student classifier's gradient rows at its
+    dominant classes (norm-wise), per implementation and divergence (``IMPL-jsd``, beta
+    _peers.BETA; ``IMPL-fkl``, forward KL), margin and case: "agree", the teacher confident on
+    the student's class (the student's batch moved to margin + 1, so that the two distributions
+    differ by ~e^-margin), "disagree", on another class (a batch of its own seed). ``ref``: the
+    references' magnitudes, per case and divergence (below fp32's normal range, 2^-126, no fp32
+    result can be accurate)."""
+    import torch
+
+    import _peers
+    import _records
+    import flce.reference
+
+    impls = [i for i in ("flce", "eager", "liger") if i != "liger"
+             or _peers.available("liger") is None]
+    divs = {"jsd": _peers.BETA, "fkl": 0.0}
+    rel = {c: {f"{i}-{k}": {"loss": [], "grad": []} for i in impls for k in divs}
+           for c in ("agree", "disagree")}
+    mag = {c: {k: {"loss": [], "grad": []} for k in divs} for c in rel}
+    for m in margins:
+        if progress is not None:
+            progress.start(f"distillation collapse, margin {m}")
+        for case, errs in rel.items():
+            x, w, a, _ = _peers.margin_batch(n, v, d, m, torch.float32, seed=m)
+            agree = case == "agree"
+            x_t, w_t, _, _ = _peers.margin_batch(n, v, d, m + agree, torch.float32,
+                                                 seed=m + (0 if agree else 1000))
+            for div, beta in divs.items():
+                w_ref = w.double().requires_grad_(True)
+                ref = flce.reference.distillation(x.double() @ w_ref.T,
+                                                  x_t.double() @ w_t.double().T,
+                                                  divergence="jsd", beta=beta)
+                ref.backward()
+                ref, g_ref = float(ref.detach()), w_ref.grad[a]
+                mag[case][div]["loss"].append(abs(ref))
+                mag[case][div]["grad"].append(float(g_ref.norm()))
+                for i in impls:
+                    w_i = w.clone().requires_grad_(True)
+                    loss = _peers.distill_impl(f"{i}-{div}", compiled=False)(x, w_i, x_t, w_t)
+                    loss.backward()
+                    e = errs[f"{i}-{div}"]
+                    e["loss"].append(abs(float(loss.detach()) - ref) / abs(ref))
+                    e["grad"].append(float((w_i.grad[a].double() - g_ref).norm() / g_ref.norm()))
+        if progress is not None:
+            progress.done(", ".join(f"{i} {e['grad'][-1]:.1e}" for i, e in rel["agree"].items())
+                          + " (agreeing, gradient)")
+    rec = _records.base("cpu", "distill_collapse")
+    rec.update(dtype="float32", n=n, v=v, d=d, beta=_peers.BETA, margins=list(margins),
+               rel_err=rel, ref=mag, source="benchmarks/run.py collapse --distill: |x - float64 "
+               "reference| / |reference| of the mean loss and of the student classifier's "
+               "gradient rows at its dominant classes")
+    return rec
+
+
 def _collapse(argv):
     import argparse
 
@@ -73,16 +132,23 @@ def _collapse(argv):
                                 "collapse-safe reference at target margins 0, 5, ..., 100 (fp32), "
                                 "per implementation.")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("-V", type=int, default=8192)
+    p.add_argument("--distill", action="store_true",
+                   help="distillation's loss and student gradient instead (the CPU; -V 4096 "
+                        "-N 8 unless given)")
+    p.add_argument("-V", type=int)
     p.add_argument("-D", type=int, default=64)
-    p.add_argument("-N", type=int, default=16, help="tokens per margin")
+    p.add_argument("-N", type=int, help="tokens per margin")
     p.add_argument("--margins", default=",".join(map(str, COLLAPSE_MARGINS)))
     p.add_argument("--record", help="append the record to this file "
                    "(benchmarks/results/cpu.jsonl for the README's picture)")
     args = p.parse_args(argv)
     margins = tuple(int(m) for m in args.margins.split(","))
-    rec = collapse_record(args.device, args.V, args.D, args.N, margins,
-                                progress=_records.Progress(len(margins)))
+    progress = _records.Progress(len(margins))
+    if args.distill:
+        rec = distill_collapse_record(args.V or 4096, args.D, args.N or 8, margins, progress)
+    else:
+        rec = collapse_record(args.device, args.V or 8192, args.D, args.N or 16, margins,
+                              progress=progress)
     if args.record:
         _records.append(args.record, rec)
     return 0
@@ -96,7 +162,7 @@ def _gpu_check(argv):
 # where it returns one.
 MODULES = {"linear": "bench", "ce": "bench_ce", "accuracy": "accumulation",
            "parallel": "bench_parallel", "profile": "profile_step", "demo": "demo",
-           "report": "report", "plots": "report.plots_main"}
+           "distill": "bench.distill_main", "report": "report", "plots": "report.plots_main"}
 
 
 def _module(name):

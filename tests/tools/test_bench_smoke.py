@@ -97,6 +97,75 @@ def test_run_ce_end_to_end(tmp_path):
     assert not os.path.exists(f"{rec_path}.partial")
 
 
+def test_run_distill_end_to_end(tmp_path):
+    """`run.py distill`: flce.linear_distillation first, its peers and the 5-GEMM floors on the
+    same student and teacher (every divergence's loss equal to flce's), and the
+    ``linear_distillation`` record."""
+    rec_path = tmp_path / "records.jsonl"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH_DIR, "run.py"), "distill", "--device", "cpu", "-N",
+         "48", "-V", "384", "-D", "16", "--repeats", "1", "--peers", "eager-jsd,gemm5",
+         "--record", str(rec_path)], capture_output=True, text=True, timeout=600,
+        cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "flce benchmark, distillation: flce-jsd, eager-jsd, gemm5, gemm5-flce" in out
+    assert "the step's 5 GEMMs" in out and "rel.err" not in out
+    (rec,) = [json.loads(line) for line in rec_path.read_text().splitlines()]
+    assert (rec["op"], rec["n"], rec["v"], rec["d"], rec["beta"]) == (
+        "linear_distillation", 48, 384, 16, 0.5)
+    assert set(rec["ms"]) == {"flce-jsd", "eager-jsd", "gemm5", "gemm5-flce"}
+    assert set(rec["peak_gib"]) == {"flce-jsd", "eager-jsd"} and rec["grad_gib"] > 0
+    assert rec["floor"] in ("gemm5", "gemm5-flce") and "skipped" not in rec
+    assert rec["source"].startswith("benchmarks/run.py distill --device cpu")
+    losses = {ln.split()[0]: float(ln.split()[-1]) for ln in out.splitlines()
+              if ln.split()[:1] in (["flce-jsd"], ["eager-jsd"])}
+    assert losses["flce-jsd"] > 0.01
+    assert losses["flce-jsd"] == pytest.approx(losses["eager-jsd"], rel=1e-4)
+
+
+def test_distill_peers_agree():
+    """Every distillation implementation of the benchmark computes the same loss and student
+    gradient on one batch (the floors: the GEMMs' gradients on both engines)."""
+    import torch
+
+    x, w, t = bench._peers.random_batch(32, 256, 16, torch.float32, "cpu")
+    names = [n for n in bench._peers.DISTILL if bench._peers.available(n) is None]
+    got = {}
+    for name in names:
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = bench._peers.make_impl(name, "cpu")(xg, wg, t)
+        loss.backward()
+        got[name] = (float(loss.detach()), wg.grad)
+    for a, b in (("flce-jsd", "eager-jsd"), ("flce-fkl", "eager-fkl"), ("gemm5", "gemm5-flce"),
+                 ("flce-jsd", "liger-jsd")):
+        if b in got:
+            assert got[a][0] == pytest.approx(got[b][0], rel=1e-5, abs=1e-30), (a, b)
+            assert torch.allclose(got[a][1], got[b][1], rtol=1e-4, atol=1e-7), (a, b)
+    assert got["flce-jsd"][0] != pytest.approx(got["flce-fkl"][0], rel=1e-3)
+    args = bench.parse_args(["--device", "cpu"], distill=True)
+    assert args.impls[0] == "flce-jsd" and args.impls[-2:] == ["gemm5", "gemm5-flce"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--peers", "chunked"], distill=True)
+
+
+def test_distill_collapse_record():
+    """`run.py collapse --distill` at margins 0 and 40: where the models agree, the eager
+    formula's forward KL returns a wrong loss and no gradient at the student's class (1 - p
+    rounds to 0); where they disagree, its JSD gradient there is lost likewise. flce keeps fp32
+    accuracy in both."""
+    rec = run.distill_collapse_record(v=256, d=16, n=4, margins=(0, 40))
+    assert rec["op"] == "distill_collapse" and rec["margins"] == [0, 40]
+    for case in ("agree", "disagree"):
+        for name in ("flce-jsd", "flce-fkl"):
+            assert max(rec["rel_err"][case][name]["loss"]) < 1e-4, (case, name)
+            assert max(rec["rel_err"][case][name]["grad"]) < 1e-4, (case, name)
+        assert all(r > 2.0 ** -126 for k in ("jsd", "fkl") for r in rec["ref"][case][k]["grad"])
+    eager = rec["rel_err"]["agree"]["eager-fkl"]
+    assert eager["loss"][0] < 1e-4 and eager["loss"][1] > 0.5 and eager["grad"][1] > 0.5
+    assert rec["rel_err"]["disagree"]["eager-jsd"]["grad"][1] > 0.5
+
+
 def test_floor_is_the_faster_engine():
     """On the CPU `linear` times the 3 GEMMs on torch.mm (gemm3) and on flce's tile GEMMs
     (gemm3-flce); the table's and the record's floor is the faster of those that ran, named."""
@@ -131,7 +200,7 @@ def test_run_subcommands(capsys):
     assert run.main(["nope"]) == 2
     assert "unknown subcommand 'nope'" in capsys.readouterr().err
     assert set(run.COMMANDS) >= {"linear", "ce", "accuracy", "parallel", "gpu-check", "profile",
-                                 "plots", "report", "collapse", "demo"}
+                                 "plots", "report", "collapse", "demo", "distill"}
 
 
 def test_run_gpu_check_plan(capfd):
