@@ -1,7 +1,7 @@
 """Knowledge distillation on two classifiers: ``flce.linear_distillation`` and
 ``flce.LinearDistillation``.
 
-A chunked composite path: row chunks whose ``[rows, V]`` logits stay within CHUNK_BYTES, both
+A chunked composite path: row chunks whose ``[rows, V]`` logits stay within a byte budget, both
 logit GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
 (docs/numerics.md, "Distillation"), then the gradient GEMMs, all in plain torch ops
 (CPU and CUDA tensors alike). The ``[N, V]`` logits are never held whole.
@@ -22,8 +22,12 @@ __all__ = ["linear_distillation", "LinearDistillation", "DIVERGENCES"]
 DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
 
 # Rows per chunk: as many as keep one [rows, V] buffer of the computation dtype within this many
-# bytes (the row math holds about ten such buffers at once; see _rows), and at least one.
+# bytes (the row math holds about ten such buffers at once; see _rows), and at least one. On the
+# CPU small chunks stay in cache between the row math's passes: at N=2048, V=32768, D=512 fp32
+# (docs/benchmarks.md, "Distillation") 4 MiB took 6.7 s and 172 MB where 64 MiB took 10.7 s and
+# 1.19 GB (2 MiB: 9.7 s, per-op overhead); a GPU wants few, large launches.
 CHUNK_BYTES = 2 ** 26
+CPU_CHUNK_BYTES = 2 ** 22
 # The widened weight one GEMM of a 16-bit input reads at a time (_Classifier).
 BLOCK_BYTES = 2 ** 24
 
@@ -133,10 +137,11 @@ def _rows(z_s, z_t, target, valid, divergence, beta, temperature, hard_weight, s
     return loss, g_s, g_t
 
 
-def _chunks(n, v, itemsize):
+def _chunks(n, v, itemsize, device):
     """Row chunks ``[(lo, hi)]``: as many rows as keep one ``[rows, V]`` buffer of the
-    computation dtype within CHUNK_BYTES."""
-    rows = max(1, min(n, CHUNK_BYTES // max(v * itemsize, 1)))
+    computation dtype within CPU_CHUNK_BYTES (on the CPU) or CHUNK_BYTES."""
+    budget = CPU_CHUNK_BYTES if device.type == "cpu" else CHUNK_BYTES
+    rows = max(1, min(n, budget // max(v * itemsize, 1)))
     return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
 
 
@@ -211,7 +216,7 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
             grads[3 * m] = x.new_empty(x.shape, dtype=cdt) if need_x else None
             grads[3 * m + 1] = w.new_zeros(w.shape, dtype=cdt) if need_w else None
             grads[3 * m + 2] = w.new_zeros(v, dtype=cdt) if need_b else None
-    for lo, hi in _chunks(n, v, torch.finfo(cdt).bits // 8):
+    for lo, hi in _chunks(n, v, torch.finfo(cdt).bits // 8, x_s.device):
         xs, xt = models[0].rows(lo, hi), models[1].rows(lo, hi)
         z_s = models[0].logits(xs, xs.new_empty(hi - lo, v))
         z_t = models[1].logits(xt, xt.new_empty(hi - lo, v))

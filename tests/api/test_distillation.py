@@ -260,8 +260,8 @@ def test_chunks(monkeypatch, reduction):
         return [loss] + [x.grad for x in leaves if x is not None and x.dtype.is_floating_point]
 
     whole = run()
-    monkeypatch.setattr(distill, "CHUNK_BYTES", 3 * V * 8)
-    assert len(distill._chunks(21, V, 8)) == 7
+    monkeypatch.setattr(distill, "CPU_CHUNK_BYTES", 3 * V * 8)
+    assert len(distill._chunks(21, V, 8, torch.device("cpu"))) == 7
     for a, b in zip(run(), whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
