@@ -537,8 +537,6 @@ def per_token_outputs(loss, lse, entropy, lead, return_lse, return_entropy, accu
     """``loss`` alone, or ``(loss, [lse], [entropy], [accuracy], [predicted_tokens])`` shaped
     like the target (``accuracy``: already reduced as the loss, or None when not asked for;
     ``predicted``: per row, or None), named (named_output)."""
-    if not (return_lse or return_entropy or accuracy is not None or predicted is not None):
-        return loss
     out = {"loss": loss}
     if return_lse:
         out["lse"] = lse.reshape(lead)
