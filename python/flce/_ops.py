@@ -175,23 +175,28 @@ def register(namespace, cuda_format):
     torch.library.register_autograd(name("forward"), backward, setup_context=setup_context)
 
     # return_predicted_tokens: forward and logits_forward with the argmax's column (CPU ops of
-    # the flce namespace only, csrc/ops.cpp), whose autograd is theirs.
+    # the flce namespace only, csrc/ops.cpp): the op's fake and autograd, plus an int64 [N]
+    # output that takes no gradient.
     has_argmax = namespace == "flce"
-    if has_argmax:
-        @torch.library.register_fake(name("forward_argmax"))
-        def _forward_argmax_fake(input, *args, **kwargs):
-            out = _forward_fake(input, *args, **kwargs)
-            return out + (input.new_empty((input.shape[0],), dtype=torch.int64),)
+
+    def register_argmax(op, fake, setup, grad):
+        def argmax_fake(first, *args, **kwargs):
+            out = fake(first, *args, **kwargs)
+            return out + (first.new_empty((first.shape[0],), dtype=torch.int64),)
 
         def argmax_setup_context(ctx, inputs, output):
-            setup_context(ctx, inputs, output[:4])
+            setup(ctx, inputs, output[:4])
             ctx.mark_non_differentiable(output[4])
 
         def argmax_backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy, grad_argmax):
-            return backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy)
+            return grad(ctx, grad_loss, grad_lse, grad_stats, grad_entropy)
 
-        torch.library.register_autograd(name("forward_argmax"), argmax_backward,
+        torch.library.register_fake(name(op))(argmax_fake)
+        torch.library.register_autograd(name(op), argmax_backward,
                                         setup_context=argmax_setup_context)
+
+    if has_argmax:
+        register_argmax("forward_argmax", _forward_fake, setup_context, backward)
 
     # Target distributions (probability targets; class targets with weights and smoothing).
     @torch.library.register_fake(name("soft_partial_stats"))
@@ -372,21 +377,8 @@ def register(namespace, cuda_format):
     torch.library.register_autograd(name("logits_forward"), logits_backward,
                                     setup_context=logits_setup_context)
     if has_argmax:
-        @torch.library.register_fake(name("logits_forward_argmax"))
-        def _logits_forward_argmax_fake(logits, *args, **kwargs):
-            out = _logits_forward_fake(logits, *args, **kwargs)
-            return out + (logits.new_empty((logits.shape[0],), dtype=torch.int64),)
-
-        def logits_argmax_setup_context(ctx, inputs, output):
-            logits_setup_context(ctx, inputs, output[:4])
-            ctx.mark_non_differentiable(output[4])
-
-        def logits_argmax_backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy,
-                                   grad_argmax):
-            return logits_backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy)
-
-        torch.library.register_autograd(name("logits_forward_argmax"), logits_argmax_backward,
-                                        setup_context=logits_argmax_setup_context)
+        register_argmax("logits_forward_argmax", _logits_forward_fake, logits_setup_context,
+                        logits_backward)
 
     # Target distributions on given logits.
     @torch.library.register_fake(name("soft_logits_stats"))
