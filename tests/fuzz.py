@@ -9,7 +9,7 @@ confident rows (large target margins) and dominant non-target classes, leading d
 strided and transposed views of every tensor, and the backend: "cpu", or "cuda-host" (the CUDA
 backend's binding and kernels under the host emulation, tests/cuda_emulation.py; class weights
 with label smoothing and probability targets there half the time on the opt-in soft ops,
-FLCE_CUDA_DISTRIBUTIONS=1). A case in ``SOFT_FRACTION`` has probability targets instead of
+FLCE_CUDA_OPT_IN=distributions). A case in ``SOFT_FRACTION`` has probability targets instead of
 class ids (``soft``): dense (a softmax of random logits), sharp (an fp32 softmax at a large
 inverse temperature: mostly exact zeros, some subnormals), one-hot or sparse (exact zeros), each
 centred on the class the confident rows favour, in fp32, bf16 or fp16, a quarter of them
@@ -131,7 +131,7 @@ class Case:
     w_layout: str = "plain"       # plain | strided | transposed | rows
     t_layout: str = "plain"       # plain | strided
     class_dim: int = 0            # logits: extra spatial dims (N, C, d1, ...)
-    cuda_distributions: bool = False  # cuda-host: FLCE_CUDA_DISTRIBUTIONS=1 (class weights with
+    cuda_distributions: bool = False  # cuda-host: FLCE_CUDA_OPT_IN=distributions (class weights with
                                       # label smoothing, probability targets: the CUDA soft ops,
                                       # not the composite)
     soft: str = ""                # probability targets: "" (class ids) | dense | sharp | onehot
@@ -568,7 +568,7 @@ def reference_and_bounds(c, inputs):
         near = zd >= (zd[ra, piv] - dz[ra, piv])[:, None] - dz
     # Target distributions on the fused soft ops (flce::soft_*: probability targets, and class
     # targets with class weights and label smoothing, on the CPU and with
-    # FLCE_CUDA_DISTRIBUTIONS=1; not for targets that require grad) or, for probability targets,
+    # FLCE_CUDA_OPT_IN=distributions; not for targets that require grad) or, for probability targets,
     # the composite path.
     fused_dist = (c.backend == "cpu" or c.cuda_distributions) and (
         not c.soft_grad if c.soft else bool(c.class_weight and c.label_smoothing))
@@ -595,7 +595,7 @@ def reference_and_bounds(c, inputs):
     # target entry kept in fp32), as the CPU's bf16 GEMMs do where they round it once
     # (csrc/cpu/tile_gemm.h bf16_grad); the CPU's other modes are fp32-exact. Probability
     # targets: the CPU's soft ops keep exact 16-bit gradients (fp32 GEMMs), the composite path
-    # (targets that require grad; the CUDA backend without FLCE_CUDA_DISTRIBUTIONS) has fp32
+    # (targets that require grad; the CUDA backend without FLCE_CUDA_OPT_IN=distributions) has fp32
     # GEMMs; only the CUDA soft ops round the tile.
     fused_cuda = c.backend != "cpu" and (c.soft and c.cuda_distributions and not c.soft_grad
                                          or not c.soft)
@@ -865,16 +865,16 @@ def check(c):
             cuda_emulation.load()
         inputs = make_inputs(c)
         if c.backend == "cuda-host":
-            saved = os.environ.get("FLCE_CUDA_DISTRIBUTIONS")
-            os.environ["FLCE_CUDA_DISTRIBUTIONS"] = "1" if c.cuda_distributions else "0"
+            saved = os.environ.get("FLCE_CUDA_OPT_IN")
+            os.environ["FLCE_CUDA_OPT_IN"] = "distributions" if c.cuda_distributions else ""
             try:
                 with cuda_emulation.routed():
                     got = run_flce(c, inputs)
             finally:
                 if saved is None:
-                    del os.environ["FLCE_CUDA_DISTRIBUTIONS"]
+                    del os.environ["FLCE_CUDA_OPT_IN"]
                 else:
-                    os.environ["FLCE_CUDA_DISTRIBUTIONS"] = saved
+                    os.environ["FLCE_CUDA_OPT_IN"] = saved
         else:
             got = run_flce(c, inputs)
         ref, bound = reference_and_bounds(c, inputs)

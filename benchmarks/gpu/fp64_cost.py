@@ -1,11 +1,11 @@
-"""The cost of fp32 training's gradient GEMMs in float64 (FLCE_CUDA_FP32_GRAD=fp64) on a GPU,
+"""The cost of fp32 training's gradient GEMMs in float64 (FLCE_CUDA_OPT_IN=fp64_grad) on a GPU,
 against the SGEMM path and against the GEMMs alone; one record per shape, appended as measured.
 
     python benchmarks/gpu/fp64_cost.py --record OUT.jsonl [--shapes 16384,32768,1024;...]
 
 Per shape (fp32 inputs, TF32 off), medians of --repeats steps after --warmup (CUDA events):
-  flce_fp32     flce.linear_cross_entropy forward + backward, FLCE_CUDA_FP32_GRAD=fp32 (SGEMMs)
-  flce_fp64     the same with FLCE_CUDA_FP32_GRAD=fp64 (dE and dW GEMMs in DGEMM)
+  flce_fp32     flce.linear_cross_entropy forward + backward, FLCE_CUDA_OPT_IN unset (SGEMMs)
+  flce_fp64     the same with FLCE_CUDA_OPT_IN=fp64_grad (dE and dW GEMMs in DGEMM)
   sgemm3        the step's 3 GEMMs in fp32 alone (logits, dE, dW)
   sgemm_dgemm2  the logits SGEMM and the dE, dW GEMMs in fp64 alone (operands already fp64)
 Record: {"op": "fp32_grad_cost", "n", "v", "d", "dtype": "float32", "ms": {...},
@@ -43,16 +43,16 @@ def measure(n, v, d, warmup, repeats):
         x.grad = w.grad = None
         flce.linear_cross_entropy(x, w, t).backward()
 
-    old = os.environ.get("FLCE_CUDA_FP32_GRAD")
+    old = os.environ.get("FLCE_CUDA_OPT_IN")
     try:
-        for mode in ("fp32", "fp64"):
-            os.environ["FLCE_CUDA_FP32_GRAD"] = mode
+        for mode, opt_in in (("fp32", ""), ("fp64", "fp64_grad")):
+            os.environ["FLCE_CUDA_OPT_IN"] = opt_in
             out[f"flce_{mode}"] = timed(step, warmup, repeats)
     finally:
         if old is None:
-            os.environ.pop("FLCE_CUDA_FP32_GRAD", None)
+            os.environ.pop("FLCE_CUDA_OPT_IN", None)
         else:
-            os.environ["FLCE_CUDA_FP32_GRAD"] = old
+            os.environ["FLCE_CUDA_OPT_IN"] = old
     x.grad = w.grad = None
     with torch.no_grad():
         xd, wd = x.detach(), w.detach()

@@ -7,7 +7,7 @@
 //               the target entries' rounding residuals (target_fix: the dominant target column's
 //               gradient is not limited by the 16-bit tile);
 //       fp32:   pieces of kFp32PieceCols columns Neumaier-added (one fp32 GEMM over a 128k
-//               vocabulary would carry its k-loop's rounding), or FLCE_CUDA_FP32_GRAD=fp64.
+//               vocabulary would carry its k-loop's rounding), or FLCE_CUDA_OPT_IN=fp64_grad.
 //   dW  fp32 weight (master weights, fp32 training): its own fp32 accumulator, groups added by
 //               the GEMM's beta (16-bit tile; master weights take the tile as hi + lo, two GEMMs)
 //               or Neumaier-added in pieces (fp32 tile, several groups);
@@ -23,7 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
+#include <string_view>
 
 #include "cuda/binding.h"
 #include "cuda/device.h"
@@ -37,15 +37,26 @@ namespace {
 using heuristics::kBiasRows;
 using heuristics::kDwPiece;
 
-// FLCE_CUDA_FP32_GRAD=fp64 (read at every call): fp32 inputs' gradient GEMMs in float64, the
+// FLCE_CUDA_OPT_IN=fp64_grad (read at every call): fp32 inputs' gradient GEMMs in float64, the
 // products exact and the sums over rows and vocabulary in double, rounded once (opt-in: not yet
-// run on a GPU). Default fp32: cuBLAS SGEMMs, compensated across pieces and groups.
+// run on a GPU). Default: cuBLAS SGEMMs, compensated across pieces and groups. The variable is a
+// comma-separated list of the CUDA paths that have not run on a GPU; its other name,
+// `distributions`, is Python's (flce/_common.py cuda_opt_in, the list's one definition there).
 bool fp32_grads_in_fp64() {
-  const char* s = std::getenv("FLCE_CUDA_FP32_GRAD");
-  if (s == nullptr || *s == '\0' || std::strcmp(s, "fp32") == 0) return false;
-  TORCH_CHECK_VALUE(std::strcmp(s, "fp64") == 0,
-                    "flce: FLCE_CUDA_FP32_GRAD must be fp32 or fp64, got '", s, "'");
-  return true;
+  const char* s = std::getenv("FLCE_CUDA_OPT_IN");
+  bool fp64 = false;
+  for (std::string_view rest = s ? s : ""; !rest.empty();) {
+    const size_t comma = rest.find(',');
+    std::string_view name = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
+    while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
+    TORCH_CHECK_VALUE(name.empty() || name == "fp64_grad" || name == "distributions",
+                      "flce: FLCE_CUDA_OPT_IN is a comma-separated list of fp64_grad and "
+                      "distributions, got '", s, "'");
+    fp64 = fp64 || name == "fp64_grad";
+  }
+  return fp64;
 }
 
 // out64 [m, n] float64 = a [m, k] @ b [k, n] for fp32 a and b (any strides), in float64: pieces

@@ -213,14 +213,14 @@ class GradAccumulator {
     kNone,
     kTile,     // 16-bit compute: one GEMM over the whole vocabulary, then the target fix
     kPieces,   // fp32: pieces of kFp32PieceCols columns, Neumaier-added
-    kFloat64,  // fp32 with FLCE_CUDA_FP32_GRAD=fp64: in double, rounded once
+    kFloat64,  // fp32 with FLCE_CUDA_OPT_IN=fp64_grad: in double, rounded once
   };
   // How dW is accumulated, decided once per job.
   enum class DwMode {
     kNone,
     kInWeight,      // an fp32 weight is its own accumulator: groups added by the GEMM's beta
                     // (master weights: the tile's hi + lo), fp32 training's Neumaier-added
-    kFloat64,       // fp32 with FLCE_CUDA_FP32_GRAD=fp64: pieces in double, rounded once a group
+    kFloat64,       // fp32 with FLCE_CUDA_OPT_IN=fp64_grad: pieces in double, rounded once a group
     kOneGroup,      // 16-bit weight, one group: straight in its dtype, target rows fixed in fp32
     kScaledPieces,  // 16-bit weight, one group with fp16's scale: fp32 pieces, each rounded once
     kAccumulator,   // 16-bit weight, several groups: a [V, D] fp32 accumulator, rounded once

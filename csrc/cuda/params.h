@@ -176,7 +176,7 @@ struct RowOperands {
 // takes the rows' pivots as their targets (the pivot column's whole gradient dz_t;
 // ignore_index -1 for a row without one) and subtracts u y_c from every other column, u from
 // the coefficients' u slot (launch_row_coef with soft = true). Never run on a GPU: opt-in
-// (FLCE_CUDA_DISTRIBUTIONS=1). The last member of RowGradParams (its plain kernels' parameters
+// (FLCE_CUDA_OPT_IN=distributions). The last member of RowGradParams (its plain kernels' parameters
 // keep their offsets); row_stats' soft kernel takes SoftStatsParams (below).
 struct SoftMode {
   bool soft = false;

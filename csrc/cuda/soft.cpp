@@ -1,6 +1,6 @@
 // Target distributions on the CUDA backend (probability targets, class weights with label
 // smoothing; math.h SoftRow): stats_chunks / grad_chunks (chunks.cpp) in soft mode, the states
-// merged by soft_combine. Opt-in (FLCE_CUDA_DISTRIBUTIONS=1, read by Python) until they have run
+// merged by soft_combine. Opt-in (FLCE_CUDA_OPT_IN=distributions, read by Python) until they have run
 // on a GPU (docs/cuda.md "Target distributions").
 //   soft_partial_stats, soft_combine, soft_forward, soft_backward
 #include <ATen/ATen.h>

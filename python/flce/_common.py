@@ -475,13 +475,29 @@ def exact_bf16_grad(value, x=None):
     return value
 
 
+# FLCE_CUDA_OPT_IN's names: the CUDA backend's paths that have not run on a GPU yet, each opt-in
+# until a GPU record (docs/environment.md). "fp64_grad" is read by csrc/cuda/accumulate.cpp.
+CUDA_OPT_IN = ("fp64_grad", "distributions")
+
+
+def cuda_opt_in(name):
+    """Whether FLCE_CUDA_OPT_IN (read at every call: a comma-separated list of CUDA_OPT_IN's
+    names) lists ``name``; any other name in it raises ValueError."""
+    listed = [n.strip() for n in os.environ.get("FLCE_CUDA_OPT_IN", "").split(",")]
+    for n in listed:
+        if n and n not in CUDA_OPT_IN:
+            raise ValueError(f"flce: FLCE_CUDA_OPT_IN is a comma-separated list of "
+                             f"{', '.join(CUDA_OPT_IN)}; got {n!r}")
+    return name in listed
+
+
 def fused_distribution(x):
     """Whether the fused target-distribution ops (flce::soft_forward: probability targets, class
     weights with label smoothing) serve ``x``'s backend: the CPU backend, and the CUDA backend
-    with FLCE_CUDA_DISTRIBUTIONS=1 (read at every call; opt-in until its kernels have run on a
-    GPU, docs/cuda.md "Target distributions"). Otherwise the CUDA backend takes the composite
-    path for them."""
-    return not _ops.is_cuda_backend(x) or os.environ.get("FLCE_CUDA_DISTRIBUTIONS") == "1"
+    with FLCE_CUDA_OPT_IN=distributions (opt-in until its kernels have run on a GPU,
+    docs/cuda.md "Target distributions"). Otherwise the CUDA backend takes the composite path
+    for them."""
+    return not _ops.is_cuda_backend(x) or cuda_opt_in("distributions")
 
 
 def check_single_pass(requested, reduction, per_token):

@@ -57,7 +57,7 @@ GRAD_NORM_FACTOR = {F32: 64.0, BF16: 0.35, F16: 0.35}
 # logits (plus 1e-7), one fp32 subnormal spacing allowed per row; the target gradient relatively
 # within 1e-5 while it is a normal fp32 number (margins <= 80).
 FP32_SUBNORMAL = 2.0 ** -149
-# The CUDA backend's fused target distributions (FLCE_CUDA_DISTRIBUTIONS=1) with 16-bit
+# The CUDA backend's fused target distributions (FLCE_CUDA_OPT_IN=distributions) with 16-bit
 # gradients: docs/api.md's "within 1.5x bf16's rounding floor", measured up to 1.50x on the host
 # emulation of its kernels (16 cases at two shapes), every element within 2 eps.
 SOFT_TILE_FLOORS, SOFT_TILE_FACTOR = 1.6, 2.0
@@ -461,8 +461,8 @@ def paths(dev, size):
     add("options all together bf16", run_linear, *lin(BF16, 40), label_smoothing=0.1, z_loss=1e-3,
         softcap=8.0, temperature=0.9)
     # Probability targets.
-    soft_env = [({}, "")] + ([({"FLCE_CUDA_DISTRIBUTIONS": "1"},
-                               " (FLCE_CUDA_DISTRIBUTIONS=1)")] if cuda else [])
+    soft_env = [({}, "")] + ([({"FLCE_CUDA_OPT_IN": "distributions"},
+                               " (FLCE_CUDA_OPT_IN=distributions)")] if cuda else [])
     for e, tag in soft_env:
         for dtype, dn in ((F32, "fp32"), (BF16, "bf16")):
             add(f"probability targets {dn}{tag}", _in_env, e, run_linear,
@@ -491,7 +491,7 @@ def paths(dev, size):
     add("vocab-parallel (1 rank) DTensor weight", run_dtensor, *lin(F32, 63))
     # The CUDA backend's opt-ins and its row chunks (a workspace small enough for several).
     if cuda:
-        add("train fp32, FLCE_CUDA_FP32_GRAD=fp64", _in_env, {"FLCE_CUDA_FP32_GRAD": "fp64"},
+        add("train fp32, FLCE_CUDA_OPT_IN=fp64_grad", _in_env, {"FLCE_CUDA_OPT_IN": "fp64_grad"},
             run_linear, *lin(F32, 70))
         big = inputs(8 * n, v, d, BF16, 72)
         small_ws = {"FLCE_CUDA_WORKSPACE_MB": f"{max(v * 4 * 32 / 2 ** 20, 0.01):.4f}"}

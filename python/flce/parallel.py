@@ -576,7 +576,7 @@ def _check_distribution(target, soft, class_weight, opts, x, shift=False,
     if not _common.fused_distribution(x):
         raise TypeError(f"flce.parallel: {what} over vocabulary shards need the fused target "
                         f"distributions, which the CUDA backend runs only with "
-                        f"FLCE_CUDA_DISTRIBUTIONS=1 (docs/api.md)")
+                        f"FLCE_CUDA_OPT_IN=distributions (docs/api.md)")
     for name, flag in (("shift", shift), ("sequence_parallel", sequence_parallel),
                        ("return_accuracy", return_accuracy)):
         if flag:

@@ -84,7 +84,7 @@ REGRESSIONS = {
                                             class_weight=True, ignore=1.0,
                                             label_smoothing=0.5),
     # fp32 master weights on the composite path (class weights with label smoothing on the CUDA
-    # backend without FLCE_CUDA_DISTRIBUTIONS): the weight's cast to the inputs' dtype rounded
+    # backend without FLCE_CUDA_OPT_IN=distributions): the weight's cast to the inputs' dtype rounded
     # its gradient to bf16 on the way back (172x the bound)
     "composite_master_weights": Case(seed=665116219, backend="cuda-host", lead=(1,), v=1, d=1,
                                      dtype="bf16", master=True, class_weight=True,

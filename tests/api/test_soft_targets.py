@@ -218,11 +218,11 @@ def test_pivot_gradient_with_class_weights_and_smoothing(device, n, v, target, r
     Y q_a + y_rest cancelled to it from terms of Y: 1.4e-4 relative off float64 in fp32, ~2000
     roundings of its terms A p_a + y_a (torch's F.cross_entropy: 25-65). Held to 8 + log2(2V)
     roundings: p_a's divisor is a sum of V fp32 exponentials, as every fp32 softmax's (measured:
-    6-17 at V = 32000). The CUDA backend on its fused soft ops (FLCE_CUDA_DISTRIBUTIONS=1), which
+    6-17 at V = 32000). The CUDA backend on its fused soft ops (FLCE_CUDA_OPT_IN=distributions), which
     share math.h's formula; its default, the composite path, is
     test_composite_pivot_gradient_with_class_weights_and_smoothing's."""
     if request.node.callspec.id.endswith(("cuda", "cuda-host")):
-        monkeypatch.setenv("FLCE_CUDA_DISTRIBUTIONS", "1")
+        monkeypatch.setenv("FLCE_CUDA_OPT_IN", "distributions")
     g = torch.Generator().manual_seed(51)
     x = torch.randn(n, v, generator=g)
     t = torch.randint(0, v, (n,), generator=g)

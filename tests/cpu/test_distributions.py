@@ -2,7 +2,7 @@
 per-class weights and label smoothing) against float64 ``flce.reference``: that the API takes them
 (no ``[N, V]`` logits), every option and output, the merge of vocabulary shards (what
 vocab-parallel runs), collapse safety at margins 0-200, -inf and NaN logits, and opcheck of the
-ops. The CPU backend, and the CUDA backend's soft mode (opt-in: FLCE_CUDA_DISTRIBUTIONS=1, set
+ops. The CPU backend, and the CUDA backend's soft mode (opt-in: FLCE_CUDA_OPT_IN=distributions, set
 here; "cuda-host" runs it on the host emulation of its kernels)."""
 import pytest
 import torch
@@ -32,7 +32,7 @@ def _inputs(dtype, seed, v=V, bias=True):
 @pytest.fixture(autouse=True)
 def cuda_distributions(monkeypatch):
     """The CUDA backend's fused target distributions are opt-in (never run on a GPU yet)."""
-    monkeypatch.setenv("FLCE_CUDA_DISTRIBUTIONS", "1")
+    monkeypatch.setenv("FLCE_CUDA_OPT_IN", "distributions")
 
 
 def _on(device, *tensors):
@@ -212,7 +212,11 @@ def test_shards_merge_to_one_device(device, dtype):
                                      1.0, mask) for s, e in zip(cuts, cuts[1:])]
     tol = 4 * {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[
         dtype]
-    assert rel_err(sum(s[0].double() for s in shards), whole[0]) < tol
+    # dE: the shards' fp32 products summed against one product over the whole vocabulary, two
+    # fp32 computations each a few roundings off float64 (norm-wise up to 4.7 eps where MKL's
+    # sgemm runs AVX-512 kernels): their difference is bounded by the sum of the two.
+    assert rel_err(sum(s[0].double() for s in shards), whole[0]) < \
+        (2 * tol if dtype == torch.float32 else tol)
     assert rel_err(torch.cat([s[1] for s in shards]), whole[1]) < tol
     assert rel_err(torch.cat([s[2] for s in shards]), whole[2]) < tol
 
@@ -303,9 +307,9 @@ def test_bad_arguments(device):
 
 @pytest.mark.parametrize("device", CUDA_DEVICES)
 def test_cuda_opt_in(no_logits, monkeypatch, device):
-    """Without FLCE_CUDA_DISTRIBUTIONS=1 the CUDA backend takes the composite path (the [N, V]
+    """Without FLCE_CUDA_OPT_IN=distributions the CUDA backend takes the composite path (the [N, V]
     logits in torch ops): its soft mode has not run on a GPU yet."""
-    monkeypatch.delenv("FLCE_CUDA_DISTRIBUTIONS")
+    monkeypatch.delenv("FLCE_CUDA_OPT_IN")
     x, w, b, q, _, _ = _on(device, *_inputs(torch.float32, seed=15))
     with pytest.raises(AssertionError, match="materialized the logits"):
         flce.linear_cross_entropy(x, w, q, bias=b)

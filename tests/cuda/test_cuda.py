@@ -442,12 +442,12 @@ def test_autocast_leaves_the_gemms_in_fp32(device, single_pass):
                          ids=["long-rows", "long-vocab", "longer-vocab"])
 @pytest.mark.parametrize("single_pass", [True, False], ids=["single", "recompute"])
 def test_fp32_gradients_in_fp64_at_the_ideal(dev, n, v, d, single_pass, monkeypatch):
-    """FLCE_CUDA_FP32_GRAD=fp64: fp32 inputs' gradient GEMMs in float64 (issue 27), dE and dC
+    """FLCE_CUDA_OPT_IN=fp64_grad: fp32 inputs' gradient GEMMs in float64 (issue 27), dE and dC
     within 1.5x the ideal fp32 computation's error (fp32 logits and probabilities, exact
     products, one rounding) where the fp32 GEMMs are not: ~10x the rounding floor at N = 4096,
     and 249x / 402x for dE's sums over 50021 / 200003 columns in fp32 pieces (on the host
     emulation, whose fp32 GEMMs are MKL's; cuBLAS's are worse, docs/perf-notes.md)."""
-    monkeypatch.setenv("FLCE_CUDA_FP32_GRAD", "fp64")
+    monkeypatch.setenv("FLCE_CUDA_OPT_IN", "fp64_grad")
     from helpers import ideal_grads, rel_err
 
     x, w, t, _ = _make(n, v, d, torch.float32, device=dev, seed=27, scale=2.0)
@@ -461,6 +461,24 @@ def test_fp32_gradients_in_fp64_at_the_ideal(dev, n, v, d, single_pass, monkeypa
         # vocabulary are held to 1.5x of it.
         bound = 1.5
         assert rel_err(got, ref) <= bound * ideal, (name, rel_err(got, ref), ideal)
+
+
+def test_opt_in_variable_is_parsed(dev, monkeypatch):
+    # FLCE_CUDA_OPT_IN names the paths that never ran on a GPU: each name is read where its path
+    # is chosen (fp64_grad by the accumulator in C++, distributions by flce._common), and a
+    # name neither knows raises ValueError there, whichever path the call takes.
+    x, w, t, _ = _make(64, 96, 8, torch.float32, device=dev, seed=3)
+    q = torch.softmax(torch.randn(64, 96), -1).to(x.device)
+    monkeypatch.setenv("FLCE_CUDA_OPT_IN", " fp64_grad , distributions ")
+    xg = x.clone().requires_grad_()
+    flce.linear_cross_entropy(xg, w, t).backward()
+    flce.linear_cross_entropy(x, w, q)
+    for bad in ("fp64", "fp64_grad,distribution"):
+        monkeypatch.setenv("FLCE_CUDA_OPT_IN", bad)
+        with pytest.raises(ValueError, match="FLCE_CUDA_OPT_IN is a comma-separated list"):
+            flce.linear_cross_entropy(x.clone().requires_grad_(), w, t).backward()
+        with pytest.raises(ValueError, match="FLCE_CUDA_OPT_IN is a comma-separated list"):
+            flce.linear_cross_entropy(x, w, q)
 
 
 def test_workspace_variable_is_parsed(dev, monkeypatch):

@@ -302,7 +302,7 @@ def worker(args):
         routing = cuda_emulation.routed()
         routing.__enter__()
         # (the target distributions' CUDA ops, and several row chunks per call)
-        os.environ["FLCE_CUDA_DISTRIBUTIONS"] = "1"
+        os.environ["FLCE_CUDA_OPT_IN"] = "distributions"
         os.environ["FLCE_CUDA_WORKSPACE_MB"] = "0.3"
     end = time.monotonic() + args.minutes * 60
     cases = failures = 0

@@ -126,8 +126,8 @@ def test_check_on_the_cuda_backend(device, capsys):
     failed = check.correctness(device, quick=True, tiny=True)
     out = capsys.readouterr().out
     assert failed == [], out[-4000:]
-    for path in ("train fp32, FLCE_CUDA_FP32_GRAD=fp64", "probability targets bf16 "
-                 "(FLCE_CUDA_DISTRIBUTIONS=1)", "train bf16, row chunks (small "
+    for path in ("train fp32, FLCE_CUDA_OPT_IN=fp64_grad", "probability targets bf16 "
+                 "(FLCE_CUDA_OPT_IN=distributions)", "train bf16, row chunks (small "
                  "FLCE_CUDA_WORKSPACE_MB)"):
         assert f"ok    {path}  (" in out, path
     assert "exact_bf16_grad" not in out  # the CUDA backend has no exact mode
