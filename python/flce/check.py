@@ -6,10 +6,11 @@ Run it after installing or building flce (a wheel for your GPU: docs/build.md). 
    collapse-safe formula): every path the device takes (training's default, the single pass
    and the recompute path, forward only without gradients, per-token outputs, every option,
    probability targets, ``flce.cross_entropy`` on given logits and its in-place backward,
-   vocab-parallel with one rank, the backend's opt-in paths) and the collapse at target
-   margins 0-100. Tolerances are relative to the floor, the error of rounding the float64
-   answer to the output's dtype (the test suite's, tests/helpers.py). Each path prints one
-   line; a wrong one prints ``FAIL <path>: <what>`` and makes the exit status 1.
+   vocab-parallel with one rank, the backend's opt-in paths, distillation) and the collapse at
+   target margins 0-100 (of distillation too). Tolerances are relative to the floor, the error
+   of rounding the float64 answer to the output's dtype (the test suite's, tests/helpers.py).
+   Each path prints one line; a wrong one prints ``FAIL <path>: <what>`` and makes the exit
+   status 1.
 2. **Speed and memory** at a shape that fits the device (on a GPU the anchor
    [N=4096 x D=4096 x V=128256] bf16 where memory allows): flce's default training step
    against the floor (the step's 3 GEMMs alone), eager PyTorch and the peers that are
@@ -365,6 +366,107 @@ def run_collapse(dev, dtype, margins, n, v, d, training):
                         f"(floor {fl.max().item():.3g})")
 
 
+def distill_inputs(n, v, d, dtype, seed):
+    """Fresh random student (x, w, b) and teacher (x, w, b), the teacher of hidden size d + 16
+    (fp32 master weights and biases for 16-bit inputs), and targets with a fraction ignored."""
+    g = gen(seed)
+    wdt = F32 if dtype in (BF16, F16) else dtype
+
+    def r(shape, dt, scale):
+        return (torch.randn(shape, generator=g, dtype=F64) * scale).to(dt)
+
+    out = []
+    for width in (d, d + 16):
+        s = 2 ** 0.5 / width ** 0.25
+        out += [r((n, width), dtype, s), r((v, width), wdt, s), r((v,), wdt, 0.3)]
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.15] = -100
+    return (*out, t)
+
+
+def run_distill(dev, xs, ws, bs, xt, wt, bt, t, *, teacher_grad=False, **opts):
+    """flce.linear_distillation on ``dev`` against float64 flce.reference.distillation: the
+    loss (under random upstream gradients per token for reduction="none") and the gradients
+    of the student's tensors, and of the teacher's with ``teacher_grad``."""
+    tensors = (xs, ws, bs, xt, wt, bt)
+    grad = [True] * 3 + [teacher_grad] * 3
+    leaves = [a.detach().to(dev).requires_grad_(g) for a, g in zip(tensors, grad)]
+    loss = flce.linear_distillation(leaves[0], leaves[1], leaves[3], leaves[4], t.to(dev),
+                                    student_bias=leaves[2], teacher_bias=leaves[5], **opts)
+    # float64: the weights' values in their input's dtype, the biases' in their own
+    wide = [a.to(xs.dtype if i in (1, 4) else a.dtype).double().requires_grad_()
+            for i, a in enumerate(tensors)]
+    zs = wide[0] @ wide[1].T + wide[2]
+    zt = wide[3] @ wide[4].T + wide[5]
+    ref = reference.distillation(zs, zt, t, **opts)
+    if loss.dtype != F32:
+        raise Wrong(f"loss: dtype {loss.dtype}, expected float32")
+    close("loss", loss, ref, F32, LOSS_FACTOR)
+    up = torch.rand(ref.shape, generator=gen(7), dtype=F64) + 0.5
+    (loss * up.float().to(dev)).sum().backward()
+    (ref * up).sum().backward()
+    names = ("student input", "student weight", "student bias", "teacher input",
+             "teacher weight", "teacher bias")
+    for name, leaf, w, g in zip(names, leaves, wide, grad):
+        if not g:
+            if leaf.grad is not None:
+                raise Wrong(f"grad {name}: computed, though it does not require grad")
+            continue
+        if leaf.grad is None or leaf.grad.dtype != leaf.dtype:
+            raise Wrong(f"grad {name}: {None if leaf.grad is None else leaf.grad.dtype}, "
+                        f"expected {leaf.dtype}")
+        grad_ok(f"grad {name}", leaf.grad, w.grad)
+
+
+def distill_collapsed(n, v, margin, same, seed):
+    """Logits [n, v] (fp32) where the teacher's class a leads its other logits by ``margin``
+    and the student's class (a where ``same``, else another one) by ``margin`` times 1 to 1.1:
+    (student's, teacher's)."""
+    g = gen(seed)
+    zs, zt = torch.randn(n, v, generator=g), torch.randn(n, v, generator=g)
+    a = torch.randint(0, v, (n,), generator=g)
+    b = a if same else (a + 1 + torch.randint(0, v - 1, (n,), generator=g)) % v
+    rows = torch.arange(n)
+    zt[rows, a] += margin
+    zs[rows, b] += margin * (1 + 0.1 * torch.rand(n, generator=g))
+    return zs, zt
+
+
+def run_distill_collapse(dev, margins, n, v, same, **opts):
+    """Both models confident (the teacher's class leads by margin m, the student's, the same
+    class or another, by m to 1.1 m), the hidden states the logits (an identity classifier,
+    exact in fp32): the fp32 loss within 1e-5 of float64 wherever it is a normal fp32 number,
+    the student's gradient within a few roundings of its logits' scale (an fp32 logit z
+    carries |z| 2^-24: the floor of any fp32-logit implementation)."""
+    eye = torch.eye(v)
+    for m in margins:
+        zs, zt = distill_collapsed(n, v, m, same, 200 + m)
+        xs = zs.clone().to(dev).requires_grad_()
+        loss = flce.linear_distillation(xs, eye.to(dev), zt.to(dev), eye.to(dev),
+                                        reduction="none", **opts)
+        loss.sum().backward()
+        s64 = zs.double().requires_grad_()
+        ref = reference.distillation(s64, zt.double(), reduction="none", **opts)
+        ref.sum().backward()
+        got = loss.detach().cpu().double()
+        tiny = torch.finfo(F32).tiny
+        normal = ref.abs() > tiny
+        err = ((got - ref).abs() / ref.abs())[normal]
+        if err.numel() and err.max().item() > 1e-5:
+            raise Wrong(f"margin {m}: loss relative error {err.max().item():.3g} > 1e-5")
+        if ((got - ref).abs()[~normal] > tiny).any():
+            raise Wrong(f"margin {m}: a loss below fp32's normal range off by more than its "
+                        f"smallest normal")
+        want = s64.grad
+        scale = want.abs().amax(1, keepdim=True)
+        live = (scale > tiny / torch.finfo(F32).eps)[:, 0]
+        bound = 4 * torch.finfo(F32).eps * (1 + zs.double().abs().amax(1, keepdim=True)) * scale
+        bad = ((xs.grad.cpu().double() - want).abs() > bound)[live]
+        if bad.any():
+            raise Wrong(f"margin {m}: {int(bad.sum())} student gradient entries beyond a few "
+                        f"roundings of the logits' scale")
+
+
 # ---- the paths ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -489,6 +591,14 @@ def paths(dev, size):
         reduction="none", return_lse=True, single_pass=False)
     add("vocab-parallel (1 rank) cross_entropy", run_parallel_logits, *logits_inputs(n, v, F32, 62))
     add("vocab-parallel (1 rank) DTensor weight", run_dtensor, *lin(F32, 63))
+    # Distillation (flce.linear_distillation): each divergence, 16-bit inputs, teacher gradients.
+    add("distillation jsd fp32, teacher gradients", run_distill, *distill_inputs(n, v, d, F32, 80),
+        teacher_grad=True, beta=0.3)
+    add("distillation forward_kl bf16, temperature, hard loss", run_distill,
+        *distill_inputs(n, v, d, BF16, 81), divergence="forward_kl", temperature=2.0,
+        hard_weight=0.5, soft_weight=0.5)
+    add("distillation reverse_kl fp32, per token", run_distill,
+        *distill_inputs(n, v, d, F32, 82), divergence="reverse_kl", reduction="none")
     # The CUDA backend's opt-ins and its row chunks (a workspace small enough for several).
     if cuda:
         add("train fp32, FLCE_CUDA_OPT_IN=fp64_grad", _in_env, {"FLCE_CUDA_OPT_IN": "fp64_grad"},
@@ -577,6 +687,11 @@ def correctness(dev, quick, tiny):
             name = f"collapse margins 0-100 {dn}, " + ("single pass" if training else "forward")
             cases.append((name, (lambda dt, tr: lambda: run_collapse(
                 dev, dt, margins, 16, mv, 64, tr))(dtype, training)))
+    for same in (True, False):
+        name = "distillation collapse margins 0-100 fp32, jsd, " + \
+            ("one class" if same else "different classes")
+        cases.append((name, (lambda sm: lambda: run_distill_collapse(
+            dev, margins, 16, 64, sm, beta=0.1))(same)))
     failed = []
     print(f"correctness: {len(cases)} paths against float64 ({dev})", flush=True)
     for name, fn in cases:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import flce
 from flce import distill, reference
+from flce.check import distill_collapsed
 from helpers import HAS_CUDA, LOSS_FACTOR, assert_close_to_ref, assert_grad_close
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
@@ -296,20 +297,6 @@ def test_module():
         flce.LinearDistillation(beta=2.0)
 
 
-def _collapsed(n, v, margin, same, seed):
-    """Logits [n, v] (float32 values) where the teacher's class a leads its other logits by
-    ``margin`` and the student's class (a, or another one) by ``margin`` times 1 to 1.1."""
-    g = torch.Generator().manual_seed(seed)
-    zs = torch.randn(n, v, generator=g)
-    zt = torch.randn(n, v, generator=g)
-    a = torch.randint(0, v, (n,), generator=g)
-    b = a if same else (a + 1 + torch.randint(0, v - 1, (n,), generator=g)) % v
-    rows = torch.arange(n)
-    zt[rows, a] += margin
-    zs[rows, b] += margin * (1 + 0.1 * torch.rand(n, generator=g))
-    return zs, zt
-
-
 def _naive(zs, zt, divergence, beta):
     """TRL's / Liger's per-token divergence: F.kl_div of log_softmax, in the logits' dtype."""
     s, t = F.log_softmax(zs, -1), F.log_softmax(zt, -1)
@@ -337,7 +324,7 @@ def test_collapse_sweep(same, divergence, beta):
     n, v = 16, 64
     eye = torch.eye(v)
     for margin in range(0, 101, 10):
-        zs, zt = _collapsed(n, v, float(margin), same, seed=margin)
+        zs, zt = distill_collapsed(n, v, float(margin), same, seed=margin)
         xs, xt = zs.clone().requires_grad_(), zt.clone().requires_grad_()
         loss = flce.linear_distillation(xs, eye, xt, eye, divergence=divergence, beta=beta,
                                         reduction="none")
@@ -367,7 +354,7 @@ def test_collapse_sweep(same, divergence, beta):
 def test_collapse_gradient_at_the_shared_class():
     """Forward KL at a shared dominant class: the student's gradient there is e_T - e_S, about
     1e-13 here, which (1 - e_S) - (1 - e_T) in fp32 rounds to 0 or to multiples of 2^-24."""
-    zs, zt = _collapsed(4, 32, 30.0, True, seed=5)
+    zs, zt = distill_collapsed(4, 32, 30.0, True, seed=5)
     x = zs.clone().requires_grad_()
     flce.linear_distillation(x, torch.eye(32), zt, torch.eye(32), divergence="forward_kl",
                              reduction="sum").backward()

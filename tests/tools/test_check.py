@@ -115,6 +115,27 @@ def test_check_names_a_wrong_path(tmp_path):
     assert "WRONG on this device: " in proc.stderr and "train single_pass=True fp32" in proc.stderr
 
 
+def test_check_names_a_wrong_distillation(monkeypatch):
+    """Distillation 1e-4 relatively off (loss and gradients) fails each of the check's
+    distillation paths, the collapse sweep included, and only those."""
+    from flce import check
+
+    right = flce.linear_distillation
+    monkeypatch.setattr(flce, "linear_distillation", lambda *a, **k: right(*a, **k) * (1 + 1e-4))
+    cases = check.paths("cpu", (24, 259, 32))
+    distill = [(n, f) for n, f in cases if n.startswith("distillation")]
+    assert len(distill) == 3
+    for name, fn in distill:
+        with pytest.raises(check.Wrong, match="loss: an element"):
+            fn()
+    with pytest.raises(check.Wrong, match="margin 0: loss relative error"):
+        check.run_distill_collapse("cpu", [0, 50], 16, 64, False, beta=0.1)
+    monkeypatch.setattr(flce, "linear_distillation", right)
+    for name, fn in distill:
+        fn()
+    check.run_distill_collapse("cpu", [0, 50], 16, 64, False, beta=0.1)
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="cuda-host",
                                                  marks=pytest.mark.cuda_host)])
 def test_check_on_the_cuda_backend(device, capsys):
