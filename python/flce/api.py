@@ -195,7 +195,7 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
     _common.check_one_device((("input", input), ("class_weight", class_weight)))
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy)
-    _common.check_predicted_tokens(return_predicted_tokens, input)
+    _common.check_flags(return_predicted_tokens=return_predicted_tokens)
     shift = _common.shift_amount(shift)
     # (here, for every path: the composite ones never ask for the single pass's rule)
     per_token = return_lse or return_entropy or return_accuracy or return_predicted_tokens
@@ -478,7 +478,7 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
                                  f"got {input.dtype}")
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy, inplace_backward=inplace_backward)
-    _common.check_predicted_tokens(return_predicted_tokens, input)
+    _common.check_flags(return_predicted_tokens=return_predicted_tokens)
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
     lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
     target = _common.unbatched_target(input, target)
