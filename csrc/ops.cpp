@@ -97,22 +97,6 @@ TORCH_LIBRARY(flce, m) {
   // The row layouts (flce/layout.h): [kPartialCols, kStatsCols, kSoftCols].
   m.def("row_layout() -> int[]",
         [] { return std::vector<int64_t>{kPartialCols, kStatsCols, kSoftCols}; });
-  // return_predicted_tokens on the CPU backend (one device; the CUDA backend does not serve it):
-  // forward's and logits_forward's outputs and argmax [N] int64, the column of each row's
-  // largest non-target logit z (after softcap and temperature; the first of equals, as
-  // torch.argmax), -1 where the row has no non-target column, -2 where a non-target logit is
-  // NaN (cpu/rows.h RowState::track_argmax). Python forms the predicted token from it and the
-  // stats' m_x and z_t (flce/_common.py predicted_from_stats).
-  m.def(
-      "forward_argmax(Tensor input, Tensor weight, Tensor target, Tensor? bias, "
-      "int ignore_index, float label_smoothing, float z_loss, float softcap, "
-      "float temperature=1.0, bool? exact_bf16_grad=None) -> (Tensor loss, Tensor lse, "
-      "Tensor stats, Tensor entropy, Tensor argmax)");
-  m.def(
-      "logits_forward_argmax(Tensor logits, Tensor target, int ignore_index, "
-      "float label_smoothing, float z_loss, float softcap, float temperature, "
-      "bool with_entropy, bool inplace_backward=False) -> (Tensor loss, Tensor lse, "
-      "Tensor stats, Tensor entropy, Tensor argmax)");
   m.def("cpu_single_pass_layout() -> int[]", [] {
     return std::vector<int64_t>{cpu::FUSED_BLOCK_N, cpu::kFusedWorkspaceBytes,
                                 cpu::kFusedWorkspaceBytes16, cpu::BLOCK_V_WIDE, cpu::TILE_PAD};

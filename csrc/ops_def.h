@@ -154,6 +154,31 @@ inline void define_ops(torch::Library& m) {
       "Tensor target, Tensor stats, int vocab_start, int vocab_size, int ignore_index, "
       "float label_smoothing, float z_loss, float softcap, float temperature) -> Tensor");
   // Target distributions on given logits (soft_partial_stats' formats and target weights).
+  // return_predicted_tokens: forward's, partial_stats', logits_forward's and logits_stats'
+  // outputs and argmax [N] int64, the global column of each row's largest non-target logit z
+  // (after bias, softcap and temperature; the first of equals, as torch.argmax), -1 where the
+  // row (the shard) has no non-target column, -2 where a non-target logit is NaN
+  // (cpu/rows.h RowState::track_argmax, cuda/params.h RowArgmaxParams). Python forms the
+  // predicted token from it and the stats' m_x and z_t (flce/_common.py predicted_from_stats),
+  // over vocabulary shards after merging the ranks' columns by their m (flce/parallel.py).
+  m.def(
+      "forward_argmax(Tensor input, Tensor weight, Tensor target, Tensor? bias, "
+      "int ignore_index, float label_smoothing, float z_loss, float softcap, "
+      "float temperature=1.0, bool? exact_bf16_grad=None) -> (Tensor loss, Tensor lse, "
+      "Tensor stats, Tensor entropy, Tensor argmax)");
+  m.def(
+      "partial_stats_argmax(Tensor input, Tensor weight, Tensor target, Tensor? bias, "
+      "int vocab_start, int ignore_index, float softcap, float temperature=1.0) -> "
+      "(Tensor partials, Tensor argmax)");
+  m.def(
+      "logits_forward_argmax(Tensor logits, Tensor target, int ignore_index, "
+      "float label_smoothing, float z_loss, float softcap, float temperature, "
+      "bool with_entropy, bool inplace_backward=False) -> (Tensor loss, Tensor lse, "
+      "Tensor stats, Tensor entropy, Tensor argmax)");
+  m.def(
+      "logits_stats_argmax(Tensor logits, Tensor target, int vocab_start, int ignore_index, "
+      "float softcap, float temperature, bool with_sum, bool with_entropy) -> "
+      "(Tensor partials, Tensor argmax)");
   m.def(
       "soft_logits_stats(Tensor logits, Tensor target, Tensor? class_weight, int vocab_start, "
       "int vocab_size, int ignore_index, float label_smoothing, float softcap, "

@@ -71,10 +71,10 @@ def launch(script, world_size, args=(), timeout=120.0):
     return out
 
 
-def run_checked(script, world_size, timeout=120.0):
-    """Launch ``script --worker`` on ``world_size`` ranks; assert that every rank exited 0 and
-    printed ALL CHECKS PASSED, with every rank's output tail in the failure message."""
-    results = launch(script, world_size, args=("--worker",), timeout=timeout)
+def run_checked(script, world_size, timeout=120.0, args=()):
+    """Launch ``script --worker *args`` on ``world_size`` ranks; assert that every rank exited 0
+    and printed ALL CHECKS PASSED, with every rank's output tail in the failure message."""
+    results = launch(script, world_size, args=("--worker",) + tuple(args), timeout=timeout)
     report = "\n".join(f"--- rank {r} (exit {rc}) ---\n{out[-6000:]}"
                        for r, (rc, out) in enumerate(results))
     assert all(rc == 0 for rc, _ in results), report

@@ -209,7 +209,17 @@ at::Tensor partial_stats_cpu(const at::Tensor& input, const at::Tensor& weight,
                             temperature, nullptr);
 }
 
-// ops.cpp forward_argmax: forward's outputs and the column of each row's largest non-target
+std::tuple<at::Tensor, at::Tensor> partial_stats_argmax_cpu(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t vocab_start, int64_t ignore_index,
+    double softcap, double temperature) {
+  at::Tensor argmax;
+  at::Tensor partials = partial_stats_impl(input, weight, target, bias, vocab_start,
+                                           ignore_index, softcap, temperature, &argmax);
+  return {partials, argmax};
+}
+
+// ops_def.h forward_argmax: forward's outputs and the column of each row's largest non-target
 // logit (RowState::arg).
 Tensor5 forward_argmax_cpu(const at::Tensor& input, const at::Tensor& weight,
                            const at::Tensor& target, const std::optional<at::Tensor>& bias,
@@ -1226,6 +1236,7 @@ TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("soft_sum_and_grad", &soft_sum_and_grad_cpu);
   m.impl("partial_stats", &partial_stats_cpu);
   m.impl("forward_argmax", &forward_argmax_cpu);
+  m.impl("partial_stats_argmax", &partial_stats_argmax_cpu);
   m.impl("combine", &cpu::combine_cpu);
   m.impl("backward", &backward_cpu);
   m.impl("sum_and_grad", &sum_and_grad_cpu);

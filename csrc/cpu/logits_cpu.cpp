@@ -115,7 +115,17 @@ Tensor4 logits_forward_cpu(const at::Tensor& logits, const at::Tensor& target,
                      z_loss);
 }
 
-// ops.cpp logits_forward_argmax: logits_forward's outputs and the column of each row's largest
+std::tuple<at::Tensor, at::Tensor> logits_stats_argmax_cpu(
+    const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
+    int64_t ignore_index, double softcap, double temperature, bool /*with_sum*/,
+    bool /*with_entropy*/) {
+  at::Tensor argmax;
+  at::Tensor partials = logits_stats_impl(logits, target, vocab_start, ignore_index, softcap,
+                                          temperature, &argmax);
+  return {partials, argmax};
+}
+
+// ops_def.h logits_forward_argmax: logits_forward's outputs and the column of each row's largest
 // non-target logit (RowState::arg).
 Tensor5 logits_forward_argmax_cpu(const at::Tensor& logits, const at::Tensor& target,
                                   int64_t ignore_index, double label_smoothing, double z_loss,
@@ -279,6 +289,7 @@ TORCH_LIBRARY_IMPL(flce, CPU, m) {
   m.impl("logits_stats", &logits_stats_cpu);
   m.impl("logits_forward", &logits_forward_cpu);
   m.impl("logits_forward_argmax", &logits_forward_argmax_cpu);
+  m.impl("logits_stats_argmax", &logits_stats_argmax_cpu);
   m.impl("logits_backward", &logits_backward_cpu);
   m.impl("logits_backward_", &logits_backward_inplace_cpu);
 }

@@ -155,9 +155,10 @@ bool split_grad(const LinearJob& job, bool need_c);
 
 // The merged [n, 5] partial statistics (m, s, z_t, sum_z, u) of the shard's columns; need_sum /
 // need_u: compute sum_z / u (else 0). Soft mode: [n, kSoftCols] states and their pivots [n]
-// into *pivot.
+// into *pivot. argmax: return_predicted_tokens' [n] int64 columns into *argmax
+// (cuda::RowArgmaxParams; -1 on an empty shard).
 at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u,
-                        at::Tensor* pivot = nullptr);
+                        at::Tensor* pivot = nullptr, at::Tensor* argmax = nullptr);
 
 struct GradJob {
   // The forward's row statistics [n, kStatsCols] (the recompute backward), or undefined: each
@@ -251,6 +252,8 @@ void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer,
                     const cuda::SoftTargetParams* soft = nullptr, int64_t* pivot = nullptr,
                     int64_t* split_pivots = nullptr);
 int64_t max_row_splits(int64_t v);
+// return_predicted_tokens' columns of rows ops (cuda::RowArgmaxParams) into out [ops.n].
+void row_argmax_into(const cuda::RowOperands& ops, int64_t* out);
 // [n, 5] partials of an empty shard: the empty state per row.
 at::Tensor empty_partials(int64_t n, const at::TensorOptions& f32);
 // The same for a target distribution: [n, kSoftCols] empty states, and pivots -1 into *pivot.

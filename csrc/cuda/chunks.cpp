@@ -104,6 +104,13 @@ void row_stats_into(cuda::RowStatsParams rs, float* out, float* split_buffer,
   if (rs.splits > 1) merge_partials(split_buffer, rs.splits, rs.n, out);
 }
 
+void row_argmax_into(const cuda::RowOperands& ops, int64_t* out) {
+  cuda::RowArgmaxParams ap{};
+  static_cast<cuda::RowOperands&>(ap) = ops;
+  ap.argmax = out;
+  check_launch(cuda::launch_row_argmax(ap, dev::stream()), "row_argmax");
+}
+
 int64_t max_row_splits(int64_t v) { return std::max<int64_t>(ceil_div(v, cuda::kRowTileCols), 1); }
 
 at::Tensor empty_partials(int64_t n, const at::TensorOptions& f32) {
@@ -149,10 +156,17 @@ bool split_grad(const LinearJob& job, bool need_c) {
 // ---------------------------------------------------------------------------------------------
 // stats_chunks: the merged [n, 5] partial statistics of the shard's columns.
 // ---------------------------------------------------------------------------------------------
-at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u, at::Tensor* pivot) {
+at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u, at::Tensor* pivot,
+                        at::Tensor* argmax) {
   const int64_t n = job.input.size(0), v = job.weight.size(0);
   const auto f32 = f32_of(job.input);
   TORCH_CHECK(!job.soft || pivot != nullptr, "flce: soft stats_chunks needs a pivot output");
+  TORCH_CHECK(!job.soft || argmax == nullptr, "flce: soft stats_chunks keeps no argmax");
+  if (argmax != nullptr) {
+    // (an empty shard has no non-target column: -1)
+    *argmax = v == 0 ? at::full({n}, -1, job.input.options().dtype(at::kLong))
+                     : dev::empty({n}, job.input.options().dtype(at::kLong));
+  }
   // (soft mode: SoftRow states and their pivots)
   const int64_t cols = job.soft ? cuda::kSoftCols : cuda::kPartialCols;
   if (job.soft && (n == 0 || v == 0)) return empty_soft_partials(n, f32, pivot);
@@ -190,6 +204,7 @@ at::Tensor stats_chunks(const LinearJob& job, bool need_sum, bool need_u, at::Te
                    mode.soft ? &mode.y : nullptr,
                    job.soft ? pivot->data_ptr<int64_t>() + s0 : nullptr,
                    job.soft ? split_pivots.data_ptr<int64_t>() : nullptr);
+    if (argmax != nullptr) row_argmax_into(rs, argmax->data_ptr<int64_t>() + s0);
   }
   return out;
 }

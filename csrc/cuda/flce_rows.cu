@@ -10,7 +10,9 @@
 // row_grad_kernel   one CTA per (rows_per_cta rows, column split): dz_j = (j == t ? dz_t :
 //                   A p_j - U) * softcap'(z_j) from launch_row_coef's coefficients, stored in the
 //                   compute dtype (over the logits where it aliases them), tile by tile;
-// scale_grad_kernel the deferred gradients -> the gradient, scaled in double, rounded once.
+// scale_grad_kernel the deferred gradients -> the gradient, scaled in double, rounded once;
+// row_argmax_kernel return_predicted_tokens' column of each row's largest non-target logit (its
+//                   own pass, launched only when asked).
 //
 // A row is walked in tiles of kTile = 4096 columns: thread k owns the kVecs groups of kVec = 4
 // adjacent columns c0 + i * kThreads * kVec + k * kVec (16-byte loads and stores where the rows
@@ -300,6 +302,18 @@ __device__ __forceinline__ void for_tiles(const TIn* z, ColRange cols, int64_t v
   }
 }
 
+// The max mx of this thread's tile values x (fmaxf skips NaN) and the first of its equals (0
+// where every value is NaN).
+__device__ __forceinline__ int first_max(const float (&x)[kPerThread], float& mx) {
+  mx = x[0];
+#pragma unroll
+  for (int e = 1; e < kPerThread; ++e) mx = fmaxf(mx, x[e]);
+  int a = 0;
+#pragma unroll
+  for (int e = kPerThread - 1; e >= 0; --e) a = x[e] == mx ? e : a;
+  return a;
+}
+
 // kXf: the logits go through bias and temperature (kAffine) or bias, softcap and temperature
 // (kCap), xform_logit; kNone: they are used as they are. kSum: the row's sum of logits (label
 // smoothing only); kU: the entropy's running sum u (only where the entropy is returned).
@@ -472,12 +486,8 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const SoftStats
         x[e] = in ? xform_logit<kXf>(x[e], xf) : neg_inf();
         y[e] = in ? soft_y(p.y, ry, c0 + j) : 0.f;
       }
-      float mx = x[0];
-#pragma unroll
-      for (int e = 1; e < kPerThread; ++e) mx = fmaxf(mx, x[e]);
-      int a = 0;  // the first of equals; 0 where every column is NaN (fmaxf skips NaN)
-#pragma unroll
-      for (int e = kPerThread - 1; e >= 0; --e) a = x[e] == mx ? e : a;
+      float mx;
+      const int a = first_max(x, mx);
       float piv = 0.f, y_a = 0.f;
 #pragma unroll
       for (int e = 0; e < kPerThread; ++e) {
@@ -517,6 +527,73 @@ __global__ void __launch_bounds__(kThreads, 2) soft_stats_kernel(const SoftStats
       p.pivots[k] = all.a;
     }
     __syncthreads();  // warp_state is reused by the next row
+  }
+}
+
+// A row's argmax so far (launch_row_argmax): the largest non-target z and its global column
+// (-1: none yet, -2: a NaN). merge keeps the larger, the lower column of equals, -2 for good:
+// symmetric, so a butterfly's partners agree.
+struct ArgMax {
+  float m;
+  int64_t col;
+};
+
+__device__ __forceinline__ ArgMax arg_merge(const ArgMax& a, const ArgMax& b) {
+  if (a.col == -2 || b.col == -2) return ArgMax{a.m, -2};
+  if (b.col < 0) return a;
+  return a.col < 0 || b.m > a.m || (b.m == a.m && b.col < a.col) ? b : a;
+}
+
+// launch_row_argmax: each thread folds its tiles' first max (first_max; a later tile's only
+// where larger), then the lanes (a butterfly) and the warps in order. A thread tile whose
+// candidates are all -inf takes its first candidate: first_max could name the masked target.
+template <typename TIn, Xf kXf>
+__global__ void __launch_bounds__(kThreads, 2) row_argmax_kernel(const RowArgmaxParams p) {
+  FLCE_DYNAMIC_SHARED(smem);
+  ArgMax* warp_arg = reinterpret_cast<ArgMax*>(smem);  // [kWarps]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const TIn* logits = static_cast<const TIn*>(p.logits);
+  const Xform xf = make_xform(p.bias, p.softcap, p.temperature);
+  const bool aligned = vec_aligned<TIn>(logits, p.ld) &&
+                       (kXf == Xf::kNone || p.bias == nullptr || pack_aligned<float>(p.bias));
+  for (int64_t row = blockIdx.x; row < p.n; row += gridDim.x) {
+    const int64_t tcol =
+        target_column(p.target[row * p.target_stride], p.ignore_index, p.col_offset, p.v);
+    ArgMax best{neg_inf(), -1};
+    for_tiles(logits + row * p.ld, ColRange{0, p.v}, p.v, aligned,
+              [&]<bool kFull>(float (&x)[kPerThread], int64_t c0, int64_t left) {
+      if constexpr (kXf != Xf::kNone) add_bias<kFull>(x, xf.bias, c0, left);
+      const int slot = target_slot(tcol, c0);
+      int first = -1;
+      bool nan = false;
+#pragma unroll
+      for (int e = kPerThread - 1; e >= 0; --e) {
+        const bool in = (kFull || local_col(e) < left) && e != slot;
+        const float z = xform_logit<kXf>(x[e], xf);
+        nan = nan || (in && z != z);
+        first = in ? e : first;
+        x[e] = in ? z : neg_inf();
+      }
+      if (first < 0) return;
+      float mx;
+      const int a = first_max(x, mx);
+      const int64_t col = p.col_offset + c0 + local_col(mx == neg_inf() ? first : a);
+      best = arg_merge(best, ArgMax{mx, nan ? -2 : col});
+    });
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      const ArgMax o{__shfl_xor_sync(0xffffffffu, best.m, off),
+                     __shfl_xor_sync(0xffffffffu, best.col, off)};
+      best = arg_merge(best, o);
+    }
+    if (lane == 0) warp_arg[warp] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      ArgMax all = warp_arg[0];
+      for (int w = 1; w < kWarps; ++w) all = arg_merge(all, warp_arg[w]);
+      p.argmax[row] = all.col;
+    }
+    __syncthreads();  // warp_arg is reused by the next row
   }
 }
 
@@ -777,7 +854,7 @@ void with_logits_type(DType dtype, F&& pick) {
   }
 }
 
-Xf stats_xf(const RowStatsParams& p) {
+Xf stats_xf(const RowOperands& p) {
   return p.softcap > 0.f                                ? Xf::kCap
          : p.bias != nullptr || p.temperature != 1.f ? Xf::kAffine
                                                         : Xf::kNone;
@@ -894,6 +971,19 @@ cudaError_t launch_row_stats(const RowStatsParams& p, cudaStream_t stream) {
   with_stats_kernel(p, [&]<auto kKernel>() {
     launch_kernel<kKernel>(dim3(grid_rows(p.n), p.splits), dim3(kThreads),
                            kWarps * sizeof(RowPartial), stream, p);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_row_argmax(const RowArgmaxParams& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  if (p.argmax == nullptr) return cudaErrorInvalidValue;
+  with_logits_type(p.logits_dtype, [&](auto tin) {
+    using TIn = decltype(tin);
+    XF_SWITCH(stats_xf(p), kXf, [&] {
+      launch_kernel<row_argmax_kernel<TIn, kXf>>(dim3(grid_rows(p.n)), dim3(kThreads),
+                                                 kWarps * sizeof(ArgMax), stream, p);
+    });
   });
   return cudaGetLastError();
 }

@@ -4,6 +4,7 @@
 //   partial_stats  stats_chunks of a vocabulary shard: [N, 5]
 //   combine        merge of R ranks' partials, target validation
 //   forward        partial_stats of the whole vocabulary -> combine (finalize)
+//   *_argmax       the same and return_predicted_tokens' columns (stats_chunks' argmax)
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -17,10 +18,13 @@
 namespace flce {
 namespace binding {
 
-at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
+namespace {
+
+// partial_stats, and with `argmax` return_predicted_tokens' columns (stats_chunks).
+at::Tensor partial_stats_impl(const at::Tensor& input, const at::Tensor& weight,
                               const at::Tensor& target, const std::optional<at::Tensor>& bias,
                               int64_t vocab_start, int64_t ignore_index, double softcap,
-                              double temperature) {
+                              double temperature, at::Tensor* argmax) {
   check_linear_args(input, weight, target, bias);
   check_device_tensor(input, input, "input");
   const dev::Guard guard(input);
@@ -31,7 +35,27 @@ at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
   job.ignore_index = ignore_index;
   job.softcap = softcap;
   job.temperature = temperature;
-  return stats_chunks(job, /*need_sum=*/true, /*need_u=*/true);
+  return stats_chunks(job, /*need_sum=*/true, /*need_u=*/true, nullptr, argmax);
+}
+
+}  // namespace
+
+at::Tensor partial_stats_cuda(const at::Tensor& input, const at::Tensor& weight,
+                              const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                              int64_t vocab_start, int64_t ignore_index, double softcap,
+                              double temperature) {
+  return partial_stats_impl(input, weight, target, bias, vocab_start, ignore_index, softcap,
+                            temperature, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> partial_stats_argmax_cuda(
+    const at::Tensor& input, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t vocab_start, int64_t ignore_index,
+    double softcap, double temperature) {
+  at::Tensor argmax;
+  at::Tensor partials = partial_stats_impl(input, weight, target, bias, vocab_start,
+                                           ignore_index, softcap, temperature, &argmax);
+  return {partials, argmax};
 }
 
 Tensor4 combine_cuda(const at::Tensor& partials, const at::Tensor& target, int64_t vocab_size,
@@ -63,12 +87,29 @@ Tensor4 forward_cuda(const at::Tensor& input, const at::Tensor& weight, const at
                       label_smoothing, z_loss);
 }
 
+// forward's outputs and return_predicted_tokens' columns (ops_def.h forward_argmax).
+Tensor5 forward_argmax_cuda(const at::Tensor& input, const at::Tensor& weight,
+                            const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                            int64_t ignore_index, double label_smoothing, double z_loss,
+                            double softcap, double temperature,
+                            std::optional<bool> exact_bf16_grad) {
+  check_rounded_grad(input, exact_bf16_grad);
+  auto [partials, argmax] = partial_stats_argmax_cuda(input, weight, target, bias, 0,
+                                                      ignore_index, softcap, temperature);
+  const dev::Guard guard(input);
+  auto [loss, lse, stats, ent] = combine_impl(partials.unsqueeze(0), target, weight.size(0),
+                                              ignore_index, label_smoothing, z_loss);
+  return {loss, lse, stats, ent, argmax};
+}
+
 }  // namespace binding
 
 FLCE_CUDA_IMPL(m) {
   m.impl("partial_stats", &binding::partial_stats_cuda);
   m.impl("combine", &binding::combine_cuda);
   m.impl("forward", &binding::forward_cuda);
+  m.impl("partial_stats_argmax", &binding::partial_stats_argmax_cuda);
+  m.impl("forward_argmax", &binding::forward_argmax_cuda);
 }
 
 }  // namespace flce

@@ -5,6 +5,7 @@
 //   logits_stats     row_stats over (row, column split) CTAs -> [splits, N, 5] -> merged in
 //                    order into partial_stats' [N, 5]              (one read of the logits)
 //   logits_forward   logits_stats -> combine (finalize, target check without a host sync)
+//   *_argmax         the same and return_predicted_tokens' columns (launch_row_argmax)
 //   logits_backward  row_coef from the statistics and the upstream gradients -> row_grad:
 //                    dz in the logits' dtype, into a new tensor or over the logits
 //                    (one read and one write)
@@ -57,9 +58,12 @@ cuda::RowOperands row_operands(const at::Tensor& logits, const at::Tensor& targe
   return r;
 }
 
-at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
+// logits_stats, and with `argmax` return_predicted_tokens' columns (cuda::RowArgmaxParams;
+// -1 on an empty shard).
+at::Tensor logits_stats_impl(const at::Tensor& logits, const at::Tensor& target,
                              int64_t vocab_start, int64_t ignore_index, double softcap,
-                             double temperature, bool with_sum, bool with_entropy) {
+                             double temperature, bool with_sum, bool with_entropy,
+                             at::Tensor* argmax) {
   check_logits_args(logits, target);
   check_logits_device(logits, target);
   const dev::Guard guard(logits);
@@ -67,6 +71,9 @@ at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
   poll_target_checks();
   const int64_t n = logits.size(0), v = logits.size(1);
   const auto f32 = f32_of(logits);
+  if (argmax != nullptr) {
+    *argmax = v == 0 ? at::full({n}, -1, target.options()) : dev::empty({n}, target.options());
+  }
   if (n == 0) return dev::empty({0, cuda::kPartialCols}, f32);
   if (v == 0) return empty_partials(n, f32);  // an empty shard: the empty state per row
   cuda::RowStatsParams rs{};
@@ -77,19 +84,57 @@ at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
   at::Tensor merged = dev::empty({n, cuda::kPartialCols}, f32);
   at::Tensor splits = dev::empty({max_row_splits(v) * n * cuda::kPartialCols}, f32);
   row_stats_into(rs, merged.data_ptr<float>(), splits.data_ptr<float>());
+  if (argmax != nullptr) row_argmax_into(rs, argmax->data_ptr<int64_t>());
   return merged;
+}
+
+at::Tensor logits_stats_cuda(const at::Tensor& logits, const at::Tensor& target,
+                             int64_t vocab_start, int64_t ignore_index, double softcap,
+                             double temperature, bool with_sum, bool with_entropy) {
+  return logits_stats_impl(logits, target, vocab_start, ignore_index, softcap, temperature,
+                           with_sum, with_entropy, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> logits_stats_argmax_cuda(
+    const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
+    int64_t ignore_index, double softcap, double temperature, bool with_sum, bool with_entropy) {
+  at::Tensor argmax;
+  at::Tensor partials = logits_stats_impl(logits, target, vocab_start, ignore_index, softcap,
+                                          temperature, with_sum, with_entropy, &argmax);
+  return {partials, argmax};
+}
+
+// logits_forward, and with `argmax` return_predicted_tokens' columns.
+Tensor4 logits_forward_impl(const at::Tensor& logits, const at::Tensor& target,
+                            int64_t ignore_index, double label_smoothing, double z_loss,
+                            double softcap, double temperature, bool with_entropy,
+                            at::Tensor* argmax) {
+  const dev::Guard guard(logits);
+  const NvtxRange range("flce::logits_forward");
+  const at::Tensor partials =
+      logits_stats_impl(logits, target, 0, ignore_index, softcap, temperature,
+                        label_smoothing != 0.0, with_entropy, argmax);
+  return combine_impl(partials.unsqueeze(0), target, logits.size(1), ignore_index,
+                      label_smoothing, z_loss);
 }
 
 Tensor4 logits_forward_cuda(const at::Tensor& logits, const at::Tensor& target,
                             int64_t ignore_index, double label_smoothing, double z_loss,
                             double softcap, double temperature, bool with_entropy,
                             bool /*inplace_backward: autograd's*/) {
-  const dev::Guard guard(logits);
-  const NvtxRange range("flce::logits_forward");
-  const at::Tensor partials = logits_stats_cuda(logits, target, 0, ignore_index, softcap,
-                                                temperature, label_smoothing != 0.0, with_entropy);
-  return combine_impl(partials.unsqueeze(0), target, logits.size(1), ignore_index,
-                      label_smoothing, z_loss);
+  return logits_forward_impl(logits, target, ignore_index, label_smoothing, z_loss, softcap,
+                             temperature, with_entropy, nullptr);
+}
+
+Tensor5 logits_forward_argmax_cuda(const at::Tensor& logits, const at::Tensor& target,
+                                   int64_t ignore_index, double label_smoothing, double z_loss,
+                                   double softcap, double temperature, bool with_entropy,
+                                   bool /*inplace_backward: autograd's*/) {
+  at::Tensor argmax;
+  auto [loss, lse, stats, ent] = logits_forward_impl(logits, target, ignore_index,
+                                                     label_smoothing, z_loss, softcap,
+                                                     temperature, with_entropy, &argmax);
+  return {loss, lse, stats, ent, argmax};
 }
 
 // row_grad over the logits of ops into out (the logits' dtype; out may be the logits
@@ -251,6 +296,8 @@ FLCE_CUDA_IMPL(m) {
   m.impl("soft_logits_backward", &binding::soft_logits_backward_cuda);
   m.impl("logits_stats", &binding::logits_stats_cuda);
   m.impl("logits_forward", &binding::logits_forward_cuda);
+  m.impl("logits_stats_argmax", &binding::logits_stats_argmax_cuda);
+  m.impl("logits_forward_argmax", &binding::logits_forward_argmax_cuda);
   m.impl("logits_backward", &binding::logits_backward_cuda);
   m.impl("logits_backward_", &binding::logits_backward_inplace_cuda);
 }

@@ -212,6 +212,16 @@ int soft_stats_splits(const SoftStatsParams& p, int sm_count);
 // the host emulation assumes 2 per SM), at most one per tile, the last wave as full as can be.
 int row_stats_splits(const RowStatsParams& p, int sm_count);
 
+// return_predicted_tokens (opt-in: its own pass over the logits, launched only when asked, so
+// that row_stats is unchanged): argmax [n] int64, the global column (col_offset + j) of each
+// row's largest non-target logit z (xform_logit, as row_stats; the first of equals), -1 where
+// the row has no non-target column, -2 where a non-target z is NaN (cpu/rows.h
+// RowState::track_argmax's values). One CTA per row, all of its columns.
+struct RowArgmaxParams : RowOperands {
+  int64_t* argmax;
+};
+cudaError_t launch_row_argmax(const RowArgmaxParams& p, cudaStream_t stream);
+
 // The logits (RowOperands) are overwritten where grad aliases them.
 struct RowGradParams : RowOperands {
   const float* coef;    // [n, 8] from launch_row_coef

@@ -693,16 +693,6 @@ def predicted_from_stats(stats, argmax, target, ignore_index):
     return torch.where(bad, -1, pred)
 
 
-def check_predicted_tokens(wanted, x):
-    """return_predicted_tokens: a bool, on a backend that serves it (``x``'s)."""
-    check_flags(return_predicted_tokens=wanted)
-    if wanted and _ops.is_cuda_backend(x):
-        raise NotImplementedError(
-            "flce: return_predicted_tokens=True is not implemented on the CUDA backend yet (its "
-            "row kernels do not keep the argmax's column); compute logits.argmax(-1) "
-            "separately, or call flce on CPU tensors")
-
-
 def reduce_accuracy(accuracy, target, ignore_index, reduction, shape, wanted):
     """The accuracy output reduced as the loss is (``"mean"``: the fraction of non-ignored
     tokens whose argmax is the target; ``"sum"``: their count; ``"none"``: per token), or None

@@ -174,16 +174,19 @@ def register(namespace, cuda_format):
 
     torch.library.register_autograd(name("forward"), backward, setup_context=setup_context)
 
-    # return_predicted_tokens: forward and logits_forward with the argmax's column (CPU ops of
-    # the flce namespace only, csrc/ops.cpp): the op's fake and autograd, plus an int64 [N]
-    # output that takes no gradient.
-    has_argmax = namespace == "flce"
-
-    def register_argmax(op, fake, setup, grad):
+    # return_predicted_tokens: forward, partial_stats, logits_forward and logits_stats with the
+    # argmax's column (ops_def.h): the base op's fake (and autograd), plus an int64 [N] output
+    # that takes no gradient. (The *_stats ones run inside the vocab-parallel autograd Function:
+    # no autograd of their own.)
+    def with_argmax(fake):
         def argmax_fake(first, *args, **kwargs):
             out = fake(first, *args, **kwargs)
+            out = out if isinstance(out, tuple) else (out,)
             return out + (first.new_empty((first.shape[0],), dtype=torch.int64),)
 
+        return argmax_fake
+
+    def register_argmax(op, fake, setup, grad):
         def argmax_setup_context(ctx, inputs, output):
             setup(ctx, inputs, output[:4])
             ctx.mark_non_differentiable(output[4])
@@ -191,12 +194,12 @@ def register(namespace, cuda_format):
         def argmax_backward(ctx, grad_loss, grad_lse, grad_stats, grad_entropy, grad_argmax):
             return grad(ctx, grad_loss, grad_lse, grad_stats, grad_entropy)
 
-        torch.library.register_fake(name(op))(argmax_fake)
+        torch.library.register_fake(name(op))(with_argmax(fake))
         torch.library.register_autograd(name(op), argmax_backward,
                                         setup_context=argmax_setup_context)
 
-    if has_argmax:
-        register_argmax("forward_argmax", _forward_fake, setup_context, backward)
+    register_argmax("forward_argmax", _forward_fake, setup_context, backward)
+    torch.library.register_fake(name("partial_stats_argmax"))(with_argmax(_partial_stats_fake))
 
     # Target distributions (probability targets; class targets with weights and smoothing).
     @torch.library.register_fake(name("soft_partial_stats"))
@@ -376,9 +379,9 @@ def register(namespace, cuda_format):
 
     torch.library.register_autograd(name("logits_forward"), logits_backward,
                                     setup_context=logits_setup_context)
-    if has_argmax:
-        register_argmax("logits_forward_argmax", _logits_forward_fake, logits_setup_context,
-                        logits_backward)
+    register_argmax("logits_forward_argmax", _logits_forward_fake, logits_setup_context,
+                    logits_backward)
+    torch.library.register_fake(name("logits_stats_argmax"))(with_argmax(_logits_stats_fake))
 
     # Target distributions on given logits.
     @torch.library.register_fake(name("soft_logits_stats"))

@@ -181,13 +181,13 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
         from . import parallel
 
         if parallel.is_vocab_sharded(weight):
-            _refuse_vocab_parallel_predicted(return_predicted_tokens)
             return parallel._linear_dtensor(
                 input, weight, target, bias=bias, ignore_index=ignore_index,
                 reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
                 softcap=softcap, temperature=temperature, return_lse=return_lse,
                 return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
-                class_weight=class_weight, exact_bf16_grad=exact_bf16_grad)
+                class_weight=class_weight, exact_bf16_grad=exact_bf16_grad,
+                return_predicted_tokens=return_predicted_tokens)
     opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                            temperature)
     target = _common.unbatched_target(input, target)
@@ -195,7 +195,7 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
     _common.check_one_device((("input", input), ("class_weight", class_weight)))
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy)
-    _common.check_predicted_tokens(return_predicted_tokens, input)
+    _common.check_flags(return_predicted_tokens=return_predicted_tokens)
     shift = _common.shift_amount(shift)
     # (here, for every path: the composite ones never ask for the single pass's rule)
     per_token = return_lse or return_entropy or return_accuracy or return_predicted_tokens
@@ -259,13 +259,6 @@ def _linear_outputs(input, weight=None, target=None, *, bias=None, ignore_index=
                                                      exact_bf16_grad=exact_bf16_grad)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
                                       return_lse, return_entropy, return_accuracy, argmax)
-
-
-def _refuse_vocab_parallel_predicted(wanted):
-    if wanted:
-        raise NotImplementedError(
-            "flce: return_predicted_tokens=True is not implemented on the vocab-parallel path "
-            "yet (a DTensor sharded over the vocabulary); compute the logits' argmax separately")
 
 
 def _with_z_loss(call, rows, soft, class_weight, z_loss, ignore_index, reduction,
@@ -462,12 +455,12 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
         # (its argument checks run in the ranks' exchange: linear_cross_entropy's note)
         from . import parallel
 
-        _refuse_vocab_parallel_predicted(return_predicted_tokens)
         return parallel.cross_entropy_dtensor(
             input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             temperature=temperature, return_lse=return_lse, return_entropy=return_entropy,
-            return_accuracy=return_accuracy, inplace_backward=inplace_backward)
+            return_accuracy=return_accuracy, inplace_backward=inplace_backward,
+            return_predicted_tokens=return_predicted_tokens)
     opts = _common.Options(ignore_index, reduction, label_smoothing, z_loss, softcap,
                            temperature)
     if input.dim() == 0:
@@ -478,7 +471,7 @@ def _cross_entropy_outputs(input, target, weight=None, *, ignore_index=-100, red
                                  f"got {input.dtype}")
     _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
                         return_accuracy=return_accuracy, inplace_backward=inplace_backward)
-    _common.check_predicted_tokens(return_predicted_tokens, input)
+    _common.check_flags(return_predicted_tokens=return_predicted_tokens)
     c = input.shape[0] if input.dim() == 1 else input.shape[1]
     lead = () if input.dim() == 1 else (input.shape[0],) + tuple(input.shape[2:])
     target = _common.unbatched_target(input, target)

@@ -145,7 +145,7 @@ _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype",
                 "bias", "ignore_index", "label_smoothing", "z_loss", "softcap", "reduction",
                 "sequence_parallel", "temperature", "single pass", "class weights", "targets",
                 "exact_bf16_grad", "shift", "reduce_input_grad", "input requires grad",
-                "group size", "group members", "error", "target min", "target max")
+                "return_predicted_tokens", "group size", "group members", "error", "target min", "target max")
 _AGREED = range(3, _META_FIELDS.index("error"))
 _ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
 
@@ -393,21 +393,41 @@ class _ShardOps(NamedTuple):
       the same on every rank, and ``stats`` for the backward (not differentiable);
     * ``backward(needs, grads, stats, *tensors) -> one gradient per tensor``: ``needs[i]``
       whether ``tensors[i]`` wants its gradient (None where not), ``grads`` the upstream
-      ``(grad_loss [N] fp32, grad_lse or None, grad_entropy or None)``.
+      ``(grad_loss [N] fp32, grad_lse or None, grad_entropy or None)``;
+    * ``partial_argmax(*tensors) -> ([N, 5], [N] int64)`` (return_predicted_tokens; families
+      of class targets only): ``partial``'s statistics and the global column of each row's
+      largest non-target logit on this shard (the ``*_argmax`` ops' values).
     """
     one_device: Callable
     partial: Callable
     combine: Callable
     backward: Callable
+    partial_argmax: Callable = None
 
 
-def _per_token(family, tensors, group, world, tokens=_Tokens()):
+def _per_token(family, tensors, group, world, tokens=_Tokens(), predicted=False):
     """(loss, lse, stats, entropy) [N] of ``family`` (a ``_ShardOps``) over the shards of
     ``group``: ``family.one_device`` for one rank, else partial, one all-gather, combine.
-    ``tokens``: the collective of a linear family's tokens (``tensors[0]``)."""
-    if world == 1:
+    ``tokens``: the collective of a linear family's tokens (``tensors[0]``). ``predicted``
+    (return_predicted_tokens): a fifth output, the argmax column of each row over all shards
+    (_merge_argmax; through _OverShards on one rank too)."""
+    if world == 1 and not predicted:
         return family.one_device(*tensors)
-    return _OverShards.apply(family, group, world, tokens, *tensors)
+    return _OverShards.apply(family, group, world, tokens, predicted, *tensors)
+
+
+def _merge_argmax(gathered, argmax):
+    """The ranks' ``*_argmax`` columns ``argmax`` [world, N] (global; -1: the shard has no
+    non-target column, -2: a NaN non-target logit) merged into the whole vocabulary's, as one
+    shard's tiles are: the column of the largest non-target max m (``gathered[..., 0]``, each
+    rank's partial statistics) among the ranks that have one, the lowest column of equals; -2
+    where any rank has -2, -1 where none has a column."""
+    has = argmax >= 0
+    m = torch.where(has, gathered[..., 0], float("-inf"))
+    win = has & (m == m.amax(0))
+    col = torch.where(win, argmax, _common.INT64_MAX).amin(0)
+    col = torch.where(win.any(0), col, -1)
+    return torch.where((argmax == -2).any(0), -2, col)
 
 
 class _OverShards(torch.autograd.Function):
@@ -416,22 +436,33 @@ class _OverShards(torch.autograd.Function):
     shard, and the tokens' summed over the group in fp32 (``_Tokens``)."""
 
     @staticmethod
-    def forward(ctx, family, group, world, tokens, *tensors):
+    def forward(ctx, family, group, world, tokens, predicted, *tensors):
         tensors = (tokens.gather(tensors[0]),) + tensors[1:]
-        partials = family.partial(*tensors)
-        gathered = _all_gather(partials, group, world).view(world, *partials.shape)
+        if predicted:
+            partials, argmax = family.partial_argmax(*tensors)
+        else:
+            partials = family.partial(*tensors)
+        gathered = _all_gather(partials, group, world).view(world, *partials.shape) \
+            if world > 1 else partials[None]
         loss, lse, stats, entropy = family.combine(gathered, *tensors)
+        if predicted:
+            # (one more all-gather, of int64 [N], only when asked)
+            if world > 1:
+                argmax = _merge_argmax(gathered,
+                                       _all_gather(argmax, group, world).view(world, -1))
+            ctx.mark_non_differentiable(argmax)
         ctx.save_for_backward(*tensors, stats)
         ctx.family, ctx.tokens = family, tokens
         ctx.mark_non_differentiable(stats)
-        return loss, lse, stats, entropy
+        out = loss, lse, stats, entropy
+        return out + (argmax,) if predicted else out
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, _grad_stats, grad_entropy):
+    def backward(ctx, grad_loss, grad_lse, _grad_stats, grad_entropy, *_grad_argmax):
         _ops.refuse_double_backward("the vocab-parallel path", "the single-device entry point")
         *tensors, stats = ctx.saved_tensors
-        needs = ctx.needs_input_grad[4:]
-        none = (None,) * 4
+        needs = ctx.needs_input_grad[5:]
+        none = (None,) * 5
         if not any(needs):
             return none + (None,) * len(tensors)
         if grad_loss is None:
@@ -456,6 +487,9 @@ def _linear_ops(layout, opts, exact_bf16_grad=None):
     def partial(x, w, b, t):
         return _ops.ops.partial_stats(x, w, t, b, layout.vocab_start, ii, sc, temp)
 
+    def partial_argmax(x, w, b, t):
+        return _ops.ops.partial_stats_argmax(x, w, t, b, layout.vocab_start, ii, sc, temp)
+
     def combine(gathered, x, w, b, t):
         return _ops.ops.combine(gathered, t, layout.vocab_size, ii, ls, z)
 
@@ -465,7 +499,7 @@ def _linear_ops(layout, opts, exact_bf16_grad=None):
                                  layout.vocab_size, ii, ls, z, sc, list(needs[:3]), grad_entropy,
                                  temp, exact_bf16_grad, fp32_input_grad) + (None,)
 
-    return _ShardOps(one_device, partial, combine, backward)
+    return _ShardOps(one_device, partial, combine, backward, partial_argmax)
 
 
 def _logits_ops(layout, options, with_entropy, inplace):
@@ -481,6 +515,10 @@ def _logits_ops(layout, options, with_entropy, inplace):
         return _ops.ops.logits_stats(logits, t, layout.vocab_start, ii, sc, temp, ls != 0.0,
                                      with_entropy)
 
+    def partial_argmax(logits, t):
+        return _ops.ops.logits_stats_argmax(logits, t, layout.vocab_start, ii, sc, temp,
+                                            ls != 0.0, with_entropy)
+
     def combine(gathered, logits, t):
         return _ops.ops.combine(gathered, t, layout.vocab_size, ii, ls, z)
 
@@ -492,7 +530,7 @@ def _logits_ops(layout, options, with_entropy, inplace):
             return logits, None
         return _ops.ops.logits_backward(*args), None
 
-    return _ShardOps(one_device, partial, combine, backward)
+    return _ShardOps(one_device, partial, combine, backward, partial_argmax)
 
 
 def _pack(state, pivot):
@@ -560,7 +598,8 @@ def _distribution_ops(layout, opts, logits_level=False):
 
 
 def _check_distribution(target, soft, class_weight, opts, x, shift=False,
-                        sequence_parallel=False, return_accuracy=False):
+                        sequence_parallel=False, return_accuracy=False,
+                        return_predicted_tokens=False):
     """This rank's checks of a target distribution over the shards (probability targets, or
     class weights with label smoothing); whether the call is one."""
     if not (soft or (class_weight is not None and opts.label_smoothing)):
@@ -578,7 +617,8 @@ def _check_distribution(target, soft, class_weight, opts, x, shift=False,
                         f"distributions, which the CUDA backend runs only with "
                         f"FLCE_CUDA_OPT_IN=distributions (docs/api.md)")
     for name, flag in (("shift", shift), ("sequence_parallel", sequence_parallel),
-                       ("return_accuracy", return_accuracy)):
+                       ("return_accuracy", return_accuracy),
+                       ("return_predicted_tokens", return_predicted_tokens)):
         if flag:
             raise ArgumentError(f"flce.parallel: {name}=True is not supported with {what} over "
                                 f"vocabulary shards")
@@ -593,7 +633,7 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
                                         vocab_start=None, vocab_size=None,
                                         reduce_input_grad=True, sequence_parallel=False,
                                         check_ranks=True, single_pass=None,
-                                        exact_bf16_grad=None):
+                                        exact_bf16_grad=None, return_predicted_tokens=False):
     r"""Fused, collapse-safe linear cross-entropy with the vocabulary sharded over ``group``.
 
     Every rank passes the same tokens (``input``, ``target``) and its own rows of the
@@ -643,11 +683,15 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
             rows all-gather their ``[rows, 4]`` statistics inside the op.
         exact_bf16_grad: as for ``flce.linear_cross_entropy`` (the CPU backend's recompute
             backward and the CUDA backend's single pass take it).
+        return_predicted_tokens: as for ``flce.linear_cross_entropy``: each token's argmax over
+            the whole vocabulary (global ids, the same on every rank; one more all-gather, of
+            int64 ``[N]``, only when asked). Class-id targets only.
 
     Returns:
         The loss in float32 (identical on all ranks), then the per-token lse when ``return_lse``,
-        the per-token entropy when ``return_entropy`` and the accuracy when ``return_accuracy``.
-        Every rank must backpropagate the same upstream gradient into it.
+        the per-token entropy when ``return_entropy``, the accuracy when ``return_accuracy`` and
+        the predicted tokens when ``return_predicted_tokens``. Every rank must backpropagate the
+        same upstream gradient into it.
     """
     return _common.unshift(_vocab_parallel_linear(
         input, weight_local, target, group=group, bias_local=bias_local,
@@ -656,15 +700,15 @@ def vocab_parallel_linear_cross_entropy(input, weight_local, target, *, group=No
         return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
         class_weight=class_weight, vocab_start=vocab_start, vocab_size=vocab_size,
         reduce_input_grad=reduce_input_grad, sequence_parallel=sequence_parallel,
-        check_ranks=check_ranks, single_pass=single_pass, exact_bf16_grad=exact_bf16_grad),
-        _common.shift_amount(shift), reduction)
+        check_ranks=check_ranks, single_pass=single_pass, exact_bf16_grad=exact_bf16_grad,
+        return_predicted_tokens=return_predicted_tokens), _common.shift_amount(shift), reduction)
 
 
 def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ignore_index,
                            reduction, label_smoothing, z_loss, softcap, temperature, return_lse,
                            return_entropy, return_accuracy, shift, class_weight, vocab_start,
                            vocab_size, reduce_input_grad, sequence_parallel, check_ranks,
-                           single_pass, exact_bf16_grad):
+                           single_pass, exact_bf16_grad, return_predicted_tokens=False):
     """vocab_parallel_linear_cross_entropy's outputs with the last ``shift`` positions (ignored)
     kept (flce.linear_cross_entropy's DTensor path drops them itself)."""
     group, rank, world = _resolve_group(group)
@@ -677,8 +721,10 @@ def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ig
         _common.validate_linear(input, weight_local, target, bias_local)
         _check_local(input, weight_local, bias_local, target if soft else None)
         _check_class_weight(class_weight)
+        _common.check_flags(return_predicted_tokens=return_predicted_tokens)
         distribution = _check_distribution(target, soft, class_weight, opts, input, shift,
-                                           sequence_parallel, return_accuracy)
+                                           sequence_parallel, return_accuracy,
+                                           return_predicted_tokens)
         _check_vocab_start(vocab_start)
         exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
         if vocab_size is not None and (not isinstance(vocab_size, int) or
@@ -697,7 +743,7 @@ def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ig
         if sequence_parallel and input.dim() < 2:
             raise ArgumentError("flce.parallel: sequence_parallel needs input of shape "
                                 "(tokens, ..., D)")
-        per_token = return_lse or return_entropy or return_accuracy
+        per_token = return_lse or return_entropy or return_accuracy or return_predicted_tokens
 
         def use_single(x, w, b, shards):
             return _common.plan(x, (w, b), classes=w.shape[0], distribution=distribution,
@@ -727,7 +773,8 @@ def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ig
                 _weights_meta(class_weight), int(soft),
                 -1 if exact_bf16_grad is None else int(exact_bf16_grad), shift,
                 int(bool(reduce_input_grad)),
-                int(torch.is_grad_enabled() and input.requires_grad)]
+                int(torch.is_grad_enabled() and input.requires_grad),
+                int(return_predicted_tokens)]
         error = None
     except Exception as e:  # (any type: see _raise_rank_errors)
         error, t, meta = e, None, None
@@ -763,10 +810,12 @@ def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ig
                                            tokens)
         return _common.distribution_outputs(loss, lse, entropy, t, opts, lead, row_weight,
                                             return_lse, return_entropy)
-    loss, lse, stats, entropy = _per_token(_linear_ops(layout, opts, exact_bf16_grad),
-                                           (x, w, b, t), group, world, tokens)
+    loss, lse, stats, entropy, *argmax = _per_token(
+        _linear_ops(layout, opts, exact_bf16_grad), (x, w, b, t), group, world, tokens,
+        return_predicted_tokens)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
-                                      return_lse, return_entropy, return_accuracy)
+                                      return_lse, return_entropy, return_accuracy,
+                                      argmax[0] if argmax else None)
 
 
 def _check_local(*tensors):
@@ -793,7 +842,8 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
                                  reduction="mean", label_smoothing=0.0, z_loss=0.0,
                                  softcap=None, temperature=1.0, return_lse=False,
                                  return_entropy=False, return_accuracy=False, shift=False,
-                                 class_weight=None, exact_bf16_grad=None):
+                                 class_weight=None, exact_bf16_grad=None,
+                                 return_predicted_tokens=False):
     """``flce.linear_cross_entropy`` for a ``DTensor`` weight ``Shard(0)`` on a 1-D mesh.
 
     ``input`` and ``target`` may be plain tensors (the same on every rank) or DTensors on the
@@ -808,12 +858,13 @@ def linear_cross_entropy_dtensor(input, weight, target, *, bias=None, ignore_ind
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
         temperature=temperature, return_lse=return_lse, return_entropy=return_entropy,
         return_accuracy=return_accuracy, shift=shift, class_weight=class_weight,
-        exact_bf16_grad=exact_bf16_grad), _common.shift_amount(shift), reduction)
+        exact_bf16_grad=exact_bf16_grad, return_predicted_tokens=return_predicted_tokens),
+        _common.shift_amount(shift), reduction)
 
 
 def _linear_dtensor(input, weight, target, *, bias, ignore_index, reduction, label_smoothing,
                     z_loss, softcap, temperature, return_lse, return_entropy, return_accuracy,
-                    shift, class_weight, exact_bf16_grad):
+                    shift, class_weight, exact_bf16_grad, return_predicted_tokens=False):
     """linear_cross_entropy_dtensor's outputs with the last ``shift`` positions (ignored)
     kept (flce.linear_cross_entropy drops them itself)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -849,7 +900,8 @@ def _linear_dtensor(input, weight, target, *, bias, ignore_index, reduction, lab
         return_entropy=return_entropy, return_accuracy=return_accuracy, shift=shift,
         class_weight=local("class_weight", class_weight, None), vocab_start=None,
         vocab_size=None, reduce_input_grad=True, sequence_parallel=False, check_ranks=True,
-        single_pass=None, exact_bf16_grad=exact_bf16_grad)
+        single_pass=None, exact_bf16_grad=exact_bf16_grad,
+        return_predicted_tokens=return_predicted_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -860,7 +912,7 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
                   label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
                   return_lse=False, return_entropy=False, return_accuracy=False,
                   class_weight=None, vocab_start=None, inplace_backward=False,
-                  check_ranks=True):
+                  check_ranks=True, return_predicted_tokens=False):
     """Collapse-safe cross-entropy of logits sharded over the classes of ``group``.
 
     Every rank passes the same tokens' targets and its own logit columns; the result equals
@@ -878,10 +930,12 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         inplace_backward: write the gradient over this rank's logits (as Megatron does).
         check_ranks: as :func:`vocab_parallel_linear_cross_entropy` (one small exchange per
             call, so that every rank raises the same error).
+        return_predicted_tokens: each token's argmax over all ranks' classes (global ids; one
+            more all-gather, of int64 ``[N]``, only when asked). Class-id targets only.
 
     One all-gather of ``[N, 5]`` fp32 statistics forward, no collective backward: each rank's
-    gradient is its logits'. Returns the loss (identical on all ranks), then the lse and the
-    entropy when asked, as :func:`flce.cross_entropy`.
+    gradient is its logits'. Returns the loss (identical on all ranks), then the lse, the
+    entropy, the accuracy and the predicted tokens when asked, as :func:`flce.cross_entropy`.
     """
     group, rank, world = _resolve_group(group)
     try:
@@ -889,11 +943,13 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
                                temperature)
         soft = _check_logits(logits, target, "logits")
         _common.check_flags(return_lse=return_lse, return_entropy=return_entropy,
-                            return_accuracy=return_accuracy, inplace_backward=inplace_backward)
+                            return_accuracy=return_accuracy, inplace_backward=inplace_backward,
+                            return_predicted_tokens=return_predicted_tokens)
         _check_vocab_start(vocab_start)
         _check_class_weight(class_weight)
         distribution = _check_distribution(target, soft, class_weight, opts, logits,
-                                           return_accuracy=return_accuracy)
+                                           return_accuracy=return_accuracy,
+                                           return_predicted_tokens=return_predicted_tokens)
         if distribution and inplace_backward:
             raise ArgumentError("flce.parallel: inplace_backward=True takes class-index targets "
                                 "without class weights and label smoothing together")
@@ -903,7 +959,7 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
         t = None if soft else target.reshape(-1).to(torch.int64)
         meta = _logits_meta(x, vocab_start, opts.ignore_index, opts.label_smoothing,
                             opts.z_loss, opts.softcap, reduction, opts.temperature, class_weight,
-                            soft)
+                            soft, return_predicted_tokens)
         error = None
     except Exception as e:  # (any type: see _raise_rank_errors)
         error, t, meta = e, None, None
@@ -921,9 +977,11 @@ def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="m
                opts.temperature)
     row_weight = _row_weights(class_weight, layout, t, opts.ignore_index)
     family = _logits_ops(layout, options, bool(return_entropy), bool(inplace_backward))
-    loss, lse, stats, entropy = _per_token(family, (x, t), group, world)
+    loss, lse, stats, entropy, *argmax = _per_token(family, (x, t), group, world,
+                                                    predicted=return_predicted_tokens)
     return _common.outputs_from_stats(loss, lse, stats, entropy, t, opts, lead, row_weight,
-                                      return_lse, return_entropy, return_accuracy)
+                                      return_lse, return_entropy, return_accuracy,
+                                      argmax[0] if argmax else None)
 
 
 def _check_inplace(inplace, x, logits, name):
@@ -951,14 +1009,14 @@ def _check_logits(logits, target, name):
 
 
 def _logits_meta(x, vocab_start, ignore_index, smoothing, z_loss, softcap, reduction,
-                 temperature, class_weight=None, soft=False):
+                 temperature, class_weight=None, soft=False, predicted=False):
     """The fields of _META_FIELDS that a logits-level call has (no D, bias or weight):
     x [N, V_local] this rank's rows."""
     code = _DTYPE_CODES[x.dtype]
     return [x.shape[1], -1 if vocab_start is None else vocab_start, -1, x.shape[0], 0, code,
             code, 0, ignore_index, _float_bits(smoothing), _float_bits(z_loss),
             _float_bits(softcap), _REDUCTION_CODES[reduction], 0, _float_bits(temperature), 0,
-            _weights_meta(class_weight), int(soft), -1, 0, 1, 0]
+            _weights_meta(class_weight), int(soft), -1, 0, 1, 0, int(bool(predicted))]
 
 
 def _weights_meta(class_weight):
@@ -1097,7 +1155,7 @@ def _class_columns(target, mesh, name):
 def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, reduction="mean",
                           label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
                           return_lse=False, return_entropy=False, return_accuracy=False,
-                          inplace_backward=False):
+                          inplace_backward=False, return_predicted_tokens=False):
     """``flce.cross_entropy`` of a ``DTensor`` of logits sharded over the classes: ``(N, C)``
     with placements ``(Shard(1),)`` (or ``Shard(-1)``) on a 1-D mesh, as TorchTitan's
     ``loss_parallel`` hands the loss its ``pred.flatten(0, 1)``. ``target`` may be a plain
@@ -1131,4 +1189,5 @@ def cross_entropy_dtensor(input, target, *, weight=None, ignore_index=-100, redu
                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                          temperature=temperature, return_lse=return_lse,
                          return_entropy=return_entropy, return_accuracy=return_accuracy,
-                         class_weight=weight, inplace_backward=inplace_backward)
+                         class_weight=weight, inplace_backward=inplace_backward,
+                         return_predicted_tokens=return_predicted_tokens)

@@ -1,14 +1,16 @@
 """return_predicted_tokens (Liger's option): each token's argmax, int64, -1 where ignored and
-where the logits hold a NaN, against torch.argmax of float64 logits. Exact ties come from small
-integer inputs (their fp32 and bf16 logits are exact): between classes, with the target, across
-the CPU backend's vocabulary tiles (256 columns for fp32, 2048 for 16-bit inputs) and logits
-chunks (4096), in rows that the backend's workers split among themselves."""
+where the logits hold a NaN, against torch.argmax of float64 logits, on every backend (``device``:
+the CPU backend, the CUDA backend on a GPU and under the host emulation). Exact ties come from
+small integer inputs (their fp32 and bf16 logits are exact): between classes, with the target,
+across the CPU backend's vocabulary tiles (256 columns for fp32, 2048 for 16-bit inputs) and
+logits chunks (4096), in rows that the backend's workers split among themselves; across the
+CUDA row kernels' 4096-column tiles, their threads' columns, and the chunks of rows of the
+linear op (a small workspace)."""
 import pytest
 import torch
 
 import flce
-from flce import _ops
-from helpers import CUDA_DEVICES, as_f64, gen, rand_inputs
+from helpers import as_f64, gen, rand_inputs
 
 IGNORE = -100
 
@@ -54,12 +56,17 @@ def _case(n=48, v=5000, d=8, seed=0):
     return x, w, t
 
 
+def _to(device, *tensors):
+    return tuple(a.to(device) for a in tensors)
+
+
 @pytest.mark.parametrize("entry", ["linear", "logits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_exact_ties(entry, dtype, reduction):
+def test_exact_ties(entry, dtype, reduction, device):
     x, w, t = _case()
     z64 = x.double() @ w.double().T
+    x, w, t = _to(device, x, w, t)
     if entry == "linear":
         out = flce.linear_cross_entropy(x.to(dtype), w.to(dtype), t, reduction=reduction,
                                         return_predicted_tokens=True, return_accuracy=True)
@@ -70,8 +77,9 @@ def test_exact_ties(entry, dtype, reduction):
         out = flce.cross_entropy(z, t, reduction=reduction, return_predicted_tokens=True,
                                  return_accuracy=True)
     assert out._fields == ("loss", "accuracy", "predicted_tokens")
-    got = out.predicted_tokens
+    got = out.predicted_tokens.cpu()
     assert got.dtype == torch.int64 and got.shape == t.shape
+    t = t.cpu()
     want = _want(z64, t)
     assert torch.equal(got, want), (got != want).nonzero()[:, 0].tolist()
     assert got[20].item() == 7 and got[24].item() == w.shape[0] - 9
@@ -79,12 +87,12 @@ def test_exact_ties(entry, dtype, reduction):
     assert _tied(z64)[8:16].sum() >= 4 and (want[8:16] != t[8:16]).any()
     if reduction == "none":  # the accuracy's hits are the rows whose only argmax is the target
         hit = (got == t) & ~_tied(z64)
-        assert torch.equal(out.accuracy.bool(), hit)
+        assert torch.equal(out.accuracy.bool().cpu(), hit)
 
 
 @pytest.mark.parametrize("entry", ["linear", "logits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_random_inputs(entry, dtype):
+def test_random_inputs(entry, dtype, device):
     """Fresh random inputs, a bias, ignored tokens: given logits, exactly torch.argmax's column;
     fused logits (an fp32 GEMM), a column whose float64 logit is within the GEMM's rounding of
     the row's largest, and torch.argmax's wherever the two largest are further apart."""
@@ -92,11 +100,13 @@ def test_random_inputs(entry, dtype):
     x, w, t, b = rand_inputs(n, v, d, dtype, seed=11, bias=True, ignore_frac=0.2, scale=3.0)
     if entry == "logits":
         z = (x.float() @ w.float().T + b.float()).to(dtype)
-        got = flce.cross_entropy(z, t, reduction="none", return_predicted_tokens=True)
-        assert torch.equal(got.predicted_tokens, _want(z.double(), t))
+        got = flce.cross_entropy(z.to(device), t.to(device), reduction="none",
+                                 return_predicted_tokens=True)
+        assert torch.equal(got.predicted_tokens.cpu(), _want(z.double(), t))
         return
-    got = flce.linear_cross_entropy(x, w, t, bias=b, return_predicted_tokens=True,
-                                    reduction="sum").predicted_tokens
+    got = flce.linear_cross_entropy(*_to(device, x, w, t), bias=b.to(device),
+                                    return_predicted_tokens=True,
+                                    reduction="sum").predicted_tokens.cpu()
     x64, w64, b64 = as_f64(x, w, b)
     z64 = x64 @ w64.T + b64
     # fp32 accumulation of d products, then the bias: |error| <= (d + 1) 2^-24 (sum |x w| + |b|)
@@ -113,7 +123,7 @@ def test_random_inputs(entry, dtype):
     assert torch.equal(got[rows][clear], z64[rows][clear].argmax(1))
 
 
-def test_nan_and_infinite_logits():
+def test_nan_and_infinite_logits(device):
     """torch.argmax's answer for infinities (the lowest of tied +inf columns, the target's or
     not; a row of -inf: column 0); -1 for a row with a NaN, wherever it sits: the target's, a
     tile of its own, beside a +inf (whose tile's sum of exponentials is NaN anyway), after one.
@@ -140,14 +150,15 @@ def test_nan_and_infinite_logits():
     # (torch.argmax: the first NaN where there is one)
     assert z.double().argmax(1).tolist() == [200, 3, 6, 0, 8, 4501, 10, 9, 2, 4999, 10, 2]
     for zz in (z, z.double()):  # fused; float64: the composite path
-        got = flce.cross_entropy(zz, t, reduction="none", return_predicted_tokens=True)
+        got = flce.cross_entropy(zz.to(device), t.to(device), reduction="none",
+                                 return_predicted_tokens=True)
         assert got.predicted_tokens.tolist() == want, zz.dtype
 
 
-def test_linear_infinite_and_nan_bias():
+def test_linear_infinite_and_nan_bias(device):
     """The fused linear op on the same: a +inf bias at two columns (fp32 tiles apart), then a
     NaN one; one column (V = 1): its target."""
-    x, w, t, b = rand_inputs(16, 3000, 16, seed=3, bias=True, ignore_frac=0.2)
+    x, w, t, b = _to(device, *rand_inputs(16, 3000, 16, seed=3, bias=True, ignore_frac=0.2))
     t[0], t[1] = 10, 2500
     b[10], b[2500] = float("inf"), float("inf")
     got = flce.linear_cross_entropy(x, w, t, bias=b, return_predicted_tokens=True,
@@ -159,17 +170,18 @@ def test_linear_infinite_and_nan_bias():
     assert torch.equal(got, torch.full_like(t, -1))
     t1 = torch.where(t == IGNORE, IGNORE, 0)
     for bias in (None, torch.tensor([-float("inf")])):
+        bias = None if bias is None else bias.to(device)
         got = flce.linear_cross_entropy(x, w[:1], t1, bias=bias, return_predicted_tokens=True,
                                         reduction="none").predicted_tokens
         assert torch.equal(got, torch.where(t == IGNORE, -1, 0))
 
 
 @pytest.mark.parametrize("entry", ["linear", "logits"])
-def test_options_shift_and_grads(entry):
+def test_options_shift_and_grads(entry, device):
     """Every loss option, the softcap and temperature (increasing, and not saturated here: the
     argmax of the raw logits), shift=True, the lse and entropy beside; the loss, lse and
     gradients are those of the call without predicted tokens."""
-    x, w, t = _case(n=32, v=700, seed=1)
+    x, w, t = _to(device, *_case(n=32, v=700, seed=1))
     kw = dict(label_smoothing=0.1, z_loss=1e-4, softcap=1e4, temperature=0.7, return_lse=True,
               return_entropy=True, return_predicted_tokens=True, reduction="sum")
     lead = (4, 8)
@@ -179,7 +191,8 @@ def test_options_shift_and_grads(entry):
         ref = flce.linear_cross_entropy(leaf, w, t.reshape(lead), shift=True,
                                         **{**kw, "return_predicted_tokens": False})
         z64 = (x.double() @ w.double().T).reshape(*lead, -1)
-        shifted = torch.cat([t.reshape(lead)[:, 1:], torch.full((4, 1), IGNORE)], 1)
+        shifted = torch.cat([t.reshape(lead)[:, 1:], torch.full((4, 1), IGNORE, device=device)],
+                            1)
         want = _want(z64, shifted)[:, :-1]
         assert out.predicted_tokens.shape == (4, 7)
     else:
@@ -203,11 +216,11 @@ def test_options_shift_and_grads(entry):
         assert torch.equal(z.grad, g2)
 
 
-def test_training_call_takes_the_recompute_path():
+def test_training_call_takes_the_recompute_path(device):
     """With gradients and "mean" (where flce may choose the single pass, which returns the loss
     alone) the call takes the recompute path: the loss and gradients are single_pass=False's,
     bitwise; single_pass=True is refused, naming the option."""
-    x, w, t = _case(n=40, v=600, seed=4)
+    x, w, t = _to(device, *_case(n=40, v=600, seed=4))
     outs = []
     for kw in (dict(return_predicted_tokens=True), dict(single_pass=False)):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -288,29 +301,49 @@ def test_refusals(monkeypatch):
     m = flce.LinearCrossEntropy(return_predicted_tokens=True, reduction="sum")
     assert "return_predicted_tokens=True" in repr(m)
     assert torch.equal(m(x, w, t).predicted_tokens, _want(x.double() @ w.double().T, t))
-    # The CUDA backend's refusal comes before any op runs: here with the backend test patched
-    # as the host emulation's routing patches it (which test_cuda_backend_refuses runs).
-    monkeypatch.setattr(_ops, "is_cuda_backend", lambda t: True)
-    _refused_on_cuda(x, w, t)
 
 
-def _refused_on_cuda(x, w, t):
-    """The CUDA backend raises, the composite path's float64 included; without the flag the
-    call runs."""
-    match = "return_predicted_tokens=True is not implemented on the CUDA backend"
-    for xx, ww in ((x, w), (x.double(), w.double())):
-        with pytest.raises(NotImplementedError, match=match):
-            flce.linear_cross_entropy(xx, ww, t, return_predicted_tokens=True)
-        with pytest.raises(NotImplementedError, match=match):
-            flce.cross_entropy(xx @ ww.T, t, return_predicted_tokens=True)
-    assert flce.linear_cross_entropy(x, w, t, return_predicted_tokens=False,
-                                     single_pass=False).isfinite()
+def _spread_case(n, v, seed):
+    """Integer inputs whose rows have their largest logit, 150, at two columns 4096-column
+    tiles apart (the CUDA row kernels' tiles; the earlier one is the argmax), the rows of some
+    later in the vocabulary than others, and a target tied with them or above them."""
+    g = gen(seed)
+    x, w = _ints((n, 8), g, -2, 3), _ints((v, 8), g, -2, 3)
+    cols = torch.randint(0, v - 4096, (n,), generator=g)
+    for i in range(n):
+        e = (torch.arange(8) == i % 8).float()
+        w[cols[i]] = w[cols[i] + 4096] = 50.0 * e
+        x[i, i % 8] = 3.0
+    z = x.double() @ w.double().T
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::4] = IGNORE
+    t[1::8] = z[1::8].argmax(1)
+    return x, w, t, z
 
 
-@pytest.mark.parametrize("device", CUDA_DEVICES)
-def test_cuda_backend_refuses(device):
-    """On a GPU, or the host emulation."""
-    _refused_on_cuda(*(a.to(device) for a in _case(n=32, v=20, seed=5)))
+@pytest.mark.parametrize("budget_mb", [None, "0.4"])
+def test_chunks_of_rows(device, budget_mb, monkeypatch):
+    """The CUDA linear op in several chunks of rows (FLCE_CUDA_WORKSPACE_MB 0.4: 12 rows of
+    V = 9000 fp32 logits per chunk; the CPU backend ignores it), with a bias, a softcap and a
+    temperature (increasing maps: the raw logits' argmax), and the logits op on the same rows:
+    each row's own argmax, wherever its chunk starts."""
+    if budget_mb:
+        monkeypatch.setenv("FLCE_CUDA_WORKSPACE_MB", budget_mb)
+    n, v = 40, 9000
+    x, w, t, z64 = _spread_case(n, v, seed=8)
+    want = _want(z64, t)
+    assert (want >= 0).sum() >= 25 and _tied(z64).sum() >= 25
+    b = torch.zeros(v)
+    b[::7] = 1.0  # (integers: the logits stay exact)
+    z64b = z64 + b.double()
+    xs, ws, ts, bs = _to(device, x, w, t, b)
+    for kw in (dict(), dict(softcap=500.0, temperature=0.5)):
+        got = flce.linear_cross_entropy(xs, ws, ts, bias=bs, reduction="none",
+                                        return_predicted_tokens=True, **kw).predicted_tokens
+        assert torch.equal(got.cpu(), _want(z64b, t)), kw
+        got = flce.cross_entropy((xs @ ws.T), ts, reduction="none", return_predicted_tokens=True,
+                                 **kw).predicted_tokens
+        assert torch.equal(got.cpu(), want), kw
 
 
 def test_opcheck():
@@ -334,3 +367,15 @@ def test_opcheck():
     want = torch.ops.flce.logits_forward(z, t, IGNORE, 0.1, 1e-3, 0.0, 1.0, True)
     for a, r in zip(got[:4], want):
         assert torch.equal(a, r)
+    # The vocab-parallel path's: a shard's statistics and its global columns.
+    args = (x, w[100:], t, b[100:], 100, IGNORE, 5.0)
+    torch.library.opcheck(torch.ops.flce.partial_stats_argmax.default, args)
+    parts, arg = torch.ops.flce.partial_stats_argmax(*args)
+    assert torch.equal(parts, torch.ops.flce.partial_stats(*args))
+    zs = z[:, 100:]
+    args = (zs, t, 100, IGNORE, 0.0, 1.0, True, True)
+    torch.library.opcheck(torch.ops.flce.logits_stats_argmax.default, args)
+    parts, arg2 = torch.ops.flce.logits_stats_argmax(*args)
+    assert torch.equal(parts, torch.ops.flce.logits_stats(*args))
+    mask = (torch.arange(100, 300) == t[:, None])
+    assert torch.equal(arg2, 100 + zs.masked_fill(mask, -float("inf")).argmax(1))

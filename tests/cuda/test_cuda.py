@@ -13,7 +13,8 @@ import flce
 from flce import _ops, reference
 from helpers import CUDA_DEVICES, HAS_CUDA, raises_within_two_calls
 
-OPS = ("partial_stats", "combine", "forward", "backward", "sum_and_grad", "scale_grad")
+OPS = ("partial_stats", "combine", "forward", "backward", "sum_and_grad", "scale_grad",
+       "forward_argmax", "partial_stats_argmax")
 
 
 def _built_with_cuda():

@@ -46,6 +46,12 @@ MUTATIONS = [
      "      float* sub_coef = coef.data_ptr<float>() + (given ? s0 * 8 : 0);\n",
      "      float* sub_coef = coef.data_ptr<float>() + (given ? (s0 - g0) * 8 : 0);\n",
      ["cuda/test_cuda.py::test_recompute_chunked"]),
+    # return_predicted_tokens: every chunk of rows' argmax columns written over the first
+    # chunk's rows.
+    ("argmax_of_every_chunk_at_row_0", "chunks.cpp",
+     "    if (argmax != nullptr) row_argmax_into(rs, argmax->data_ptr<int64_t>() + s0);\n",
+     "    if (argmax != nullptr) row_argmax_into(rs, argmax->data_ptr<int64_t>());\n",
+     ["api/test_predicted_tokens.py::test_chunks_of_rows"]),
     # Soft mode: fp16's tile scale left out (the tile among fp16's subnormals at a small
     # upstream gradient).
     ("soft_fp16_tile_unscaled", "chunks.cpp",

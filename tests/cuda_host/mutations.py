@@ -103,6 +103,12 @@ MUTATIONS = [
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
          original="        if (kXf != Xf::kNone && xf.bias != nullptr) ut += xf.bias[tcol];\n",
          replacement="\n"),
+    # return_predicted_tokens' argmax pass: equal maxima merged to the later column (lanes,
+    # warps and tiles), not torch.argmax's first.
+    dict(name="rows_argmax_ties_to_later_column",
+         file=ROWS, config="plain", test="row_argmax", expect=r"row_argmax .*: row \d+ column",
+         original="  return a.col < 0 || b.m > a.m || (b.m == a.m && b.col < a.col) ? b : a;\n",
+         replacement="  return a.col < 0 || b.m > a.m || (b.m == a.m && b.col > a.col) ? b : a;\n"),
     dict(name="rows_bias_pack_offset",
          file=ROWS, config="plain", test="single_pass_rows", expect=NUMERIC,
          original="      const Pack<float> q = *reinterpret_cast<const Pack<float>*>(b + j);\n",

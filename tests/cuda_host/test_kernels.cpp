@@ -1298,6 +1298,115 @@ TEST(low_temperature) {
 
 // Empty extents: the launchers return success without launching and leave the outputs alone;
 // a column sum over zero rows is zero.
+// return_predicted_tokens' argmax pass (launch_row_argmax) on fp32 and bf16 logits (row stride
+// padded with NaN: a padding element read poisons the row), with and without a bias, a softcap
+// and a temperature (increasing maps of u + b: the argmax of u + b, whose small integers every
+// path keeps exact and apart), against the first maximum of the non-target u + b in float64:
+// ties within a thread's columns, across threads, across 4096-column tiles and the row's last
+// partial tile; a target that is the row's maximum (excluded), rows of -inf (the first
+// non-target column), +inf, a NaN (-2), a NaN target (not counted), an ignored row, and a
+// column offset (a vocabulary shard's global columns). Output starts at a sentinel.
+TEST(row_argmax) {
+  struct ACase {
+    int64_t n, v;
+    Kind kind;
+    bool bias;
+    float cap, temp;
+  };
+  const ACase cases[] = {{24, 9001, Kind::kF32, false, 0.f, 1.f},
+                         {24, 9001, Kind::kF32, true, 0.f, 0.5f},
+                         {24, 9001, Kind::kF32, true, 30.f, 0.7f},
+                         {12, 4099, Kind::kBf16, false, 20.f, 1.f},
+                         {6, 1, Kind::kF32, false, 0.f, 1.f}};
+  const int64_t offset = 1000;
+  for (const ACase& c : cases) {
+    const int64_t ld = c.v + 3;
+    std::vector<double> u(c.n * ld, kInf);
+    for (double& x : u) x = std::floor(check::uniform(-8.f, 8.f));
+    std::vector<float> b(c.v, 0.f);
+    if (c.bias) {
+      for (float& x : b) x = std::floor(check::uniform(-2.f, 3.f));
+    }
+    std::vector<int64_t> t(c.n);
+    for (int64_t i = 0; i < c.n; ++i) {
+      t[i] = offset + std::min<int64_t>(
+                          static_cast<int64_t>(check::uniform(0, static_cast<float>(c.v))), c.v - 1);
+    }
+    double* r = u.data();
+    if (c.v > 8200) {
+      // rows 0-3: the maximum 20 (with its bias) tied at two columns: in different tiles (the
+      // later in the last partial one), of one thread in two tiles, of one thread in one tile,
+      // of neighbouring threads; row 4: the target the only 30; rows 5-6: -inf
+      // but a 25 in the last partial tile / -inf everywhere (the target's too); row 7: +inf
+      // twice; row 8: a NaN after the max; row 9: a NaN target; row 10: ignored.
+      const int64_t pairs[4][2] = {{5000, 9000}, {300, 8492}, {40, 1064}, {8, 12}};
+      for (int i = 0; i < 4; ++i) {
+        for (int64_t j : pairs[i]) r[i * ld + j] = 20.0 - b[j];
+      }
+      r[4 * ld + 77] = 30.0;
+      t[4] = offset + 77;
+      for (int64_t j = 0; j < c.v; ++j) r[5 * ld + j] = r[6 * ld + j] = -kInf;
+      r[5 * ld + 8999] = 25.0;
+      r[7 * ld + 6000] = r[7 * ld + 100] = kInf;
+      r[8 * ld + 20] = 40.0;
+      r[8 * ld + 7000] = NAN;
+      r[9 * ld + (t[9] - offset)] = NAN;
+      t[10] = kIgnore;
+    }
+    // the padding: NaN
+    for (int64_t i = 0; i < c.n; ++i) {
+      for (int64_t j = c.v; j < ld; ++j) r[i * ld + j] = NAN;
+    }
+    std::vector<int64_t> want(c.n);
+    for (int64_t i = 0; i < c.n; ++i) {
+      int64_t best = -1;
+      double m = -kInf;
+      for (int64_t j = 0; j < c.v; ++j) {
+        if (offset + j == t[i]) continue;
+        const double z = r[i * ld + j] + b[j];
+        if (std::isnan(z)) {
+          best = -2;
+          break;
+        }
+        if (best < 0 || z > m) {
+          best = offset + j;
+          m = z;
+        }
+      }
+      want[i] = best;
+    }
+    DeviceBuffer<float> l32(c.n * ld);
+    DeviceBuffer<__nv_bfloat16> l16(c.n * ld);
+    for (int64_t k = 0; k < c.n * ld; ++k) {
+      l32[k] = static_cast<float>(u[k]);
+      l16[k] = __float2bfloat16_rn(static_cast<float>(u[k]));
+    }
+    DeviceBuffer<float> bias(b);
+    DeviceBuffer<int64_t> target(t);
+    DeviceBuffer<int64_t> out(c.n, -7);
+    flce::cuda::RowArgmaxParams p{};
+    p.logits = c.kind == Kind::kF32 ? static_cast<const void*>(l32.data()) : l16.data();
+    p.logits_dtype = dtype_of(c.kind);
+    p.n = c.n;
+    p.v = c.v;
+    p.ld = ld;
+    p.bias = c.bias ? bias.data() : nullptr;
+    p.softcap = c.cap;
+    p.temperature = c.temp;
+    p.target = target.data();
+    p.target_stride = 1;
+    p.col_offset = offset;
+    p.ignore_index = kIgnore;
+    p.argmax = out.data();
+    EXPECT(flce::cuda::launch_row_argmax(p, nullptr) == cudaSuccess, "row_argmax launch");
+    for (int64_t i = 0; i < c.n; ++i) {
+      EXPECT(out[i] == want[i], "row_argmax %s v = %ld cap %g T %g bias %d: row %ld column %ld, "
+             "want %ld", kind_name(c.kind), static_cast<long>(c.v), c.cap, c.temp, c.bias,
+             static_cast<long>(i), static_cast<long>(out[i]), static_cast<long>(want[i]));
+    }
+  }
+}
+
 TEST(empty_shapes) {
   DeviceBuffer<float> sentinel(64, 7.f);
   DeviceBuffer<int64_t> target(4, 0);

@@ -42,6 +42,13 @@ def test_world_size_4():
     _run(4)
 
 
+# return_predicted_tokens over the shards (check_predicted_tokens alone): world 3 has an empty
+# middle shard.
+@pytest.mark.parametrize("world", [2, 3])
+def test_predicted_tokens(world):
+    run_checked(HERE, world, timeout=150.0, args=("--predicted",))
+
+
 # The vocab-parallel fuzzer (fuzz_parallel.py): a short seeded run per world size, the same cases
 # every run (about 5 s each); the long run is on demand.
 @pytest.mark.parametrize("world", [2, 3])
@@ -1156,6 +1163,91 @@ def check_dtensor_distributions(rank, world, group):
     _expect(ValueError, "require grad", lambda: flce.cross_entropy(zs, qg, cw))
 
 
+def _argmax_want(z64, t, ignore_index=-100):
+    """torch.argmax of float64 logits, -1 for ignored targets and rows with a NaN."""
+    bad = torch.isnan(z64).any(-1) | (t == ignore_index)
+    return torch.where(bad, -1, z64.argmax(-1))
+
+
+def check_predicted_tokens(rank, world, group, dtensor=True):
+    """return_predicted_tokens over vocabulary shards, against torch.argmax of the float64 full
+    logits, the same on every rank: uneven shards (an empty one at world 3), exact ties across a
+    shard boundary (integer inputs: exact fp32 logits; the lower column wins, also where the
+    shards are not in rank order), a tie with the target, ignore_index, a bias, the softcap and
+    temperature, shift, NaN on one rank, both entry points and the DTensor ones. The loss is the
+    call's without the option, bitwise. (test_parallel_cuda.py runs it on the emulated CUDA
+    backend, without the DTensor entry points.)"""
+    import flce
+    import flce.parallel as P
+
+    sizes = {2: [34, 29], 3: [34, 0, 29]}[world]
+    v, n, d = sum(sizes), 40, 8
+    start = sum(sizes[:rank])
+    g = torch.Generator().manual_seed(41)
+    x = torch.randint(-2, 3, (n, d), generator=g).float()
+    w = torch.randint(-2, 3, (v, d), generator=g).float()
+    e0 = (torch.arange(d) == 0).float()
+    w[5] = w[v - 3] = 50.0 * e0  # a tie 3 columns from each end: rank 0's and the last rank's
+    x[:16, 0] = 3.0
+    b = torch.zeros(v)
+    b[::5] = 1.0
+    z = x.double() @ w.double().T
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::6] = -100
+    t[1], t[3] = v - 3, 5  # tied with the row's argmax: the later and the earlier column
+    want = _argmax_want(z, t)
+    assert want[1] == 5 and (want[:16] == 5).sum() >= 12
+    mine = slice(start, start + sizes[rank])
+    kw = dict(group=group, reduction="none", return_predicted_tokens=True)
+    for opts in (dict(), dict(softcap=500.0, temperature=0.5, label_smoothing=0.1)):
+        out = P.vocab_parallel_linear_cross_entropy(x, w[mine], t, **kw, **opts)
+        assert out._fields == ("loss", "predicted_tokens")
+        assert torch.equal(out.predicted_tokens, want), (opts, out.predicted_tokens, want)
+        ref = P.vocab_parallel_linear_cross_entropy(x, w[mine], t, group=group,
+                                                    reduction="none", **opts)
+        assert torch.equal(out.loss, ref)
+        got = P.cross_entropy((x @ w[mine].T), t, **kw, **opts).predicted_tokens
+        assert torch.equal(got, want), (opts, got, want)
+    # A bias, mean reduction, return_lse and accuracy beside
+    out = P.vocab_parallel_linear_cross_entropy(x, w[mine], t, group=group, bias_local=b[mine],
+                                                return_lse=True, return_accuracy=True,
+                                                return_predicted_tokens=True)
+    assert torch.equal(out.predicted_tokens, _argmax_want(z + b.double(), t))
+    # shift: (..., T - 1), the targets shifted
+    x3, t3 = x.reshape(4, 10, d), t.reshape(4, 10)
+    got = P.vocab_parallel_linear_cross_entropy(x3, w[mine], t3, shift=True, **kw)
+    shifted = torch.cat([t3[:, 1:], torch.full((4, 1), -100)], 1)
+    assert torch.equal(got.predicted_tokens,
+                       _argmax_want(z.reshape(4, 10, v), shifted)[:, :-1])
+    # The shards in reverse rank order (vocab_start): the lower column still wins the tie
+    # (the empty shard at 0: _layout orders shards by start, the empty one first where it shares
+    # its start with another)
+    rstart = sum(sizes[rank + 1:]) if sizes[rank] else 0
+    rmine = slice(rstart, rstart + sizes[rank])
+    got = P.cross_entropy((x @ w[rmine].T), t, vocab_start=rstart, **kw).predicted_tokens
+    assert torch.equal(got, want)
+    # ignore_index other than -100 (every ignored row -1), and a NaN on one rank's columns
+    t7 = torch.where(t == -100, 7, t)
+    got = P.cross_entropy((x @ w[mine].T), t7, ignore_index=7, **kw).predicted_tokens
+    assert torch.equal(got, _argmax_want(z, t7, 7))
+    zn = z.clone()
+    zn[2, v - 1] = zn[9, 0] = float("nan")  # the last rank's column, rank 0's
+    zl = zn[:, mine].float()
+    got = P.cross_entropy(zl, t, **kw).predicted_tokens
+    assert torch.equal(got, _argmax_want(zn, t)) and got[2] == -1 and got[9] == -1
+    # The DTensor entry points (once: the first DTensor op costs seconds of CPU per rank)
+    if world == 2 and dtensor:
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        wd = distribute_tensor(w, mesh, [Shard(0)])  # (torch.chunk: 32 + 31 rows)
+        out = flce.linear_cross_entropy(x, wd, t, return_predicted_tokens=True)
+        assert torch.equal(out.predicted_tokens, want)
+        zd = distribute_tensor((x @ w.T), mesh, [Shard(1)])
+        out = flce.cross_entropy(zd, t, return_predicted_tokens=True, reduction="sum")
+        assert torch.equal(out.predicted_tokens, want)
+
+
 def run_checks(rank, world):
     import time
 
@@ -1205,7 +1297,13 @@ def _worker_main():
     from dist_launch import finish_worker, init_worker
 
     rank, world = init_worker()
-    run_checks(rank, world)
+    if "--predicted" in sys.argv:
+        import torch.distributed as dist
+
+        check_predicted_tokens(rank, world, dist.group.WORLD)
+        print("ALL CHECKS PASSED", flush=True)
+    else:
+        run_checks(rank, world)
     finish_worker()
 
 

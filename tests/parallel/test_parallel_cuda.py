@@ -5,7 +5,8 @@ through the host emulation of the CUDA backend (tests/cuda_emulation.py) over gl
 Each rank routes flce's ops to the emulated CUDA backend, takes its shard (uneven, and an empty
 one), and trains on a small workspace budget so that every rank walks several row chunks (each
 one a collective): the loss, the gathered weight gradient and the reduced input gradient must
-match one process on the whole vocabulary (the same emulated backend) and float64.
+match one process on the whole vocabulary (the same emulated backend) and float64. The ranks
+also run test_parallel.py's return_predicted_tokens checks on the emulated backend's shard ops.
 """
 import os
 import sys
@@ -16,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_launch import run_checked  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_parallel import check_one_rank  # noqa: E402
+from test_parallel import check_one_rank, check_predicted_tokens  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -217,6 +218,7 @@ def _worker():
         _check_rl_outputs(rank, sizes, start, "cuda-host")
         _check_compiled(rank, sizes, start)
         _check_padding_shard(rank, world)
+        check_predicted_tokens(rank, world, dist.group.WORLD, dtensor=False)
         solo = dist.new_group([0])  # (on every rank)
         if rank == 0:
             check_one_rank(solo)  # the single pass of one rank: no group in the op
