@@ -226,7 +226,8 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
         starts = [r[1] for r in rows]
     else:
         starts = [sum(sizes[:r]) for r in range(world)]
-    order = sorted(range(world), key=lambda r: starts[r])
+    # (an empty shard may share its start with the next one: it goes first)
+    order = sorted(range(world), key=lambda r: (starts[r], sizes[r]))
     end = 0
     for r in order:
         if starts[r] != end:

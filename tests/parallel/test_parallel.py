@@ -1219,10 +1219,9 @@ def check_predicted_tokens(rank, world, group, dtensor=True):
     shifted = torch.cat([t3[:, 1:], torch.full((4, 1), -100)], 1)
     assert torch.equal(got.predicted_tokens,
                        _argmax_want(z.reshape(4, 10, v), shifted)[:, :-1])
-    # The shards in reverse rank order (vocab_start): the lower column still wins the tie
-    # (the empty shard at 0: _layout orders shards by start, the empty one first where it shares
-    # its start with another)
-    rstart = sum(sizes[rank + 1:]) if sizes[rank] else 0
+    # The shards in reverse rank order (vocab_start): the lower column still wins the tie (an
+    # empty shard shares its start with the next shard, as a layout by cumulative sizes gives)
+    rstart = sum(sizes[rank + 1:])
     rmine = slice(rstart, rstart + sizes[rank])
     got = P.cross_entropy((x @ w[rmine].T), t, vocab_start=rstart, **kw).predicted_tokens
     assert torch.equal(got, want)
