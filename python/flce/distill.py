@@ -1,20 +1,21 @@
 """Knowledge distillation on two classifiers: ``flce.linear_distillation`` and
 ``flce.LinearDistillation``.
 
-A chunked composite path: row chunks whose ``[rows, V]`` logits stay within a byte budget, both
-logit GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
-(docs/numerics.md, "Distillation"), then the gradient GEMMs, all in plain torch ops
-(CPU and CUDA tensors alike). The ``[N, V]`` logits are never held whole.
+A chunked path: row chunks whose ``[rows, V]`` logits stay within a byte budget, both logit
+GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
+(docs/numerics.md, "Distillation"), then the gradient GEMMs. The ``[N, V]`` logits are never
+held whole.
 
-The row math (``_dominant``, ``_mix``, ``_kl_grad``, ``_rows``) is written as a later C++ port
-(csrc/include/flce/math.h) would run it: per row, each distribution's statistics taken from its
-largest logit, then one pass over the columns.
+The row math runs as one op on the CPU backend (``flce::distill_rows_``, csrc/cpu/distill_cpu.cpp,
+its formulas in csrc/include/flce/math.h) and as the torch ops of ``_rows`` on other devices;
+``_rows`` (``_dominant``, ``_mix``, ``_kl_grad``) is also the op's oracle in the tests: per row,
+each distribution's statistics taken from its largest logit, then passes over the columns.
 """
 import math
 
 import torch
 
-from . import _common
+from . import _common, _ops
 from ._common import ArgumentError, DtypeError
 
 __all__ = ["linear_distillation", "LinearDistillation", "DIVERGENCES"]
@@ -220,7 +221,14 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
         xs, xt = models[0].rows(lo, hi), models[1].rows(lo, hi)
         z_s = models[0].logits(xs, xs.new_empty(hi - lo, v))
         z_t = models[1].logits(xt, xt.new_empty(hi - lo, v))
-        loss[lo:hi], g_s, g_t = _rows(z_s, z_t, target[lo:hi], valid[lo:hi], *cfg, *wanted)
+        if z_s.device.type == "cpu":
+            # the CPU backend's fused row math (csrc/cpu/distill_cpu.cpp): the loss into loss'
+            # rows, the gradients over the logits
+            _ops.ops.distill_rows_(z_s, z_t, loss[lo:hi], target[lo:hi], valid[lo:hi], *cfg,
+                                   *wanted)
+            g_s, g_t = (z_s if wanted[0] else None), (z_t if wanted[1] else None)
+        else:
+            loss[lo:hi], g_s, g_t = _rows(z_s, z_t, target[lo:hi], valid[lo:hi], *cfg, *wanted)
         del z_s, z_t
         scale = None if row_scale is None else row_scale[lo:hi, None].to(cdt)
         for m, g, x in ((0, g_s, xs), (1, g_t, xt)):
