@@ -18,7 +18,9 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FLCE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #define FLCE_INLINE inline __attribute__((always_inline))
+#define FLCE_FLATTEN __attribute__((flatten))
 #else
+#define FLCE_FLATTEN
 #define FLCE_CLONES
 #define FLCE_INLINE inline
 #endif
@@ -234,8 +236,10 @@ FLCE_INLINE void rows(T* zs, T* zt, T* loss, const int64_t* target, const bool* 
   }
 }
 
-// The fp32 rows compiled per instruction set (as epilogue.cpp's loops), fp64 once.
-FLCE_CLONES void rows_f32(float* zs, float* zt, float* loss, const int64_t* target,
+// The fp32 rows compiled per instruction set (as epilogue.cpp's loops), fp64 once. flatten:
+// every call inlined, math.h's included, which GCC's growth limits would otherwise leave as
+// calls in the vector loops (scalar loops then, 10x slower).
+FLCE_CLONES FLCE_FLATTEN void rows_f32(float* zs, float* zt, float* loss, const int64_t* target,
                           const bool* valid, int64_t r0, int64_t r1, int64_t n,
                           const Cfg<float>& c, float* rs, float* rt) {
   rows(zs, zt, loss, target, valid, r0, r1, n, c, rs, rt);

@@ -23,12 +23,13 @@ __all__ = ["linear_distillation", "LinearDistillation", "DIVERGENCES"]
 DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
 
 # Rows per chunk: as many as keep one [rows, V] buffer of the computation dtype within this many
-# bytes (the row math holds about ten such buffers at once; see _rows), and at least one. On the
-# CPU small chunks stay in cache between the row math's passes: at N=2048, V=32768, D=512 fp32
-# (docs/benchmarks.md, "Distillation") 4 MiB took 6.7 s and 172 MB where 64 MiB took 10.7 s and
-# 1.19 GB (2 MiB: 9.7 s, per-op overhead); a GPU wants few, large launches.
+# bytes (the torch row math holds about ten such buffers at once, see _rows; the CPU op the two
+# logit buffers and two rows of scratch per worker), and at least one. On the CPU the chunk's
+# rows are the gradient GEMMs' inner dimension: at N=1024, V=32768, D=512 fp32 a step took
+# 6.7 s in 4 MiB chunks (32 rows), 3.3 s in 16 MiB, 3.1-3.3 s in 32 and 64 MiB (load average
+# ~6); a GPU wants few, large launches.
 CHUNK_BYTES = 2 ** 26
-CPU_CHUNK_BYTES = 2 ** 22
+CPU_CHUNK_BYTES = 2 ** 24
 # The widened weight one GEMM of a 16-bit input reads at a time (_Classifier).
 BLOCK_BYTES = 2 ** 24
 
