@@ -1,20 +1,21 @@
 """Knowledge distillation on two classifiers: ``flce.linear_distillation`` and
 ``flce.LinearDistillation``.
 
-A chunked composite path: row chunks whose ``[rows, V]`` logits stay within a byte budget, both
-logit GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
-(docs/numerics.md, "Distillation"), then the gradient GEMMs, all in plain torch ops
-(CPU and CUDA tensors alike). The ``[N, V]`` logits are never held whole.
+A chunked path: row chunks whose ``[rows, V]`` logits stay within a byte budget, both logit
+GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
+(docs/numerics.md, "Distillation"), then the gradient GEMMs. The ``[N, V]`` logits are never
+held whole.
 
-The row math (``_dominant``, ``_mix``, ``_kl_grad``, ``_rows``) is written as a later C++ port
-(csrc/include/flce/math.h) would run it: per row, each distribution's statistics taken from its
-largest logit, then one pass over the columns.
+The row math runs as one op on the CPU backend (``flce::distill_rows_``, csrc/cpu/distill_cpu.cpp,
+its formulas in csrc/include/flce/math.h) and as the torch ops of ``_rows`` on other devices;
+``_rows`` (``_dominant``, ``_mix``, ``_kl_grad``) is also the op's oracle in the tests: per row,
+each distribution's statistics taken from its largest logit, then passes over the columns.
 """
 import math
 
 import torch
 
-from . import _common
+from . import _common, _ops
 from ._common import ArgumentError, DtypeError
 
 __all__ = ["linear_distillation", "LinearDistillation", "DIVERGENCES"]
@@ -22,12 +23,15 @@ __all__ = ["linear_distillation", "LinearDistillation", "DIVERGENCES"]
 DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
 
 # Rows per chunk: as many as keep one [rows, V] buffer of the computation dtype within this many
-# bytes (the row math holds about ten such buffers at once; see _rows), and at least one. On the
-# CPU small chunks stay in cache between the row math's passes: at N=2048, V=32768, D=512 fp32
-# (docs/benchmarks.md, "Distillation") 4 MiB took 6.7 s and 172 MB where 64 MiB took 10.7 s and
-# 1.19 GB (2 MiB: 9.7 s, per-op overhead); a GPU wants few, large launches.
+# bytes, and at least one. The CPU's fused op (two logit buffers and two rows of scratch per
+# worker) takes CPU_CHUNK_BYTES: its chunk's rows are the gradient GEMMs' inner dimension (at
+# N=1024, V=32768, D=512 fp32 a step took 6.7 s in 4 MiB chunks of 32 rows, 3.3 s in 16 MiB,
+# 3.1-3.3 s in 32 and 64 MiB, load average ~6). The torch row math holds about ten such buffers
+# (_rows), whose passes stay in cache in CPU_ROWS_CHUNK_BYTES (at N=2048 fp32, 4 MiB took 6.7 s
+# and 172 MB where 64 MiB took 10.7 s and 1.19 GB); a GPU wants few, large launches.
 CHUNK_BYTES = 2 ** 26
-CPU_CHUNK_BYTES = 2 ** 22
+CPU_CHUNK_BYTES = 2 ** 24
+CPU_ROWS_CHUNK_BYTES = 2 ** 22
 # The widened weight one GEMM of a 16-bit input reads at a time (_Classifier).
 BLOCK_BYTES = 2 ** 24
 
@@ -137,10 +141,12 @@ def _rows(z_s, z_t, target, valid, divergence, beta, temperature, hard_weight, s
     return loss, g_s, g_t
 
 
-def _chunks(n, v, itemsize, device):
+def _chunks(n, v, itemsize, device, fused):
     """Row chunks ``[(lo, hi)]``: as many rows as keep one ``[rows, V]`` buffer of the
-    computation dtype within CPU_CHUNK_BYTES (on the CPU) or CHUNK_BYTES."""
-    budget = CPU_CHUNK_BYTES if device.type == "cpu" else CHUNK_BYTES
+    computation dtype within CPU_CHUNK_BYTES (the CPU's fused op), CPU_ROWS_CHUNK_BYTES (the
+    torch row math on the CPU) or CHUNK_BYTES."""
+    budget = CHUNK_BYTES if device.type != "cpu" else \
+        CPU_CHUNK_BYTES if fused else CPU_ROWS_CHUNK_BYTES
     rows = max(1, min(n, budget // max(v * itemsize, 1)))
     return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
 
@@ -216,11 +222,24 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
             grads[3 * m] = x.new_empty(x.shape, dtype=cdt) if need_x else None
             grads[3 * m + 1] = w.new_zeros(w.shape, dtype=cdt) if need_w else None
             grads[3 * m + 2] = w.new_zeros(v, dtype=cdt) if need_b else None
-    for lo, hi in _chunks(n, v, torch.finfo(cdt).bits // 8, x_s.device):
+    # The fused op on the CPU, except for JSD with an fp32 input: the op's mixtures' expm1 and
+    # log1p in fp32 (math.h vexpm1, vlog1p: 1.5 and 1.4 ulp) put fp32 input gradients above
+    # their tolerance in one of Liger's cases (64.4 eps against 64, torch's ops 57.7); 16-bit
+    # inputs' gradients and the KL divergences are well within theirs.
+    fused = x_s.device.type == "cpu" and (cfg[0] != "jsd" or
+                                          torch.float32 not in (x_s.dtype, x_t.dtype))
+    for lo, hi in _chunks(n, v, torch.finfo(cdt).bits // 8, x_s.device, fused):
         xs, xt = models[0].rows(lo, hi), models[1].rows(lo, hi)
         z_s = models[0].logits(xs, xs.new_empty(hi - lo, v))
         z_t = models[1].logits(xt, xt.new_empty(hi - lo, v))
-        loss[lo:hi], g_s, g_t = _rows(z_s, z_t, target[lo:hi], valid[lo:hi], *cfg, *wanted)
+        if fused:
+            # the CPU backend's fused row math (csrc/cpu/distill_cpu.cpp): the loss into loss'
+            # rows, the gradients over the logits
+            _ops.ops.distill_rows_(z_s, z_t, loss[lo:hi], target[lo:hi], valid[lo:hi], *cfg,
+                                   *wanted)
+            g_s, g_t = (z_s if wanted[0] else None), (z_t if wanted[1] else None)
+        else:
+            loss[lo:hi], g_s, g_t = _rows(z_s, z_t, target[lo:hi], valid[lo:hi], *cfg, *wanted)
         del z_s, z_t
         scale = None if row_scale is None else row_scale[lo:hi, None].to(cdt)
         for m, g, x in ((0, g_s, xs), (1, g_t, xt)):

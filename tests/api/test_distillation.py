@@ -261,8 +261,10 @@ def test_chunks(monkeypatch, reduction):
         return [loss] + [x.grad for x in leaves if x is not None and x.dtype.is_floating_point]
 
     whole = run()
-    monkeypatch.setattr(distill, "CPU_CHUNK_BYTES", 3 * V * 8)
-    assert len(distill._chunks(21, V, 8, torch.device("cpu"))) == 7
+    for name in ("CPU_CHUNK_BYTES", "CPU_ROWS_CHUNK_BYTES"):
+        monkeypatch.setattr(distill, name, 3 * V * 8)
+    for fused in (True, False):
+        assert len(distill._chunks(21, V, 8, torch.device("cpu"), fused)) == 7
     for a, b in zip(run(), whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
@@ -459,3 +461,18 @@ def test_bad_input(changes, exc, match):
     args = _bad(**changes)
     with pytest.raises(exc, match=match):
         flce.linear_distillation(**args)
+
+
+@pytest.mark.parametrize("dtype,divergence,fused", [
+    (torch.float32, "jsd", False), (torch.float32, "forward_kl", True),
+    (torch.float32, "reverse_kl", True), (torch.bfloat16, "jsd", True),
+    (torch.float64, "jsd", True)])
+def test_cpu_row_math_path(monkeypatch, dtype, divergence, fused):
+    """On the CPU the fused op (flce::distill_rows_) serves every case but fp32 JSD, whose input
+    gradients need torch's expm1 and log1p (docs/numerics.md, "Distillation")."""
+    calls = []
+    rows = distill._rows
+    monkeypatch.setattr(distill, "_rows", lambda *a: calls.append(1) or rows(*a))
+    xs, ws, xt, wt, t, bs, bt = _leaves(_inputs(dtype, "cpu"))
+    flce.linear_distillation(xs, ws, xt, wt, t, divergence=divergence).backward()
+    assert bool(calls) != fused

@@ -1116,4 +1116,187 @@ TEST(soft_pivot_grad_matches_long_double) {
   std::printf("  worst soft pivot gradient error: %.3Lg of the tolerance\n", worst);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Distillation's row math (flce/math.h "Distillation"; csrc/cpu/distill_cpu.cpp).
+// ---------------------------------------------------------------------------------------------
+
+TEST(vexpm1_matches_long_double) {
+  // The row math's vectorizable expm1: 3 ulp of expm1 everywhere, relative near 0, where
+  // exp(x) - 1 loses everything.
+  long double worst = 0;
+  std::vector<float> xs = {-80.f, -17.f, -1.f, -0.3466f, -0.3467f, -1e-7f, -1e-30f, 0.f, 1e-30f,
+                           1e-7f, 0.3466f, 0.3467f, 1.f, 20.f, 88.f};
+  for (float x = -80.f; x <= 88.f; x += 0.0137f) xs.push_back(x);
+  for (int i = 0; i < 20000; ++i) xs.push_back(check::uniform(-1.f, 1.f));
+  for (int i = 0; i < 2000; ++i) xs.push_back(check::uniform(-1e-4f, 1e-4f));
+  int naive_bad = 0;
+  for (float x : xs) {
+    const float got = flce::vexpm1(x);
+    const LD ref = std::expm1(static_cast<LD>(x));
+    EXPECT(near_ulps(got, ref, 3), "vexpm1(%.9g) = %.9g, long double %.12Lg (%.2Lg ulp)", x, got,
+           ref, check::ulps_off(got, ref));
+    worst = std::max(worst, check::ulps_off(got, ref));
+    naive_bad += !near_ulps(flce::vexp(x) - 1.f, ref, 3);
+  }
+  EXPECT(naive_bad > 1000, "exp(x) - 1 should fail near 0 (%d failures)", naive_bad);
+  EXPECT(flce::vexpm1(-100.f) == -1.f && flce::vexpm1(-kInf) == -1.f, "expm1(-inf) = -1");
+  EXPECT(flce::vexpm1(89.f) == kInf && flce::vexpm1(kInf) == kInf, "expm1(inf) = inf");
+  EXPECT(std::isnan(flce::vexpm1(kNaN)), "vexpm1(NaN) must be NaN");
+  std::printf("  worst vexpm1 error: %.2Lg ulp\n", worst);
+}
+
+TEST(vlog1p_matches_long_double) {
+  // The row math's vectorizable log1p: 2 ulp of log1p from -1 to huge arguments, relative at
+  // tiny ones, where log(1 + x) loses everything.
+  long double worst = 0;
+  std::vector<float> xs = {std::nextafter(-1.f, 0.f), -0.9999f, -0.5f, -1e-7f, -1e-30f, 0.f,
+                           1e-30f, 1e-7f, 0.4142f, 1.f, 3.f, 1e10f, 1e30f, 3e38f};
+  for (int i = 0; i < 20000; ++i) xs.push_back(check::uniform(-1.f, 1.f));
+  for (int i = 0; i < 2000; ++i) xs.push_back(check::uniform(-1e-5f, 1e-5f));
+  for (int i = 0; i < 4000; ++i) xs.push_back(std::exp(check::uniform(-80.f, 85.f)));
+  int naive_bad = 0;
+  for (float x : xs) {
+    const float got = flce::vlog1p(x);
+    const LD ref = std::log1p(static_cast<LD>(x));
+    EXPECT(near_ulps(got, ref, 2), "vlog1p(%.9g) = %.9g, long double %.12Lg (%.2Lg ulp)", x, got,
+           ref, check::ulps_off(got, ref));
+    worst = std::max(worst, check::ulps_off(got, ref));
+    naive_bad += !near_ulps(std::log(1.f + x), ref, 2);
+  }
+  EXPECT(naive_bad > 1000, "log(1 + x) should fail near 0 (%d failures)", naive_bad);
+  EXPECT(flce::vlog1p(-1.f) == -kInf, "log1p(-1) = -inf");
+  EXPECT(std::isnan(flce::vlog1p(-1.5f)) && std::isnan(flce::vlog1p(-kInf)), "log1p(< -1) NaN");
+  EXPECT(flce::vlog1p(kInf) == kInf, "log1p(inf) = inf");
+  EXPECT(std::isnan(flce::vlog1p(kNaN)), "vlog1p(NaN) must be NaN");
+  std::printf("  worst vlog1p error: %.2Lg ulp\n", worst);
+}
+
+namespace {
+// mix(x, w) = log((1 - w) + w e^x), w = sigmoid(y), in long double.
+LD mix_ld(LD x, LD y) {
+  const LD w = sigmoid_ld(y);
+  if (std::fabs(x) <= 1) return std::log1p(w * std::expm1(x));
+  return logaddexp_ld(-softplus_ld(y), x - softplus_ld(-y));
+}
+}  // namespace
+
+TEST(mix_matches_long_double) {
+  // JSD's log mixture ratio in fp32 and fp64: a few roundings of the result, plus the rounding
+  // of x + log w in the far branch (the inputs' scale); w near 0 and 1 (|y| up to 40) lose
+  // nothing.
+  long double worst = 0, worst64 = 0;
+  for (int i = 0; i < 40000; ++i) {
+    const float x = i % 4 == 0 ? check::uniform(-1.f, 1.f)
+                               : (i % 4 == 1 ? check::uniform(-1e-4f, 1e-4f)
+                                             : check::uniform(-60.f, 60.f));
+    const float y = i % 3 == 0 ? check::uniform(-40.f, 40.f) : check::uniform(-3.f, 3.f);
+    const LD ref = mix_ld(x, y);
+    const float got = flce::mix(x, flce::mix_row(y));
+    const LD tol = 6 * kU * std::fabs(ref) + 2 * kU * (std::fabs(x) > 1 ? std::fabs(x) : 0) +
+                   2 * kU * (std::fabs(x) > 1 ? softplus_ld(-y) : 0) +
+                   std::numeric_limits<float>::denorm_min();
+    EXPECT(near_abs(got, ref, tol), "mix(%.9g, y=%.9g) = %.9g, long double %.12Lg", x, y, got,
+           ref);
+    worst = std::max(worst, std::fabs(got - ref) / tol);
+    const double got64 = flce::mix(static_cast<double>(x), flce::mix_row(static_cast<double>(y)));
+    const LD tol64 = tol * 0x1p-29L;
+    EXPECT(std::fabs(got64 - ref) <= tol64, "fp64 mix(%.9g, y=%.9g) = %.17g, long double %.17Lg",
+           x, y, got64, ref);
+    worst64 = std::max(worst64, std::fabs(got64 - ref) / tol64);
+  }
+  // a small argument: log1p(w expm1(x)) keeps relative accuracy where log((1-w) + w e^x) in
+  // fp32 rounds to 0 or to a multiple of 2^-24
+  const float x = 3e-6f, y = 0.3f;
+  const LD ref = mix_ld(x, y);
+  EXPECT(near_ulps(flce::mix(x, flce::mix_row(y)), ref, 6), "mix(3e-6, 0.3)");
+  const float w = 1.f / (1.f + std::exp(-y));
+  const float naive = std::log((1.f - w) + w * std::exp(x));
+  EXPECT(!near_ulps(naive, ref, 6), "naive mix should fail at x = 3e-6 (%.9g vs %.12Lg)", naive,
+         ref);
+  EXPECT(std::isnan(flce::mix(kNaN, flce::mix_row(0.5f))), "mix(NaN) must be NaN");
+  EXPECT(flce::mix(kInf, flce::mix_row(0.5f)) == kInf, "mix(inf) = inf");
+  EXPECT(near_ulps(flce::mix(-kInf, flce::mix_row(0.5f)), -softplus_ld(0.5L), 2),
+         "mix(-inf) = log(1 - w)");
+  std::printf("  worst mix error: %.2Lg (fp32), %.2Lg (fp64) of the tolerance\n", worst, worst64);
+}
+
+TEST(distill_kl_is_collapse_safe) {
+  // KL(P || R) of two confident rows from the header's pieces as the CPU row math assembles it
+  // (dominant, dominant_log_p, KL = r_a + sum_{j != a} P_j rrel_j, kl_grad), against long double
+  // at margins 0..100 where both share the dominant class: the KL within 1e-5 relative, and the
+  // gradient at the dominant class, -P_a c, within a few roundings of its terms; log-softmax
+  // differences lose the KL from margin 20 on.
+  const int v = 50;
+  int naive_bad = 0;
+  for (int margin = 0; margin <= 100; margin += 5) {
+    for (int rep = 0; rep < 20; ++rep) {
+      std::vector<float> p(v), r(v);
+      for (int j = 0; j < v; ++j) p[j] = check::normal(), r[j] = check::normal();
+      const int a = rep % v;
+      p[a] += static_cast<float>(margin);
+      r[a] += static_cast<float>(margin) * check::uniform(1.f, 1.1f);
+      auto stats = [&](const std::vector<float>& u) {
+        float s = 0.f;
+        for (int j = 0; j < v; ++j) s += j == a ? 0.f : flce::vexp(u[j] - u[a]);
+        return flce::dominant(s);
+      };
+      const flce::Dominant<float> dp = stats(p), dr = stats(r);
+      const float r_a =
+          flce::dominant_log_p(p[a], p[a], dp.l) - flce::dominant_log_p(r[a], r[a], dr.l);
+      float c = 0.f;
+      for (int j = 0; j < v; ++j) {
+        const float rrel = (p[j] - p[a]) - (r[j] - r[a]);
+        c += j == a ? 0.f : flce::vexp(flce::dominant_log_p(p[j], p[a], dp.l)) * rrel;
+      }
+      const float kl = r_a + c;
+      const float g_a = flce::kl_grad(1.f - dp.e, 0.f, c);
+      // long double
+      LD sp = 0, sr = 0;
+      for (int j = 0; j < v; ++j) {
+        if (j == a) continue;
+        sp += std::exp(static_cast<LD>(p[j]) - p[a]);
+        sr += std::exp(static_cast<LD>(r[j]) - r[a]);
+      }
+      LD want = 0, c_ld = 0, c_abs = 0;
+      for (int j = 0; j < v; ++j) {
+        const LD lp = (static_cast<LD>(p[j]) - p[a]) - std::log1p(sp);
+        const LD lr = (static_cast<LD>(r[j]) - r[a]) - std::log1p(sr);
+        want += std::exp(lp) * (lp - lr);
+        const LD term = std::exp(lp) * ((static_cast<LD>(p[j]) - p[a]) - (r[j] - r[a]));
+        if (j != a) c_ld += term, c_abs += std::fabs(term);
+      }
+      const LD g_want = -c_ld / (1 + sp);
+      if (std::fabs(want) > std::numeric_limits<float>::min()) {
+        EXPECT(std::fabs(kl - want) <= 1e-5L * std::fabs(want),
+               "margin %d: KL %.9g, long double %.12Lg", margin, kl, want);
+        // (c's terms have both signs: a few roundings of their magnitudes' sum, at the logits'
+        // scale, whose differences u_j - u_a carry |u| 2^-24)
+        const LD scale = 1 + std::fabs(static_cast<LD>(p[a])) + std::fabs(static_cast<LD>(r[a]));
+        EXPECT(std::fabs(g_a - g_want) <= 1e-5L * std::fabs(g_want) + 4 * kU * scale * c_abs + 1e-44L,
+               "margin %d: gradient at a %.9g, long double %.12Lg", margin, g_a, g_want);
+      }
+      // the textbook form: log-softmax through the fp32 logsumexp
+      float mp = p[a], mr = r[a], lsp = 0.f, lsr = 0.f;
+      for (int j = 0; j < v; ++j) lsp += std::exp(p[j] - mp), lsr += std::exp(r[j] - mr);
+      float naive = 0.f;
+      for (int j = 0; j < v; ++j) {
+        const float lp = p[j] - (mp + std::log(lsp)), lr = r[j] - (mr + std::log(lsr));
+        naive += std::exp(lp) * (lp - lr);
+      }
+      naive_bad += margin >= 30 && !(std::fabs(naive - want) <= 1e-5L * std::fabs(want));
+    }
+  }
+  EXPECT(naive_bad > 50, "the textbook KL should fail at margins >= 30 (%d failures)", naive_bad);
+}
+
+TEST(distill_hard_grad) {
+  // p_j off the target; p_t - 1 as -e where the target is the dominant class.
+  EXPECT(flce::hard_grad(0.25f, false, true, 1e-20f) == 0.25f, "off-target: p");
+  EXPECT(flce::hard_grad(0.25f, true, false, 0.f) == -0.75f, "target: p - 1");
+  EXPECT(flce::hard_grad(1.f, true, true, 1e-20f) == -1e-20f, "dominant target: -e");
+  const flce::Dominant<double> d = flce::dominant(1e-30);
+  EXPECT(d.e == 1e-30 / (1 + 1e-30) && d.l == std::log1p(1e-30), "dominant(1e-30)");
+}
+
 int main(int argc, char** argv) { return check::run_all(argc, argv); }

@@ -13,13 +13,40 @@
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define FLCE_HD __host__ __device__ __forceinline__
+#define FLCE_HD_ALWAYS __host__ __device__ __forceinline__
 #else
 #define FLCE_HD inline
+// Inlined even into a large vectorized loop (GCC's growth limits otherwise leave a call there,
+// which makes the loop scalar): the per-element functions of the distillation row math.
+#if defined(__GNUC__)
+#define FLCE_HD_ALWAYS inline __attribute__((always_inline))
+#else
+#define FLCE_HD_ALWAYS inline
+#endif
 #endif
 
 namespace flce {
 
 FLCE_HD float neg_inf() { return -INFINITY; }
+
+namespace detail {
+// vexp's and vexpm1's reduction of a finite or NaN x (clamped by the caller): x = k ln2 + r
+// (Cody-Waite, k = round(x / ln2); k = 0 for NaN, so that the callers' float -> int conversion
+// of k stays defined) and e^r - 1 from Cephes' degree-6 polynomial, p r^2 + r.
+FLCE_HD_ALWAYS float exp_reduced(float xc, float& k) {
+  k = floorf(xc * 1.44269504088896341f + 0.5f);
+  k = k == k ? k : 0.f;
+  float r = xc - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r;
+}
+}  // namespace detail
 
 // exp(x) in fp32 for the CPU backend's epilogue loops, written so that compilers vectorize it
 // (std::exp is a library call they cannot). Cody-Waite reduction x = k ln2 + r and Cephes'
@@ -31,17 +58,8 @@ FLCE_HD float vexp(float x) {
   return expf(x);
 #else
   const float xc = x < -104.f ? -104.f : (x > 88.f ? 88.f : x);  // NaN stays NaN
-  float k = floorf(xc * 1.44269504088896341f + 0.5f);
-  k = k == k ? k : 0.f;  // keep the float -> int conversion below defined for NaN
-  float r = xc - k * 0.693359375f;
-  r = r - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.f;
+  float k;
+  const float y = detail::exp_reduced(xc, k) + 1.f;
   // 2^k = 2^k1 * 2^k2 with both halves normal for k in [-150, 127]: the second product rounds
   // once into the subnormal range.
   const int32_t ki = static_cast<int32_t>(k);
@@ -55,6 +73,72 @@ FLCE_HD float vexp(float x) {
   return x < -104.f ? 0.f : (x > 88.f ? INFINITY : e);
 #endif
 }
+
+// expm1(x) in fp32, vectorizable as vexp (the same reduction x = k ln2 + r and polynomial, whose
+// p r^2 + r is e^r - 1 to a few ulp): expm1(x) = 2^k (e^r - 1) + (2^k - 1), exact-signed near 0
+// (k = 0: e^r - 1 itself) and without cancellation elsewhere (|2^k - 1| >= 1/2 there). -1 below
+// -80, +inf above 88, NaN in NaN out. On the GPU it is expm1f.
+FLCE_HD_ALWAYS float vexpm1(float x) {
+#if defined(__CUDA_ARCH__)
+  return expm1f(x);
+#else
+  const float xc = x < -80.f ? -80.f : (x > 88.f ? 88.f : x);  // NaN stays NaN
+  float k;
+  const float em1 = detail::exp_reduced(xc, k);
+  const uint32_t b = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
+  float s;
+  __builtin_memcpy(&s, &b, sizeof(s));
+  const float e = s * em1 + (s - 1.f);
+  return x < -80.f ? -1.f : (x > 88.f ? INFINITY : e);
+#endif
+}
+
+// log1p(x) in fp32, vectorizable: log(u) of u = 1 + x (Cephes' logf: u = 2^e m with m in
+// [sqrt(1/2), sqrt(2)), log m = f - f^2/2 + f^3 P(f), f = m - 1) plus the rounding of 1 + x,
+// (x - (u - 1)) / u, as a first-order correction: within 2 ulp of log1p. -inf at -1, NaN below
+// -1 and for NaN, +inf at +inf. On the GPU it is log1pf.
+FLCE_HD_ALWAYS float vlog1p(float x) {
+#if defined(__CUDA_ARCH__)
+  return log1pf(x);
+#else
+  const float u = 1.f + x;
+  const float uc = u > 0.f && u < INFINITY ? u : 1.f;  // the bit split below for finite u > 0
+  uint32_t b;
+  __builtin_memcpy(&b, &uc, sizeof(b));
+  int32_t e = static_cast<int32_t>((b >> 23) & 0xffu) - 126;
+  const uint32_t mb = (b & 0x7fffffu) | 0x3f000000u;  // m in [1/2, 1)
+  float m;
+  __builtin_memcpy(&m, &mb, sizeof(m));
+  const bool low = m < 0.707106781186547524f;
+  e = low ? e - 1 : e;
+  const float f = low ? m + m - 1.f : m - 1.f;
+  const float z = f * f;
+  float y = 7.0376836292e-2f;
+  y = y * f - 1.1514610310e-1f;
+  y = y * f + 1.1676998740e-1f;
+  y = y * f - 1.2420140846e-1f;
+  y = y * f + 1.4249322787e-1f;
+  y = y * f - 1.6668057665e-1f;
+  y = y * f + 2.0000714765e-1f;
+  y = y * f - 2.4999993993e-1f;
+  y = y * f + 3.3333331174e-1f;
+  const float ef = static_cast<float>(e);
+  y = f * z * y + ef * -2.12194440e-4f;
+  y = y - 0.5f * z;
+  const float lg = (f + y) + ef * 0.693359375f;
+  const float r = lg + (x - (uc - 1.f)) / uc;
+  return u == uc ? r : (u == 0.f ? -INFINITY : (u == INFINITY ? INFINITY : NAN));
+#endif
+}
+
+// The transcendental functions of the templated row math in fp32 (vectorizable, the
+// above) and fp64 (the library's: the fp64 path serves gradcheck, not speed).
+FLCE_HD_ALWAYS float exp_t(float x) { return vexp(x); }
+FLCE_HD double exp_t(double x) { return exp(x); }
+FLCE_HD_ALWAYS float expm1_t(float x) { return vexpm1(x); }
+FLCE_HD double expm1_t(double x) { return expm1(x); }
+FLCE_HD_ALWAYS float log1p_t(float x) { return vlog1p(x); }
+FLCE_HD double log1p_t(double x) { return log1p(x); }
 
 // ---------------------------------------------------------------------------------------------
 // Online logsumexp over the non-target logits of a row, with the entropy's running sum.
@@ -541,6 +625,90 @@ FLCE_HD void kahan_add_bf16c(float& s, uint16_t& c16, float x) {
   const float c2 = add_error(t, c, s2);
   s = s2;
   c16 = bf16_bits(c2);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Distillation (docs/numerics.md "Distillation"): per row, each distribution P = softmax(u)
+// from its dominant class a = argmax u, d_j = u_j - u_a, s = sum_{j != a} exp(d_j):
+//   log P_j = d_j - log1p(s),   e = 1 - P_a = s / (1 + s).
+// Templated on the computation dtype (float: the CPU backend's vector loops; double: the fp64
+// path that serves gradcheck); python/flce/distill.py's _rows is the same math in torch ops.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+struct Dominant {
+  T l;  // log1p(s): log P_a = -l
+  T e;  // s / (1 + s)
+};
+
+template <typename T>
+FLCE_HD Dominant<T> dominant(T s) {
+  return Dominant<T>{log1p_t(s), s / (T(1) + s)};
+}
+
+// log P_j from the logit u_j, the dominant logit u_a and l = log1p(s).
+template <typename T>
+FLCE_HD_ALWAYS T dominant_log_p(T u, T u_a, T l) {
+  return (u - u_a) - l;
+}
+
+// log(1 + exp(x)) as clamp(x, 0) + log1p(exp(-|x|)) (distill.py's _softplus), and 1 / (1 +
+// exp(-x)), in the row math's dtype (per-row constants: the library's exp and log1p).
+template <typename T>
+FLCE_HD T softplus_t(T x) {
+  return (x > T(0) ? x : T(0)) + log1p(exp(-fabs(x)));
+}
+
+template <typename T>
+FLCE_HD T sigmoid_t(T x) {
+  if (x >= T(0)) return T(1) / (T(1) + exp(-x));
+  const T e = exp(x);
+  return e / (T(1) + e);
+}
+
+// mix(x, w) = log((1 - w) + w exp(x)) with w = sigmoid(y), from the row's constants of y:
+// w, log(1 - w) = -softplus(y) and log(w) = -softplus(-y) (neither 1 - w nor w is formed from the
+// other, so a w near 0 or 1 loses nothing).
+template <typename T>
+struct MixRow {
+  T w;
+  T log_1mw;
+  T log_w;
+};
+
+template <typename T>
+FLCE_HD MixRow<T> mix_row(T y) {
+  return MixRow<T>{sigmoid_t(y), -softplus_t(y), -softplus_t(-y)};
+}
+
+// log1p(w expm1(x)) for |x| <= 1, where the result may be near 0 and the argument stays above
+// -0.64; beyond, logaddexp(log(1 - w), log(w) + x). Both branches are evaluated on clamped
+// arguments and one selected, so that loops over x vectorize; NaN in, NaN out.
+template <typename T>
+FLCE_HD_ALWAYS T mix(T x, const MixRow<T>& c) {
+  const bool near = fabs(x) <= T(1);
+  const T xs = near ? x : T(0);
+  const T xf = near ? T(0) : x;
+  const T n = log1p_t(c.w * expm1_t(xs));
+  const T a = c.log_1mw, b = xf + c.log_w;
+  const T hi = a > b ? a : b, lo = a > b ? b : a;
+  // (lo = -inf: exp(-inf) adds 0; hi = +inf: +inf; NaN stays NaN)
+  const T f = hi + log1p_t(exp_t(lo == -INFINITY ? lo : lo - hi));
+  return near ? n : f;
+}
+
+// One column's term of KL(P || R) in P's logits: P_j (r_j - KL) = P_j (rrel_j - c), where
+// rrel_j = log(P_j / R_j) - log(P_a / R_a) and c = sum_{j != a} P_j rrel_j (KL = r_a + c).
+template <typename T>
+FLCE_HD_ALWAYS T kl_grad(T p, T rrel, T c) {
+  return p * (rrel - c);
+}
+
+// The hard term's gradient in the student's (un-tempered) logit j of a row whose target is t:
+// p_j, and p_t - 1 as -e where t is the dominant class (1 - e rounds to 1 there).
+template <typename T>
+FLCE_HD_ALWAYS T hard_grad(T p, bool is_target, bool target_dominant, T e) {
+  return is_target ? (target_dominant ? -e : p - T(1)) : p;
 }
 
 }  // namespace flce

@@ -1,0 +1,343 @@
+// flce::distill_rows_ on the CPU backend: the row math of flce.linear_distillation's chunk loop
+// (python/flce/distill.py, whose _rows is the same math in torch ops and this op's oracle in the
+// tests). Per row: each distribution's dominant class (a max pass and a sum pass), then one pass
+// that forms the divergence's per-column log ratios and their weighted sum c, then one pass that
+// writes the gradients over the logits. The formulas are flce/math.h's (dominant, mix, kl_grad,
+// hard_grad); rows are split over the workers (cpu/workers.h), each with two rows of scratch for
+// the log ratios, so the chunk's [rows, V] buffers are the only large memory.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu/workers.h"
+#include "flce/math.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FLCE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define FLCE_INLINE inline __attribute__((always_inline))
+#define FLCE_FLATTEN __attribute__((flatten))
+#else
+#define FLCE_FLATTEN
+#define FLCE_CLONES
+#define FLCE_INLINE inline
+#endif
+
+namespace flce::cpu {
+namespace {
+
+enum class Div { forward_kl, reverse_kl, jsd };
+
+// The op's scalars in the computation dtype, rounded once as the torch ops of _rows round them.
+template <typename T>
+struct Cfg {
+  Div div;
+  T temp;         // the logits are divided by it (1: exactly the logits)
+  T beta, omb;    // beta, 1 - beta
+  T logit_beta;   // log(beta / (1 - beta))
+  T hw, sw, k;    // hard_weight, soft_weight, soft_weight / temperature
+  bool tempered, grad_s, grad_t;
+};
+
+// A row's distribution over u = z / temp: its dominant class a (the first largest logit; the
+// first NaN where there is one, as torch.argmax), u_a and the Dominant statistics.
+template <typename T>
+struct Side {
+  int64_t a;
+  T u_a;
+  Dominant<T> d;
+};
+
+template <typename T>
+FLCE_INLINE Side<T> side(const T* z, int64_t n, T temp) {
+  T m = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t j = 0; j < n; ++j) {
+    const T u = z[j] / temp;
+    m = u > m ? u : m;
+    nan |= u != u;
+  }
+  int64_t a = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const T u = z[j] / temp;
+    if (nan ? u != u : u == m) {
+      a = j;
+      break;
+    }
+  }
+  const T u_a = z[a] / temp;
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) {
+    const T e = exp_t(z[j] / temp - u_a);
+    s += j == a ? T(0) : e;
+  }
+  return Side<T>{a, u_a, dominant(s)};
+}
+
+// The hard term's distribution in the gradient pass: none (hard_weight 0), the tempered
+// student's (temperature 1), or the un-tempered student's own.
+enum class Hard { none, tempered, own };
+
+// A row's constants for its gradient pass.
+template <typename T>
+struct Grads {
+  T temp, us_a, ut_a, ls, lt;
+  int64_t as, shared_a;  // the student's dominant class; that class where the teacher's too, or -1
+  T diff_a;              // e_T - e_S
+  T cs, ct, k, beta, omb, hw;
+  int64_t t;
+  bool t_dominant;  // the target is the hard distribution's dominant class
+  T uh_a, lh, eh;   // the hard distribution's dominant logit, log1p(s) and e
+};
+
+// The gradient pass: os[j] / ot[j] <- the loss's gradient in zs[j] / zt[j] (each element read
+// before it is written; os may be zs or rs, ot zt or rt).
+template <typename T, Div div, Hard hard>
+FLCE_INLINE void grads(const T* zs, const T* zt, int64_t n, const Grads<T>& g, const T* rs,
+                       const T* rt, T* os, T* ot) {
+  const T temp = g.temp, us_a = g.us_a, ut_a = g.ut_a, ls = g.ls, lt = g.lt;
+  const int64_t shared_a = g.shared_a, t = g.t;
+  const T diff_a = g.diff_a, cs = g.cs, ct = g.ct, k = g.k, beta = g.beta, omb = g.omb;
+  const T hw = g.hw, uh_a = g.uh_a, lh = g.lh, eh = g.eh;
+  const bool t_dominant = g.t_dominant;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const T z_s = zs[j];
+    const T us = z_s / temp, ut = zt[j] / temp;
+    const T ps = exp_t(dominant_log_p(us, us_a, ls));
+    const T pt = exp_t(dominant_log_p(ut, ut_a, lt));
+    const T diff = j == shared_a ? diff_a : ps - pt;
+    T gs, gt;
+    if constexpr (div == Div::forward_kl) {
+      gs = diff;
+      gt = kl_grad(pt, rt[j], ct);
+    } else if constexpr (div == Div::reverse_kl) {
+      gs = kl_grad(ps, rs[j], cs);
+      gt = -diff;
+    } else {
+      gs = omb * kl_grad(ps, rs[j], cs);
+      gt = beta * kl_grad(pt, rt[j], ct);
+    }
+    gs = gs * k;
+    gt = gt * k;
+    if constexpr (hard == Hard::tempered) {
+      gs = gs + hw * hard_grad(ps, j == t, t_dominant, eh);
+    } else if constexpr (hard == Hard::own) {
+      gs = gs + hw * hard_grad(exp_t(dominant_log_p(z_s, uh_a, lh)), j == t, t_dominant, eh);
+    }
+    os[j] = gs;
+    ot[j] = gt;
+  }
+}
+
+// One row: the loss, and the gradients written over zs / zt where wanted. rs, rt: [n] scratch.
+// (The divergence a template argument: each loop then holds its own formulas alone.)
+template <typename T, Div div>
+FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T* rt) {
+  const T temp = c.temp;
+  const Side<T> S = side(zs, n, temp), P = side(zt, n, temp);
+  const int64_t as = S.a, at = P.a;
+  const T us_a = S.u_a, ut_a = P.u_a, ls = S.d.l, lt = P.d.l;
+  // the other model's logit at each dominant class, and rho = log(S / T) there
+  const T ut_as = zt[as] / temp, us_at = zs[at] / temp;
+  const T rho_as = dominant_log_p(us_a, us_a, ls) - dominant_log_p(ut_as, ut_a, lt);
+  const T rho_at = dominant_log_p(us_at, us_a, ls) - dominant_log_p(ut_a, ut_a, lt);
+  // JSD: relative to the dominant class, mix(x_j) - mix(x_a) = mix(x_j - x_a) with
+  // logit(w') = x_a + logit(w) (docs/numerics.md, "Distillation").
+  const T xs_a = -rho_as, xt_a = rho_at;
+  const MixRow<T> ms = mix_row<T>(xs_a + c.logit_beta), mt = mix_row<T>(xt_a - c.logit_beta);
+  T cs = 0, ct = 0;
+#pragma omp simd reduction(+ : cs, ct)
+  for (int64_t j = 0; j < n; ++j) {
+    const T us = zs[j] / temp, ut = zt[j] / temp;
+    const T rel_s = (us - us_a) - (ut - ut_as);
+    const T rel_t = (us - us_at) - (ut - ut_a);
+    T r_s = 0, r_t = 0;
+    if constexpr (div == Div::forward_kl) {
+      r_t = -rel_t;
+    } else if constexpr (div == Div::reverse_kl) {
+      r_s = rel_s;
+    } else {
+      r_s = -mix(-rel_s, ms);
+      r_t = -mix(rel_t, mt);
+    }
+    if constexpr (div != Div::forward_kl) {
+      const T ps = exp_t(dominant_log_p(us, us_a, ls));
+      cs += j == as ? T(0) : ps * r_s;
+      rs[j] = r_s;
+    }
+    if constexpr (div != Div::reverse_kl) {
+      const T pt = exp_t(dominant_log_p(ut, ut_a, lt));
+      ct += j == at ? T(0) : pt * r_t;
+      rt[j] = r_t;
+    }
+  }
+  T soft;
+  if constexpr (div == Div::forward_kl) {
+    soft = -rho_at + ct;
+  } else if constexpr (div == Div::reverse_kl) {
+    soft = rho_as + cs;
+  } else {
+    const T kl_s = -mix(xs_a, mix_row<T>(c.logit_beta)) + cs;
+    const T kl_t = -mix(xt_a, mix_row<T>(-c.logit_beta)) + ct;
+    soft = c.beta * kl_t + c.omb * kl_s;
+  }
+  T loss = c.sw * soft;
+  // The hard term: the un-tempered student's distribution (the tempered one at temperature 1).
+  const bool hard = c.hw != T(0);
+  const Side<T> H = hard && c.tempered ? side(zs, n, T(1)) : S;
+  // (H's logits are zs itself: at temperature 1, zs / 1 is exactly zs)
+  if (hard) loss = loss - c.hw * dominant_log_p(zs[t], H.u_a, H.d.l);
+  if (!c.grad_s && !c.grad_t) return loss;
+  // P_S - P_T at a shared dominant class: e_T - e_S (1 - e rounds to 1 there).
+  const Grads<T> g{temp,  us_a,   ut_a,  ls, lt,      as, as == at ? as : -1, P.d.e - S.d.e,
+                   cs,    ct,     c.k,   c.beta,      c.omb,  c.hw, t,  t == H.a,
+                   H.u_a, H.d.l,  H.d.e};
+  // (a gradient that is not wanted goes to the scratch row, read at j before it is written)
+  T* os = c.grad_s ? zs : rs;
+  T* ot = c.grad_t ? zt : rt;
+  if (!hard) {
+    grads<T, div, Hard::none>(zs, zt, n, g, rs, rt, os, ot);
+  } else if (!c.tempered) {
+    grads<T, div, Hard::tempered>(zs, zt, n, g, rs, rt, os, ot);
+  } else {
+    grads<T, div, Hard::own>(zs, zt, n, g, rs, rt, os, ot);
+  }
+  return loss;
+}
+
+template <typename T>
+FLCE_INLINE void rows(T* zs, T* zt, T* loss, const int64_t* target, const bool* valid,
+                      int64_t r0, int64_t r1, int64_t n, const Cfg<T>& c, T* rs, T* rt) {
+  for (int64_t r = r0; r < r1; ++r) {
+    T* s = zs + r * n;
+    T* t = zt + r * n;
+    if (!valid[r]) {
+      // an ignored row: no loss and no gradient, whatever its logits
+      loss[r] = 0;
+      if (c.grad_s) std::fill(s, s + n, T(0));
+      if (c.grad_t) std::fill(t, t + n, T(0));
+      continue;
+    }
+    switch (c.div) {
+      case Div::forward_kl:
+        loss[r] = row<T, Div::forward_kl>(s, t, n, target[r], c, rs, rt);
+        break;
+      case Div::reverse_kl:
+        loss[r] = row<T, Div::reverse_kl>(s, t, n, target[r], c, rs, rt);
+        break;
+      default:
+        loss[r] = row<T, Div::jsd>(s, t, n, target[r], c, rs, rt);
+    }
+  }
+}
+
+// The fp32 rows compiled per instruction set (as epilogue.cpp's loops), fp64 once. flatten:
+// every call inlined, math.h's included, which GCC's growth limits would otherwise leave as
+// calls in the vector loops (scalar loops then, 10x slower).
+FLCE_CLONES FLCE_FLATTEN void rows_f32(float* zs, float* zt, float* loss, const int64_t* target,
+                          const bool* valid, int64_t r0, int64_t r1, int64_t n,
+                          const Cfg<float>& c, float* rs, float* rt) {
+  rows(zs, zt, loss, target, valid, r0, r1, n, c, rs, rt);
+}
+
+void rows_any(float* zs, float* zt, float* loss, const int64_t* target, const bool* valid,
+              int64_t r0, int64_t r1, int64_t n, const Cfg<float>& c, float* rs, float* rt) {
+  rows_f32(zs, zt, loss, target, valid, r0, r1, n, c, rs, rt);
+}
+
+void rows_any(double* zs, double* zt, double* loss, const int64_t* target, const bool* valid,
+              int64_t r0, int64_t r1, int64_t n, const Cfg<double>& c, double* rs, double* rt) {
+  rows(zs, zt, loss, target, valid, r0, r1, n, c, rs, rt);
+}
+
+template <typename T>
+void run(at::Tensor& z_s, at::Tensor& z_t, at::Tensor& loss, const at::Tensor& target,
+         const at::Tensor& valid, const Cfg<T>& c) {
+  const int64_t rows_n = z_s.size(0), n = z_s.size(1);
+  T* zs = z_s.data_ptr<T>();
+  T* zt = z_t.data_ptr<T>();
+  T* lp = loss.data_ptr<T>();
+  const int64_t* tp = target.data_ptr<int64_t>();
+  const bool* vp = valid.data_ptr<bool>();
+  const int64_t workers = num_workers(rows_n);
+  run_workers(workers, [&](int64_t w) {
+    const Span sp = split(rows_n, workers, w, 1);
+    if (sp.size() == 0) return;
+    std::vector<T> scratch(2 * static_cast<size_t>(n));
+    rows_any(zs, zt, lp, tp, vp, sp.begin, sp.end, n, c, scratch.data(), scratch.data() + n);
+  });
+}
+
+void distill_rows_cpu(at::Tensor& z_s, at::Tensor& z_t, at::Tensor& loss,
+                      const at::Tensor& target, const at::Tensor& valid,
+                      c10::string_view divergence, double beta, double temperature,
+                      double hard_weight, double soft_weight, bool grad_s, bool grad_t) {
+  TORCH_CHECK(z_s.dim() == 2 && z_t.sizes() == z_s.sizes(),
+              "flce::distill_rows_: z_s and z_t must be [rows, V] of one shape, got ",
+              z_s.sizes(), " and ", z_t.sizes());
+  TORCH_CHECK((z_s.scalar_type() == at::kFloat || z_s.scalar_type() == at::kDouble) &&
+                  z_t.scalar_type() == z_s.scalar_type() && loss.scalar_type() == z_s.scalar_type(),
+              "flce::distill_rows_: z_s, z_t and loss must be float32 or float64, one dtype");
+  TORCH_CHECK(z_s.is_contiguous() && z_t.is_contiguous() && loss.is_contiguous(),
+              "flce::distill_rows_: z_s, z_t and loss must be contiguous");
+  const int64_t rows_n = z_s.size(0), n = z_s.size(1);
+  TORCH_CHECK(loss.dim() == 1 && loss.size(0) == rows_n, "flce::distill_rows_: loss must be [",
+              rows_n, "]");
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == rows_n && target.scalar_type() == at::kLong &&
+                  target.is_contiguous(),
+              "flce::distill_rows_: target must be [rows] int64, contiguous");
+  TORCH_CHECK(valid.dim() == 1 && valid.size(0) == rows_n && valid.scalar_type() == at::kBool &&
+                  valid.is_contiguous(),
+              "flce::distill_rows_: valid must be [rows] bool, contiguous");
+  TORCH_CHECK(n >= 1, "flce::distill_rows_: V must be at least 1");
+  Div div;
+  if (divergence == "forward_kl") {
+    div = Div::forward_kl;
+  } else if (divergence == "reverse_kl") {
+    div = Div::reverse_kl;
+  } else {
+    TORCH_CHECK(divergence == "jsd", "flce::distill_rows_: divergence must be forward_kl, "
+                "reverse_kl or jsd, got ", std::string(divergence));
+    TORCH_CHECK(beta > 0.0 && beta < 1.0, "flce::distill_rows_: jsd needs beta in (0, 1), got ",
+                beta);
+    div = Div::jsd;
+  }
+  TORCH_CHECK(temperature > 0.0, "flce::distill_rows_: temperature must be positive");
+  if (hard_weight != 0.0) {
+    const at::Tensor t = target.masked_select(valid);
+    TORCH_CHECK(t.numel() == 0 || (t.min().item<int64_t>() >= 0 && t.max().item<int64_t>() < n),
+                "flce::distill_rows_: a target of a valid row is outside [0, ", n, ")");
+  }
+  const double logit_beta = div == Div::jsd ? std::log(beta / (1.0 - beta)) : 0.0;
+  auto go = [&](auto zero) {
+    using T = decltype(zero);
+    const Cfg<T> c{div,
+                   static_cast<T>(temperature),
+                   static_cast<T>(beta),
+                   static_cast<T>(1.0 - beta),
+                   static_cast<T>(logit_beta),
+                   static_cast<T>(hard_weight),
+                   static_cast<T>(soft_weight),
+                   static_cast<T>(soft_weight / temperature),
+                   temperature != 1.0,
+                   grad_s,
+                   grad_t};
+    run<T>(z_s, z_t, loss, target, valid, c);
+  };
+  if (z_s.scalar_type() == at::kFloat) {
+    go(0.f);
+  } else {
+    go(0.0);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flce, CPU, m) { m.impl("distill_rows_", &distill_rows_cpu); }
+
+}  // namespace flce::cpu
