@@ -421,7 +421,7 @@ def run_distill(dev, xs, ws, bs, xt, wt, bt, t, *, teacher_grad=False, **opts):
 def distill_collapsed(n, v, margin, same, seed):
     """Logits [n, v] (fp32) where the teacher's class a leads its other logits by ``margin``
     and the student's class (a where ``same``, else another one) by ``margin`` times 1 to 1.1:
-    (student's, teacher's)."""
+    (student's logits, teacher's logits, a, the student's class)."""
     g = gen(seed)
     zs, zt = torch.randn(n, v, generator=g), torch.randn(n, v, generator=g)
     a = torch.randint(0, v, (n,), generator=g)
@@ -429,7 +429,7 @@ def distill_collapsed(n, v, margin, same, seed):
     rows = torch.arange(n)
     zt[rows, a] += margin
     zs[rows, b] += margin * (1 + 0.1 * torch.rand(n, generator=g))
-    return zs, zt
+    return zs, zt, a, b
 
 
 def run_distill_collapse(dev, margins, n, v, same, **opts):
@@ -440,7 +440,7 @@ def run_distill_collapse(dev, margins, n, v, same, **opts):
     carries |z| 2^-24: the floor of any fp32-logit implementation)."""
     eye = torch.eye(v)
     for m in margins:
-        zs, zt = distill_collapsed(n, v, m, same, 200 + m)
+        zs, zt, _, _ = distill_collapsed(n, v, m, same, 200 + m)
         xs = zs.clone().to(dev).requires_grad_()
         loss = flce.linear_distillation(xs, eye.to(dev), zt.to(dev), eye.to(dev),
                                         reduction="none", **opts)

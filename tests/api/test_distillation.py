@@ -326,7 +326,7 @@ def test_collapse_sweep(same, divergence, beta):
     n, v = 16, 64
     eye = torch.eye(v)
     for margin in range(0, 101, 10):
-        zs, zt = distill_collapsed(n, v, float(margin), same, seed=margin)
+        zs, zt, _, _ = distill_collapsed(n, v, float(margin), same, seed=margin)
         xs, xt = zs.clone().requires_grad_(), zt.clone().requires_grad_()
         loss = flce.linear_distillation(xs, eye, xt, eye, divergence=divergence, beta=beta,
                                         reduction="none")
@@ -356,7 +356,7 @@ def test_collapse_sweep(same, divergence, beta):
 def test_collapse_gradient_at_the_shared_class():
     """Forward KL at a shared dominant class: the student's gradient there is e_T - e_S, about
     1e-13 here, which (1 - e_S) - (1 - e_T) in fp32 rounds to 0 or to multiples of 2^-24."""
-    zs, zt = distill_collapsed(4, 32, 30.0, True, seed=5)
+    zs, zt, _, _ = distill_collapsed(4, 32, 30.0, True, seed=5)
     x = zs.clone().requires_grad_()
     flce.linear_distillation(x, torch.eye(32), zt, torch.eye(32), divergence="forward_kl",
                              reduction="sum").backward()

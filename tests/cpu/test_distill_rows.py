@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flce import distill, reference
+from flce.check import distill_collapsed
 
 F32_EPS = torch.finfo(torch.float32).eps
 TINY = torch.finfo(torch.float32).tiny
@@ -164,13 +165,7 @@ def test_collapsed_rows(divergence, beta, same):
     rounding adds to it; _rows needs the same 8 here)."""
     n, v = 16, 61
     for margin in range(0, 101, 10):
-        g = torch.Generator().manual_seed(margin)
-        z_s, z_t = torch.randn(n, v, generator=g), torch.randn(n, v, generator=g)
-        a = torch.randint(0, v, (n,), generator=g)
-        b = a if same else (a + 1 + torch.randint(0, v - 1, (n,), generator=g)) % v
-        rows = torch.arange(n)
-        z_t[rows, a] += margin
-        z_s[rows, b] += margin * (1 + 0.1 * torch.rand(n, generator=g))
+        z_s, z_t, a, b = distill_collapsed(n, v, margin, same, seed=margin)
         valid = torch.ones(n, dtype=torch.bool)
         for cfg, target in (((divergence, beta, 1.0, 0.0, 1.0), a),
                             ((divergence, beta, 1.0, 0.5, 1.0), b),
