@@ -13,23 +13,6 @@
 namespace flce {
 namespace cuda {
 
-// Butterfly reductions: every lane ends with the same value, combined in a fixed pattern
-// (deterministic). The max ignores NaN (comparisons are false); callers make NaN reach the sum.
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) {
-    const float o = __shfl_xor_sync(0xffffffffu, x, off);
-    x = o > x ? o : x;
-  }
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 // Column of the target within a weight block whose row 0 is vocabulary id col_offset, or -1 when
 // the row is ignored or the block does not hold the target.
 __device__ __forceinline__ int64_t target_column(int64_t t, int64_t ignore_index,
