@@ -2,12 +2,19 @@
 # Build flce, then run the C++ math tests (ctest) and the Python test suite against the
 # installed wheel.
 source "$(dirname "$0")/env.sh"
+t0=$(date +%s)
+phase() { echo "test.sh: $1 at $(( $(date +%s) - t0 )) s"; }
 python -m pip install -q -r requirements-test.txt
+phase "environment ready"
 source scripts/build.sh
+phase "wheel built and installed"
 if [ -f CMakeLists.txt ] && command -v cmake >/dev/null; then
   cmake -S . -B build-ctest > /dev/null
   cmake --build build-ctest -j 2 > /dev/null
-  (cd build-ctest && ctest --output-on-failure)
+  phase "ctest built"
+  # The tests are single-threaded programs, each in its own scratch space: run them side by side.
+  (cd build-ctest && ctest --output-on-failure -j "${MAX_JOBS:-$(nproc)}")
+  phase "ctest done"
 fi
 # A fresh compile cache: inductor's cache outlives runs on one machine and keys on op schemas,
 # not on the fake kernels that give output shapes.

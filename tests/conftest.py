@@ -17,6 +17,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import DEVICES  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--peers-full", action="store_true", dest="peers_full",
+                     help="tests/peers: every case of the peers' grids (default: a subset that "
+                          "covers every pair of option values, tests/peers/conftest.py)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda_host: runs on the host-emulated CUDA backend")
     config.addinivalue_line("markers", "skip_cuda_host(reason): too large for the emulation")

@@ -58,6 +58,17 @@ def _digest(paths):
     return h.hexdigest()[:12]
 
 
+def _seed(built, build_dir):
+    """A new build directory as a copy of a finished one (timestamps and ninja's log kept): ninja
+    then recompiles only what differs (a compile command, a source) and relinks."""
+    if os.path.isdir(build_dir) or not os.path.isfile(os.path.join(built, f"{NAMESPACE}.so")):
+        return
+    import shutil
+
+    # torch's build lock is not copied: a copy taken during a build would wait on it forever.
+    shutil.copytree(built, build_dir, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+
+
 @functools.lru_cache(maxsize=None)
 def load():
     """Build (if needed) and import flce_cuda_host; returns ``torch.ops.flce_cuda_host``."""
@@ -77,7 +88,12 @@ def load():
         info["kernel_sources"] + info["runtime_sources"]
     # One build directory per source state: the kernels' and runtime's objects are rebuilt by
     # their own timestamps only, and ninja does not see header changes through them.
-    build_dir = os.path.join(ROOT, "build", "cuda_host", f"{config}-{_digest(sources)}")
+    digest = _digest(sources)
+    build_dir = os.path.join(ROOT, "build", "cuda_host", f"{config}-{digest}")
+    # The binding is compiled with the same flags in every configuration (racecheck instruments
+    # the kernels alone): a racecheck build starts from a copy of the plain one, if there is one,
+    # and compiles its kernels and links.
+    _seed(os.path.join(ROOT, "build", "cuda_host", f"plain-{digest}"), build_dir)
     mutant = os.environ.get("FLCE_CUDA_HOST_MUTANT")
     if mutant:
         # A planted bug (tests/cuda/test_driver_mutations.py): one launch-sequence file replaced by a
@@ -88,10 +104,7 @@ def load():
         binding = [mutant if os.path.basename(b) == name else b for b in binding]
         clean_dir = build_dir
         build_dir = f"{clean_dir}-mutant-{_digest([mutant])}"
-        if not os.path.isdir(build_dir) and os.path.isdir(clean_dir):
-            import shutil
-
-            shutil.copytree(clean_dir, build_dir, symlinks=True)
+        _seed(clean_dir, build_dir)
     os.makedirs(build_dir, exist_ok=True)
     # The kernels and the runtime as build_info.py compiles them (one flag list for every build
     # of the emulation; racecheck: the kernels instrumented for the race detector, no libtsan).
@@ -99,12 +112,20 @@ def load():
     flags = ([f"-D{d}" for d in info["defines"]] + [f"-I{i}" for i in info["include_dirs"]]
              + [f for f in info["cflags"] if f not in ("-Wall", "-Wextra")]
              + ["-fno-math-errno", "-fno-trapping-math"])
+    # ninja relinks on a changed link command, not on newer objects in extra_ldflags: a module
+    # older than its kernel objects (recompiled after a touched source, or a copied build) is
+    # removed so that it is linked again, never run with other kernels than those built here.
+    module = os.path.join(build_dir, f"{NAMESPACE}.so")
+    if os.path.exists(module) and os.path.getmtime(module) < max(map(os.path.getmtime, objects)):
+        os.remove(module)
     cpp_extension.load(
         name=NAMESPACE, sources=binding, extra_cflags=flags,
         # -Bsymbolic: the runtime's own cudaGetLastError & co. must not bind to the libcudart
         # that torch loaded.
         extra_ldflags=objects + info["ldflags"] + ["-Wl,-Bsymbolic"], build_directory=build_dir,
         with_cuda=False, verbose=os.environ.get("FLCE_CUDA_HOST_VERBOSE") == "1")
+    if os.path.getmtime(module) < max(map(os.path.getmtime, objects)):
+        raise RuntimeError(f"{module} is older than its kernel objects: not relinked")
     if not getattr(load, "_registered", False):
         flce._ops.register(NAMESPACE, lambda t: True)
         load._registered = True
