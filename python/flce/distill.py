@@ -226,8 +226,8 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
     # log1p in fp32 (math.h vexpm1, vlog1p: 1.5 and 1.4 ulp) put fp32 input gradients above
     # their tolerance in one of Liger's cases (64.4 eps against 64, torch's ops 57.7); 16-bit
     # inputs' gradients and the KL divergences are well within theirs.
-    fused = x_s.device.type == "cpu" and (cfg[0] != "jsd" or
-                                          torch.float32 not in (x_s.dtype, x_t.dtype))
+    fused = not _ops.is_cuda_backend(x_s) and x_s.device.type == "cpu" and (
+        cfg[0] != "jsd" or torch.float32 not in (x_s.dtype, x_t.dtype))
     for lo, hi in _chunks(n, v, torch.finfo(cdt).bits // 8, x_s.device, fused):
         xs, xt = models[0].rows(lo, hi), models[1].rows(lo, hi)
         z_s = models[0].logits(xs, xs.new_empty(hi - lo, v))
@@ -404,7 +404,8 @@ def linear_distillation(student_input, student_weight, teacher_input, teacher_we
         t = torch.zeros(lead, dtype=torch.int64, device=student_input.device)
     if k:
         t = _common.shift_target(t, opts.ignore_index, k)
-    t = t.reshape(-1).to(torch.int64)
+    # (contiguous: a broadcast target's view has stride 0, the CPU op reads rows of it)
+    t = t.reshape(-1).to(torch.int64).contiguous()
     if target is not None:
         _common.check_target_range(t, v, opts.ignore_index)
     valid = t != opts.ignore_index
