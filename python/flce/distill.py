@@ -7,7 +7,8 @@ GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
 held whole.
 
 The row math runs as one op on the CPU backend (``flce::distill_rows_``, csrc/cpu/distill_cpu.cpp,
-its formulas in csrc/include/flce/math.h) and as the torch ops of ``_rows`` on other devices;
+its formulas in csrc/include/flce/math.h; not for JSD with an fp32 input, see _run) and as the
+torch ops of ``_rows`` otherwise;
 ``_rows`` (``_dominant``, ``_mix``, ``_kl_grad``) is also the op's oracle in the tests: per row,
 each distribution's statistics taken from its largest logit, then passes over the columns.
 """
