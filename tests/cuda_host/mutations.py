@@ -166,8 +166,11 @@ def mutate(cfg, m, bi):
     mutated = []
     for tu in tus:
         obj = os.path.join(work, tu + ".o")
+        # -O0 (the last -O wins): a planted bug is a bug at any optimization level, and the
+        # heaviest TU (flce_rows.cu, its 100+ kernel instances) compiles ~5x faster than at -O2,
+        # its test ~2x slower: the unmutated objects stay as CMake built them.
         cmd = bi["compile_command"](info, os.path.join(work, "csrc", "cuda", tu), obj, True,
-                                    cfg["compiler"])
+                                    cfg["compiler"], extra=("-O0",))
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             return False, f"compiling the mutated {tu} failed:\n{p.stderr[-2000:]}"
