@@ -20,4 +20,6 @@ fi
 # not on the fake kernels that give output shapes.
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
 # Run from outside the source tree so that the installed package, not python/, is imported.
-cd tests && python -m pytest -q -rs "$@" .
+# Two worker processes (pytest-xdist; PYTEST_WORKERS to change): most tests are single-threaded
+# Python, and the emulated CUDA backend builds in one worker while the other runs CPU tests.
+cd tests && python -m pytest -q -rs -n "${PYTEST_WORKERS:-2}" "$@" .

@@ -16,6 +16,7 @@ FLCE_CUDA_HOST_MUTANT=PATH builds it with one launch-sequence file (csrc/cuda/NA
 PATH, a mutated copy (tests/cuda/test_driver_mutations.py).
 """
 import contextlib
+import fcntl
 import functools
 import glob
 import hashlib
@@ -72,10 +73,6 @@ def _seed(built, build_dir):
 @functools.lru_cache(maxsize=None)
 def load():
     """Build (if needed) and import flce_cuda_host; returns ``torch.ops.flce_cuda_host``."""
-    from torch.utils import cpp_extension
-
-    import flce._ops
-
     bi = _build_info()
     config = "racecheck" if os.environ.get("FLCE_CUDA_HOST_RACECHECK") == "1" else "plain"
     try:
@@ -93,7 +90,7 @@ def load():
     # The binding is compiled with the same flags in every configuration (racecheck instruments
     # the kernels alone): a racecheck build starts from a copy of the plain one, if there is one,
     # and compiles its kernels and links.
-    _seed(os.path.join(ROOT, "build", "cuda_host", f"plain-{digest}"), build_dir)
+    seed = os.path.join(ROOT, "build", "cuda_host", f"plain-{digest}")
     mutant = os.environ.get("FLCE_CUDA_HOST_MUTANT")
     if mutant:
         # A planted bug (tests/cuda/test_driver_mutations.py): one launch-sequence file replaced by a
@@ -102,10 +99,32 @@ def load():
         mutant = os.path.abspath(mutant)
         name = os.path.basename(mutant)
         binding = [mutant if os.path.basename(b) == name else b for b in binding]
-        clean_dir = build_dir
-        build_dir = f"{clean_dir}-mutant-{_digest([mutant])}"
-        _seed(clean_dir, build_dir)
-    os.makedirs(build_dir, exist_ok=True)
+        seed = build_dir
+        build_dir = f"{build_dir}-mutant-{_digest([mutant])}"
+    # One process builds a directory at a time (pytest-xdist's workers share the builds): the
+    # others wait on its lock, then find it built; a copy is taken under the copied one's lock.
+    with _locked(build_dir):
+        if seed != build_dir:
+            with _locked(seed):
+                _seed(seed, build_dir)
+        os.makedirs(build_dir, exist_ok=True)
+        return _build_and_import(bi, info, binding, build_dir)
+
+
+@contextlib.contextmanager
+def _locked(build_dir):
+    os.makedirs(os.path.dirname(build_dir), exist_ok=True)
+    with open(f"{build_dir}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build_and_import(bi, info, binding, build_dir):
+    from torch.utils import cpp_extension
+
+    import flce._ops
+
+    config = info["config"]
     # The kernels and the runtime as build_info.py compiles them (one flag list for every build
     # of the emulation; racecheck: the kernels instrumented for the race detector, no libtsan).
     objects = bi["compile_objects"](build_dir, config, jobs=int(os.environ.get("MAX_JOBS", "2")))
