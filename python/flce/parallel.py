@@ -936,8 +936,8 @@ def vocab_parallel_linear_distillation(student_input, student_weight_local, teac
     Every rank passes the same tokens (``student_input``, ``teacher_input``, ``target``) and its
     own rows of both classifiers, the same global rows of each; the result equals
     ``flce.linear_distillation`` with the full weights on every rank, up to fp32 rounding
-    (docs/parallel.md, "Distillation"). The options are those of ``flce.linear_distillation``;
-    the mean runs over all non-ignored tokens.
+    (docs/parallel.md, "Distillation over vocabulary shards"). The options are those of
+    ``flce.linear_distillation``; the mean runs over all non-ignored tokens.
 
     Per chunk of rows, each rank computes its shard's logits of both models, and the row math
     (the single-device call's torch ops: the CPU backend's fused row op takes whole rows) runs
@@ -977,14 +977,15 @@ def vocab_parallel_linear_distillation(student_input, student_weight_local, teac
         _check_vocab_size(vocab_size)
         x_s, w_s, b_s, x_t, w_t, b_t = call.tensors
         div, beta, temp, hard, soft = call.cfg
-        meta = [w_s.shape[0], -1 if vocab_start is None else vocab_start,
-                -1 if vocab_size is None else vocab_size, x_s.shape[0], x_s.shape[1],
-                x_t.shape[1]] + [_DISTILL_DTYPES[x.dtype] for x in (x_s, w_s, x_t, w_t)] + [
-                int(b_s is not None), int(b_t is not None), call.ignore_index,
-                distill.DIVERGENCES.index(div)] + [_float_bits(f) for f in (beta, temp, hard,
-                                                                            soft)] + [
-                _REDUCTION_CODES[call.reduction], int(call.has_target), call.shift,
-                int(bool(reduce_input_grad)), sum(n << i for i, n in enumerate(call.needs))]
+        meta = ([w_s.shape[0], -1 if vocab_start is None else vocab_start,
+                 -1 if vocab_size is None else vocab_size, x_s.shape[0], x_s.shape[1],
+                 x_t.shape[1]]
+                + [_DISTILL_DTYPES[x.dtype] for x in (x_s, w_s, x_t, w_t)]
+                + [int(b_s is not None), int(b_t is not None), call.ignore_index,
+                   distill.DIVERGENCES.index(div)]
+                + [_float_bits(f) for f in (beta, temp, hard, soft)]
+                + [_REDUCTION_CODES[call.reduction], int(call.has_target), call.shift,
+                   int(bool(reduce_input_grad)), sum(n << i for i, n in enumerate(call.needs))])
         error = None
     except Exception as e:  # (any type: see _raise_rank_errors)
         error, call, meta = e, None, None
