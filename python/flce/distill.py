@@ -9,10 +9,14 @@ held whole.
 The row math runs as one op on the CPU backend (``flce::distill_rows_``, csrc/cpu/distill_cpu.cpp,
 its formulas in csrc/include/flce/math.h; not for JSD with an fp32 input, see _run) and as the
 torch ops of ``_rows`` otherwise;
-``_rows`` (``_dominant``, ``_mix``, ``_kl_grad``) is also the op's oracle in the tests: per row,
-each distribution's statistics taken from its largest logit, then passes over the columns.
+``_rows`` (``_dominant``, ``_mix``, ``_kl_grads``) is also the op's oracle in the tests: per row,
+each distribution's statistics taken from its largest logit, then passes over the columns. Its
+reductions over a row's columns go through a ``_Columns``, the whole row here and one
+vocabulary shard's columns followed by collectives in
+``flce.parallel.vocab_parallel_linear_distillation``, which runs this chunk loop.
 """
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -37,18 +41,52 @@ CPU_ROWS_CHUNK_BYTES = 2 ** 22
 BLOCK_BYTES = 2 ** 24
 
 
-def _dominant(z):
-    """A distribution's statistics from its largest logit ``z_a`` (``z``: [rows, V]):
-    ``(log p [rows, V], p [rows, V], e = 1 - p_a [rows, 1], a [rows, 1])``, with
-    ``s = sum_{j != a} exp(z_j - z_a)``, ``log p_a = -log1p(s)``, ``log p_j = (z_j - z_a) -
-    log1p(s)`` and ``e = s / (1 + s)``: ``e`` keeps its relative accuracy where ``p_a`` rounds
-    to 1, and the pivot's own ``exp(0) = 1`` never enters ``s``. A NaN logit is the row's argmax
-    (torch's max propagates NaN), so the whole row comes out NaN."""
-    a = z.argmax(dim=1, keepdim=True)
-    d = z - z.gather(1, a)
-    s = torch.exp(d).scatter(1, a, 0.0).sum(1, keepdim=True)
-    log_p = d - torch.log1p(s)
-    return log_p, torch.exp(log_p), s / (1 + s), a
+class _Columns:
+    """The row math's reductions over a chunk's columns, here the whole vocabulary (flce.parallel's
+    ``_VocabShard``: one rank's shard, then a collective). Column indices ``a`` ([rows, 1])
+    are the whole vocabulary's. The row math asks for its reductions a few at a time (each
+    ``argmax`` and ``reduce`` call is one collective over the shards)."""
+
+    def argmax(self, *zs):
+        """Per ``[rows, V]`` of ``zs``: ``(a, z_a)``, its largest entry's column and value
+        (``torch.argmax``'s: ties to the lowest column, a NaN as the largest)."""
+        out = []
+        for z in zs:
+            a = z.argmax(dim=1, keepdim=True)
+            out.append((a, z.gather(1, a)))
+        return out
+
+    def reduce(self, sums, picks=()):
+        """``(sums' row sums, picks' entries x[row, a] for each (x, a))``, each ``[rows, 1]``."""
+        return [x.sum(1, keepdim=True) for x in sums], [x.gather(1, a) for x, a in picks]
+
+    def get(self, x, a):
+        """``x[row, a]`` where this holds column ``a`` (elsewhere any value): ``put``'s
+        operand."""
+        return x.gather(1, a)
+
+    def put(self, x, a, value):
+        """``x`` with ``x[row, a] = value`` where this holds column ``a``."""
+        return x.scatter(1, a, value)
+
+
+_WHOLE = _Columns()
+
+
+def _dominant(d, s):
+    """A distribution's statistics from its largest logit ``z_a``: ``(p, e = 1 - p_a)`` from
+    ``d = z - z_a`` ([rows, V]) and ``s = sum_{j != a} exp(z_j - z_a)`` ([rows, 1]):
+    ``log p_a = -log1p(s)``, ``log p_j = (z_j - z_a) - log1p(s)`` and ``e = s / (1 + s)``:
+    ``e`` keeps its relative accuracy where ``p_a`` rounds to 1, and the pivot's own
+    ``exp(0) = 1`` never enters ``s``. A NaN logit is the row's argmax (torch's max propagates
+    NaN), so the whole row comes out NaN."""
+    return torch.exp(d - torch.log1p(s)), s / (1 + s)
+
+
+def _log_at(z, z_a, s):
+    """``log p`` at one column whose logit is ``z`` ([rows, 1]): ``_dominant``'s
+    ``(z - z_a) - log1p(s)``, the same roundings."""
+    return (z - z_a) - torch.log1p(s)
 
 
 def _softplus(x):
@@ -68,72 +106,82 @@ def _mix(x, y):
                        torch.logaddexp(-_softplus(y), xf - _softplus(-y)))
 
 
-def _kl_grad(p, a, r_a, r_rel):
-    """``KL(P || R)`` per row and its gradient in P's logits with R held fixed,
-    ``P_j (r_j - KL)``, where ``r_j = log(P_j / R_j)``, from P's probabilities ``p``, its
-    dominant class ``a``, ``r_a`` and ``r_rel_j = r_j - r_a`` (0 at ``a``). With
-    ``c = sum_{j != a} P_j r_rel_j``: ``KL = r_a + c`` and ``r_j - KL = r_rel_j - c`` (``-c`` at
-    ``a``). Nothing near 1 is subtracted, and the common part ``r_a`` of every ``r_j`` (``log 2``
-    where the other model puts almost nothing on P's classes) never enters the gradient, whose
-    entries are far smaller there."""
-    c = (p * r_rel).scatter(1, a, 0.0).sum(1, keepdim=True)
-    return (r_a + c)[:, 0], p * (r_rel - c)
-
-
-def _pivoted(u, a):
-    """Each logit less the one at class ``a`` (``[rows, 1]``): ``z_j - z_a``."""
-    return u - u.gather(1, a)
+def _kl_grads(cols, terms):
+    """Per ``(p, a, r_a, r_rel)`` of ``terms``: ``KL(P || R)`` per row and its gradient in P's
+    logits with R held fixed, ``P_j (r_j - KL)``, where ``r_j = log(P_j / R_j)``, from P's
+    probabilities ``p``, its dominant class ``a``, ``r_a`` and ``r_rel_j = r_j - r_a`` (0 at
+    ``a``). With ``c = sum_{j != a} P_j r_rel_j``: ``KL = r_a + c`` and ``r_j - KL = r_rel_j - c``
+    (``-c`` at ``a``). Nothing near 1 is subtracted, and the common part ``r_a`` of every
+    ``r_j`` (``log 2`` where the other model puts almost nothing on P's classes) never enters
+    the gradient, whose entries are far smaller there. The terms' ``c`` in one reduction."""
+    cs, _ = cols.reduce([cols.put(p * r_rel, a, 0.0) for p, a, _, r_rel in terms])
+    return [((r_a + c)[:, 0], p * (r_rel - c)) for (p, _, r_a, r_rel), c in zip(terms, cs)]
 
 
 def _rows(z_s, z_t, target, valid, divergence, beta, temperature, hard_weight, soft_weight,
-          grad_s, grad_t):
+          grad_s, grad_t, cols=_WHOLE):
     """One chunk's per-row loss ``[rows]`` and the gradients of that loss in the student's and
-    the teacher's logits (``[rows, V]``, or None where not wanted), 0 on ignored rows."""
+    the teacher's logits (``[rows, V]``, or None where not wanted), 0 on ignored rows.
+    ``cols``: the reductions over the columns (``_Columns``; flce.parallel passes a vocabulary
+    shard's, whose rows of logits are the shard's columns and whose outputs are its columns'
+    gradients and the whole vocabulary's loss). Three rounds of them: the dominant classes, the
+    sums and the logits at the classes the terms pivot on, the divergence's ``c``."""
     u_s = z_s / temperature if temperature != 1.0 else z_s
     u_t = z_t / temperature if temperature != 1.0 else z_t
-    log_s, p_s, e_s, a_s = _dominant(u_s)
-    log_t, p_t, e_t, a_t = _dominant(u_t)
+    hard = hard_weight != 0.0
+    # the hard term's statistics: the un-tempered student logits'
+    logits = (u_s, u_t, z_s) if hard and temperature != 1.0 else (u_s, u_t)
+    doms = cols.argmax(*logits)
+    (a_s, m_s), (a_t, m_t) = doms[:2]
+    d = [u - m for u, (_, m) in zip(logits, doms)]
+    t = torch.where(valid, target, 0)[:, None]
+    # The sums s, each model's logit at the other's dominant class, the student's at the target
+    sums, at = cols.reduce([cols.put(torch.exp(di), a, 0.0) for di, (a, _) in zip(d, doms)],
+                           [(u_t, a_s), (u_s, a_t)] + ([(z_s, t)] if hard else []))
+    p_s, e_s = _dominant(d[0], sums[0])
+    p_t, e_t = _dominant(d[1], sums[1])
     # S - T, which at a shared dominant class is e_T - e_S (not (1 - e_S) - (1 - e_T), which
     # loses everything below 2^-24); elsewhere one of the two is at most 1/2.
     diff = p_s - p_t
     shared = a_s == a_t
-    diff = diff.scatter(1, a_s, torch.where(shared, e_t - e_s, diff.gather(1, a_s)))
+    diff = cols.put(diff, a_s, torch.where(shared, e_t - e_s, cols.get(diff, a_s)))
     # rho = log(S / T) at a dominant class: where both share it, two small accurate logs.
-    rho = log_s - log_t
+    rho_s = _log_at(m_s, m_s, sums[0]) - _log_at(at[0], m_t, sums[1])
+    rho_t = _log_at(at[1], m_s, sums[0]) - _log_at(m_t, m_t, sums[1])
     # log(S_j / T_j) - log(S_a / T_a) as logit differences, exact but for one rounding each.
-    rel_s = _pivoted(u_s, a_s) - _pivoted(u_t, a_s)
-    rel_t = _pivoted(u_s, a_t) - _pivoted(u_t, a_t)
+    rel_s = d[0] - (u_t - at[0])
+    rel_t = (u_s - at[1]) - d[1]
     if divergence == "forward_kl":
-        soft, g_t = _kl_grad(p_t, a_t, -rho.gather(1, a_t), -rel_t)
+        (soft, g_t), = _kl_grads(cols, [(p_t, a_t, -rho_t, -rel_t)])
         g_s = diff
     elif divergence == "reverse_kl":
-        soft, g_s = _kl_grad(p_s, a_s, rho.gather(1, a_s), rel_s)
+        (soft, g_s), = _kl_grads(cols, [(p_s, a_s, rho_s, rel_s)])
         g_t = -diff
     else:
         # M = beta T + (1 - beta) S: log(S_j / M_j) = -mix(-rho_j, w = beta) and
         # log(T_j / M_j) = -mix(rho_j, w = 1 - beta); relative to the dominant class a,
         # mix(x_j, w) - mix(x_a, w) = mix(x_j - x_a, w') with logit(w') = x_a + logit(w).
         y = math.log(beta / (1 - beta))
-        x_a = -rho.gather(1, a_s)
-        kl_s, h_s = _kl_grad(p_s, a_s, -_mix(x_a, torch.full_like(x_a, y)),
-                             -_mix(-rel_s, x_a + y))
-        x_a = rho.gather(1, a_t)
-        kl_t, h_t = _kl_grad(p_t, a_t, -_mix(x_a, torch.full_like(x_a, -y)),
-                             -_mix(rel_t, x_a - y))
+        x_s, x_t = -rho_s, rho_t
+        (kl_s, h_s), (kl_t, h_t) = _kl_grads(cols, [
+            (p_s, a_s, -_mix(x_s, torch.full_like(x_s, y)), -_mix(-rel_s, x_s + y)),
+            (p_t, a_t, -_mix(x_t, torch.full_like(x_t, -y)), -_mix(rel_t, x_t - y))])
         soft = beta * kl_t + (1 - beta) * kl_s
         g_s, g_t = (1 - beta) * h_s, beta * h_t
     loss = soft_weight * soft
     g_s = g_s * (soft_weight / temperature) if grad_s else None
     g_t = g_t * (soft_weight / temperature) if grad_t else None
-    if hard_weight != 0.0:
+    if hard:
         # flce's collapse-safe cross-entropy of the un-tempered student logits: -log p_t from
         # the row's dominant class, and p_t - 1 as -e where the target is that class.
         if temperature != 1.0:
-            log_s, p_s, e_s, a_s = _dominant(z_s)
-        t = torch.where(valid, target, 0)[:, None]
-        loss = loss - hard_weight * log_s.gather(1, t)[:, 0]
+            (a_s, m_s), s = doms[2], sums[2]
+            p_s, e_s = _dominant(d[2], s)
+        else:
+            s = sums[0]
+        loss = loss - hard_weight * _log_at(at[2], m_s, s)[:, 0]
         if grad_s:
-            g_hard = p_s.scatter(1, t, torch.where(t == a_s, -e_s, p_s.gather(1, t) - 1))
+            g_hard = cols.put(p_s, t, torch.where(t == a_s, -e_s, cols.get(p_s, t) - 1))
             g_s = g_s + hard_weight * g_hard
     keep = valid[:, None]
     loss = torch.where(valid, loss, 0.0)
@@ -172,9 +220,10 @@ class _Classifier:
         self.w = w.to(cdt) if x.dtype == cdt else w.to(x.dtype)
         self.b = None if b is None else b.to(cdt)
         v, d = w.shape
+        step = max(1, BLOCK_BYTES // (4 * max(d, 1)))
+        # (at least one block: an empty vocabulary shard's GEMMs write gx's zeros)
         self.blocks = [(0, v)] if x.dtype == cdt else \
-            [(lo, min(lo + max(1, BLOCK_BYTES // (4 * max(d, 1))), v))
-             for lo in range(0, v, max(1, BLOCK_BYTES // (4 * max(d, 1))))]
+            [(lo, min(lo + step, v)) for lo in range(0, max(v, 1), step)]
 
     def rows(self, lo, hi):
         """The chunk's hidden states in the computation dtype (a view where they are)."""
@@ -207,10 +256,14 @@ class _Classifier:
             gb.add_(g.sum(0))
 
 
-def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
+def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs, shards=None):
     """The chunk loop: per-row losses ``[N]`` (computation dtype) and the gradients asked for
     in ``needs`` (student input, weight, bias, teacher input, weight, bias), each row's logit
-    gradient times ``row_scale[n]`` (None: no gradients), in the computation dtype."""
+    gradient times ``row_scale[n]`` (None: no gradients), in the computation dtype.
+    ``shards``: None, or the classifiers' rows are one vocabulary shard (flce.parallel's
+    ``_VocabShard``: the row math's reductions over the shards, and ``width``, the shard width
+    every rank plans its chunks by, so that all walk the same chunks); the inputs' gradients
+    are then this shard's part."""
     cdt = _compute_dtype(x_s, x_t)
     models = (_Classifier(x_s, w_s, b_s, cdt), _Classifier(x_t, w_t, b_t, cdt))
     wanted = (row_scale is not None and any(needs[:3]), row_scale is not None and any(needs[3:]))
@@ -227,9 +280,12 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
     # log1p in fp32 (math.h vexpm1, vlog1p: 1.5 and 1.4 ulp) put fp32 input gradients above
     # their tolerance in one of Liger's cases (64.4 eps against 64, torch's ops 57.7); 16-bit
     # inputs' gradients and the KL divergences are well within theirs.
-    fused = not _ops.is_cuda_backend(x_s) and x_s.device.type == "cpu" and (
+    # Over vocabulary shards, torch's ops (the op's reductions run over its whole row).
+    fused = shards is None and not _ops.is_cuda_backend(x_s) and x_s.device.type == "cpu" and (
         cfg[0] != "jsd" or torch.float32 not in (x_s.dtype, x_t.dtype))
-    for lo, hi in _chunks(n, v, torch.finfo(cdt).bits // 8, x_s.device, fused):
+    cols = _WHOLE if shards is None else shards
+    width = v if shards is None else shards.width
+    for lo, hi in _chunks(n, width, torch.finfo(cdt).bits // 8, x_s.device, fused):
         xs, xt = models[0].rows(lo, hi), models[1].rows(lo, hi)
         z_s = models[0].logits(xs, xs.new_empty(hi - lo, v))
         z_t = models[1].logits(xt, xt.new_empty(hi - lo, v))
@@ -240,7 +296,8 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
                                    *wanted)
             g_s, g_t = (z_s if wanted[0] else None), (z_t if wanted[1] else None)
         else:
-            loss[lo:hi], g_s, g_t = _rows(z_s, z_t, target[lo:hi], valid[lo:hi], *cfg, *wanted)
+            loss[lo:hi], g_s, g_t = _rows(z_s, z_t, target[lo:hi], valid[lo:hi], *cfg, *wanted,
+                                          cols)
         del z_s, z_t
         scale = None if row_scale is None else row_scale[lo:hi, None].to(cdt)
         for m, g, x in ((0, g_s, xs), (1, g_t, xt)):
@@ -250,9 +307,12 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
     return loss, tuple(grads)
 
 
-def _cast(grads, tensors):
-    """Gradients from the computation dtype to their tensors' dtypes (rounded once)."""
-    return tuple(None if g is None else g.to(x.dtype) for g, x in zip(grads, tensors))
+def _cast(grads, dtypes, shards):
+    """Gradients from the computation dtype to their tensors' dtypes (rounded once; the inputs'
+    summed over the vocabulary shards first where ``shards`` sums them)."""
+    return tuple(None if g is None else
+                 shards.reduce_input(g, dt) if shards is not None and i % 3 == 0 else g.to(dt)
+                 for i, (g, dt) in enumerate(zip(grads, dtypes)))
 
 
 class _Distillation(torch.autograd.Function):
@@ -260,22 +320,21 @@ class _Distillation(torch.autograd.Function):
     logit GEMMs per chunk, then the gradient GEMMs), each row's times ``row_scale`` (1 / count
     for the mean), and the backward scales them by the upstream gradient. "none": the forward
     computes the losses alone and the backward runs the chunks again with the upstream
-    gradient as each row's scale."""
+    gradient as each row's scale. ``shards``: as for ``_run``."""
 
     @staticmethod
     def forward(ctx, x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, divergence, beta,
-                temperature, hard_weight, soft_weight, reduced, needs):
+                temperature, hard_weight, soft_weight, reduced, needs, shards):
         cfg = (divergence, beta, temperature, hard_weight, soft_weight)
-        ctx.cfg, ctx.reduced, ctx.needs = cfg, reduced, needs
+        ctx.cfg, ctx.reduced, ctx.needs, ctx.shards = cfg, reduced, needs, shards
+        ctx.dtypes = tuple(None if x is None else x.dtype for x in (x_s, w_s, b_s, x_t, w_t, b_t))
         if reduced:
             loss, grads = _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid,
-                               row_scale if any(needs) else None, cfg, needs)
+                               row_scale if any(needs) else None, cfg, needs, shards)
             # (in the computation dtype: rounded once, after the upstream gradient's scaling)
             ctx.save_for_backward(*(g for g in grads if g is not None))
-            ctx.dtypes = tuple(None if x is None else x.dtype
-                               for x in (x_s, w_s, b_s, x_t, w_t, b_t))
             return (loss * row_scale).sum()
-        loss, _ = _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, None, cfg, needs)
+        loss, _ = _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, None, cfg, needs, shards)
         ctx.save_for_backward(x_s, w_s, b_s, x_t, w_t, b_t, target, valid)
         return loss
 
@@ -283,13 +342,10 @@ class _Distillation(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.reduced:
             saved = iter(ctx.saved_tensors)
-            grads = tuple((next(saved) * grad).to(dt) if n else None
-                          for n, dt in zip(ctx.needs, ctx.dtypes))
+            grads = tuple(next(saved) * grad if n else None for n in ctx.needs)
         else:
-            tensors = ctx.saved_tensors
-            _, grads = _run(*tensors, grad, ctx.cfg, ctx.needs)
-            grads = _cast(grads, tensors[:6])
-        return grads + (None,) * 10
+            _, grads = _run(*ctx.saved_tensors, grad, ctx.cfg, ctx.needs, ctx.shards)
+        return _cast(grads, ctx.dtypes, ctx.shards) + (None,) * 11
 
 
 def _check_pair(prefix, x, w, b, lead=None):
@@ -370,13 +426,37 @@ def linear_distillation(student_input, student_weight, teacher_input, teacher_we
     Returns:
         The loss, float32 (float64 for float64 inputs).
     """
+    return _loss(_prepare(student_input, student_weight, teacher_input, teacher_weight, target,
+                          divergence, beta, temperature, hard_weight, soft_weight, ignore_index,
+                          reduction, student_bias, teacher_bias, shift))
+
+
+class _Call(NamedTuple):
+    """A call's checked arguments (``_prepare``)."""
+    tensors: tuple      # (x_s [N, D_S], w_s, b_s, x_t [N, D_T], w_t, b_t)
+    target: object      # [N] int64, shifted; ignore_index where ignored (zeros without target)
+    has_target: bool
+    cfg: tuple          # (divergence, beta, temperature, hard_weight, soft_weight)
+    ignore_index: int
+    reduction: str
+    shift: int
+    lead: tuple         # student_input's leading dimensions
+    needs: tuple        # which of tensors get a gradient
+
+
+def _prepare(student_input, student_weight, teacher_input, teacher_weight, target, divergence,
+             beta, temperature, hard_weight, soft_weight, ignore_index, reduction, student_bias,
+             teacher_bias, shift, shard=False):
+    """linear_distillation's arguments checked, as a ``_Call``. ``shard``: the classifiers are
+    one vocabulary shard (flce.parallel), which may be empty, and the targets' range is checked
+    against the whole vocabulary there."""
     _check_pair("student", student_input, student_weight, student_bias)
     _check_pair("teacher", teacher_input, teacher_weight, teacher_bias,
                 tuple(student_input.shape[:-1]))
     if teacher_weight.shape[0] != student_weight.shape[0]:
         raise ArgumentError(f"flce: teacher_weight's V ({teacher_weight.shape[0]}) must equal "
                             f"student_weight's ({student_weight.shape[0]}): one vocabulary")
-    if student_weight.shape[0] == 0:
+    if student_weight.shape[0] == 0 and not shard:
         raise ArgumentError("flce: student_weight and teacher_weight must have at least one "
                             "class (V >= 1): a distribution over no class has no divergence")
     divergence, beta, opts, hard_weight, soft_weight = _options(
@@ -407,25 +487,33 @@ def linear_distillation(student_input, student_weight, teacher_input, teacher_we
         t = _common.shift_target(t, opts.ignore_index, k)
     # (contiguous: a broadcast target's view has stride 0, the CPU op reads rows of it)
     t = t.reshape(-1).to(torch.int64).contiguous()
-    if target is not None:
+    if target is not None and not shard:
         _common.check_target_range(t, v, opts.ignore_index)
-    valid = t != opts.ignore_index
     n = t.numel()
     x_s = student_input.reshape(n, student_input.shape[-1])
     x_t = teacher_input.reshape(n, teacher_input.shape[-1])
     tensors = (x_s, student_weight, student_bias, x_t, teacher_weight, teacher_bias)
     grad = torch.is_grad_enabled()
     needs = tuple(bool(grad and x is not None and x.requires_grad) for x in tensors)
-    reduced = opts.reduction != "none"
-    cdt = _compute_dtype(x_s, x_t)
+    return _Call(tensors, t, target is not None,
+                 (divergence, beta, opts.temperature, hard_weight, soft_weight),
+                 opts.ignore_index, opts.reduction, k, lead, needs)
+
+
+def _loss(call, shards=None):
+    """linear_distillation's loss of a ``_Call``; ``shards``: as for ``_run``."""
+    t = call.target
+    valid = t != call.ignore_index
+    reduced = call.reduction != "none"
+    cdt = _compute_dtype(call.tensors[0], call.tensors[3])
     row_scale = valid.to(cdt)
-    if opts.reduction == "mean":
+    if call.reduction == "mean":
         row_scale = row_scale / valid.sum().clamp(min=1).to(cdt)
-    loss = _Distillation.apply(*tensors, t, valid, row_scale, divergence, beta,
-                               opts.temperature, hard_weight, soft_weight, reduced, needs)
+    loss = _Distillation.apply(*call.tensors, t, valid, row_scale, *call.cfg, reduced,
+                               call.needs, shards)
     if reduced:
         return loss
-    return _common.unshift(loss.reshape(lead), k, "none")
+    return _common.unshift(loss.reshape(call.lead), call.shift, "none")
 
 
 class LinearDistillation(torch.nn.Module):

@@ -15,6 +15,9 @@ Entry points:
 
 * :func:`vocab_parallel_linear_cross_entropy`: local weight shard + process group (Megatron-style
   models, plain ``torch.distributed`` scripts).
+* :func:`vocab_parallel_linear_distillation`: ``flce.linear_distillation`` with the student's and
+  the teacher's classifiers sharded over the same rows (flce.distill's chunk loop, whose row
+  math reduces over the shards through ``_VocabShard``: three small collectives per chunk).
 * ``flce.linear_cross_entropy`` with a ``DTensor`` weight sharded on dim 0 over a 1-D mesh
   (TorchTitan-style models) dispatches to :func:`linear_cross_entropy_dtensor`.
 * :func:`cross_entropy`: cross-entropy on this rank's logit columns (the op pair
@@ -34,11 +37,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import _common, _ops
+from . import _common, _ops, distill
 from ._common import ArgumentError
 
 __all__ = [
     "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_distillation",
     "cross_entropy",
     "vocab_parallel_cross_entropy",
     "cross_entropy_dtensor",
@@ -146,8 +150,17 @@ _META_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "input dtype",
                 "sequence_parallel", "temperature", "single pass", "class weights", "targets",
                 "exact_bf16_grad", "shift", "reduce_input_grad", "input requires grad",
                 "return_predicted_tokens", "group size", "group members", "error", "target min", "target max")
-_AGREED = range(3, _META_FIELDS.index("error"))
-_ERROR, _TMIN, _TMAX = (_META_FIELDS.index(f) for f in ("error", "target min", "target max"))
+# flce.parallel.vocab_parallel_linear_distillation's row: the same first three fields and last
+# five, between them its own ("D": the student's hidden size; "requires grad": a bitmask of the
+# six tensors that get a gradient, which decides the collectives of the backward).
+_DISTILL_FIELDS = ("V_local", "vocab_start", "vocab_size", "N", "D", "teacher D", "input dtype",
+                   "weight dtype", "teacher input dtype", "teacher weight dtype", "bias",
+                   "teacher bias", "ignore_index", "divergence", "beta", "temperature",
+                   "hard_weight", "soft_weight", "reduction", "targets", "shift",
+                   "reduce_input_grad", "requires grad", "group size", "group members", "error",
+                   "target min", "target max")
+_DISTILL_DTYPES = {**_DTYPE_CODES, torch.float64: 4}  # (the distillation takes float64)
+_DTYPE_NAMES = {v: k for k, v in _DISTILL_DTYPES.items()}
 
 
 def clear_layout_cache():
@@ -177,12 +190,12 @@ def _target_range(target, ignore_index, device):
 
 
 def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, target=None,
-            ignore_index=-100):
+            ignore_index=-100, fields=_META_FIELDS):
     """Shard offsets and the global vocabulary for this call, from an exchange of every rank's
-    metadata row (``_META_FIELDS``), after which every rank raises the same error or none does.
+    metadata row (``fields``), after which every rank raises the same error or none does.
 
-    ``meta``: this rank's row up to "exact_bf16_grad" (ignored when ``error`` is set: the
-    exception this rank's own argument checks raised); the group's fingerprint follows it. The
+    ``meta``: this rank's row of ``fields`` up to "group size" (ignored when ``error`` is set:
+    the exception this rank's own argument checks raised); the group's fingerprint follows it. The
     exchange all-gathers one int64 row per rank, with this rank's target range, and every rank
     checks every row: a rank with bad arguments, ranks that disagree on a shape, an option or
     the group's members, shards that do not tile the vocabulary, or a target out of range on any
@@ -197,8 +210,9 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     """
     if world == 1 and error is not None:
         raise error
-    meta = [0] * _ERROR if error is not None else meta + _group_fingerprint(group)
-    key = (id(group), rank, world) + tuple(meta)
+    err, tmin, tmax = (fields.index(f) for f in ("error", "target min", "target max"))
+    meta = [0] * err if error is not None else meta + _group_fingerprint(group)
+    key = (id(group), rank, world, fields) + tuple(meta)
     hit = _LAYOUTS.get(key)
     if hit is not None and hit[0] is group and not check_ranks and error is None:
         return hit[1]
@@ -210,13 +224,13 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
                                       device=device),
                          _target_range(target if error is None else None, ignore_index, device)])
         rows = _all_gather(row[None], group, world).tolist()
-        _raise_rank_errors(rows, error, group, world)
+        _raise_rank_errors(rows, error, group, world, err)
     mine = rows[rank]
-    for f in _AGREED:
+    for f in range(3, err):
         values = [r[f] for r in rows]
         if any(v != mine[f] for v in values):
-            raise ArgumentError(f"flce.parallel: ranks disagree on {_META_FIELDS[f]}: "
-                                f"{_describe(f, values)} (rank r at position r)")
+            raise ArgumentError(f"flce.parallel: ranks disagree on {fields[f]}: "
+                                f"{_describe(fields[f], values)} (rank r at position r)")
     sizes = [r[0] for r in rows]
     given = [r[1] >= 0 for r in rows]
     if any(given) != all(given):
@@ -245,11 +259,11 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     if vocab_size <= 0:
         raise ArgumentError("flce.parallel: every vocabulary shard is empty")
     for r, rr in enumerate(rows):
-        bad = rr[_TMIN] if rr[_TMIN] < 0 else (rr[_TMAX] if rr[_TMAX] >= vocab_size else None)
+        bad = rr[tmin] if rr[tmin] < 0 else (rr[tmax] if rr[tmax] >= vocab_size else None)
         if bad is not None:
             raise IndexError(f"flce.parallel: rank {r} has a target of {bad}, out of range for "
                              f"a vocabulary of {vocab_size} (and not ignore_index = "
-                             f"{rr[_META_FIELDS.index('ignore_index')]})")
+                             f"{rr[fields.index('ignore_index')]})")
     # A shard wholly in the vocabulary's padding is an empty shard at its end (its ops, the CUDA
     # single pass's shard check and the class weights' slice, see no row past vocab_size).
     start = min(starts[rank], vocab_size)
@@ -261,18 +275,19 @@ def _layout(group, rank, world, meta, explicit_size, check_ranks, error=None, ta
     return layout
 
 
-def _raise_rank_errors(rows, error, group, world):
+def _raise_rank_errors(rows, error, group, world, err):
     """Where any rank's own arguments failed a check: every rank raises that rank's exception
     (the first such rank's, by rank), with its message, which a second exchange brings. Its
     class: TypeError, IndexError, NotImplementedError and DtypeError as they are; any other
     exception (a ValueError, or a RuntimeError such as a tensor's ambiguous truth value) as
-    ArgumentError, which is both a ValueError and a RuntimeError."""
-    if not any(r[_ERROR] for r in rows):
+    ArgumentError, which is both a ValueError and a RuntimeError. ``err``: the rows' "error"
+    field."""
+    if not any(r[err] for r in rows):
         return
     messages = [None] * world
     mine = None if error is None else (type(error).__name__, str(error))
     _dist().all_gather_object(messages, mine, group=group)
-    failed = [r for r in range(world) if rows[r][_ERROR]]
+    failed = [r for r in range(world) if rows[r][err]]
     name, text = messages[failed[0]]
     cls = {"TypeError": TypeError, "IndexError": IndexError, "DtypeError": _common.DtypeError,
            "NotImplementedError": NotImplementedError}.get(name, ArgumentError)
@@ -288,13 +303,22 @@ def _check_vocab_start(vocab_start):
                             f"{vocab_start!r}")
 
 
-def _describe(field, values):
-    name = _META_FIELDS[field]
-    if name in ("input dtype", "weight dtype"):
-        codes = {v: k for k, v in _DTYPE_CODES.items()}
-        return str([str(codes.get(v, v)).replace("torch.", "") for v in values])
-    if name in ("label_smoothing", "z_loss", "softcap", "temperature"):
+def _check_vocab_size(vocab_size):
+    if vocab_size is not None and (not isinstance(vocab_size, int) or
+                                   isinstance(vocab_size, bool) or
+                                   not 0 < vocab_size <= _common.INT64_MAX):
+        raise ArgumentError(f"flce.parallel: vocab_size must be a positive int64, got "
+                            f"{vocab_size!r}")
+
+
+def _describe(name, values):
+    if name.endswith("dtype"):
+        return str([str(_DTYPE_NAMES.get(v, v)).replace("torch.", "") for v in values])
+    if name in ("label_smoothing", "z_loss", "softcap", "temperature", "beta", "hard_weight",
+                "soft_weight"):
         return str([struct.unpack("<d", struct.pack("<q", v))[0] for v in values])
+    if name == "divergence":
+        return str([distill.DIVERGENCES[v] for v in values])
     if name == "reduction":
         codes = {v: k for k, v in _REDUCTION_CODES.items()}
         return str([codes[v] for v in values])
@@ -728,11 +752,7 @@ def _vocab_parallel_linear(input, weight_local, target, *, group, bias_local, ig
                                            return_predicted_tokens)
         _check_vocab_start(vocab_start)
         exact_bf16_grad = _common.exact_bf16_grad(exact_bf16_grad, input)
-        if vocab_size is not None and (not isinstance(vocab_size, int) or
-                                       isinstance(vocab_size, bool) or
-                                       not 0 < vocab_size <= _common.INT64_MAX):
-            raise ArgumentError(f"flce.parallel: vocab_size must be a positive int64, got "
-                                f"{vocab_size!r}")
+        _check_vocab_size(vocab_size)
         if sequence_parallel and not reduce_input_grad:
             raise ArgumentError("flce.parallel: sequence_parallel=True reduce-scatters input's "
                                 "gradient itself; reduce_input_grad=False is not supported with it")
@@ -826,6 +846,162 @@ def _check_local(*tensors):
         raise TypeError("flce.parallel: float64 inputs, functorch transforms (torch.func) and "
                         "forward-mode AD are not supported by the vocab-parallel path; use "
                         "float32/bfloat16/float16 and reverse-mode autograd")
+
+
+# ---------------------------------------------------------------------------------------------
+# Distillation over vocabulary shards: flce.linear_distillation's chunk loop and row math, whose
+# reductions over a row's columns run over the shards (_VocabShard).
+# ---------------------------------------------------------------------------------------------
+# An empty shard's stand-in column for its "largest logit" (-inf): above every real column, so
+# that a real -inf logit wins the tie (float64-exact, as the gathered columns travel in float64).
+_NO_COLUMN = float(2 ** 62)
+
+
+class _VocabShard(distill._Columns):
+    """The distillation row math's reductions (``distill._Columns``) on this rank's shard, the
+    global columns ``[start, start + rows)``: local reductions, then one collective per call
+    (``argmax``: an all-gather of each row's local largest logit and its column, merged as
+    torch.argmax over the whole row; ``reduce``: an all-reduce SUM of the local sums and of the
+    picked entries, each from the rank that holds its column and 0 from the others). ``width``:
+    the widest shard, by which every rank plans the same chunks; ``reduce_input``: the inputs'
+    gradient summed over the group in fp32 (``_Tokens``) and rounded once."""
+
+    def __init__(self, layout, group, world, tokens):
+        self.start, self.rows = layout.vocab_start, layout.valid_rows
+        self.group, self.world, self.tokens = group, world, tokens
+        self.width = max(layout.sizes)
+
+    def _local(self, a):
+        """(whether this shard holds column a, its local column there, 0 elsewhere)"""
+        i = a - self.start
+        own = (i >= 0) & (i < self.rows)
+        return own, torch.where(own, i, 0)
+
+    def argmax(self, *zs):
+        parts = []
+        for z in zs:
+            if z.shape[1]:
+                i = z.argmax(dim=1, keepdim=True)
+                parts += [z.gather(1, i).double(), (i + self.start).double()]
+            else:
+                parts += [z.new_full((z.shape[0], 1), -math.inf, dtype=torch.float64),
+                          z.new_full((z.shape[0], 1), _NO_COLUMN, dtype=torch.float64)]
+        g = _all_gather(torch.cat(parts, 1), self.group, self.world)
+        g = g.view(self.world, -1, 2 * len(zs))
+        out = []
+        for k, z in enumerate(zs):
+            value, column = g[..., 2 * k], g[..., 2 * k + 1]
+            nan = value.isnan()
+            # the largest value (a NaN above all: amax propagates it), the lowest column of equals
+            best = value.amax(0)
+            win = torch.where(nan.any(0), nan, value == best)
+            a = torch.where(win, column, math.inf).amin(0).to(torch.int64)
+            out.append((a[:, None], best[:, None].to(z.dtype)))
+        return out
+
+    def reduce(self, sums, picks=()):
+        parts = [x.sum(1, keepdim=True) for x in sums]
+        parts += [torch.where(self._local(a)[0], self.get(x, a), 0.0) for x, a in picks]
+        if not parts:
+            return [], []
+        total = _all_reduce(torch.cat(parts, 1), self.group).split(1, dim=1)
+        return list(total[:len(sums)]), list(total[len(sums):])
+
+    def get(self, x, a):
+        if not x.shape[1]:
+            return x.new_zeros(a.shape)
+        return x.gather(1, self._local(a)[1])
+
+    def put(self, x, a, value):
+        if not x.shape[1]:
+            return x
+        own, i = self._local(a)
+        return x.scatter(1, i, torch.where(own, value, x.gather(1, i)))
+
+    def reduce_input(self, g, dtype):
+        return self.tokens.reduce(g, dtype)
+
+
+def vocab_parallel_linear_distillation(student_input, student_weight_local, teacher_input,
+                                       teacher_weight_local, target=None, *, group=None,
+                                       divergence="jsd", beta=0.5, temperature=1.0,
+                                       hard_weight=0.0, soft_weight=1.0, ignore_index=-100,
+                                       reduction="mean", student_bias_local=None,
+                                       teacher_bias_local=None, shift=False, vocab_start=None,
+                                       vocab_size=None, reduce_input_grad=True,
+                                       check_ranks=True):
+    r"""Collapse-safe knowledge distillation (:func:`flce.linear_distillation`) with the
+    student's and the teacher's classifiers sharded over the same vocabulary rows of ``group``.
+
+    Every rank passes the same tokens (``student_input``, ``teacher_input``, ``target``) and its
+    own rows of both classifiers, the same global rows of each; the result equals
+    ``flce.linear_distillation`` with the full weights on every rank, up to fp32 rounding
+    (docs/parallel.md, "Distillation over vocabulary shards"). The options are those of
+    ``flce.linear_distillation``; the mean runs over all non-ignored tokens.
+
+    Per chunk of rows, each rank computes its shard's logits of both models, and the row math
+    (the single-device call's torch ops: the CPU backend's fused row op takes whole rows) runs
+    with its reductions over the shards in three collectives on ``[rows, k]`` tensors: an
+    all-gather of each distribution's local largest logit and its column, an all-reduce of the
+    local sums and of each model's logit at the other's dominant class and the student's at
+    the target, and an all-reduce of the divergence's sums. Each rank forms its shard's logit
+    gradients, whose weight (and bias) gradients stay local; the inputs' gradients are summed
+    over the group in fp32 and rounded once.
+
+    Args:
+        student_input: ``(..., D_S)``; teacher_input: ``(..., D_T)``, the same on every rank.
+        student_weight_local: ``(V_local, D_S)``, teacher_weight_local: ``(V_local, D_T)``:
+            this rank's rows of the classifiers (the same rows of both); shards may be uneven
+            (also empty) and sit in rank order unless ``vocab_start`` says otherwise.
+        target: ``(...)`` global vocabulary ids or ``ignore_index``, as for
+            ``flce.linear_distillation``.
+        group: the tensor-parallel ``ProcessGroup`` or a 1-D ``DeviceMesh`` (default: WORLD).
+        student_bias_local, teacher_bias_local: optional ``(V_local,)``.
+        vocab_start, vocab_size, reduce_input_grad, check_ranks: as for
+            :func:`vocab_parallel_linear_cross_entropy` (rows at or beyond ``vocab_size`` enter
+            neither distribution and get zero gradient; ``reduce_input_grad`` covers both
+            inputs).
+
+    Returns:
+        The loss, float32 (float64 for float64 inputs), identical on all ranks. Every rank must
+        backpropagate the same upstream gradient into it.
+    """
+    group, rank, world = _resolve_group(group)
+    # This rank's own checks; their failure goes into the exchange, so that every rank raises it.
+    try:
+        call = distill._prepare(student_input, student_weight_local, teacher_input,
+                                teacher_weight_local, target, divergence, beta, temperature,
+                                hard_weight, soft_weight, ignore_index, reduction,
+                                student_bias_local, teacher_bias_local, shift, shard=True)
+        _check_vocab_start(vocab_start)
+        _check_vocab_size(vocab_size)
+        x_s, w_s, b_s, x_t, w_t, b_t = call.tensors
+        div, beta, temp, hard, soft = call.cfg
+        meta = ([w_s.shape[0], -1 if vocab_start is None else vocab_start,
+                 -1 if vocab_size is None else vocab_size, x_s.shape[0], x_s.shape[1],
+                 x_t.shape[1]]
+                + [_DISTILL_DTYPES[x.dtype] for x in (x_s, w_s, x_t, w_t)]
+                + [int(b_s is not None), int(b_t is not None), call.ignore_index,
+                   distill.DIVERGENCES.index(div)]
+                + [_float_bits(f) for f in (beta, temp, hard, soft)]
+                + [_REDUCTION_CODES[call.reduction], int(call.has_target), call.shift,
+                   int(bool(reduce_input_grad)), sum(n << i for i, n in enumerate(call.needs))])
+        error = None
+    except Exception as e:  # (any type: see _raise_rank_errors)
+        error, call, meta = e, None, None
+    layout = _layout(group, rank, world, meta, vocab_size is not None, check_ranks, error=error,
+                     target=None if error else call.target,
+                     ignore_index=None if error else call.ignore_index, fields=_DISTILL_FIELDS)
+    w_s, b_s = _shard_rows(w_s, b_s, layout)
+    w_t, b_t = _shard_rows(w_t, b_t, layout)
+    call = call._replace(tensors=(x_s, w_s, b_s, x_t, w_t, b_t))
+    if world == 1:
+        # the single-device call on the shard without its padding rows
+        if call.has_target:
+            _common.check_target_range(call.target, layout.vocab_size, call.ignore_index)
+        return distill._loss(call)
+    tokens = _tokens(group, world, bool(reduce_input_grad), False)
+    return distill._loss(call, _VocabShard(layout, group, world, tokens))
 
 
 # ---------------------------------------------------------------------------------------------
