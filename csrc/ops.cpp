@@ -97,18 +97,6 @@ TORCH_LIBRARY(flce, m) {
   // The row layouts (flce/layout.h): [kPartialCols, kStatsCols, kSoftCols].
   m.def("row_layout() -> int[]",
         [] { return std::vector<int64_t>{kPartialCols, kStatsCols, kSoftCols}; });
-  // flce.linear_distillation's row math on one chunk (python/flce/distill.py, _rows; the CPU
-  // backend, csrc/cpu/distill_cpu.cpp): z_s, z_t [rows, V] the student's and the teacher's
-  // logits (float32 or float64, contiguous, one dtype), target [rows] int64 (read where valid
-  // and hard_weight != 0), valid [rows] bool. Writes each row's loss into loss [rows] (the
-  // logits' dtype; 0 where not valid) and, where grad_s / grad_t, the loss's gradient in the
-  // student's / teacher's logits over z_s / z_t (0 on rows not valid); a logits buffer whose
-  // gradient is not wanted is left as it was. divergence: "forward_kl", "reverse_kl" or "jsd"
-  // (beta in (0, 1)).
-  m.def(
-      "distill_rows_(Tensor(a!) z_s, Tensor(b!) z_t, Tensor(c!) loss, Tensor target, "
-      "Tensor valid, str divergence, float beta, float temperature, float hard_weight, "
-      "float soft_weight, bool grad_s, bool grad_t) -> ()");
   m.def("cpu_single_pass_layout() -> int[]", [] {
     return std::vector<int64_t>{cpu::FUSED_BLOCK_N, cpu::kFusedWorkspaceBytes,
                                 cpu::kFusedWorkspaceBytes16, cpu::BLOCK_V_WIDE, cpu::TILE_PAD};

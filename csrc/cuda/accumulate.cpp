@@ -40,8 +40,9 @@ using heuristics::kDwPiece;
 // FLCE_CUDA_OPT_IN=fp64_grad (read at every call): fp32 inputs' gradient GEMMs in float64, the
 // products exact and the sums over rows and vocabulary in double, rounded once (opt-in: not yet
 // run on a GPU). Default: cuBLAS SGEMMs, compensated across pieces and groups. The variable is a
-// comma-separated list of the CUDA paths that have not run on a GPU; its other name,
-// `distributions`, is Python's (flce/_common.py cuda_opt_in, the list's one definition there).
+// comma-separated list of the CUDA paths that have not run on a GPU; its other names,
+// `distributions` and `distill`, are Python's (flce/_common.py cuda_opt_in, the list's one
+// definition there).
 bool fp32_grads_in_fp64() {
   const char* s = std::getenv("FLCE_CUDA_OPT_IN");
   bool fp64 = false;
@@ -51,9 +52,10 @@ bool fp32_grads_in_fp64() {
     rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
     while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
     while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
-    TORCH_CHECK_VALUE(name.empty() || name == "fp64_grad" || name == "distributions",
-                      "flce: FLCE_CUDA_OPT_IN is a comma-separated list of fp64_grad and "
-                      "distributions, got '", s, "'");
+    TORCH_CHECK_VALUE(name.empty() || name == "fp64_grad" || name == "distributions" ||
+                          name == "distill",
+                      "flce: FLCE_CUDA_OPT_IN is a comma-separated list of fp64_grad, "
+                      "distributions and distill, got '", s, "'");
     fp64 = fp64 || name == "fp64_grad";
   }
   return fp64;

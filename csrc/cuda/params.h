@@ -283,5 +283,27 @@ cudaError_t launch_target_rows(const TargetRowsParams& p, DType dtype, cudaStrea
 cudaError_t launch_scale_grad(void* out, DType dtype, const void* x, DType x_dtype, int slices,
                               int64_t count, const double* scale, cudaStream_t stream);
 
+// flce::distill_rows_ (flce_distill.cu): the distillation row math of one chunk, per row of the
+// student's and the teacher's logits z_s, z_t [n, v] (contiguous, fp32 or fp64: fp64 true) the
+// loss into loss [n] (their dtype) and, where grad_s / grad_t, its gradients over z_s / z_t.
+// Ignored rows (valid false): loss 0, gradients 0. target [n] is read on valid rows where
+// hard_weight != 0; one outside [0, v) gives that row a NaN loss (never an index out of bounds;
+// the binding queues the targets' check). Opt-in (FLCE_CUDA_OPT_IN=distill) until a GPU runs it.
+enum class DistillDiv : int { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
+struct DistillRowsParams {
+  void* z_s;
+  void* z_t;
+  void* loss;
+  const int64_t* target;
+  const bool* valid;
+  int64_t n, v;
+  DistillDiv div;
+  bool fp64, grad_s, grad_t;
+  // beta (jsd), logit(beta) = log(beta / (1 - beta)), temperature, hard_weight, soft_weight:
+  // rounded to the logits' dtype by the kernel, as the CPU op rounds them
+  double beta, logit_beta, temperature, hard_weight, soft_weight;
+};
+cudaError_t launch_distill_rows(const DistillRowsParams& p, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace flce

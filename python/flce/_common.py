@@ -477,7 +477,7 @@ def exact_bf16_grad(value, x=None):
 
 # FLCE_CUDA_OPT_IN's names: the CUDA backend's paths that have not run on a GPU yet, each opt-in
 # until a GPU record (docs/environment.md). "fp64_grad" is read by csrc/cuda/accumulate.cpp.
-CUDA_OPT_IN = ("fp64_grad", "distributions")
+CUDA_OPT_IN = ("fp64_grad", "distributions", "distill")
 
 
 def cuda_opt_in(name):

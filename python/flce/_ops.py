@@ -340,6 +340,14 @@ def register(namespace, cuda_format):
     def _logits_backward_fake(grad_loss, grad_lse, grad_entropy, logits, *_):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
+    # flce.linear_distillation's row math (python/flce/distill.py calls it inside its
+    # autograd.Function, so it needs no autograd of its own): it writes its outputs in place and
+    # returns nothing.
+    @torch.library.register_fake(name("distill_rows_"))
+    def _distill_rows_fake(z_s, z_t, loss, target, valid, divergence, beta, temperature,
+                           hard_weight, soft_weight, grad_s, grad_t):
+        return None
+
     @torch.library.register_fake(name("logits_backward_"))
     def _logits_backward_inplace_fake(*_):
         return None
@@ -436,11 +444,3 @@ def register(namespace, cuda_format):
 
 register("flce", lambda t: t.device.type == "cuda")
 
-
-# flce.linear_distillation's row math on the CPU backend (csrc/ops.cpp; python/flce/distill.py
-# calls it inside its autograd.Function, so it needs no autograd of its own): it writes its
-# outputs in place and returns nothing.
-@torch.library.register_fake("flce::distill_rows_")
-def _distill_rows_fake(z_s, z_t, loss, target, valid, divergence, beta, temperature,
-                       hard_weight, soft_weight, grad_s, grad_t):
-    return None

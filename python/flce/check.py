@@ -591,14 +591,16 @@ def paths(dev, size):
         reduction="none", return_lse=True, single_pass=False)
     add("vocab-parallel (1 rank) cross_entropy", run_parallel_logits, *logits_inputs(n, v, F32, 62))
     add("vocab-parallel (1 rank) DTensor weight", run_dtensor, *lin(F32, 63))
-    # Distillation (flce.linear_distillation): each divergence, 16-bit inputs, teacher gradients.
-    add("distillation jsd fp32, teacher gradients", run_distill, *distill_inputs(n, v, d, F32, 80),
-        teacher_grad=True, beta=0.3)
-    add("distillation forward_kl bf16, temperature, hard loss", run_distill,
-        *distill_inputs(n, v, d, BF16, 81), divergence="forward_kl", temperature=2.0,
-        hard_weight=0.5, soft_weight=0.5)
-    add("distillation reverse_kl fp32, per token", run_distill,
-        *distill_inputs(n, v, d, F32, 82), divergence="reverse_kl", reduction="none")
+    # Distillation (flce.linear_distillation): each divergence, 16-bit inputs, teacher gradients;
+    # on the CUDA backend its torch row math and its fused op (FLCE_CUDA_OPT_IN=distill).
+    for e, tag in distill_env(cuda):
+        add(f"distillation jsd fp32, teacher gradients{tag}", _in_env, e, run_distill,
+            *distill_inputs(n, v, d, F32, 80), teacher_grad=True, beta=0.3)
+        add(f"distillation forward_kl bf16, temperature, hard loss{tag}", _in_env, e,
+            run_distill, *distill_inputs(n, v, d, BF16, 81), divergence="forward_kl",
+            temperature=2.0, hard_weight=0.5, soft_weight=0.5)
+        add(f"distillation reverse_kl fp32, per token{tag}", _in_env, e, run_distill,
+            *distill_inputs(n, v, d, F32, 82), divergence="reverse_kl", reduction="none")
     # The CUDA backend's opt-ins and its row chunks (a workspace small enough for several).
     if cuda:
         add("train fp32, FLCE_CUDA_OPT_IN=fp64_grad", _in_env, {"FLCE_CUDA_OPT_IN": "fp64_grad"},
@@ -610,6 +612,13 @@ def paths(dev, size):
             add(f"{name} bf16, row chunks (small FLCE_CUDA_WORKSPACE_MB)", _in_env, small_ws,
                 run_linear, *big, **kw)
     return out
+
+
+def distill_env(cuda):
+    """[(environment, name tag)] of the distillation paths: the default, and on the CUDA
+    backend its fused row math, opt-in until a GPU has run it (docs/cuda.md "Distillation")."""
+    return [({}, "")] + ([({"FLCE_CUDA_OPT_IN": "distill"}, " (FLCE_CUDA_OPT_IN=distill)")]
+                         if cuda else [])
 
 
 def _in_env(dev, values, fn, *a, **kw):
@@ -687,11 +696,12 @@ def correctness(dev, quick, tiny):
             name = f"collapse margins 0-100 {dn}, " + ("single pass" if training else "forward")
             cases.append((name, (lambda dt, tr: lambda: run_collapse(
                 dev, dt, margins, 16, mv, 64, tr))(dtype, training)))
-    for same in (True, False):
-        name = "distillation collapse margins 0-100 fp32, jsd, " + \
-            ("one class" if same else "different classes")
-        cases.append((name, (lambda sm: lambda: run_distill_collapse(
-            dev, margins, 16, 64, sm, beta=0.1))(same)))
+    for e, tag in distill_env(_ops.is_cuda_backend(torch.empty(0, device=dev))):
+        for same in (True, False):
+            name = "distillation collapse margins 0-100 fp32, jsd, " + \
+                ("one class" if same else "different classes") + tag
+            cases.append((name, (lambda sm, e: lambda: _in_env(
+                dev, e, run_distill_collapse, margins, 16, 64, sm, beta=0.1))(same, e)))
     failed = []
     print(f"correctness: {len(cases)} paths against float64 ({dev})", flush=True)
     for name, fn in cases:

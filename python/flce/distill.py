@@ -7,8 +7,10 @@ GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
 held whole.
 
 The row math runs as one op on the CPU backend (``flce::distill_rows_``, csrc/cpu/distill_cpu.cpp,
-its formulas in csrc/include/flce/math.h; not for JSD with an fp32 input, see _run) and as the
-torch ops of ``_rows`` otherwise;
+its formulas in csrc/include/flce/math.h; not for JSD with an fp32 input, see _run), on the CUDA
+backend with ``FLCE_CUDA_OPT_IN=distill`` (the same op, csrc/cuda/flce_distill.cu: one kernel of
+four passes over each row, opt-in until a GPU has run it) and as the torch ops of ``_rows``
+otherwise (the CUDA default: about a hundred elementwise passes over each ``[rows, V]`` chunk);
 ``_rows`` (``_dominant``, ``_mix``, ``_kl_grads``) is also the op's oracle in the tests: per row,
 each distribution's statistics taken from its largest logit, then passes over the columns. Its
 reductions over a row's columns go through a ``_Columns``, the whole row here and one
@@ -283,6 +285,10 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs, sha
     # Over vocabulary shards, torch's ops (the op's reductions run over its whole row).
     fused = shards is None and not _ops.is_cuda_backend(x_s) and x_s.device.type == "cpu" and (
         cfg[0] != "jsd" or torch.float32 not in (x_s.dtype, x_t.dtype))
+    # The CUDA backend's op (csrc/cuda/distill.cpp) only with FLCE_CUDA_OPT_IN=distill, until a
+    # GPU has run it (docs/cuda.md "Distillation"); the torch row math otherwise.
+    fused = fused or (shards is None and _ops.is_cuda_backend(x_s)
+                      and _common.cuda_opt_in("distill"))
     cols = _WHOLE if shards is None else shards
     width = v if shards is None else shards.width
     for lo, hi in _chunks(n, width, torch.finfo(cdt).bits // 8, x_s.device, fused):
@@ -290,8 +296,8 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs, sha
         z_s = models[0].logits(xs, xs.new_empty(hi - lo, v))
         z_t = models[1].logits(xt, xt.new_empty(hi - lo, v))
         if fused:
-            # the CPU backend's fused row math (csrc/cpu/distill_cpu.cpp): the loss into loss'
-            # rows, the gradients over the logits
+            # the backend's fused row math (csrc/cpu/distill_cpu.cpp, csrc/cuda/distill.cpp):
+            # the loss into loss' rows, the gradients over the logits
             _ops.ops.distill_rows_(z_s, z_t, loss[lo:hi], target[lo:hi], valid[lo:hi], *cfg,
                                    *wanted)
             g_s, g_t = (z_s if wanted[0] else None), (z_t if wanted[1] else None)

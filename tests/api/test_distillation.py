@@ -19,6 +19,9 @@ from helpers import HAS_CUDA, LOSS_FACTOR, assert_close_to_ref, assert_grad_clos
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
                                                                 reason="no CUDA device"))]
+# The CUDA backend's fused row math (flce::distill_rows_, FLCE_CUDA_OPT_IN=distill) on the host
+# emulation of its kernel ("cuda-host": conftest.py routes the API there), beside the CPU's.
+FUSED_BACKENDS = ["cpu", pytest.param("cuda-host", marks=pytest.mark.cuda_host)]
 DIVERGENCES = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.1),
                ("jsd", 0.9), ("jsd", 0.0), ("jsd", 1.0)]
 LEAD, V, DS, DT = (3, 7), 40, 16, 24
@@ -79,6 +82,26 @@ def _reference(tensors, upstream, **kw):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES)
 def test_matches_reference(device, dtype, reduction, divergence, beta):
+    _matches_reference(device, dtype, reduction, divergence, beta)
+
+
+@pytest.mark.cuda_host
+@pytest.mark.parametrize("opt_in", [True, False], ids=["distill", "default"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("divergence,beta", DIVERGENCES)
+def test_cuda_row_math(monkeypatch, opt_in, dtype, reduction, divergence, beta):
+    """The CUDA backend (host emulation): with FLCE_CUDA_OPT_IN=distill its fused op serves the
+    row math, otherwise the torch ops of distill._rows; both against float64."""
+    monkeypatch.setenv("FLCE_CUDA_OPT_IN", "distill" if opt_in else "")
+    calls = []
+    rows = distill._rows
+    monkeypatch.setattr(distill, "_rows", lambda *a: calls.append(1) or rows(*a))
+    _matches_reference("cpu", dtype, reduction, divergence, beta)
+    assert bool(calls) != opt_in
+
+
+def _matches_reference(device, dtype, reduction, divergence, beta):
     tensors = _inputs(dtype, device, 
                       seed=zlib.crc32(f"{dtype}{reduction}{divergence}{beta}".encode()))
     kw = dict(divergence=divergence, beta=beta, temperature=1.5, hard_weight=0.3,
@@ -311,9 +334,10 @@ def _naive(zs, zt, divergence, beta):
             + (1 - beta) * F.kl_div(m, s, reduction="none", log_target=True).sum(-1))
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("same", [True, False], ids=["same_class", "different_classes"])
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES[:5])
-def test_collapse_sweep(same, divergence, beta):
+def test_collapse_sweep(monkeypatch, same, divergence, beta, backend):
     """Margins 0..100 (the off-dominant mass down to ~1e-42, 1 - 1e-30 on the dominant class at
     70): the fp32 loss within 1e-5 of float64 wherever it is a normal fp32 number, and every
     student and teacher gradient entry within a few roundings of the logits' scale, times the
@@ -322,7 +346,9 @@ def test_collapse_sweep(same, divergence, beta):
     identity classifier, exact in fp32). Where both share a class and the margin is >= 30,
     F.kl_div(F.log_softmax) in fp32, TRL's and Liger's formula, is off by 10% to 100% (KL) and
     by factors up to 1e20 (JSD at beta 0.1, 0.9) in the typical token; at beta = 0.5 its two
-    lost dominant-class terms cancel (docs/numerics.md, "Distillation")."""
+    lost dominant-class terms cancel (docs/numerics.md, "Distillation"). On "cuda-host": the
+    CUDA backend's fused row math (FLCE_CUDA_OPT_IN=distill)."""
+    monkeypatch.setenv("FLCE_CUDA_OPT_IN", "distill")
     n, v = 16, 64
     eye = torch.eye(v)
     for margin in range(0, 101, 10):

@@ -1,31 +1,38 @@
-"""flce::distill_rows_, the CPU backend's distillation row math (csrc/cpu/distill_cpu.cpp), against
-the torch ops of flce.distill._rows (its oracle, the path of other devices) and the float64
-collapse-safe reference (flce.reference.distillation): random and collapsed rows, every
-divergence, beta, temperature and weight, V not a multiple of the vector width, ignored rows,
-NaN and inf logits, gradients wanted or not, a NaN-poisoned loss buffer."""
+"""flce::distill_rows_, the distillation row math of the CPU backend (csrc/cpu/distill_cpu.cpp) and
+of the CUDA backend (csrc/cuda/flce_distill.cu; "cuda-host": its kernel under the host emulation),
+against the torch ops of flce.distill._rows (its oracle, the CUDA backend's default path) and the
+float64 collapse-safe reference (flce.reference.distillation): random and collapsed rows, every
+divergence, beta, temperature and weight, V not a multiple of the vector width nor of the
+kernel's 256 threads, ignored rows, NaN and inf logits, gradients wanted or not, NaN-poisoned
+outputs."""
 import math
 
 import pytest
 import torch
 
-from flce import distill, reference
+from flce import _ops, distill, reference
 from flce.check import distill_collapsed
+from helpers import raises_within_two_calls
 
 F32_EPS = torch.finfo(torch.float32).eps
 TINY = torch.finfo(torch.float32).tiny
 DIVERGENCES = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.1),
                ("jsd", 0.9)]
-# V = 1 and widths around the 4-, 8- and 16-lane vectors, and a long row
-WIDTHS = [1, 2, 7, 8, 9, 17, 33, 67, 1000]
+# V = 1, widths around the CPU's 4-, 8- and 16-lane vectors, a long row, and (the CUDA kernel's
+# 256 threads a row) a row of fewer columns than threads with a tail past them
+WIDTHS = [1, 2, 7, 8, 9, 17, 33, 67, 1000, 300]
 
 
-def _op(z_s, z_t, target, valid, cfg, grad_s=True, grad_t=True):
-    """The op on copies: (loss, g_s or the untouched z_s copy, g_t or the untouched z_t copy);
-    the loss buffer starts NaN-filled, so an element it does not write fails every check."""
-    gs, gt = z_s.clone(), z_t.clone()
-    loss = torch.full((z_s.shape[0],), math.nan, dtype=z_s.dtype)
-    torch.ops.flce.distill_rows_(gs, gt, loss, target, valid, *cfg, grad_s, grad_t)
-    return loss, gs, gt
+def _op(z_s, z_t, target, valid, cfg, grad_s=True, grad_t=True, device="cpu"):
+    """The op of the backend that serves ``device`` (conftest.py routes "cuda-host" to the
+    emulated CUDA backend) on copies: (loss, g_s or the untouched z_s copy, g_t or the
+    untouched z_t copy), on the CPU; the loss buffer starts NaN-filled, so an element it does
+    not write fails every check."""
+    gs, gt = z_s.to(device, copy=True), z_t.to(device, copy=True)
+    loss = torch.full((z_s.shape[0],), math.nan, dtype=z_s.dtype, device=device)
+    _ops.ops.distill_rows_(gs, gt, loss, target.to(device), valid.to(device), *cfg, grad_s,
+                           grad_t)
+    return loss.cpu(), gs.cpu(), gt.cpu()
 
 
 def _logits(n, v, dtype, seed, scale=3.0):
@@ -139,12 +146,12 @@ def _check_against_rows(loss, g_s, g_t, z_s, z_t, target, valid, cfg, grad_s=Tru
 @pytest.mark.parametrize("hard_weight,soft_weight", [(0.0, 1.0), (0.4, 0.6)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.3])
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES)
-def test_random_rows(divergence, beta, temperature, hard_weight, soft_weight, dtype):
+def test_random_rows(divergence, beta, temperature, hard_weight, soft_weight, dtype, device):
     """Every width, against _rows and float64; fp64 inputs to float64's own precision."""
     cfg = (divergence, beta, temperature, hard_weight, soft_weight)
     for v in WIDTHS:
         z_s, z_t, target, valid = _logits(13, v, dtype, seed=v)
-        loss, g_s, g_t = _op(z_s, z_t, target, valid, cfg)
+        loss, g_s, g_t = _op(z_s, z_t, target, valid, cfg, device=device)
         assert not torch.isnan(loss).any()
         _check_against_rows(loss, g_s, g_t, z_s, z_t, target, valid, cfg)
         ref = _reference(z_s, z_t, target, valid, cfg)
@@ -158,7 +165,7 @@ def test_random_rows(divergence, beta, temperature, hard_weight, soft_weight, dt
 
 @pytest.mark.parametrize("same", [True, False], ids=["same_class", "different_classes"])
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES)
-def test_collapsed_rows(divergence, beta, same):
+def test_collapsed_rows(divergence, beta, same, device):
     """Margins 0..100 (off-dominant mass down to ~1e-42): the loss within 1e-5 of float64 and
     every gradient entry within 8 roundings of the logits' scale (the API's collapse sweep,
     tests/api/test_distillation.py, holds 4 without the hard term and the temperature, whose
@@ -170,14 +177,14 @@ def test_collapsed_rows(divergence, beta, same):
         for cfg, target in (((divergence, beta, 1.0, 0.0, 1.0), a),
                             ((divergence, beta, 1.0, 0.5, 1.0), b),
                             ((divergence, beta, 1.5, 0.5, 0.8), a)):
-            loss, g_s, g_t = _op(z_s, z_t, target, valid, cfg)
+            loss, g_s, g_t = _op(z_s, z_t, target, valid, cfg, device=device)
             ref = _reference(z_s, z_t, target, valid, cfg)
             _check_against_float64(loss, g_s, g_t, z_s, z_t, ref, 1e-5, (margin, cfg))
             _check_against_rows(loss, g_s, g_t, z_s, z_t, target, valid, cfg)
 
 
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES)
-def test_nan_and_inf_rows(divergence, beta):
+def test_nan_and_inf_rows(divergence, beta, device):
     """A NaN logit makes its row's loss and gradients NaN, as _rows; +-inf logits give what
     _rows gives; an ignored row is 0 whatever its logits; the other rows are untouched."""
     z_s, z_t, target, valid = _logits(8, 19, torch.float32, seed=3)
@@ -191,7 +198,7 @@ def test_nan_and_inf_rows(divergence, beta):
     z_s[5, 2] = math.nan
     valid[5] = False
     for cfg in ((divergence, beta, 1.0, 0.0, 1.0), (divergence, beta, 2.0, 0.5, 1.0)):
-        loss, g_s, g_t = _op(z_s, z_t, target, valid, cfg)
+        loss, g_s, g_t = _op(z_s, z_t, target, valid, cfg, device=device)
         assert torch.isnan(loss[:2]).all() and torch.isnan(g_s[:2]).all() and \
             torch.isnan(g_t[:2]).all()
         assert loss[5] == 0 and (g_s[5] == 0).all() and (g_t[5] == 0).all()
@@ -200,13 +207,13 @@ def test_nan_and_inf_rows(divergence, beta):
 
 
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES)
-def test_gradients_only_where_wanted(divergence, beta):
+def test_gradients_only_where_wanted(divergence, beta, device):
     """grad_s / grad_t False: that buffer is left exactly as it was, and the rest is the same."""
     z_s, z_t, target, valid = _logits(9, 45, torch.float32, seed=4)
     cfg = (divergence, beta, 1.3, 0.5, 1.0)
-    full = _op(z_s, z_t, target, valid, cfg)
+    full = _op(z_s, z_t, target, valid, cfg, device=device)
     for grad_s, grad_t in ((True, False), (False, True), (False, False)):
-        loss, g_s, g_t = _op(z_s, z_t, target, valid, cfg, grad_s, grad_t)
+        loss, g_s, g_t = _op(z_s, z_t, target, valid, cfg, grad_s, grad_t, device)
         assert torch.equal(loss, full[0])
         assert torch.equal(g_s, full[1] if grad_s else z_s)
         assert torch.equal(g_t, full[2] if grad_t else z_t)
@@ -237,12 +244,21 @@ def test_threads_give_the_same_bits():
     (lambda a: a.update(beta=0.0), "beta in"),
     (lambda a: a.update(target=a["target"] + 100), "outside"),
 ])
-def test_bad_arguments(change, match):
+def test_bad_arguments(change, match, device):
     z_s, z_t, target, valid = _logits(6, 10, torch.float32, seed=6)
     args = dict(z_s=z_s, z_t=z_t, loss=torch.empty(6), target=target, valid=valid,
                 divergence="jsd", beta=0.5)
     change(args)
+    args = {k: x.to(device) if isinstance(x, torch.Tensor) else x for k, x in args.items()}
+
+    def call():
+        _ops.ops.distill_rows_(args["z_s"], args["z_t"], args["loss"], args["target"],
+                               args["valid"], args["divergence"], args["beta"], 1.0, 0.5, 1.0,
+                               True, True)
+
+    if match == "outside" and (_ops.ops is not torch.ops.flce or device == "cuda"):
+        # the CUDA backend checks targets without a host sync (the row's loss is NaN meanwhile)
+        raises_within_two_calls(call, "out of range")
+        return
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.flce.distill_rows_(args["z_s"], args["z_t"], args["loss"], args["target"],
-                                     args["valid"], args["divergence"], args["beta"], 1.0, 0.5,
-                                     1.0, True, True)
+        call()

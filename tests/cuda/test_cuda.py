@@ -466,20 +466,24 @@ def test_fp32_gradients_in_fp64_at_the_ideal(dev, n, v, d, single_pass, monkeypa
 
 def test_opt_in_variable_is_parsed(dev, monkeypatch):
     # FLCE_CUDA_OPT_IN names the paths that never ran on a GPU: each name is read where its path
-    # is chosen (fp64_grad by the accumulator in C++, distributions by flce._common), and a
-    # name neither knows raises ValueError there, whichever path the call takes.
+    # is chosen (fp64_grad by the accumulator in C++, distributions and distill by
+    # flce._common), and a name neither knows raises ValueError there, whichever path the call
+    # takes.
     x, w, t, _ = _make(64, 96, 8, torch.float32, device=dev, seed=3)
     q = torch.softmax(torch.randn(64, 96), -1).to(x.device)
-    monkeypatch.setenv("FLCE_CUDA_OPT_IN", " fp64_grad , distributions ")
+    monkeypatch.setenv("FLCE_CUDA_OPT_IN", " fp64_grad , distributions , distill ")
     xg = x.clone().requires_grad_()
     flce.linear_cross_entropy(xg, w, t).backward()
     flce.linear_cross_entropy(x, w, q)
-    for bad in ("fp64", "fp64_grad,distribution"):
+    flce.linear_distillation(xg, w, x, w, t).backward()
+    for bad in ("fp64", "fp64_grad,distribution", "distillation"):
         monkeypatch.setenv("FLCE_CUDA_OPT_IN", bad)
         with pytest.raises(ValueError, match="FLCE_CUDA_OPT_IN is a comma-separated list"):
             flce.linear_cross_entropy(x.clone().requires_grad_(), w, t).backward()
         with pytest.raises(ValueError, match="FLCE_CUDA_OPT_IN is a comma-separated list"):
             flce.linear_cross_entropy(x, w, q)
+        with pytest.raises(ValueError, match="FLCE_CUDA_OPT_IN is a comma-separated list"):
+            flce.linear_distillation(x, w, x, w, t)
 
 
 def test_workspace_variable_is_parsed(dev, monkeypatch):

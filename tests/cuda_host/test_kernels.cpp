@@ -1407,6 +1407,252 @@ TEST(row_argmax) {
   }
 }
 
+// flce::distill_rows_'s kernel (launch_distill_rows, csrc/cuda/flce_distill.cu) on fp32 and fp64
+// logits against a long double reference of the collapse-safe distillation (docs/numerics.md
+// "Distillation": every distribution from its dominant class, log M of the JSD's mixture as a
+// logaddexp, P_S - P_T at a shared dominant class as e_T - e_S): every divergence, a temperature,
+// a hard term, rows of random logits, a row collapsed on one class shared by both models (margin
+// 30: e ~ 1e-11, far below fp32's 1 - P_a) and one on different classes, an ignored row, a row
+// with a NaN; widths narrower than the CTA's 256 threads and with a tail past them. The loss
+// buffer starts NaN; the gradients are written over the logits.
+struct DistRow {
+  int64_t a;
+  long double l, e;
+  std::vector<long double> logp, p;
+};
+
+DistRow dist_row(const std::vector<long double>& u) {
+  DistRow d{0, 0, 0, std::vector<long double>(u.size()), std::vector<long double>(u.size())};
+  for (size_t j = 0; j < u.size(); ++j) d.a = u[j] > u[d.a] ? static_cast<int64_t>(j) : d.a;
+  long double s = 0;
+  for (size_t j = 0; j < u.size(); ++j) s += static_cast<int64_t>(j) == d.a ? 0 : expl(u[j] - u[d.a]);
+  d.l = log1pl(s);
+  d.e = s / (1 + s);
+  for (size_t j = 0; j < u.size(); ++j) {
+    d.logp[j] = (u[j] - u[d.a]) - d.l;
+    d.p[j] = expl(d.logp[j]);
+  }
+  return d;
+}
+
+// KL(X || Y) and its gradient in X's logits with Y fixed, X_j (r_j - KL), r_j = log(X_j / Y_j),
+// from log Y; both relative to X's dominant class a (KL = r_a + c, r_j - KL = (r_j - r_a) - c,
+// c = sum_{j != a} X_j (r_j - r_a)): where X has collapsed, r_a - KL is far below r_a's
+// rounding in long double.
+long double kl_and_grad(const DistRow& x, const std::vector<long double>& log_y,
+                        std::vector<long double>& g) {
+  const size_t a = static_cast<size_t>(x.a);
+  const long double r_a = x.logp[a] - log_y[a];
+  std::vector<long double> rel(g.size());
+  long double c = 0;
+  for (size_t j = 0; j < g.size(); ++j) {
+    rel[j] = j == a ? 0 : (x.logp[j] - log_y[j]) - r_a;
+    c += x.p[j] * rel[j];
+  }
+  for (size_t j = 0; j < g.size(); ++j) g[j] = x.p[j] * (rel[j] - c);
+  return r_a + c;
+}
+
+struct DistCase {
+  flce::cuda::DistillDiv div;
+  double beta, temp, hw, sw;
+};
+
+// One row's loss, its gradients in both logits, the size of the loss's terms and each
+// gradient's scale (its soft and hard terms' largest entries, added).
+struct DistRef {
+  long double loss, terms, scale_s, scale_t;
+  std::vector<long double> gs, gt;
+};
+
+DistRef distill_ref(const std::vector<double>& zs, const std::vector<double>& zt, int64_t t,
+                    const DistCase& c) {
+  const size_t v = zs.size();
+  std::vector<long double> us(v), ut(v), zh(v);
+  for (size_t j = 0; j < v; ++j) {
+    us[j] = zs[j] / static_cast<long double>(c.temp);
+    ut[j] = zt[j] / static_cast<long double>(c.temp);
+    zh[j] = zs[j];
+  }
+  const DistRow S = dist_row(us), P = dist_row(ut);
+  DistRef r{0, 0, 0, 0, std::vector<long double>(v), std::vector<long double>(v)};
+  std::vector<long double> hs(v), ht(v);
+  long double soft = 0;
+  using D = flce::cuda::DistillDiv;
+  if (c.div == D::kJsd) {
+    std::vector<long double> log_m(v);
+    const long double lb = logl(c.beta), l1b = log1pl(-c.beta);
+    for (size_t j = 0; j < v; ++j) {
+      const long double x = lb + P.logp[j], y = l1b + S.logp[j];
+      const long double hi = std::max(x, y), lo = std::min(x, y);
+      log_m[j] = hi + log1pl(expl(lo - hi));
+    }
+    const long double kl_s = kl_and_grad(S, log_m, hs), kl_t = kl_and_grad(P, log_m, ht);
+    soft = c.beta * kl_t + (1 - c.beta) * kl_s;
+    for (size_t j = 0; j < v; ++j) {
+      hs[j] *= 1 - c.beta;
+      ht[j] *= c.beta;
+    }
+  } else {
+    const bool fwd = c.div == D::kForwardKl;
+    // forward: KL(T || S), the teacher's gradient by kl_and_grad, the student's S - T; reverse:
+    // the other way round
+    soft = fwd ? kl_and_grad(P, S.logp, ht) : kl_and_grad(S, P.logp, hs);
+    std::vector<long double>& diff = fwd ? hs : ht;
+    for (size_t j = 0; j < v; ++j) {
+      const bool shared = S.a == P.a && static_cast<int64_t>(j) == S.a;
+      const long double d = shared ? P.e - S.e : S.p[j] - P.p[j];
+      diff[j] = fwd ? d : -d;
+    }
+  }
+  const long double k = c.sw / c.temp;
+  r.loss = c.sw * soft;
+  for (size_t j = 0; j < v; ++j) {
+    r.gs[j] = hs[j] * k;
+    r.gt[j] = ht[j] * k;
+    r.scale_s = std::max(r.scale_s, fabsl(r.gs[j]));
+    r.scale_t = std::max(r.scale_t, fabsl(r.gt[j]));
+    r.terms += fabsl(c.sw) * (S.p[j] + P.p[j]) *
+               (fabsl(S.logp[j]) + fabsl(P.logp[j]) + fabsl(us[j]) + fabsl(ut[j]));
+  }
+  if (c.hw != 0) {
+    const DistRow H = dist_row(zh);
+    r.loss -= c.hw * H.logp[t];
+    r.terms += fabsl(c.hw * H.logp[t]);
+    long double hmax = 0;
+    for (size_t j = 0; j < v; ++j) {
+      const bool is_t = static_cast<int64_t>(j) == t;
+      const long double g = is_t ? (t == H.a ? -H.e : H.p[j] - 1) : H.p[j];
+      r.gs[j] += c.hw * g;
+      hmax = std::max(hmax, fabsl(c.hw * g));
+    }
+    r.scale_s += hmax;
+  }
+  return r;
+}
+
+template <typename T>
+void distill_rows_case(const DistCase& c, int64_t v) {
+  constexpr int64_t n = 9;
+  const double u = std::is_same_v<T, float> ? kU : 0x1p-53;
+  // (fp64: the reference's log mixtures are formed otherwise than the kernel's, ~200 roundings
+  // apart at some rows, as in tests/cpu/test_distill_rows.py; still 1e-13 of the scale)
+  const double roundings = std::is_same_v<T, float> ? 16 : 512;
+  std::vector<double> zs(n * v), zt(n * v);
+  for (auto& x : zs) x = static_cast<T>(check::normal(3.f));
+  for (auto& x : zt) x = static_cast<T>(check::normal(3.f) + 0.5f);
+  std::vector<int64_t> t(n);
+  for (auto& x : t) {
+    x = std::min<int64_t>(static_cast<int64_t>(check::uniform(0, static_cast<float>(v))), v - 1);
+  }
+  std::vector<bool> valid(n, true);
+  if (v > 2) {
+    // row 5: both collapsed on class a (the target); row 6: on different classes
+    const int64_t a = v / 3, b = v - 2;
+    for (int64_t j = 0; j < v; ++j) {
+      zs[5 * v + j] = static_cast<T>(check::normal(1.f));
+      zt[5 * v + j] = static_cast<T>(check::normal(1.f));
+      zs[6 * v + j] = static_cast<T>(check::normal(1.f));
+      zt[6 * v + j] = static_cast<T>(check::normal(1.f));
+    }
+    zs[5 * v + a] = 30;
+    zt[5 * v + a] = 28;
+    t[5] = a;
+    zs[6 * v + a] = 30;
+    zt[6 * v + b] = 30;
+  }
+  valid[7] = false;  // ignored: 0, whatever its logits
+  // a NaN logit (V = 1: a row of one NaN has the shared class's e_T - e_S = 0 as its gradient,
+  // as torch's row math, and is checked as a NaN loss alone)
+  zs[8 * v + v / 2] = NAN;
+  DeviceBuffer<T> ds(n * v), dt(n * v), loss(n, static_cast<T>(NAN));
+  for (int64_t k = 0; k < n * v; ++k) {
+    ds[k] = static_cast<T>(zs[k]);
+    dt[k] = static_cast<T>(zt[k]);
+  }
+  DeviceBuffer<int64_t> target(t);
+  std::unique_ptr<bool[]> vb(new bool[n]);
+  for (int64_t i = 0; i < n; ++i) vb[i] = valid[i];
+  flce::cuda::DistillRowsParams p{};
+  p.z_s = ds.data();
+  p.z_t = dt.data();
+  p.loss = loss.data();
+  p.target = target.data();
+  p.valid = vb.get();
+  p.n = n;
+  p.v = v;
+  p.div = c.div;
+  p.fp64 = std::is_same_v<T, double>;
+  p.grad_s = p.grad_t = true;
+  p.beta = c.beta;
+  p.logit_beta = std::log(c.beta / (1 - c.beta));
+  p.temperature = c.temp;
+  p.hard_weight = c.hw;
+  p.soft_weight = c.sw;
+  EXPECT(flce::cuda::launch_distill_rows(p, nullptr) == cudaSuccess, "distill_rows launch");
+  char what[160];
+  std::snprintf(what, sizeof(what), "distill_rows %s div %d beta %g T %g hw %g v %ld",
+                std::is_same_v<T, float> ? "fp32" : "fp64", static_cast<int>(c.div), c.beta,
+                c.temp, c.hw, static_cast<long>(v));
+  long bad = 0, checked = 0;
+  std::string first;
+  auto expect = [&](bool ok, const char* item, int64_t i, int64_t j, double got, double want) {
+    ++checked;
+    if (ok || bad++ >= 3) return;
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "\n    %s row %ld col %ld: %.9g, want %.9g", item,
+                  static_cast<long>(i), static_cast<long>(j), got, want);
+    first += buf;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const std::vector<double> rs(zs.begin() + i * v, zs.begin() + (i + 1) * v);
+    const std::vector<double> rt(zt.begin() + i * v, zt.begin() + (i + 1) * v);
+    if (!valid[i] || i == 8) {
+      // ignored: exactly 0; a NaN logit: every output of the row NaN
+      const bool nan_row = valid[i];
+      expect(nan_row ? std::isnan(loss[i]) : loss[i] == 0, "loss", i, -1, loss[i], 0);
+      for (int64_t j = 0; j < (nan_row && v == 1 ? 0 : v); ++j) {
+        expect(nan_row ? std::isnan(ds[i * v + j]) : ds[i * v + j] == 0, "grad_s", i, j,
+               ds[i * v + j], 0);
+        expect(nan_row ? std::isnan(dt[i * v + j]) : dt[i * v + j] == 0, "grad_t", i, j,
+               dt[i * v + j], 0);
+      }
+      continue;
+    }
+    const DistRef r = distill_ref(rs, rt, t[i], c);
+    const double want = static_cast<double>(r.loss);
+    const double ltol = (std::is_same_v<T, float> ? 1e-5 : 1e-13) * std::fabs(want) +
+                        roundings * u * static_cast<double>(r.terms) + 1e-300;
+    expect(std::fabs(loss[i] - want) <= ltol, "loss", i, -1, loss[i], want);
+    double zmax = 0;
+    for (int64_t j = 0; j < v; ++j) zmax = std::max({zmax, std::fabs(rs[j]), std::fabs(rt[j])});
+    const double floor = roundings * u * (1 + zmax / std::min(c.temp, 1.0));
+    for (int64_t j = 0; j < v; ++j) {
+      const double ws = static_cast<double>(r.gs[j]), wt = static_cast<double>(r.gt[j]);
+      expect(std::fabs(ds[i * v + j] - ws) <= floor * static_cast<double>(r.scale_s), "grad_s",
+             i, j, ds[i * v + j], ws);
+      expect(std::fabs(dt[i * v + j] - wt) <= floor * static_cast<double>(r.scale_t), "grad_t",
+             i, j, dt[i * v + j], wt);
+    }
+  }
+  EXPECT(bad == 0, "%s: %ld of %ld elements out of bounds [%s]%s", what, bad, checked, what,
+         first.c_str());
+}
+
+TEST(distill_rows) {
+  using D = flce::cuda::DistillDiv;
+  const DistCase cases[] = {{D::kForwardKl, 0.5, 1.0, 0.0, 1.0}, {D::kReverseKl, 0.5, 1.0, 0.0, 1.0},
+                            {D::kJsd, 0.5, 1.0, 0.0, 1.0},       {D::kJsd, 0.1, 0.7, 0.4, 0.6},
+                            {D::kForwardKl, 0.5, 2.3, 0.4, 0.6}, {D::kReverseKl, 0.5, 1.0, 0.5, 1.0},
+                            {D::kJsd, 0.9, 1.0, 0.5, 1.0}};
+  for (const DistCase& c : cases) {
+    for (int64_t v : {1, 9, 300, 1000}) {
+      distill_rows_case<float>(c, v);
+      distill_rows_case<double>(c, v);
+    }
+  }
+}
+
 TEST(empty_shapes) {
   DeviceBuffer<float> sentinel(64, 7.f);
   DeviceBuffer<int64_t> target(4, 0);

@@ -149,6 +149,8 @@ def test_check_on_the_cuda_backend(device, capsys):
     assert failed == [], out[-4000:]
     for path in ("train fp32, FLCE_CUDA_OPT_IN=fp64_grad", "probability targets bf16 "
                  "(FLCE_CUDA_OPT_IN=distributions)", "train bf16, row chunks (small "
-                 "FLCE_CUDA_WORKSPACE_MB)"):
+                 "FLCE_CUDA_WORKSPACE_MB)", "distillation jsd fp32, teacher gradients "
+                 "(FLCE_CUDA_OPT_IN=distill)", "distillation collapse margins 0-100 fp32, jsd, "
+                 "one class (FLCE_CUDA_OPT_IN=distill)"):
         assert f"ok    {path}  (" in out, path
     assert "exact_bf16_grad" not in out  # the CUDA backend has no exact mode
