@@ -9,10 +9,10 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <string>
 #include <vector>
 
 #include "cpu/workers.h"
+#include "flce_ops.h"
 #include "flce/math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -28,6 +28,7 @@
 namespace flce::cpu {
 namespace {
 
+// (check_distill_rows_args's order)
 enum class Div { forward_kl, reverse_kl, jsd };
 
 // The op's scalars in the computation dtype, rounded once as the torch ops of _rows round them.
@@ -277,37 +278,9 @@ void distill_rows_cpu(at::Tensor& z_s, at::Tensor& z_t, at::Tensor& loss,
                       const at::Tensor& target, const at::Tensor& valid,
                       c10::string_view divergence, double beta, double temperature,
                       double hard_weight, double soft_weight, bool grad_s, bool grad_t) {
-  TORCH_CHECK(z_s.dim() == 2 && z_t.sizes() == z_s.sizes(),
-              "flce::distill_rows_: z_s and z_t must be [rows, V] of one shape, got ",
-              z_s.sizes(), " and ", z_t.sizes());
-  TORCH_CHECK((z_s.scalar_type() == at::kFloat || z_s.scalar_type() == at::kDouble) &&
-                  z_t.scalar_type() == z_s.scalar_type() && loss.scalar_type() == z_s.scalar_type(),
-              "flce::distill_rows_: z_s, z_t and loss must be float32 or float64, one dtype");
-  TORCH_CHECK(z_s.is_contiguous() && z_t.is_contiguous() && loss.is_contiguous(),
-              "flce::distill_rows_: z_s, z_t and loss must be contiguous");
-  const int64_t rows_n = z_s.size(0), n = z_s.size(1);
-  TORCH_CHECK(loss.dim() == 1 && loss.size(0) == rows_n, "flce::distill_rows_: loss must be [",
-              rows_n, "]");
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == rows_n && target.scalar_type() == at::kLong &&
-                  target.is_contiguous(),
-              "flce::distill_rows_: target must be [rows] int64, contiguous");
-  TORCH_CHECK(valid.dim() == 1 && valid.size(0) == rows_n && valid.scalar_type() == at::kBool &&
-                  valid.is_contiguous(),
-              "flce::distill_rows_: valid must be [rows] bool, contiguous");
-  TORCH_CHECK(n >= 1, "flce::distill_rows_: V must be at least 1");
-  Div div;
-  if (divergence == "forward_kl") {
-    div = Div::forward_kl;
-  } else if (divergence == "reverse_kl") {
-    div = Div::reverse_kl;
-  } else {
-    TORCH_CHECK(divergence == "jsd", "flce::distill_rows_: divergence must be forward_kl, "
-                "reverse_kl or jsd, got ", std::string(divergence));
-    TORCH_CHECK(beta > 0.0 && beta < 1.0, "flce::distill_rows_: jsd needs beta in (0, 1), got ",
-                beta);
-    div = Div::jsd;
-  }
-  TORCH_CHECK(temperature > 0.0, "flce::distill_rows_: temperature must be positive");
+  const Div div = static_cast<Div>(
+      check_distill_rows_args(z_s, z_t, loss, target, valid, divergence, beta, temperature));
+  const int64_t n = z_s.size(1);
   if (hard_weight != 0.0) {
     const at::Tensor t = target.masked_select(valid);
     TORCH_CHECK(t.numel() == 0 || (t.min().item<int64_t>() >= 0 && t.max().item<int64_t>() < n),

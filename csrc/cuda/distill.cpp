@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <string>
 
 #include "cuda/binding.h"
 #include "cuda/device.h"
@@ -21,37 +20,9 @@ void distill_rows_cuda(at::Tensor& z_s, at::Tensor& z_t, at::Tensor& loss,
                        const at::Tensor& target, const at::Tensor& valid,
                        c10::string_view divergence, double beta, double temperature,
                        double hard_weight, double soft_weight, bool grad_s, bool grad_t) {
-  TORCH_CHECK(z_s.dim() == 2 && z_t.sizes() == z_s.sizes(),
-              "flce::distill_rows_: z_s and z_t must be [rows, V] of one shape, got ",
-              z_s.sizes(), " and ", z_t.sizes());
-  TORCH_CHECK((z_s.scalar_type() == at::kFloat || z_s.scalar_type() == at::kDouble) &&
-                  z_t.scalar_type() == z_s.scalar_type() && loss.scalar_type() == z_s.scalar_type(),
-              "flce::distill_rows_: z_s, z_t and loss must be float32 or float64, one dtype");
-  TORCH_CHECK(z_s.is_contiguous() && z_t.is_contiguous() && loss.is_contiguous(),
-              "flce::distill_rows_: z_s, z_t and loss must be contiguous");
+  const auto div = static_cast<cuda::DistillDiv>(
+      check_distill_rows_args(z_s, z_t, loss, target, valid, divergence, beta, temperature));
   const int64_t rows = z_s.size(0), v = z_s.size(1);
-  TORCH_CHECK(loss.dim() == 1 && loss.size(0) == rows, "flce::distill_rows_: loss must be [",
-              rows, "]");
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == rows && target.scalar_type() == at::kLong &&
-                  target.is_contiguous(),
-              "flce::distill_rows_: target must be [rows] int64, contiguous");
-  TORCH_CHECK(valid.dim() == 1 && valid.size(0) == rows && valid.scalar_type() == at::kBool &&
-                  valid.is_contiguous(),
-              "flce::distill_rows_: valid must be [rows] bool, contiguous");
-  TORCH_CHECK(v >= 1, "flce::distill_rows_: V must be at least 1");
-  cuda::DistillDiv div;
-  if (divergence == "forward_kl") {
-    div = cuda::DistillDiv::kForwardKl;
-  } else if (divergence == "reverse_kl") {
-    div = cuda::DistillDiv::kReverseKl;
-  } else {
-    TORCH_CHECK(divergence == "jsd", "flce::distill_rows_: divergence must be forward_kl, "
-                "reverse_kl or jsd, got ", std::string(divergence));
-    TORCH_CHECK(beta > 0.0 && beta < 1.0, "flce::distill_rows_: jsd needs beta in (0, 1), got ",
-                beta);
-    div = cuda::DistillDiv::kJsd;
-  }
-  TORCH_CHECK(temperature > 0.0, "flce::distill_rows_: temperature must be positive");
   check_device_tensor(z_s, z_s, "z_s");
   check_device_tensor(z_t, z_s, "z_t");
   check_device_tensor(loss, z_s, "loss");
