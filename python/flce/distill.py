@@ -75,9 +75,17 @@ def _kl_grad(p, a, r_a, r_rel):
     ``c = sum_{j != a} P_j r_rel_j``: ``KL = r_a + c`` and ``r_j - KL = r_rel_j - c`` (``-c`` at
     ``a``). Nothing near 1 is subtracted, and the common part ``r_a`` of every ``r_j`` (``log 2``
     where the other model puts almost nothing on P's classes) never enters the gradient, whose
-    entries are far smaller there."""
-    c = (p * r_rel).scatter(1, a, 0.0).sum(1, keepdim=True)
-    return (r_a + c)[:, 0], p * (r_rel - c)
+    entries are far smaller there. As math.h's ``kl_center``: ``c`` is divided by ``sum_j
+    p_j``, which the rounded probabilities miss 1 by a few roundings, and held as ``hi + lo``
+    from float64 sums, so that the gradient's row sums to 0 but for its entries' roundings (not
+    to ``c (1 - sum_j p_j)`` or c's rounding, which the input gradient ``g @ W`` would take
+    times W's mean row)."""
+    f64 = torch.float64
+    c = (p * r_rel).scatter(1, a, 0.0).sum(1, keepdim=True, dtype=f64) / \
+        p.sum(1, keepdim=True, dtype=f64)
+    hi = c.to(p.dtype)
+    lo = (c - hi).to(p.dtype)
+    return ((r_a + hi) + lo)[:, 0], p * ((r_rel - hi) - lo)
 
 
 def _pivoted(u, a):
