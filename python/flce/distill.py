@@ -7,8 +7,8 @@ GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
 held whole.
 
 The row math runs as one op on the CPU backend (``flce::distill_rows_``, csrc/cpu/distill_cpu.cpp,
-its formulas in csrc/include/flce/math.h; not for JSD with an fp32 input, see _run) and as the
-torch ops of ``_rows`` otherwise;
+its formulas in csrc/include/flce/math.h; every dtype and divergence) and as the torch ops of
+``_rows`` otherwise;
 ``_rows`` (``_dominant``, ``_mix``, ``_kl_grad``) is also the op's oracle in the tests: per row,
 each distribution's statistics taken from its largest logit, then passes over the columns.
 """
@@ -231,12 +231,7 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs):
             grads[3 * m] = x.new_empty(x.shape, dtype=cdt) if need_x else None
             grads[3 * m + 1] = w.new_zeros(w.shape, dtype=cdt) if need_w else None
             grads[3 * m + 2] = w.new_zeros(v, dtype=cdt) if need_b else None
-    # The fused op on the CPU, except for JSD with an fp32 input: the op's mixtures' expm1 and
-    # log1p in fp32 (math.h vexpm1, vlog1p: 1.5 and 1.4 ulp) put fp32 input gradients above
-    # their tolerance in one of Liger's cases (64.4 eps against 64, torch's ops 57.7); 16-bit
-    # inputs' gradients and the KL divergences are well within theirs.
-    fused = not _ops.is_cuda_backend(x_s) and x_s.device.type == "cpu" and (
-        cfg[0] != "jsd" or torch.float32 not in (x_s.dtype, x_t.dtype))
+    fused = not _ops.is_cuda_backend(x_s) and x_s.device.type == "cpu"
     for lo, hi in _chunks(n, v, torch.finfo(cdt).bits // 8, x_s.device, fused):
         xs, xt = models[0].rows(lo, hi), models[1].rows(lo, hi)
         z_s = models[0].logits(xs, xs.new_empty(hi - lo, v))
