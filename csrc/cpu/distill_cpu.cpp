@@ -1,7 +1,8 @@
 // flce::distill_rows_ on the CPU backend: the row math of flce.linear_distillation's chunk loop
 // (python/flce/distill.py, whose _rows is the same math in torch ops and this op's oracle in the
 // tests). Per row: each distribution's dominant class (a max pass and a sum pass), then one pass
-// that forms the divergence's per-column log ratios and their weighted sum c, then one pass that
+// that forms the divergence's per-column log ratios and their weighted sum c (in double, with
+// the probabilities' sum: kl_center), then one pass that
 // writes the gradients over the logits. The formulas are flce/math.h's (dominant, mix, kl_grad,
 // hard_grad); rows are split over the workers (cpu/workers.h), each with two rows of scratch for
 // the log ratios, so the chunk's [rows, V] buffers are the only large memory.
@@ -89,7 +90,8 @@ struct Grads {
   T temp, us_a, ut_a, ls, lt;
   int64_t as, shared_a;  // the student's dominant class; that class where the teacher's too, or -1
   T diff_a;              // e_T - e_S
-  T cs, ct, k, beta, omb, hw;
+  KlCenter<T> cs, ct;    // the KL gradients' c (kl_center)
+  T k, beta, omb, hw;
   int64_t t;
   bool t_dominant;  // the target is the hard distribution's dominant class
   T uh_a, lh, eh;   // the hard distribution's dominant logit, log1p(s) and e
@@ -102,7 +104,8 @@ FLCE_INLINE void grads(const T* zs, const T* zt, int64_t n, const Grads<T>& g, c
                        const T* rt, T* os, T* ot) {
   const T temp = g.temp, us_a = g.us_a, ut_a = g.ut_a, ls = g.ls, lt = g.lt;
   const int64_t shared_a = g.shared_a, t = g.t;
-  const T diff_a = g.diff_a, cs = g.cs, ct = g.ct, k = g.k, beta = g.beta, omb = g.omb;
+  const KlCenter<T> cs = g.cs, ct = g.ct;
+  const T diff_a = g.diff_a, k = g.k, beta = g.beta, omb = g.omb;
   const T hw = g.hw, uh_a = g.uh_a, lh = g.lh, eh = g.eh;
   const bool t_dominant = g.t_dominant;
 #pragma omp simd
@@ -151,8 +154,9 @@ FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T*
   // logit(w') = x_a + logit(w) (docs/numerics.md, "Distillation").
   const T xs_a = -rho_as, xt_a = rho_at;
   const MixRow<T> ms = mix_row<T>(xs_a + c.logit_beta), mt = mix_row<T>(xt_a - c.logit_beta);
-  T cs = 0, ct = 0;
-#pragma omp simd reduction(+ : cs, ct)
+  // c's sums and the probabilities' (kl_center), in double
+  double cs = 0, ct = 0, ns = 0, nt = 0;
+#pragma omp simd reduction(+ : cs, ct, ns, nt)
   for (int64_t j = 0; j < n; ++j) {
     const T us = zs[j] / temp, ut = zt[j] / temp;
     const T rel_s = (us - us_a) - (ut - ut_as);
@@ -168,23 +172,26 @@ FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T*
     }
     if constexpr (div != Div::forward_kl) {
       const T ps = exp_t(dominant_log_p(us, us_a, ls));
-      cs += j == as ? T(0) : ps * r_s;
+      cs += j == as ? 0.0 : static_cast<double>(ps) * r_s;
+      ns += ps;
       rs[j] = r_s;
     }
     if constexpr (div != Div::reverse_kl) {
       const T pt = exp_t(dominant_log_p(ut, ut_a, lt));
-      ct += j == at ? T(0) : pt * r_t;
+      ct += j == at ? 0.0 : static_cast<double>(pt) * r_t;
+      nt += pt;
       rt[j] = r_t;
     }
   }
+  const KlCenter<T> c_s = kl_center<T>(cs, ns), c_t = kl_center<T>(ct, nt);
   T soft;
   if constexpr (div == Div::forward_kl) {
-    soft = -rho_at + ct;
+    soft = (-rho_at + c_t.hi) + c_t.lo;
   } else if constexpr (div == Div::reverse_kl) {
-    soft = rho_as + cs;
+    soft = (rho_as + c_s.hi) + c_s.lo;
   } else {
-    const T kl_s = -mix(xs_a, mix_row<T>(c.logit_beta)) + cs;
-    const T kl_t = -mix(xt_a, mix_row<T>(-c.logit_beta)) + ct;
+    const T kl_s = (-mix(xs_a, mix_row<T>(c.logit_beta)) + c_s.hi) + c_s.lo;
+    const T kl_t = (-mix(xt_a, mix_row<T>(-c.logit_beta)) + c_t.hi) + c_t.lo;
     soft = c.beta * kl_t + c.omb * kl_s;
   }
   T loss = c.sw * soft;
@@ -196,7 +203,7 @@ FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T*
   if (!c.grad_s && !c.grad_t) return loss;
   // P_S - P_T at a shared dominant class: e_T - e_S (1 - e rounds to 1 there).
   const Grads<T> g{temp,  us_a,   ut_a,  ls, lt,      as, as == at ? as : -1, P.d.e - S.d.e,
-                   cs,    ct,     c.k,   c.beta,      c.omb,  c.hw, t,  t == H.a,
+                   c_s,   c_t,    c.k,   c.beta,      c.omb,  c.hw, t,  t == H.a,
                    H.u_a, H.d.l,  H.d.e};
   // (a gradient that is not wanted goes to the scratch row, read at j before it is written)
   T* os = c.grad_s ? zs : rs;

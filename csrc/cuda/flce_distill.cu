@@ -10,7 +10,8 @@
 //   1. each distribution's largest logit and its first column (the first NaN where there is
 //      one, as torch.argmax), and the un-tempered student's for a tempered hard term;
 //   2. s = sum_{j != a} exp(u_j - u_a) of each (math.h dominant);
-//   3. the divergence's per-column log ratios (JSD: mix) and their weighted sums c;
+//   3. the divergence's per-column log ratios (JSD: mix) and their weighted sums c, with the
+//      probabilities' sums, in double (math.h kl_center);
 //   4. the gradients, written over the logits (each element read by its own thread before it
 //      is written); the log ratios are recomputed here rather than kept, so the chunk's
 //      [rows, V] logit buffers are the only large memory.
@@ -100,7 +101,7 @@ template <typename T>
 struct Slots {
   Arg<T> arg[3][kWarps];  // pass 1: student, teacher, un-tempered student
   T sum[3][kWarps];       // pass 2: the same three
-  T c[2][kWarps];         // pass 3: c_S, c_T
+  double c[4][kWarps];    // pass 3: c_S, c_T and the probabilities' sums (kl_center)
 };
 
 // The hard term's distribution: none (hard_weight 0), the tempered student's own (temperature
@@ -116,10 +117,12 @@ struct Side {
   Dominant<T> d;
 };
 
-// Two CTAs per SM (at most 128 registers a thread): with no minimum, ptxas for sm_100 held the
-// fp32 instances to 64 registers and spilled.
+// fp32: two CTAs per SM (at most 128 registers a thread): with no minimum, ptxas for sm_100 held
+// the fp32 instances to 64 registers and spilled. fp64 (float64 inputs: gradcheck, references)
+// one CTA: its JSD instance spilled at 128 registers on sm_100.
 template <typename T, DistillDiv kDiv>
-__global__ void __launch_bounds__(kThreads, 2) distill_rows_kernel(const DistillRowsParams p) {
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 1)
+    distill_rows_kernel(const DistillRowsParams p) {
   FLCE_DYNAMIC_SHARED(smem);
   Slots<T>& sh = *reinterpret_cast<Slots<T>*>(smem);
   const int64_t v = p.v;
@@ -208,31 +211,41 @@ __global__ void __launch_bounds__(kThreads, 2) distill_rows_kernel(const Distill
         r_t = -mix(rel_t, mt);
       }
     };
-    // 3. c = sum_{j != a} P_j r_j of each divergence's P
-    T cs = 0, ct = 0;
+    // 3. c = sum_{j != a} P_j r_j of each divergence's P, and sum_j P_j, in double
+    // (math.h kl_center: the gradient's row then sums to 0 but for its entries' roundings)
+    double cs = 0, ct = 0, ns = 0, nt = 0;
 #pragma unroll 4
     for (int64_t j = j0; j < v; j += kThreads) {
       const T us = zs[j] / temp, ut = zt[j] / temp;
       T r_s, r_t;
       ratios(us, ut, r_s, r_t);
       if constexpr (kDiv != DistillDiv::kForwardKl) {
-        cs += j == a_s ? T(0) : exp_t(dominant_log_p(us, us_a, ls)) * r_s;
+        const T ps = exp_t(dominant_log_p(us, us_a, ls));
+        cs += j == a_s ? 0.0 : static_cast<double>(ps) * r_s;
+        ns += ps;
       }
       if constexpr (kDiv != DistillDiv::kReverseKl) {
-        ct += j == a_t ? T(0) : exp_t(dominant_log_p(ut, ut_a, lt)) * r_t;
+        const T pt = exp_t(dominant_log_p(ut, ut_a, lt));
+        ct += j == a_t ? 0.0 : static_cast<double>(pt) * r_t;
+        nt += pt;
       }
     }
-    if constexpr (kDiv != DistillDiv::kForwardKl) cs = block_sum(cs, sh.c[0]);
+    KlCenter<T> c_s{}, c_t{};
+    if constexpr (kDiv != DistillDiv::kForwardKl) {
+      c_s = kl_center<T>(block_sum(cs, sh.c[0]), block_sum(ns, sh.c[1]));
+    }
     // (block_sum's barrier: every thread has read its single elements before pass 4 writes)
-    if constexpr (kDiv != DistillDiv::kReverseKl) ct = block_sum(ct, sh.c[1]);
+    if constexpr (kDiv != DistillDiv::kReverseKl) {
+      c_t = kl_center<T>(block_sum(ct, sh.c[2]), block_sum(nt, sh.c[3]));
+    }
     T soft;
     if constexpr (kDiv == DistillDiv::kForwardKl) {
-      soft = -rho_at + ct;
+      soft = (-rho_at + c_t.hi) + c_t.lo;
     } else if constexpr (kDiv == DistillDiv::kReverseKl) {
-      soft = rho_as + cs;
+      soft = (rho_as + c_s.hi) + c_s.lo;
     } else {
-      const T kl_s = -mix(xs_a, mix_row<T>(logit_beta)) + cs;
-      const T kl_t = -mix(xt_a, mix_row<T>(-logit_beta)) + ct;
+      const T kl_s = (-mix(xs_a, mix_row<T>(logit_beta)) + c_s.hi) + c_s.lo;
+      const T kl_t = (-mix(xt_a, mix_row<T>(-logit_beta)) + c_t.hi) + c_t.lo;
       soft = beta * kl_t + omb * kl_s;
     }
     T row_loss = sw * soft;
@@ -256,13 +269,13 @@ __global__ void __launch_bounds__(kThreads, 2) distill_rows_kernel(const Distill
         T gs, gt;
         if constexpr (kDiv == DistillDiv::kForwardKl) {
           gs = diff;
-          gt = kl_grad(pt, r_t, ct);
+          gt = kl_grad(pt, r_t, c_t);
         } else if constexpr (kDiv == DistillDiv::kReverseKl) {
-          gs = kl_grad(ps, r_s, cs);
+          gs = kl_grad(ps, r_s, c_s);
           gt = -diff;
         } else {
-          gs = omb * kl_grad(ps, r_s, cs);
-          gt = beta * kl_grad(pt, r_t, ct);
+          gs = omb * kl_grad(ps, r_s, c_s);
+          gt = beta * kl_grad(pt, r_t, c_t);
         }
         gs = gs * k;
         gt = gt * k;

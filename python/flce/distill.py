@@ -7,12 +7,12 @@ GEMMs per chunk, the collapse-safe divergence and its analytic logit gradients
 held whole.
 
 The row math runs as one op on the CPU backend (``flce::distill_rows_``, csrc/cpu/distill_cpu.cpp,
-its formulas in csrc/include/flce/math.h; not for JSD with an fp32 input, see _run), on the CUDA
-backend with ``FLCE_CUDA_OPT_IN=distill`` (the same op, csrc/cuda/flce_distill.cu: one kernel of
-four passes over each row, opt-in until a GPU has run it) and as the torch ops of ``_rows``
-otherwise (the CUDA default: about a hundred elementwise passes over each ``[rows, V]`` chunk);
-``_rows`` (``_dominant``, ``_mix``, ``_kl_grads``) is also the op's oracle in the tests: per row,
-each distribution's statistics taken from its largest logit, then passes over the columns. Its
+its formulas in csrc/include/flce/math.h; every dtype and divergence), on the CUDA backend with
+``FLCE_CUDA_OPT_IN=distill`` (the same op, csrc/cuda/flce_distill.cu: one kernel of four passes
+over each row, opt-in until a GPU has run it) and as the torch ops of ``_rows`` otherwise (the
+CUDA default: about a hundred elementwise passes over each ``[rows, V]`` chunk); ``_rows``
+(``_dominant``, ``_mix``, ``_kl_grads``) is also the op's oracle in the tests: per row, each
+distribution's statistics taken from its largest logit, then passes over the columns. Its
 reductions over a row's columns go through a ``_Columns``, the whole row here and one
 vocabulary shard's columns followed by collectives in
 ``flce.parallel.vocab_parallel_linear_distillation``, which runs this chunk loop.
@@ -58,9 +58,11 @@ class _Columns:
             out.append((a, z.gather(1, a)))
         return out
 
-    def reduce(self, sums, picks=()):
-        """``(sums' row sums, picks' entries x[row, a] for each (x, a))``, each ``[rows, 1]``."""
-        return [x.sum(1, keepdim=True) for x in sums], [x.gather(1, a) for x, a in picks]
+    def reduce(self, sums, picks=(), dtype=None):
+        """``(sums' row sums (accumulated and returned in ``dtype``, default each tensor's),
+        picks' entries x[row, a] for each (x, a))``, each ``[rows, 1]``."""
+        return ([x.sum(1, keepdim=True, dtype=dtype) for x in sums],
+                [x.gather(1, a) for x, a in picks])
 
     def get(self, x, a):
         """``x[row, a]`` where this holds column ``a`` (elsewhere any value): ``put``'s
@@ -115,9 +117,20 @@ def _kl_grads(cols, terms):
     ``a``). With ``c = sum_{j != a} P_j r_rel_j``: ``KL = r_a + c`` and ``r_j - KL = r_rel_j - c``
     (``-c`` at ``a``). Nothing near 1 is subtracted, and the common part ``r_a`` of every
     ``r_j`` (``log 2`` where the other model puts almost nothing on P's classes) never enters
-    the gradient, whose entries are far smaller there. The terms' ``c`` in one reduction."""
-    cs, _ = cols.reduce([cols.put(p * r_rel, a, 0.0) for p, a, _, r_rel in terms])
-    return [((r_a + c)[:, 0], p * (r_rel - c)) for (p, _, r_a, r_rel), c in zip(terms, cs)]
+    the gradient, whose entries are far smaller there. As math.h's ``kl_center``: ``c`` is
+    divided by ``sum_j p_j``, which the rounded probabilities miss 1 by a few roundings, and held
+    as ``hi + lo`` from float64 sums, so that the gradient's row sums to 0 but for its entries'
+    roundings (not to ``c (1 - sum_j p_j)`` or c's rounding, which the input gradient ``g @ W``
+    would take times W's mean row). The terms' sums in one reduction."""
+    sums, _ = cols.reduce([x for p, a, _, r_rel in terms for x in (cols.put(p * r_rel, a, 0.0), p)],
+                          dtype=torch.float64)
+    out = []
+    for (p, _, r_a, r_rel), c_sum, p_sum in zip(terms, sums[0::2], sums[1::2]):
+        c = c_sum / p_sum
+        hi = c.to(p.dtype)
+        lo = (c - hi).to(p.dtype)
+        out.append((((r_a + hi) + lo)[:, 0], p * ((r_rel - hi) - lo)))
+    return out
 
 
 def _rows(z_s, z_t, target, valid, divergence, beta, temperature, hard_weight, soft_weight,
@@ -278,13 +291,9 @@ def _run(x_s, w_s, b_s, x_t, w_t, b_t, target, valid, row_scale, cfg, needs, sha
             grads[3 * m] = x.new_empty(x.shape, dtype=cdt) if need_x else None
             grads[3 * m + 1] = w.new_zeros(w.shape, dtype=cdt) if need_w else None
             grads[3 * m + 2] = w.new_zeros(v, dtype=cdt) if need_b else None
-    # The fused op on the CPU, except for JSD with an fp32 input: the op's mixtures' expm1 and
-    # log1p in fp32 (math.h vexpm1, vlog1p: 1.5 and 1.4 ulp) put fp32 input gradients above
-    # their tolerance in one of Liger's cases (64.4 eps against 64, torch's ops 57.7); 16-bit
-    # inputs' gradients and the KL divergences are well within theirs.
-    # Over vocabulary shards, torch's ops (the op's reductions run over its whole row).
-    fused = shards is None and not _ops.is_cuda_backend(x_s) and x_s.device.type == "cpu" and (
-        cfg[0] != "jsd" or torch.float32 not in (x_s.dtype, x_t.dtype))
+    # The fused op on the CPU backend; over vocabulary shards, torch's ops (the op's reductions
+    # run over its whole row).
+    fused = shards is None and not _ops.is_cuda_backend(x_s) and x_s.device.type == "cpu"
     # The CUDA backend's op (csrc/cuda/distill.cpp) only with FLCE_CUDA_OPT_IN=distill, until a
     # GPU has run it (docs/cuda.md "Distillation"); the torch row math otherwise.
     fused = fused or (shards is None and _ops.is_cuda_backend(x_s)

@@ -899,9 +899,10 @@ class _VocabShard(distill._Columns):
             out.append((a[:, None], best[:, None].to(z.dtype)))
         return out
 
-    def reduce(self, sums, picks=()):
-        parts = [x.sum(1, keepdim=True) for x in sums]
-        parts += [torch.where(self._local(a)[0], self.get(x, a), 0.0) for x, a in picks]
+    def reduce(self, sums, picks=(), dtype=None):
+        parts = [x.sum(1, keepdim=True, dtype=dtype) for x in sums]
+        parts += [torch.where(self._local(a)[0], self.get(x, a), 0.0).to(dtype or x.dtype)
+                  for x, a in picks]
         if not parts:
             return [], []
         total = _all_reduce(torch.cat(parts, 1), self.group).split(1, dim=1)

@@ -1250,7 +1250,7 @@ TEST(distill_kl_is_collapse_safe) {
         c += j == a ? 0.f : flce::vexp(flce::dominant_log_p(p[j], p[a], dp.l)) * rrel;
       }
       const float kl = r_a + c;
-      const float g_a = flce::kl_grad(1.f - dp.e, 0.f, c);
+      const float g_a = flce::kl_grad(1.f - dp.e, 0.f, flce::KlCenter<float>{c, 0.f});
       // long double
       LD sp = 0, sr = 0;
       for (int j = 0; j < v; ++j) {
@@ -1288,6 +1288,55 @@ TEST(distill_kl_is_collapse_safe) {
     }
   }
   EXPECT(naive_bad > 50, "the textbook KL should fail at margins >= 30 (%d failures)", naive_bad);
+}
+
+TEST(distill_kl_grad_row_sums_to_zero) {
+  // A KL gradient's row P_j (rrel_j - c) sums to 0 exactly; assembled from fp32 probabilities
+  // (dominant, vexp), whose sum misses 1 by a few roundings, it sums to c (1 - sum_j p_j) unless
+  // c is divided by that sum, and to c's rounding unless c is held in two parts (kl_center).
+  // Flat rows (V = 1024) whose distributions differ at the dominant class (c of order 1, the
+  // entries far smaller, as Liger's uniform inputs make them): the sum within 2 roundings of the
+  // row's sum_j |g_j| in long double, where an undivided c, or c rounded once, misses that in
+  // more than half of the rows.
+  const int v = 1024, rows = 200;
+  int bad_undivided = 0, bad_rounded = 0;
+  LD worst = 0;
+  for (int rep = 0; rep < rows; ++rep) {
+    std::vector<float> p(v), r(v);
+    for (int j = 0; j < v; ++j) p[j] = check::normal(0.5f), r[j] = p[j] + check::normal(0.05f);
+    const int a = static_cast<int>(std::max_element(p.begin(), p.end()) - p.begin());
+    r[a] += check::uniform(-1.f, 1.f);
+    float sp = 0.f;
+    for (int j = 0; j < v; ++j) sp += j == a ? 0.f : flce::vexp(p[j] - p[a]);
+    const flce::Dominant<float> dp = flce::dominant(sp);
+    std::vector<float> pj(v), rrel(v);
+    double c = 0, n = 0;
+    for (int j = 0; j < v; ++j) {
+      pj[j] = flce::vexp(flce::dominant_log_p(p[j], p[a], dp.l));
+      rrel[j] = (p[j] - p[a]) - (r[j] - r[a]);
+      c += j == a ? 0.0 : static_cast<double>(pj[j]) * rrel[j];
+      n += pj[j];
+    }
+    // the row sum in long double, in roundings of sum_j |g_j|
+    auto row_sum = [&](const flce::KlCenter<float>& k) {
+      LD sum = 0, mag = 0;
+      for (int j = 0; j < v; ++j) {
+        const float g = flce::kl_grad(pj[j], rrel[j], k);
+        sum += g, mag += std::fabs(static_cast<LD>(g));
+      }
+      return std::fabs(sum) / (kU * mag);
+    };
+    const LD got = row_sum(flce::kl_center<float>(c, n));
+    EXPECT(got <= 2, "row %d: sum %.3Lg roundings of sum |g|", rep, got);
+    worst = std::max(worst, got);
+    bad_undivided += !(row_sum(flce::KlCenter<float>{static_cast<float>(c), 0.f}) <= 2);
+    bad_rounded += !(row_sum(flce::KlCenter<float>{static_cast<float>(c / n), 0.f}) <= 2);
+  }
+  EXPECT(bad_undivided > rows / 4 && bad_rounded > rows / 4,
+         "an undivided c (%d rows) and c rounded once (%d) should often miss the bound",
+         bad_undivided, bad_rounded);
+  std::printf("  worst row sum: %.2Lg roundings of sum |g|; out of bound in %d (undivided c) and "
+              "%d (c rounded once) of %d rows\n", worst, bad_undivided, bad_rounded, rows);
 }
 
 TEST(distill_hard_grad) {

@@ -183,6 +183,35 @@ def test_collapsed_rows(divergence, beta, same, device):
             _check_against_rows(loss, g_s, g_t, z_s, z_t, target, valid, cfg)
 
 
+@pytest.mark.parametrize("divergence,beta,temperature", [
+    ("jsd", 0.5, 1.0), ("jsd", 0.8, 2.0), ("jsd", 0.1, 1.0), ("reverse_kl", 0.5, 1.0),
+    ("forward_kl", 0.5, 1.0)])
+def test_kl_gradient_rows_sum_to_zero(divergence, beta, temperature):
+    """A KL-form gradient (both of JSD's, reverse KL's student's, forward KL's teacher's) is a
+    softmax's: its rows sum to 0, and the input gradient g @ W takes a row-sum error times W's
+    mean row. Flat rows whose models differ at the dominant class (Liger's uniform [0, 1)
+    inputs and weights, and a teacher near the student), where c = KL - r_a is far larger than
+    the entries: each row's sum within fp32's eps times its sum_j |g_j| (math.h kl_center: up
+    to 0.35 eps; with c undivided by sum_j p_j, 2.5 to 11 eps), from the op and from _rows."""
+    g = torch.Generator().manual_seed(7)
+    x_s, x_t = torch.rand(64, 64, generator=g), torch.rand(64, 128, generator=g)
+    w_s, w_t = torch.rand(4096, 64, generator=g), torch.rand(4096, 128, generator=g)
+    z = torch.randn(64, 4096, generator=g) * 2
+    cases = ((x_s @ w_s.T, x_t @ w_t.T), (z, z + 0.05 * torch.randn(64, 4096, generator=g)))
+    cfg = (divergence, beta, temperature, 0.0, 1.0)
+    for z_s, z_t in cases:
+        target, valid = torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool)
+        op = _op(z_s, z_t, target, valid, cfg)[1:]
+        rows = distill._rows(z_s, z_t, target, valid, *cfg, True, True)[1:]
+        for path, grads in (("op", op), ("_rows", rows)):
+            for name, grad in zip(("student", "teacher"), grads):
+                if (divergence, name) in (("forward_kl", "student"), ("reverse_kl", "teacher")):
+                    continue  # (-(P - R): each term rounded alone)
+                grad = grad.double()
+                ratio = grad.sum(1).abs() / (F32_EPS * grad.abs().sum(1))
+                assert ratio.max() <= 1, (path, name, ratio.max().item())
+
+
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES)
 def test_nan_and_inf_rows(divergence, beta, device):
     """A NaN logit makes its row's loss and gradients NaN, as _rows; +-inf logits give what

@@ -170,19 +170,13 @@ def test_fused_linear_jsd_ignore_index(n, h, v, dtype, temperature, beta, ignore
 
 # test/transformers/test_fused_linear_jsd.py: test_correctness_functional (scalar 0.5). The
 # first shape at temperature 2 has divergences of ~1e-3 between flat distributions (entropy
-# ~2): flce's fp32 row math forms them from terms of the entropy's size and is ~1e-5 relative
-# off float64, where exact math on the same fp32 logits is ~1e-8 (docs/numerics.md,
-# "Distillation": a known gap, not a tolerance to widen).
-SMALL_DIVERGENCE = pytest.mark.xfail(strict=True, reason="fp32 row math: small divergences of "
-                                     "flat distributions lose ~1e-5 relative (known gap)")
-
-
+# ~2), which flce's fp32 row math forms from terms of the entropy's size: the CPU op's loss is
+# 2.0e-6 relative off float64 where the check allows 3.9e-6 (exact math on the same fp32
+# logits: 5e-8; docs/numerics.md, "Distillation", a known gap).
 @pytest.mark.parametrize("n,h,v", [(4, 8, 8), (63, 41, 41)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("temperature,beta,ignore_index", [(1.0, 0.5, -100), (2.0, 0.1, 42)])
-def test_fused_linear_jsd_functional(n, h, v, dtype, temperature, beta, ignore_index, request):
-    if (n, dtype, temperature) == (4, torch.float32, 2.0):
-        request.applymarker(SMALL_DIVERGENCE)
+def test_fused_linear_jsd_functional(n, h, v, dtype, temperature, beta, ignore_index):
     xs, ws, bs, xt, wt, bt, t = _case(n, h, v, dtype, bias=False, seed=n + 2,
                                       ignore_index=ignore_index, ignored=0.5)
     half = (xs.double() * 0.5).to(dtype), (xt.double() * 0.5).to(dtype)

@@ -697,11 +697,37 @@ FLCE_HD_ALWAYS T mix(T x, const MixRow<T>& c) {
   return near ? n : f;
 }
 
-// One column's term of KL(P || R) in P's logits: P_j (r_j - KL) = P_j (rrel_j - c), where
-// rrel_j = log(P_j / R_j) - log(P_a / R_a) and c = sum_{j != a} P_j rrel_j (KL = r_a + c).
+// kl_grad's c, held as hi + lo (lo = 0 in fp64): c = sum_{j != a} p_j rrel_j / sum_j p_j
+// from a row's sums over its computed probabilities p_j, each accumulated in double. The p_j =
+// exp(d_j - l) sum to 1 only within a few roundings (l's own rounding scales them all), and
+// with c = sum_{j != a} p_j rrel_j the gradient's row would sum to c (1 - sum_j p_j) instead of
+// 0; c rounded once to fp32 would leave c's rounding there. Neither is a small error: c = KL -
+// r_a is of r_a's size (order 1 where the two distributions differ at the dominant class) while
+// the entries rrel_j - c = r_j - KL are of the divergence's, and the input gradient
+// sum_j g_j W_j takes a row-sum error times W's mean row, where the exact sum is
+// sum_j g_j (W_j - mean W) (Liger's uniform weights: the undivided c put the student's input
+// gradient at 3.5x the error of exact math on the same fp32 logits,
+// tests/peers/test_liger_distillation.py). So the row sums to 0 but for its entries' own
+// roundings.
 template <typename T>
-FLCE_HD_ALWAYS T kl_grad(T p, T rrel, T c) {
-  return p * (rrel - c);
+struct KlCenter {
+  T hi, lo;
+};
+
+template <typename T>
+FLCE_HD KlCenter<T> kl_center(double c, double p_sum) {
+  const double q = c / p_sum;
+  const T hi = static_cast<T>(q);
+  return KlCenter<T>{hi, static_cast<T>(q - static_cast<double>(hi))};
+}
+
+// One column's term of KL(P || R) in P's logits: P_j (r_j - KL) = P_j (rrel_j - c), where
+// rrel_j = log(P_j / R_j) - log(P_a / R_a) and c (kl_center) = sum_{j != a} P_j rrel_j, KL =
+// r_a + c. rrel_j - c.hi is exact where the two are within a factor 2 (Sterbenz), as they are
+// where the entry is small against c.
+template <typename T>
+FLCE_HD_ALWAYS T kl_grad(T p, T rrel, const KlCenter<T>& c) {
+  return p * ((rrel - c.hi) - c.lo);
 }
 
 // The hard term's gradient in the student's (un-tempered) logit j of a row whose target is t:
