@@ -95,7 +95,7 @@ void check_logits_backward_args(const at::Tensor& grad_loss,
 // flce::distill_rows_'s arguments (its contract: csrc/ops.cpp): z_s, z_t [rows, V >= 1] and
 // loss [rows], one float32 or float64 dtype, contiguous; target [rows] int64 and valid [rows]
 // bool, contiguous; a known divergence (jsd with beta in (0, 1)), temperature > 0. Returns the
-// divergence: 0 forward_kl, 1 reverse_kl, 2 jsd (each backend's enum in that order).
+// divergence as flce/math.h's Divergence: 0 forward_kl, 1 reverse_kl, 2 jsd.
 int check_distill_rows_args(const at::Tensor& z_s, const at::Tensor& z_t, const at::Tensor& loss,
                             const at::Tensor& target, const at::Tensor& valid,
                             c10::string_view divergence, double beta, double temperature);

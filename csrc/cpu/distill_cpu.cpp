@@ -29,8 +29,7 @@
 namespace flce::cpu {
 namespace {
 
-// (check_distill_rows_args's order)
-enum class Div { forward_kl, reverse_kl, jsd };
+using Div = Divergence;
 
 // The op's scalars in the computation dtype, rounded once as the torch ops of _rows round them.
 template <typename T>
@@ -115,17 +114,11 @@ FLCE_INLINE void grads(const T* zs, const T* zt, int64_t n, const Grads<T>& g, c
     const T ps = exp_t(dominant_log_p(us, us_a, ls));
     const T pt = exp_t(dominant_log_p(ut, ut_a, lt));
     const T diff = j == shared_a ? diff_a : ps - pt;
+    // (the scratch row a divergence does not fill is not read)
+    const T r_s = div == Div::kForwardKl ? T(0) : rs[j];
+    const T r_t = div == Div::kReverseKl ? T(0) : rt[j];
     T gs, gt;
-    if constexpr (div == Div::forward_kl) {
-      gs = diff;
-      gt = kl_grad(pt, rt[j], ct);
-    } else if constexpr (div == Div::reverse_kl) {
-      gs = kl_grad(ps, rs[j], cs);
-      gt = -diff;
-    } else {
-      gs = omb * kl_grad(ps, rs[j], cs);
-      gt = beta * kl_grad(pt, rt[j], ct);
-    }
+    distill_grads<div>(ps, pt, diff, r_s, r_t, cs, ct, beta, omb, gs, gt);
     gs = gs * k;
     gt = gt * k;
     if constexpr (hard == Hard::tempered) {
@@ -162,21 +155,21 @@ FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T*
     const T rel_s = (us - us_a) - (ut - ut_as);
     const T rel_t = (us - us_at) - (ut - ut_a);
     T r_s = 0, r_t = 0;
-    if constexpr (div == Div::forward_kl) {
+    if constexpr (div == Div::kForwardKl) {
       r_t = -rel_t;
-    } else if constexpr (div == Div::reverse_kl) {
+    } else if constexpr (div == Div::kReverseKl) {
       r_s = rel_s;
     } else {
       r_s = -mix(-rel_s, ms);
       r_t = -mix(rel_t, mt);
     }
-    if constexpr (div != Div::forward_kl) {
+    if constexpr (div != Div::kForwardKl) {
       const T ps = exp_t(dominant_log_p(us, us_a, ls));
       cs += j == as ? 0.0 : static_cast<double>(ps) * r_s;
       ns += ps;
       rs[j] = r_s;
     }
-    if constexpr (div != Div::reverse_kl) {
+    if constexpr (div != Div::kReverseKl) {
       const T pt = exp_t(dominant_log_p(ut, ut_a, lt));
       ct += j == at ? 0.0 : static_cast<double>(pt) * r_t;
       nt += pt;
@@ -184,16 +177,7 @@ FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T*
     }
   }
   const KlCenter<T> c_s = kl_center<T>(cs, ns), c_t = kl_center<T>(ct, nt);
-  T soft;
-  if constexpr (div == Div::forward_kl) {
-    soft = (-rho_at + c_t.hi) + c_t.lo;
-  } else if constexpr (div == Div::reverse_kl) {
-    soft = (rho_as + c_s.hi) + c_s.lo;
-  } else {
-    const T kl_s = (-mix(xs_a, mix_row<T>(c.logit_beta)) + c_s.hi) + c_s.lo;
-    const T kl_t = (-mix(xt_a, mix_row<T>(-c.logit_beta)) + c_t.hi) + c_t.lo;
-    soft = c.beta * kl_t + c.omb * kl_s;
-  }
+  const T soft = distill_soft<div>(rho_as, rho_at, c_s, c_t, c.logit_beta, c.beta, c.omb);
   T loss = c.sw * soft;
   // The hard term: the un-tempered student's distribution (the tempered one at temperature 1).
   const bool hard = c.hw != T(0);
@@ -232,14 +216,14 @@ FLCE_INLINE void rows(T* zs, T* zt, T* loss, const int64_t* target, const bool* 
       continue;
     }
     switch (c.div) {
-      case Div::forward_kl:
-        loss[r] = row<T, Div::forward_kl>(s, t, n, target[r], c, rs, rt);
+      case Div::kForwardKl:
+        loss[r] = row<T, Div::kForwardKl>(s, t, n, target[r], c, rs, rt);
         break;
-      case Div::reverse_kl:
-        loss[r] = row<T, Div::reverse_kl>(s, t, n, target[r], c, rs, rt);
+      case Div::kReverseKl:
+        loss[r] = row<T, Div::kReverseKl>(s, t, n, target[r], c, rs, rt);
         break;
       default:
-        loss[r] = row<T, Div::jsd>(s, t, n, target[r], c, rs, rt);
+        loss[r] = row<T, Div::kJsd>(s, t, n, target[r], c, rs, rt);
     }
   }
 }
@@ -293,7 +277,7 @@ void distill_rows_cpu(at::Tensor& z_s, at::Tensor& z_t, at::Tensor& loss,
     TORCH_CHECK(t.numel() == 0 || (t.min().item<int64_t>() >= 0 && t.max().item<int64_t>() < n),
                 "flce::distill_rows_: a target of a valid row is outside [0, ", n, ")");
   }
-  const double logit_beta = div == Div::jsd ? std::log(beta / (1.0 - beta)) : 0.0;
+  const double logit_beta = div == Div::kJsd ? std::log(beta / (1.0 - beta)) : 0.0;
   auto go = [&](auto zero) {
     using T = decltype(zero);
     const Cfg<T> c{div,

@@ -238,16 +238,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 1)
     if constexpr (kDiv != DistillDiv::kReverseKl) {
       c_t = kl_center<T>(block_sum(ct, sh.c[2]), block_sum(nt, sh.c[3]));
     }
-    T soft;
-    if constexpr (kDiv == DistillDiv::kForwardKl) {
-      soft = (-rho_at + c_t.hi) + c_t.lo;
-    } else if constexpr (kDiv == DistillDiv::kReverseKl) {
-      soft = (rho_as + c_s.hi) + c_s.lo;
-    } else {
-      const T kl_s = (-mix(xs_a, mix_row<T>(logit_beta)) + c_s.hi) + c_s.lo;
-      const T kl_t = (-mix(xt_a, mix_row<T>(-logit_beta)) + c_t.hi) + c_t.lo;
-      soft = beta * kl_t + omb * kl_s;
-    }
+    const T soft = distill_soft<kDiv>(rho_as, rho_at, c_s, c_t, logit_beta, beta, omb);
     T row_loss = sw * soft;
     if (hard != Hard::kNone) row_loss = row_loss - hw * log_pt;
     if (threadIdx.x == 0) loss[row] = row_loss;
@@ -267,16 +258,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 2 : 1)
         T r_s, r_t;
         ratios(us, ut, r_s, r_t);
         T gs, gt;
-        if constexpr (kDiv == DistillDiv::kForwardKl) {
-          gs = diff;
-          gt = kl_grad(pt, r_t, c_t);
-        } else if constexpr (kDiv == DistillDiv::kReverseKl) {
-          gs = kl_grad(ps, r_s, c_s);
-          gt = -diff;
-        } else {
-          gs = omb * kl_grad(ps, r_s, c_s);
-          gt = beta * kl_grad(pt, r_t, c_t);
-        }
+        distill_grads<kDiv>(ps, pt, diff, r_s, r_t, c_s, c_t, beta, omb, gs, gt);
         gs = gs * k;
         gt = gt * k;
         if (hard == Hard::kSame) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "flce/layout.h"
+#include "flce/math.h"
 
 namespace flce {
 namespace cuda {
@@ -289,7 +290,7 @@ cudaError_t launch_scale_grad(void* out, DType dtype, const void* x, DType x_dty
 // Ignored rows (valid false): loss 0, gradients 0. target [n] is read on valid rows where
 // hard_weight != 0; one outside [0, v) gives that row a NaN loss (never an index out of bounds;
 // the binding queues the targets' check). Opt-in (FLCE_CUDA_OPT_IN=distill) until a GPU runs it.
-enum class DistillDiv : int { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
+using DistillDiv = ::flce::Divergence;  // (flce/math.h)
 struct DistillRowsParams {
   void* z_s;
   void* z_t;

@@ -730,6 +730,49 @@ FLCE_HD_ALWAYS T kl_grad(T p, T rrel, const KlCenter<T>& c) {
   return p * ((rrel - c.hi) - c.lo);
 }
 
+// flce.linear_distillation's divergences, in the ops' order (flce::distill_rows_'s argument
+// check returns it): KL(T || S), KL(S || T), and the generalized JSD beta KL(T || M) +
+// (1 - beta) KL(S || M) with M = beta T + (1 - beta) S.
+enum class Divergence : int { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
+
+// One column's soft-term gradients in the student's and the teacher's tempered logits, before
+// the factor soft_weight / temperature: forward KL's student P_S - P_T (`diff`: e_T - e_S at a
+// shared dominant class) and teacher kl_grad(P_T); reverse KL the mirror; JSD (1 - beta)
+// kl_grad(P_S) and beta kl_grad(P_T) of the mixture's log ratios r_s, r_t (a ratio the
+// divergence does not use is not read).
+template <Divergence kDiv, typename T>
+FLCE_HD_ALWAYS void distill_grads(T ps, T pt, T diff, T r_s, T r_t, const KlCenter<T>& c_s,
+                                  const KlCenter<T>& c_t, T beta, T omb, T& gs, T& gt) {
+  if constexpr (kDiv == Divergence::kForwardKl) {
+    gs = diff;
+    gt = kl_grad(pt, r_t, c_t);
+  } else if constexpr (kDiv == Divergence::kReverseKl) {
+    gs = kl_grad(ps, r_s, c_s);
+    gt = -diff;
+  } else {
+    gs = omb * kl_grad(ps, r_s, c_s);
+    gt = beta * kl_grad(pt, r_t, c_t);
+  }
+}
+
+// A row's soft term from its parts: each KL = r_a + c at its distribution's dominant class a
+// (c from kl_center, added hi then lo), where rho = log(S / T): forward KL's r_a = -rho(a_T),
+// reverse KL's rho(a_S); JSD's KL(S || M) has r_a = -mix(-rho(a_S), w = beta) and KL(T || M)
+// -mix(rho(a_T), w = 1 - beta) (logit_beta = log(beta / (1 - beta)), omb = 1 - beta).
+template <Divergence kDiv, typename T>
+FLCE_HD T distill_soft(T rho_as, T rho_at, const KlCenter<T>& c_s, const KlCenter<T>& c_t,
+                       T logit_beta, T beta, T omb) {
+  if constexpr (kDiv == Divergence::kForwardKl) {
+    return (-rho_at + c_t.hi) + c_t.lo;
+  } else if constexpr (kDiv == Divergence::kReverseKl) {
+    return (rho_as + c_s.hi) + c_s.lo;
+  } else {
+    const T kl_s = (-mix(-rho_as, mix_row<T>(logit_beta)) + c_s.hi) + c_s.lo;
+    const T kl_t = (-mix(rho_at, mix_row<T>(-logit_beta)) + c_t.hi) + c_t.lo;
+    return beta * kl_t + omb * kl_s;
+  }
+}
+
 // The hard term's gradient in the student's (un-tempered) logit j of a row whose target is t:
 // p_j, and p_t - 1 as -e where t is the dominant class (1 - e rounds to 1 there).
 template <typename T>
