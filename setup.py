@@ -166,8 +166,11 @@ if use_cuda:
         cuda_version = _build.validate_for_nvcc(archs, os.path.join(_cuda_home, "bin", "nvcc"))
     except _build.ArchError as e:
         sys.exit(f"error: {e}")
-    cu_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + cu_sources
+    # The largest kernel file first: ninja starts the compiles in this order, and flce_rows.cu
+    # (every row-kernel instance for every arch) takes as long as the rest together; started
+    # last, it ran alone on one core at the end.
+    cu_sources = sorted(glob.glob("csrc/cuda/*.cu"), key=lambda p: (-os.path.getsize(p), p))
+    sources = cu_sources + sources + sorted(glob.glob("csrc/cuda/*.cpp"))
     include_dirs += _nvidia_wheel_includes()
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     # Our own -gencode flags: torch.utils.cpp_extension then adds none of its own (its list

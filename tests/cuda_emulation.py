@@ -21,6 +21,7 @@ import functools
 import glob
 import hashlib
 import os
+import sys
 
 import torch
 
@@ -137,6 +138,10 @@ def _build_and_import(bi, info, binding, build_dir):
     module = os.path.join(build_dir, f"{NAMESPACE}.so")
     if os.path.exists(module) and os.path.getmtime(module) < max(map(os.path.getmtime, objects)):
         os.remove(module)
+    # The ninja of this interpreter's environment (requirements-build.txt's) before any other on
+    # PATH: a build directory is copied with its ninja log (_seed), and another ninja version
+    # hashes commands differently, so it would recompile every file of the copy.
+    _prefer_own_ninja()
     cpp_extension.load(
         name=NAMESPACE, sources=binding, extra_cflags=flags,
         # -Bsymbolic: the runtime's own cudaGetLastError & co. must not bind to the libcudart
@@ -149,6 +154,13 @@ def _build_and_import(bi, info, binding, build_dir):
         flce._ops.register(NAMESPACE, lambda t: True)
         load._registered = True
     return getattr(torch.ops, NAMESPACE)
+
+
+def _prefer_own_ninja():
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if os.path.isfile(os.path.join(bindir, "ninja")) and (not path or path[0] != bindir):
+        os.environ["PATH"] = os.pathsep.join([bindir] + [p for p in path if p != bindir])
 
 
 def load_or_skip():

@@ -143,8 +143,10 @@ def _check_against_rows(loss, g_s, g_t, z_s, z_t, target, valid, cfg, grad_s=Tru
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("hard_weight,soft_weight", [(0.0, 1.0), (0.4, 0.6)])
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.3])
+# the default (the logits as they are, no hard term), then a temperature below and one above 1
+# with the hard term (test_collapsed_rows has the hard term at temperature 1)
+@pytest.mark.parametrize("temperature,hard_weight,soft_weight", [
+    (1.0, 0.0, 1.0), (0.7, 0.4, 0.6), (2.3, 0.4, 0.6)])
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES)
 def test_random_rows(divergence, beta, temperature, hard_weight, soft_weight, dtype, device):
     """Every width, against _rows and float64; fp64 inputs to float64's own precision."""
