@@ -4,8 +4,10 @@
 // that forms the divergence's per-column log ratios and their weighted sum c (in double, with
 // the probabilities' sum: kl_center), then one pass that
 // writes the gradients over the logits. The formulas are flce/math.h's (dominant, mix, kl_grad,
-// hard_grad); rows are split over the workers (cpu/workers.h), each with two rows of scratch for
-// the log ratios, so the chunk's [rows, V] buffers are the only large memory.
+// hard_grad); rows are split over the workers (cpu/workers.h), each with four rows of scratch
+// (the log ratios, and the probabilities the gradient pass reads back instead of computing them
+// again), so the chunk's [rows, V] buffers are the only large memory. The passes are compiled
+// apart for temperature 1, whose logits are used as they are (no division per column).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -98,10 +100,12 @@ struct Grads {
 
 // The gradient pass: os[j] / ot[j] <- the loss's gradient in zs[j] / zt[j] (each element read
 // before it is written; os may be zs or rs, ot zt or rt).
-template <typename T, Div div, Hard hard>
+template <typename T, Div div, bool kTempered, Hard hard>
 FLCE_INLINE void grads(const T* zs, const T* zt, int64_t n, const Grads<T>& g, const T* rs,
-                       const T* rt, T* os, T* ot) {
-  const T temp = g.temp, us_a = g.us_a, ut_a = g.ut_a, ls = g.ls, lt = g.lt;
+                       const T* rt, const T* ps_row, const T* pt_row, T* os, T* ot) {
+  // (temperature 1: z / 1 folds to z)
+  const T temp = kTempered ? g.temp : T(1);
+  const T us_a = g.us_a, ut_a = g.ut_a, ls = g.ls, lt = g.lt;
   const int64_t shared_a = g.shared_a, t = g.t;
   const KlCenter<T> cs = g.cs, ct = g.ct;
   const T diff_a = g.diff_a, k = g.k, beta = g.beta, omb = g.omb;
@@ -111,8 +115,9 @@ FLCE_INLINE void grads(const T* zs, const T* zt, int64_t n, const Grads<T>& g, c
   for (int64_t j = 0; j < n; ++j) {
     const T z_s = zs[j];
     const T us = z_s / temp, ut = zt[j] / temp;
-    const T ps = exp_t(dominant_log_p(us, us_a, ls));
-    const T pt = exp_t(dominant_log_p(ut, ut_a, lt));
+    // (the probabilities the divergence's c pass formed, read back; the others formed here)
+    const T ps = div != Div::kForwardKl ? ps_row[j] : exp_t(dominant_log_p(us, us_a, ls));
+    const T pt = div != Div::kReverseKl ? pt_row[j] : exp_t(dominant_log_p(ut, ut_a, lt));
     const T diff = j == shared_a ? diff_a : ps - pt;
     // (the scratch row a divergence does not fill is not read)
     const T r_s = div == Div::kForwardKl ? T(0) : rs[j];
@@ -131,11 +136,13 @@ FLCE_INLINE void grads(const T* zs, const T* zt, int64_t n, const Grads<T>& g, c
   }
 }
 
-// One row: the loss, and the gradients written over zs / zt where wanted. rs, rt: [n] scratch.
-// (The divergence a template argument: each loop then holds its own formulas alone.)
-template <typename T, Div div>
-FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T* rt) {
-  const T temp = c.temp;
+// One row: the loss, and the gradients written over zs / zt where wanted. rs, rt, ps_row,
+// pt_row: [n] scratch. (The divergence and whether there is a temperature are template
+// arguments: each loop then holds its own formulas alone.)
+template <typename T, Div div, bool kTempered>
+FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T* rt, T* ps_row,
+                  T* pt_row) {
+  const T temp = kTempered ? c.temp : T(1);
   const Side<T> S = side(zs, n, temp), P = side(zt, n, temp);
   const int64_t as = S.a, at = P.a;
   const T us_a = S.u_a, ut_a = P.u_a, ls = S.d.l, lt = P.d.l;
@@ -168,12 +175,14 @@ FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T*
       cs += j == as ? 0.0 : static_cast<double>(ps) * r_s;
       ns += ps;
       rs[j] = r_s;
+      ps_row[j] = ps;
     }
     if constexpr (div != Div::kReverseKl) {
       const T pt = exp_t(dominant_log_p(ut, ut_a, lt));
       ct += j == at ? 0.0 : static_cast<double>(pt) * r_t;
       nt += pt;
       rt[j] = r_t;
+      pt_row[j] = pt;
     }
   }
   const KlCenter<T> c_s = kl_center<T>(cs, ns), c_t = kl_center<T>(ct, nt);
@@ -181,7 +190,7 @@ FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T*
   T loss = c.sw * soft;
   // The hard term: the un-tempered student's distribution (the tempered one at temperature 1).
   const bool hard = c.hw != T(0);
-  const Side<T> H = hard && c.tempered ? side(zs, n, T(1)) : S;
+  const Side<T> H = hard && kTempered ? side(zs, n, T(1)) : S;
   // (H's logits are zs itself: at temperature 1, zs / 1 is exactly zs)
   if (hard) loss = loss - c.hw * dominant_log_p(zs[t], H.u_a, H.d.l);
   if (!c.grad_s && !c.grad_t) return loss;
@@ -193,18 +202,35 @@ FLCE_INLINE T row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* rs, T*
   T* os = c.grad_s ? zs : rs;
   T* ot = c.grad_t ? zt : rt;
   if (!hard) {
-    grads<T, div, Hard::none>(zs, zt, n, g, rs, rt, os, ot);
-  } else if (!c.tempered) {
-    grads<T, div, Hard::tempered>(zs, zt, n, g, rs, rt, os, ot);
+    grads<T, div, kTempered, Hard::none>(zs, zt, n, g, rs, rt, ps_row, pt_row, os, ot);
+  } else if (!kTempered) {
+    grads<T, div, kTempered, Hard::tempered>(zs, zt, n, g, rs, rt, ps_row, pt_row, os, ot);
   } else {
-    grads<T, div, Hard::own>(zs, zt, n, g, rs, rt, os, ot);
+    grads<T, div, kTempered, Hard::own>(zs, zt, n, g, rs, rt, ps_row, pt_row, os, ot);
   }
   return loss;
 }
 
+template <typename T, bool kTempered>
+FLCE_INLINE T any_row(T* zs, T* zt, int64_t n, int64_t t, const Cfg<T>& c, T* scratch) {
+  T* rs = scratch;
+  T* rt = scratch + n;
+  T* ps = scratch + 2 * n;
+  T* pt = scratch + 3 * n;
+  switch (c.div) {
+    case Div::kForwardKl:
+      return row<T, Div::kForwardKl, kTempered>(zs, zt, n, t, c, rs, rt, ps, pt);
+    case Div::kReverseKl:
+      return row<T, Div::kReverseKl, kTempered>(zs, zt, n, t, c, rs, rt, ps, pt);
+    default:
+      return row<T, Div::kJsd, kTempered>(zs, zt, n, t, c, rs, rt, ps, pt);
+  }
+}
+
+// Rows r0..r1 of the chunk; scratch: [4 n].
 template <typename T>
 FLCE_INLINE void rows(T* zs, T* zt, T* loss, const int64_t* target, const bool* valid,
-                      int64_t r0, int64_t r1, int64_t n, const Cfg<T>& c, T* rs, T* rt) {
+                      int64_t r0, int64_t r1, int64_t n, const Cfg<T>& c, T* scratch) {
   for (int64_t r = r0; r < r1; ++r) {
     T* s = zs + r * n;
     T* t = zt + r * n;
@@ -215,16 +241,8 @@ FLCE_INLINE void rows(T* zs, T* zt, T* loss, const int64_t* target, const bool* 
       if (c.grad_t) std::fill(t, t + n, T(0));
       continue;
     }
-    switch (c.div) {
-      case Div::kForwardKl:
-        loss[r] = row<T, Div::kForwardKl>(s, t, n, target[r], c, rs, rt);
-        break;
-      case Div::kReverseKl:
-        loss[r] = row<T, Div::kReverseKl>(s, t, n, target[r], c, rs, rt);
-        break;
-      default:
-        loss[r] = row<T, Div::kJsd>(s, t, n, target[r], c, rs, rt);
-    }
+    loss[r] = c.tempered ? any_row<T, true>(s, t, n, target[r], c, scratch)
+                         : any_row<T, false>(s, t, n, target[r], c, scratch);
   }
 }
 
@@ -233,18 +251,18 @@ FLCE_INLINE void rows(T* zs, T* zt, T* loss, const int64_t* target, const bool* 
 // calls in the vector loops (scalar loops then, 10x slower).
 FLCE_CLONES FLCE_FLATTEN void rows_f32(float* zs, float* zt, float* loss, const int64_t* target,
                           const bool* valid, int64_t r0, int64_t r1, int64_t n,
-                          const Cfg<float>& c, float* rs, float* rt) {
-  rows(zs, zt, loss, target, valid, r0, r1, n, c, rs, rt);
+                          const Cfg<float>& c, float* scratch) {
+  rows(zs, zt, loss, target, valid, r0, r1, n, c, scratch);
 }
 
 void rows_any(float* zs, float* zt, float* loss, const int64_t* target, const bool* valid,
-              int64_t r0, int64_t r1, int64_t n, const Cfg<float>& c, float* rs, float* rt) {
-  rows_f32(zs, zt, loss, target, valid, r0, r1, n, c, rs, rt);
+              int64_t r0, int64_t r1, int64_t n, const Cfg<float>& c, float* scratch) {
+  rows_f32(zs, zt, loss, target, valid, r0, r1, n, c, scratch);
 }
 
 void rows_any(double* zs, double* zt, double* loss, const int64_t* target, const bool* valid,
-              int64_t r0, int64_t r1, int64_t n, const Cfg<double>& c, double* rs, double* rt) {
-  rows(zs, zt, loss, target, valid, r0, r1, n, c, rs, rt);
+              int64_t r0, int64_t r1, int64_t n, const Cfg<double>& c, double* scratch) {
+  rows(zs, zt, loss, target, valid, r0, r1, n, c, scratch);
 }
 
 template <typename T>
@@ -260,8 +278,8 @@ void run(at::Tensor& z_s, at::Tensor& z_t, at::Tensor& loss, const at::Tensor& t
   run_workers(workers, [&](int64_t w) {
     const Span sp = split(rows_n, workers, w, 1);
     if (sp.size() == 0) return;
-    std::vector<T> scratch(2 * static_cast<size_t>(n));
-    rows_any(zs, zt, lp, tp, vp, sp.begin, sp.end, n, c, scratch.data(), scratch.data() + n);
+    std::vector<T> scratch(4 * static_cast<size_t>(n));
+    rows_any(zs, zt, lp, tp, vp, sp.begin, sp.end, n, c, scratch.data());
   });
 }
 

@@ -30,12 +30,12 @@ __all__ = ["linear_distillation", "LinearDistillation", "DIVERGENCES"]
 DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
 
 # Rows per chunk: as many as keep one [rows, V] buffer of the computation dtype within this many
-# bytes, and at least one. The CPU's fused op (two logit buffers and two rows of scratch per
-# worker) takes CPU_CHUNK_BYTES: its chunk's rows are the gradient GEMMs' inner dimension (at
-# N=1024, V=32768, D=512 fp32 a step took 6.7 s in 4 MiB chunks of 32 rows, 3.3 s in 16 MiB,
-# 3.1-3.3 s in 32 and 64 MiB, load average ~6). The torch row math holds about ten such buffers
-# (_rows), whose passes stay in cache in CPU_ROWS_CHUNK_BYTES (at N=2048 fp32, 4 MiB took 6.7 s
-# and 172 MB where 64 MiB took 10.7 s and 1.19 GB); a GPU wants few, large launches.
+# bytes, and at least one. The CPU's fused op (two logit buffers and four rows of scratch per
+# worker) takes CPU_CHUNK_BYTES: every chunk's GEMMs pack the whole weight and update its whole
+# gradient, so a chunk must be rows enough to carry that (4 MiB chunks took twice the time of
+# 16 MiB; 32 and 64 MiB were level with 16 within this CPU's spread, for 2-4x the memory). The
+# torch row math holds about ten such buffers (_rows), whose passes stay in cache in
+# CPU_ROWS_CHUNK_BYTES; a GPU wants few, large launches.
 CHUNK_BYTES = 2 ** 26
 CPU_CHUNK_BYTES = 2 ** 24
 CPU_ROWS_CHUNK_BYTES = 2 ** 22

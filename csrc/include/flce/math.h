@@ -93,6 +93,40 @@ FLCE_HD_ALWAYS float vexpm1(float x) {
 #endif
 }
 
+// m1 ? vexpm1(x) : vexp(x), each lane's value exactly the function's, from one reduction and
+// polynomial (the lanes of a loop that needs exp in some and expm1 in others: mix). On the GPU
+// expm1f or expf.
+FLCE_HD_ALWAYS float vexp_or_expm1(float x, bool m1_arg) {
+#if defined(__CUDA_ARCH__)
+  return m1_arg ? expm1f(x) : expf(x);
+#else
+  // (the selector made a float comparison: with the bool itself GCC's vectorizer finds no vector
+  // type for the calling loop, which then runs scalar, 7x slower)
+  const float m1f = m1_arg ? 1.f : 0.f;
+  const bool m1 = m1f != 0.f;
+  const float lo = m1 ? -80.f : -104.f;
+  const float xc = x < lo ? lo : (x > 88.f ? 88.f : x);  // NaN stays NaN
+  float k;
+  const float em1 = detail::exp_reduced(xc, k);
+  const int32_t ki = static_cast<int32_t>(k);
+  // expm1: 2^k (e^r - 1) + (2^k - 1), one scale (k >= -116 above -80; the exp lanes' k may be
+  // below: their em is not selected, and the unsigned shift is defined for any k)
+  const uint32_t b = static_cast<uint32_t>(ki + 127) << 23;
+  float s;
+  __builtin_memcpy(&s, &b, sizeof(s));
+  const float em = s * em1 + (s - 1.f);
+  // exp: e^r 2^k1 2^k2, as vexp
+  const int32_t k1 = ki / 2, k2 = ki - ki / 2;
+  const uint32_t b1 = static_cast<uint32_t>(k1 + 127) << 23;
+  const uint32_t b2 = static_cast<uint32_t>(k2 + 127) << 23;
+  float s1, s2;
+  __builtin_memcpy(&s1, &b1, sizeof(s1));
+  __builtin_memcpy(&s2, &b2, sizeof(s2));
+  const float e = ((em1 + 1.f) * s1) * s2;
+  return x < lo ? (m1 ? -1.f : 0.f) : (x > 88.f ? INFINITY : (m1 ? em : e));
+#endif
+}
+
 // log1p(x) in fp32, vectorizable: log(u) of u = 1 + x (Cephes' logf: u = 2^e m with m in
 // [sqrt(1/2), sqrt(2)), log m = f - f^2/2 + f^3 P(f), f = m - 1) plus the rounding of 1 + x,
 // (x - (u - 1)) / u, as a first-order correction: within 2 ulp of log1p. -inf at -1, NaN below
@@ -137,6 +171,8 @@ FLCE_HD_ALWAYS float exp_t(float x) { return vexp(x); }
 FLCE_HD double exp_t(double x) { return exp(x); }
 FLCE_HD_ALWAYS float expm1_t(float x) { return vexpm1(x); }
 FLCE_HD double expm1_t(double x) { return expm1(x); }
+FLCE_HD_ALWAYS float exp_or_expm1_t(float x, bool m1) { return vexp_or_expm1(x, m1); }
+FLCE_HD double exp_or_expm1_t(double x, bool m1) { return m1 ? expm1(x) : exp(x); }
 FLCE_HD_ALWAYS float log1p_t(float x) { return vlog1p(x); }
 FLCE_HD double log1p_t(double x) { return log1p(x); }
 
@@ -682,19 +718,19 @@ FLCE_HD MixRow<T> mix_row(T y) {
 }
 
 // log1p(w expm1(x)) for |x| <= 1, where the result may be near 0 and the argument stays above
-// -0.64; beyond, logaddexp(log(1 - w), log(w) + x). Both branches are evaluated on clamped
-// arguments and one selected, so that loops over x vectorize; NaN in, NaN out.
+// -0.64; beyond, logaddexp(log(1 - w), log(w) + x) = hi + log1p(exp(lo - hi)). Both are a log1p
+// of an exponential: one exp_or_expm1 and one log1p per lane, the branch selected lane by lane,
+// so that loops over x vectorize; NaN in, NaN out.
 template <typename T>
 FLCE_HD_ALWAYS T mix(T x, const MixRow<T>& c) {
   const bool near = fabs(x) <= T(1);
-  const T xs = near ? x : T(0);
   const T xf = near ? T(0) : x;
-  const T n = log1p_t(c.w * expm1_t(xs));
   const T a = c.log_1mw, b = xf + c.log_w;
   const T hi = a > b ? a : b, lo = a > b ? b : a;
   // (lo = -inf: exp(-inf) adds 0; hi = +inf: +inf; NaN stays NaN)
-  const T f = hi + log1p_t(exp_t(lo == -INFINITY ? lo : lo - hi));
-  return near ? n : f;
+  const T e = exp_or_expm1_t(near ? x : (lo == -INFINITY ? lo : lo - hi), near);
+  const T n = log1p_t(near ? c.w * e : e);
+  return near ? n : hi + n;
 }
 
 // kl_grad's c, held as hi + lo (lo = 0 in fp64): c = sum_{j != a} p_j rrel_j / sum_j p_j
