@@ -166,20 +166,17 @@ if use_cuda:
         cuda_version = _build.validate_for_nvcc(archs, os.path.join(_cuda_home, "bin", "nvcc"))
     except _build.ArchError as e:
         sys.exit(f"error: {e}")
-    # The largest kernel file first: ninja starts the compiles in this order, and flce_rows.cu
-    # (every row-kernel instance for every arch) takes as long as the rest together; started
-    # last, it ran alone on one core at the end.
-    cu_sources = sorted(glob.glob("csrc/cuda/*.cu"), key=lambda p: (-os.path.getsize(p), p))
-    sources = cu_sources + sources + sorted(glob.glob("csrc/cuda/*.cpp"))
+    cu_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + cu_sources
     include_dirs += _nvidia_wheel_includes()
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     # Our own -gencode flags: torch.utils.cpp_extension then adds none of its own (its list
     # rejects names such as 10.0f and never adds PTX unless asked).
     nvcc_flags += _build.gencode_flags(archs)
-    # One thread under FLCE_PTXAS_VERBOSE: parallel targets would interleave ptxas's report.
-    threads = os.environ.get("FLCE_NVCC_THREADS") or ("1" if os.environ.get(
-        "FLCE_PTXAS_VERBOSE") == "1" else str(
-            max(1, min(len(archs), int(os.environ["MAX_JOBS"]) // max(1, len(cu_sources))))))
+    # (nvcc prints each target's ptxas report whole: FLCE_PTXAS_VERBOSE's log reads the same
+    # with parallel targets)
+    threads = os.environ.get("FLCE_NVCC_THREADS") or str(
+        max(1, min(len(archs), int(os.environ["MAX_JOBS"]) // max(1, len(cu_sources)))))
     nvcc_flags += [f"--threads={threads}"]
     if os.environ.get("FLCE_PTXAS_VERBOSE") == "1":
         nvcc_flags += ["-Xptxas=-v"]
