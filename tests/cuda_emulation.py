@@ -199,7 +199,12 @@ def _precompiled_torch_headers(flags):
         if i is not None:
             del cmd[i:i + 2]
     cmd = [a for a in cmd if a != "-MMD"]
-    pch_dir = os.path.join(ROOT, "build", "cuda_host", f"pch-{_digest_text(shlex.join(cmd))}")
+    # (GCC does not check a precompiled header against the headers it was made of: the key holds
+    # torch's version and its headers' install time besides the command)
+    aten = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "ATen.h")
+    stamp = os.path.getmtime(aten) if os.path.exists(aten) else 0
+    key = f"{shlex.join(cmd)} {torch.__version__} {stamp}"
+    pch_dir = os.path.join(ROOT, "build", "cuda_host", f"pch-{_digest_text(key)}")
     header = os.path.join(pch_dir, "torch_headers.h")
     with _locked(pch_dir):
         if not os.path.exists(header + ".gch"):

@@ -46,6 +46,18 @@ FLCE_HD_ALWAYS float exp_reduced(float xc, float& k) {
   p = p * r + 5.0000001201e-1f;
   return p * r * r + r;
 }
+
+// y 2^k, k in [-150, 127], as 2^k1 2^k2 with both halves normal: the second product rounds once
+// into the subnormal range.
+FLCE_HD_ALWAYS float exp_scale(float y, int32_t k) {
+  const int32_t k1 = k / 2, k2 = k - k / 2;
+  const uint32_t b1 = static_cast<uint32_t>(k1 + 127) << 23;
+  const uint32_t b2 = static_cast<uint32_t>(k2 + 127) << 23;
+  float s1, s2;
+  __builtin_memcpy(&s1, &b1, sizeof(s1));
+  __builtin_memcpy(&s2, &b2, sizeof(s2));
+  return (y * s1) * s2;
+}
 }  // namespace detail
 
 // exp(x) in fp32 for the CPU backend's epilogue loops, written so that compilers vectorize it
@@ -60,16 +72,7 @@ FLCE_HD float vexp(float x) {
   const float xc = x < -104.f ? -104.f : (x > 88.f ? 88.f : x);  // NaN stays NaN
   float k;
   const float y = detail::exp_reduced(xc, k) + 1.f;
-  // 2^k = 2^k1 * 2^k2 with both halves normal for k in [-150, 127]: the second product rounds
-  // once into the subnormal range.
-  const int32_t ki = static_cast<int32_t>(k);
-  const int32_t k1 = ki / 2, k2 = ki - ki / 2;
-  const uint32_t b1 = static_cast<uint32_t>(k1 + 127) << 23;
-  const uint32_t b2 = static_cast<uint32_t>(k2 + 127) << 23;
-  float s1, s2;
-  __builtin_memcpy(&s1, &b1, sizeof(s1));
-  __builtin_memcpy(&s2, &b2, sizeof(s2));
-  const float e = (y * s1) * s2;
+  const float e = detail::exp_scale(y, static_cast<int32_t>(k));
   return x < -104.f ? 0.f : (x > 88.f ? INFINITY : e);
 #endif
 }
@@ -115,14 +118,7 @@ FLCE_HD_ALWAYS float vexp_or_expm1(float x, bool m1_arg) {
   float s;
   __builtin_memcpy(&s, &b, sizeof(s));
   const float em = s * em1 + (s - 1.f);
-  // exp: e^r 2^k1 2^k2, as vexp
-  const int32_t k1 = ki / 2, k2 = ki - ki / 2;
-  const uint32_t b1 = static_cast<uint32_t>(k1 + 127) << 23;
-  const uint32_t b2 = static_cast<uint32_t>(k2 + 127) << 23;
-  float s1, s2;
-  __builtin_memcpy(&s1, &b1, sizeof(s1));
-  __builtin_memcpy(&s2, &b2, sizeof(s2));
-  const float e = ((em1 + 1.f) * s1) * s2;
+  const float e = detail::exp_scale(em1 + 1.f, ki);  // exp, as vexp
   return x < lo ? (m1 ? -1.f : 0.f) : (x > 88.f ? INFINITY : (m1 ? em : e));
 #endif
 }
