@@ -15,6 +15,9 @@ if [ -f CMakeLists.txt ] && command -v cmake >/dev/null; then
   # The tests are single-threaded programs, each in its own scratch space: run them side by side.
   (cd build-ctest && ctest --output-on-failure -j "${MAX_JOBS:-$(nproc)}")
   phase "ctest done"
+  # The emulated CUDA binding's build (tests/cuda_emulation.py) takes its kernel and runtime
+  # objects from this build instead of compiling them again.
+  export FLCE_CUDA_HOST_CMAKE_BUILD=$PWD/build-ctest
 fi
 # A fresh compile cache: inductor's cache outlives runs on one machine and keys on op schemas,
 # not on the fake kernels that give output shapes.

@@ -13,7 +13,9 @@ builder, ninja) and registers its fake kernels and autograd. The build needs the
 (``load_or_skip()``: a test skips, or fails under FLCE_REQUIRE_CUDA_HOST=1).
 FLCE_CUDA_HOST_RACECHECK=1 builds the kernels with the shared-memory race detector;
 FLCE_CUDA_HOST_MUTANT=PATH builds it with one launch-sequence file (csrc/cuda/NAME.cpp) replaced by
-PATH, a mutated copy (tests/cuda/test_driver_mutations.py).
+PATH, a mutated copy (tests/cuda/test_driver_mutations.py). FLCE_CUDA_HOST_CMAKE_BUILD=DIR (CI: the
+C++ tests' CMake build directory) takes the kernel and runtime objects from that build, where they
+are newer than every source, instead of compiling them again.
 """
 import contextlib
 import fcntl
@@ -81,9 +83,10 @@ def load():
     except FileNotFoundError as e:
         raise Unavailable(str(e)) from None
     binding = _binding_sources()
-    sources = [p for top in ("csrc", TOOLS) for ext in ("*.h", "*.cuh")
-               for p in glob.glob(os.path.join(ROOT, top, "**", ext), recursive=True)] + binding + \
+    kernels = [p for top in ("csrc", TOOLS) for ext in ("*.h", "*.cuh")
+               for p in glob.glob(os.path.join(ROOT, top, "**", ext), recursive=True)] + \
         info["kernel_sources"] + info["runtime_sources"]
+    sources = kernels + binding
     # One build directory per source state: the kernels' and runtime's objects are rebuilt by
     # their own timestamps only, and ninja does not see header changes through them.
     digest = _digest(sources)
@@ -109,7 +112,7 @@ def load():
             with _locked(seed):
                 _seed(seed, build_dir)
         os.makedirs(build_dir, exist_ok=True)
-        return _build_and_import(bi, info, binding, build_dir)
+        return _build_and_import(bi, info, binding, build_dir, _cmake_objects(config, kernels))
 
 
 @contextlib.contextmanager
@@ -120,15 +123,46 @@ def _locked(build_dir):
         yield
 
 
-def _build_and_import(bi, info, binding, build_dir):
+def _cmake_objects(config, sources):
+    """The runtime and kernel objects of ``config`` in the CMake build FLCE_CUDA_HOST_CMAKE_BUILD
+    names (tests/cuda_host/CMakeLists.txt compiles them with build_info.py's flags), or None
+    where there is none to take: CMake's own flags not only an optimization level (build_info's
+    -O, later on the command line, wins) and -DNDEBUG (the kernels and runtime have no assert),
+    another compiler than the one this build links with, or an object older than a source."""
+    import json
+    import shutil
+
+    build = os.environ.get("FLCE_CUDA_HOST_CMAKE_BUILD")
+    if not build:
+        return None
+    try:
+        with open(os.path.join(build, "tests", "cuda_host", "mutation_build.json")) as f:
+            cfg = json.load(f)
+        objects = [o for key in ("runtime_objects", "kernel_objects")
+                   for o in cfg[key][config].split(";") if o]
+        ours = shutil.which(os.environ.get("CXX", "c++"))
+        if (not objects or ours is None
+                or os.path.realpath(ours) != os.path.realpath(cfg["compiler"])
+                or not set(cfg["cxx_flags"].split()) <= {"-O1", "-O2", "-O3", "-DNDEBUG"}
+                or min(map(os.path.getmtime, objects)) < max(map(os.path.getmtime, sources))):
+            return None
+    except (OSError, KeyError, ValueError):
+        return None
+    return objects
+
+
+def _build_and_import(bi, info, binding, build_dir, objects=None):
     from torch.utils import cpp_extension
 
     import flce._ops
 
     config = info["config"]
     # The kernels and the runtime as build_info.py compiles them (one flag list for every build
-    # of the emulation; racecheck: the kernels instrumented for the race detector, no libtsan).
-    objects = bi["compile_objects"](build_dir, config, jobs=int(os.environ.get("MAX_JOBS", "2")))
+    # of the emulation; racecheck: the kernels instrumented for the race detector, no libtsan),
+    # unless the C++ tests' CMake build has them (_cmake_objects).
+    if objects is None:
+        objects = bi["compile_objects"](build_dir, config,
+                                        jobs=int(os.environ.get("MAX_JOBS", "2")))
     flags = ([f"-D{d}" for d in info["defines"]] + [f"-I{i}" for i in info["include_dirs"]]
              + [f for f in info["cflags"] if f not in ("-Wall", "-Wextra")]
              + ["-fno-math-errno", "-fno-trapping-math"])
