@@ -136,15 +136,20 @@ FLCE_CLONES float row_absmax(const float* z, int64_t n) {
   return m;
 }
 
-void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha) {
+// (The conversions are cloned as the math is: given logits are read and written through them,
+// and the baseline x86-64 build converts 4 values per instruction where AVX-512 converts 16.)
+FLCE_CLONES void row_scale(float* out, const void* x, Dtype dtype, int64_t n, float alpha) {
   if (dtype == Dtype::f32) {
     const float* xf = static_cast<const float*>(x);
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) out[j] = alpha * xf[j];
   } else if (dtype == Dtype::bf16) {
     const uint16_t* xb = static_cast<const uint16_t*>(x);
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) out[j] = alpha * bf16_value(xb[j]);
   } else {
     const _Float16* xh = static_cast<const _Float16*>(x);
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) out[j] = alpha * static_cast<float>(xh[j]);
   }
 }
@@ -168,14 +173,16 @@ FLCE_CLONES void row_kahan_add_pair(float* s, uint16_t* c, const float* xs, cons
   }
 }
 
-void row_store(const float* x, void* out, Dtype dtype, int64_t n) {
+FLCE_CLONES void row_store(const float* x, void* out, Dtype dtype, int64_t n) {
   if (dtype == Dtype::f32) {
     std::memcpy(out, x, n * sizeof(float));
   } else if (dtype == Dtype::bf16) {
     uint16_t* o = static_cast<uint16_t*>(out);
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) o[j] = bf16_bits(x[j]);
   } else {
     _Float16* o = static_cast<_Float16*>(out);
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) o[j] = static_cast<_Float16>(x[j]);
   }
 }
