@@ -1,11 +1,10 @@
-"""Shared machinery of bench.py, bench_ce.py, demo.py and run.py collapse: the implementations
-compared, the inputs they get, their options' parsing, and the per-process measurement of time,
-peak memory and large-margin accuracy.
+"""Shared machinery of bench.py (`run.py linear`, `distill`, `ce`), demo.py and run.py
+collapse: the implementations compared, the inputs they get, their options' parsing, and the
+per-process measurement of time, peak memory and large-margin accuracy.
 
-Each measurement runs in a fresh child process (``python _peers.py '<json spec>'``; bench_ce.py
-runs its own the same way) so that one implementation's allocator caches, compiled graphs and
-thread pools cannot flatter or penalize the next one, and so that the child's peak resident set
-size is that implementation's alone.
+Each measurement runs in a fresh child process (``python _peers.py '<json spec>'``) so that one
+implementation's allocator caches, compiled graphs and thread pools cannot flatter or penalize
+the next one, and so that the child's peak resident set size is that implementation's alone.
 """
 import importlib.util
 import json
@@ -57,71 +56,20 @@ def soft_targets(t, v, _cache={}):
     return _cache[key]
 
 
-class _Gemm3(torch.autograd.Function):
-    """The three GEMMs of a training step that keeps its logits, torch.mm in the inputs' dtype:
-    z = x w^T [N, V] forward, z w [N, D] and z^T x [V, D] backward. No loss math: the floor of
-    any fused implementation's time (it holds [N, V] like eager; its memory is not a peer's)."""
+class _Floor(torch.autograd.Function):
+    """A floor's GEMMs alone, no loss math (the floor of any fused implementation's time; it
+    holds [N, V] like eager: its memory is not a peer's). ``gemms(x, w)`` runs them all in the
+    forward (flce.check.gemm3_candidates' engines, the floor `python -m flce.check` times) and
+    returns dE and dW, which the backward hands on as the gradients."""
 
     @staticmethod
-    def forward(ctx, x, w):
-        z = x @ w.T
-        ctx.save_for_backward(x, w, z)
-        return z.new_zeros((), dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w, z = ctx.saved_tensors
-        return z @ w, z.T @ x
-
-
-class _Gemm3Flce(torch.autograd.Function):
-    """The same 3 GEMMs on flce's CPU tile-GEMM engine (torch.ops.flce.cpu_tile_gemm: oneDNN's
-    micro-kernels or the BLAS, whichever flce's CPU ops use here, fp32 products). A 16-bit
-    step's backward multiplies ``g``, the logits' shape in the inputs' dtype, made once outside
-    the timed steps (the engine's products are fp32; torch.mm's come out in the inputs' dtype),
-    so that no conversion is timed; fp32 multiplies the logits themselves."""
-
-    @staticmethod
-    def forward(ctx, x, w, g):
-        z = torch.ops.flce.cpu_tile_gemm(x, w, trans_b=True)
-        ctx.save_for_backward(x, w, z if x.dtype == torch.float32 else g)
-        return z.new_zeros(())
+    def forward(ctx, gemms, x, w):
+        ctx.save_for_backward(*gemms(x, w))
+        return x.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, _):
-        x, w, g = ctx.saved_tensors
-        return (torch.ops.flce.cpu_tile_gemm(g, w),
-                torch.ops.flce.cpu_tile_gemm(g, x, trans_a=True), None)
-
-
-def _mm(a, b, trans_a=False, trans_b=False):
-    return (a.T if trans_a else a) @ (b.T if trans_b else b)
-
-
-def _tile_mm(a, b, trans_a=False, trans_b=False):
-    return torch.ops.flce.cpu_tile_gemm(a, b, trans_a=trans_a, trans_b=trans_b)
-
-
-class _Gemm5(torch.autograd.Function):
-    """The 5 GEMMs of a distillation step with a frozen teacher (issue 55's count), no loss
-    math: both logits forward; backward the student's logits again (a recomputing path's), then
-    ``dz @ W_S`` and ``dz^T @ X_S``. ``mm``: torch.mm or flce's tile GEMM; ``g`` as in
-    _Gemm3Flce (None: multiply the recomputed logits)."""
-
-    @staticmethod
-    def forward(ctx, x, w, x_t, w_t, g, mm):
-        z = mm(x, w, trans_b=True)
-        mm(x_t, w_t, trans_b=True)
-        ctx.mm = mm
-        ctx.save_for_backward(x, w, g)
-        return z.new_zeros((), dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, _):
-        x, w, g = ctx.saved_tensors
-        z = ctx.mm(x, w, trans_b=True)
-        dz = z if g is None else g
-        return ctx.mm(dz, w), ctx.mm(dz, x, trans_a=True), None, None, None, None
+        return None, *ctx.saved_tensors
 
 
 def teacher(x, w, _cache={}):
@@ -163,15 +111,6 @@ def distill_impl(name, beta=BETA, compiled=True):
         return lambda x, w, xt, wt: loss(x, w, xt, wt, torch.zeros(x.shape[0], dtype=torch.long,
                                                                    device=x.device))
     raise ValueError(f"unknown implementation {name!r}; choose from {DISTILL}")
-
-
-def _gemm_operand(n, v, dtype, _cache={}):
-    """An [n, v] operand in ``dtype`` for _Gemm3Flce's backward, made once per shape."""
-    key = (n, v, dtype)
-    if key not in _cache:
-        _cache.clear()
-        _cache[key] = torch.randn(n, v).to(dtype)
-    return _cache[key]
 
 
 def names(parser, option, text, choices, empty=False):
@@ -308,28 +247,23 @@ def make_impl(name, device):
                 raise ValueError("cut_cross_entropy takes no bias")
             return cce(x, w, t, impl=impl)
         return f
-    if name == "gemm3":
-        def f(x, w, t, bias=None):
-            return _Gemm3.apply(x, w.to(x.dtype))
-        return f
-    if name == "gemm3-flce":
-        import flce  # noqa: F401  (registers torch.ops.flce.*)
+    if name in FLOORS:
+        from flce.check import gemm3_candidates, logits_gemm  # (torch.ops.flce.* registered)
 
-        def f(x, w, t, bias=None):
-            g = None if x.dtype == torch.float32 else _gemm_operand(x.shape[0], w.shape[0],
-                                                                     x.dtype)
-            return _Gemm3Flce.apply(x, w.to(x.dtype), g)
-        return f
-    if name in ("gemm5", "gemm5-flce"):
-        import flce  # noqa: F401  (registers torch.ops.flce.*)
+        tile = name.endswith("-flce")
+        gemm3 = gemm3_candidates(device)["flce tile GEMM" if tile else "torch.mm"]
+        if name.startswith("gemm3"):
+            return lambda x, w, t, bias=None: _Floor.apply(gemm3, x, w)
+        logits = (lambda a, b: torch.ops.flce.cpu_tile_gemm(a, b, trans_b=True)) if tile \
+            else logits_gemm
 
-        def f(x, w, t, bias=None):
-            g = None
-            if name == "gemm5-flce" and x.dtype != torch.float32:
-                g = _gemm_operand(x.shape[0], w.shape[0], x.dtype)
-            mm = _tile_mm if name == "gemm5-flce" else _mm
-            return _Gemm5.apply(x, w, *teacher(x, w), g, mm)
-        return f
+        def gemm5(x, w):
+            """Distillation's 5 GEMMs (issue 55's count, a frozen teacher): both logits, then
+            the step's 3 (a recomputing backward's student logits, dE and dW)."""
+            logits(*teacher(x, w))
+            logits(x, w)
+            return gemm3(x, w)
+        return lambda x, w, t, bias=None: _Floor.apply(gemm5, x, w)
     if name in DISTILL:
         loss = distill_impl(name)
         return lambda x, w, t, bias=None: loss(x, w, *teacher(x, w))
@@ -391,10 +325,126 @@ def large_margin_error(f, v, d, dtype, device, margin, n=16, seed=1):
     return abs(got - ref) / abs(ref), float(margins.mean()), got, ref
 
 
+# ---- cross-entropy on given logits (`run.py ce`) -----------------------------------------------
+
+CE_IMPLS = ("flce", "flce_inplace", "eager", "compiled", "native", "composite", "liger")
+
+
+def make_ce_impl(name):
+    """``f(z, t) -> mean loss`` on given logits for implementation ``name`` of CE_IMPLS."""
+    if name in ("flce", "flce_inplace"):
+        import flce
+
+        inplace = name == "flce_inplace"
+        return lambda z, t: flce.cross_entropy(z, t, inplace_backward=inplace)
+    if name == "eager":
+        return lambda z, t: F.cross_entropy(z.float(), t)
+    if name == "compiled":
+        return torch.compile(lambda z, t: F.cross_entropy(z.float(), t))
+    if name == "native":
+        return lambda z, t: F.cross_entropy(z, t)
+    if name == "composite":
+        from flce import _common, _composite
+
+        opts = _common.Options()
+
+        def composite(z, t):
+            loss = _composite.logits_per_token(z.float(), t, opts)[0]
+            return loss.sum() / (t != -100).sum()
+        return composite
+    if name == "liger":
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        return LigerCrossEntropyLoss()
+    raise ValueError(f"unknown implementation {name!r}; choose from {CE_IMPLS}")
+
+
+def ce_available(name, device):
+    """None when ``name`` of CE_IMPLS can run on ``device``, else the reason it cannot."""
+    if name == "liger":
+        return "Triton kernels: CUDA only" if device != "cuda" else available("liger")
+    return None
+
+
+def logits_batch(n, v, dtype, device, seed=0):
+    """Logits ~ N(0, 4) and targets with 5 % ignored, drawn where they are used (on a GPU: not
+    billions of numbers drawn on the CPU and copied over, in every child process)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    z = torch.randn(n, v, generator=g, device=device, dtype=dtype).mul_(2)
+    t = torch.randint(0, v, (n,), generator=g, device=device)
+    t[torch.rand(n, generator=g, device=device) < 0.05] = -100
+    return z, t
+
+
+def logits_margin_error(f, dtype, device, v=4096, margin=40.0, n=8):
+    """Relative error of ``f``'s mean loss vs float64 on logits whose every target exceeds the
+    row's other logits by ``margin`` (built on the logits themselves: rounding logits made from
+    hidden states to a 16-bit dtype would move the margins by more than the loss)."""
+    import flce
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    z = torch.randn(n, v, generator=g, dtype=torch.float64)
+    t = torch.randint(0, v, (n,), generator=g)
+    others = z.scatter(1, t[:, None], -math.inf).amax(1)
+    z.scatter_(1, t[:, None], (others + margin)[:, None])
+    z = z.to(dtype)
+    ref = flce.reference.logits_cross_entropy(z.double(), t).item()
+    # (a non-leaf, as the timed steps' in-place logits)
+    got = f(z.to(device).requires_grad_().clone(), t.to(device)).item()
+    return abs(got - ref) / ref
+
+
+def measure_ce(spec):
+    """One implementation of CE_IMPLS at one shape, every repeat on the same logits;
+    flce_inplace's on a clone of the leaf made outside the timed region (flce refuses a leaf),
+    as a model's logits are an op's output. Memory: the peak above the logits and targets, the
+    gradient included."""
+    name, device = spec["impl"], spec["device"]
+    dtype = DTYPES[spec["dtype"]]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    f = make_ce_impl(name)
+    x, t = logits_batch(spec["n"], spec["v"], dtype, device)
+    x.requires_grad_()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def logits():
+        """The step's logits: the leaf, or for the in-place path a non-leaf copy of it."""
+        x.grad = None
+        z = x.clone() if name == "flce_inplace" else x
+        sync()
+        return z
+
+    def step(z):
+        start = time.perf_counter()
+        loss = f(z, t)
+        loss.backward()
+        sync()
+        return time.perf_counter() - start, loss
+
+    for _ in range(spec["warmup"]):
+        step(logits())
+    times = [step(logits())[0] for _ in range(spec["repeats"])]
+    z = logits()
+    from flce.check import Peak  # (a peer's process loads flce only here, where it measures)
+
+    with Peak(device) as mem:
+        _, loss = step(z)
+    del z
+    return {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
+            "ms_max": 1e3 * max(times), "repeats": len(times), "peak_gib": mem.bytes / 2 ** 30,
+            "loss": float(loss.detach()),
+            # 1.0 for a peer that collapses to 0
+            "margin40_rel_err": logits_margin_error(f, dtype, device)}
+
+
 # ---- one measurement (runs in the child) ---------------------------------------------------------
 
 def measure(spec):
-    """Time, peak memory and accuracy of one implementation at one shape; returns a dict."""
+    """Time, peak memory and accuracy of one implementation at one shape; returns a dict
+    (``spec["op"] == "cross_entropy"``: measure_ce's)."""
+    if spec.get("op") == "cross_entropy":
+        return measure_ce(spec)
     name, device = spec["impl"], spec["device"]
     dtype = DTYPES[spec["dtype"]]
     n, v, d = spec["N"], spec["V"], spec["D"]
@@ -461,12 +511,11 @@ def isa_level(device):
     return torch.backends.cpu.get_cpu_capability()
 
 
-def run_child(spec, timeout=None, script=(os.path.abspath(__file__),)):
-    """Run ``script`` (this file's :func:`measure`, or the command line of another script whose
-    child prints its result as the last JSON line) for ``spec`` in a fresh interpreter; returns
-    its dict, or one with an ``error`` key when the child fails. ``spec["isa"] == "avx2"``
-    emulates an AVX2-only CPU in the child (EMULATE_AVX2)."""
-    cmd = [sys.executable, *script, json.dumps(spec)]
+def run_child(spec, timeout=None):
+    """Run this file's :func:`measure` for ``spec`` in a fresh interpreter; returns its dict, or
+    one with an ``error`` key when the child fails. ``spec["isa"] == "avx2"`` emulates an
+    AVX2-only CPU in the child (EMULATE_AVX2)."""
+    cmd = [sys.executable, os.path.abspath(__file__), json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env=child_env(spec["impl"], spec["device"], spec.get("isa")))

@@ -1,8 +1,10 @@
 """The linear step (`python benchmarks/run.py linear`): flce's fused linear cross-entropy against
-its peers, forward + backward time, peak memory and loss accuracy at a large target margin; and
+its peers, forward + backward time, peak memory and loss accuracy at a large target margin;
 distillation (`python benchmarks/run.py distill`): flce.linear_distillation against eager torch
 and Liger on the same student and frozen teacher, beside flce.linear_cross_entropy on the
-student alone (the memory reference) and the step's 5 GEMMs (the floor).
+student alone (the memory reference) and the step's 5 GEMMs (the floor); and cross-entropy on
+given logits (`python benchmarks/run.py ce`): flce.cross_entropy against its peers and the bytes'
+floor (the logits read twice and the gradient written once at the copy rate of the same run).
 
 A configuration is one (dtype, shape); every (implementation, configuration) runs in its own
 fresh process, and a progress line is printed as each starts and ends. With --record, each
@@ -310,7 +312,7 @@ def record(rows, args, argv=None):
         del rec["loss_rel_err_m40"]
         rec.update(beta=_peers.BETA, grad_gib=round((args.N + args.V) * args.D * torch.finfo(
             _peers.DTYPES[args.dtype]).bits / 8 / 2 ** 30, 5))
-    # (the name flce.check's records and benchmarks/bench_ce.py's give the same fact)
+    # (the name flce.check's records and `run.py ce`'s give the same fact)
     skipped = {r["impl"]: r["status"] for r in rows if r["status"] != "ok"}
     if skipped:
         rec["skipped"] = skipped
@@ -348,6 +350,103 @@ def main(argv=None, distill=False):
 
 def distill_main(argv=None):
     return main(argv, distill=True)
+
+
+# ---- cross-entropy on given logits (`run.py ce`) -------------------------------------------------
+
+def ce_main(argv=None):
+    """`run.py ce`: one child per (shape, dtype, implementation); with --record each (shape,
+    dtype)'s record appended when it is done, and rewritten to --partial after each
+    implementation before that."""
+    p = argparse.ArgumentParser(prog="benchmarks/run.py ce",
+                                description="Cross-entropy on given logits: flce.cross_entropy "
+                                "against its peers and the bytes' floor (docs/benchmarks.md).")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=("cpu", "cuda"))
+    p.add_argument("--shapes", default="4096x32768", help="NxV,NxV,...")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--impls", default=",".join(_peers.CE_IMPLS))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--record", help="append one JSON record per (shape, dtype) to this file")
+    p.add_argument("--partial", help="the (shape, dtype) in progress, rewritten after each "
+                   "implementation (default: RECORD.partial; benchmarks/_records.py)")
+    args = p.parse_args(argv)
+    shapes = _peers.shapes(p, "--shapes", args.shapes, 2)
+    dtypes = _peers.names(p, "--dtypes", args.dtypes, _peers.DTYPES)
+    impls = _peers.names(p, "--impls", args.impls, _peers.CE_IMPLS)
+    partial = args.partial or f"{args.record}.partial"
+    runnable = [i for i in impls if _peers.ce_available(i, args.device) is None]
+    progress = _records.Progress(len(shapes) * len(dtypes) * len(runnable))
+    from flce.check import copy_rate
+
+    for n, v in shapes:
+        for dt in dtypes:
+            nbytes = n * v * torch.finfo(_peers.DTYPES[dt]).bits // 8
+            rate = copy_rate(args.device, nbytes)
+            floor_ms = 1e3 * 3 * nbytes / rate
+            res = {}
+            for name in impls:
+                why = _peers.ce_available(name, args.device)
+                if why:
+                    res[name] = {"skipped": why}
+                    continue
+                spec = dict(op="cross_entropy", impl=name, device=args.device, dtype=dt, n=n,
+                            v=v, repeats=args.repeats, warmup=args.warmup, threads=args.threads)
+                progress.start(f"{args.device} [{n}, {v}] {dt}: {name}")
+                res[name] = r = _peers.run_child(spec, args.timeout)
+                progress.done(f"{r['ms']:.2f} ms, {r['peak_gib']:.3f} GiB" if "ms" in r
+                              else f"failed: {r.get('error')}")
+                if args.record:  # what is measured so far, should the run be cut
+                    _records.write_partial(partial, ce_record(n, v, dt, rate, floor_ms, res,
+                                                                args.device))
+            print(ce_table(n, v, dt, rate, floor_ms, res, args.device), flush=True)
+            if args.record:
+                rec = ce_record(n, v, dt, rate, floor_ms, res, args.device)
+                rec["complete"] = True
+                _records.finish(args.record, partial, rec)
+    return 0
+
+
+def ce_table(n, v, dt, rate, floor_ms, res, device):
+    mb = n * v * torch.finfo(_peers.DTYPES[dt]).bits // 8 / 1e6
+    lines = [f"\n{device} [{n}, {v}] {dt}: copy rate {rate / 1e9:.1f} GB/s, bytes' floor "
+             f"{floor_ms:.2f} ms (3 x {mb:.0f} MB)",
+             f"{'impl':14s} {'ms':>9s} {'x floor':>8s} {'x flce':>7s} {'peak GiB':>9s} "
+             f"{'margin-40 err':>14s}"]
+    base = res.get("flce", {}).get("ms")
+    for name, r in res.items():
+        if "ms" not in r:
+            lines.append(f"{name:14s} {r.get('skipped') or r.get('error')}")
+            continue
+        rel = f"{r['ms'] / base:7.2f}" if base else "      -"
+        lines.append(f"{name:14s} {r['ms']:9.2f} {r['ms'] / floor_ms:8.2f} {rel} "
+                     f"{r['peak_gib']:9.3f} {r['margin40_rel_err']:14.2e}")
+    return "\n".join(lines)
+
+
+def ce_record(n, v, dt, rate, floor_ms, res, device="cuda"):
+    """The (shape, dtype)'s ``op: "cross_entropy"`` record, in gpu.jsonl's format ("complete":
+    false until done)."""
+    rec = _records.environment()
+    if device == "cpu":  # the measured device, not the machine's GPU
+        from flce.check import device_name
+
+        rec.update(device=device_name("cpu"), threads=torch.get_num_threads())
+    ok = {k: r for k, r in res.items() if "ms" in r}
+    rec.update(op="cross_entropy", n=n, v=v, dtype=_records.DTYPE_NAMES[dt],
+               ms={k: round(r["ms"], 4) for k, r in ok.items()},
+               ms_range={k: [round(r["ms_min"], 4), round(r["ms_max"], 4)] for k, r in ok.items()},
+               peak_gib={k: round(r["peak_gib"], 4) for k, r in ok.items()},
+               margin40_rel_err={k: _records.sig(r["margin40_rel_err"], 3) for k, r in ok.items()},
+               skipped={k: r["skipped"] for k, r in res.items() if "skipped" in r},
+               errors={k: str(r["error"])[:300] for k, r in res.items() if "error" in r},
+               copy_gb_s=round(rate / 1e9, 1),
+               repeats=next((r["repeats"] for r in ok.values()), None), complete=False)
+    rec["ms"]["bytes"] = round(floor_ms, 4)
+    return rec
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def _gpu_check(argv):
 
 # The subcommands that are a module's main(argv) (or MODULE.FUNCTION(argv)); its exit status,
 # where it returns one.
-MODULES = {"linear": "bench", "ce": "bench_ce", "accuracy": "accumulation",
+MODULES = {"linear": "bench", "ce": "bench.ce_main", "accuracy": "accumulation",
            "parallel": "bench_parallel", "profile": "profile_step", "demo": "demo",
            "distill": "bench.distill_main", "report": "report", "plots": "report.plots_main"}
 

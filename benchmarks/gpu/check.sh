@@ -251,7 +251,7 @@ step bench_large "$PY" -m flce.check --only speed --repeats 5 \
   --shapes "16384,128256,4096;4096,256000,4096;16384,256000,4096" \
   --out "$RECORDS" --partial "$PARTIAL"
 sed -n '/^linear_cross_entropy  N=/,/^(floor/p' "$LOGS/bench_large.log" >>"$OUT/table.txt"
-step bench_ce "$PY" benchmarks/bench_ce.py --device cuda --shapes 16384x64128 --dtypes bf16 \
+step bench_ce "$PY" benchmarks/run.py ce --device cuda --shapes 16384x64128 --dtypes bf16 \
   --impls flce,eager,liger,flce_inplace,compiled --repeats 10 --timeout 60 --record "$RECORDS" \
   --partial "$PARTIAL"
 step fp64_cost "$PY" benchmarks/gpu/fp64_cost.py --repeats 3 --record "$RECORDS"

@@ -16,7 +16,6 @@ BENCH_DIR = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH_DIR)
 
 import bench  # noqa: E402
-import bench_ce  # noqa: E402
 import demo  # noqa: E402
 import run  # noqa: E402
 from _records import Progress  # noqa: E402
@@ -190,7 +189,7 @@ def test_floor_is_the_faster_engine():
         assert rec["floor"] == floor and set(rec["peak_gib"]) == {"flce"}
     rows = [row("flce", 1.5), row("gemm3", 0.0, "failed: x"), row("gemm3-flce", 3.0)]
     assert bench.floor_row(rows)["impl"] == "gemm3-flce"
-    # what did not run, under the name flce.check's and bench_ce.py's records give it
+    # what did not run, under the name flce.check's and `run.py ce`'s records give it
     assert bench.record(rows, args)["skipped"] == {"gemm3": "failed: x"}
     assert bench.floor_row([row("flce", 1.5)]) is None
 
@@ -243,7 +242,7 @@ def test_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         bench.main(["-N", "0"])
     with pytest.raises(SystemExit):  # (not a ValueError from int(""))
-        bench_ce.main(["--shapes", "4096x"])
+        bench.ce_main(["--shapes", "4096x"])
     assert "--shapes: NxV,NxV,... of integers >= 1, got '4096x'" in capsys.readouterr().err
 
 
