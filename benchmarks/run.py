@@ -5,7 +5,7 @@
   ce         cross-entropy on given logits: flce.cross_entropy against its peers and the
              bytes' floor
   accuracy   dW's accuracy when the CUDA single pass accumulates it over row groups (the same
-             arithmetic on the CPU, against float64)
+             arithmetic on the CPU, against float64; the probe tools/probes/accumulation.py)
   parallel   the collectives of vocab-parallel cross-entropy: flce's against Megatron's (gloo)
   collapse   the loss's relative error against float64 at target margins 0-100 (the record
              behind docs/img/collapse.png); --distill: distillation's loss and student
@@ -31,6 +31,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# the probes that have a subcommand (accuracy: tools/probes/accumulation.py)
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tools", "probes"))
 
 COLLAPSE_MARGINS = tuple(range(0, 105, 5))
 

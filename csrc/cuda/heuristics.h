@@ -29,7 +29,7 @@ constexpr int64_t kSubChunkMaxBytes = int64_t{128} << 20;
 
 // fp32 inputs: dW sums a group's rows inside one cuBLAS GEMM (fp32 accumulation) and the groups
 // with Neumaier compensation; groups of at most this many rows keep the first term small
-// (benchmarks/accumulation.py), and fp32 GEMMs are slow enough that the compensated [V, D] add
+// (tools/probes/accumulation.py), and fp32 GEMMs are slow enough that the compensated [V, D] add
 // per group costs little beside them.
 constexpr int64_t kFp32GroupRows = 1024;
 

@@ -12,6 +12,7 @@ Kahan compensation across them, which the single pass uses for fp32 because beta
 enough there).
 
     python benchmarks/run.py accuracy            # prints a line per case as it finishes
+    python tools/probes/accumulation.py          # the same
     python benchmarks/run.py accuracy --record benchmarks/results/cpu.jsonl   # and a record each
 
 The gradient tile is fp32 (fp32 training) or bf16 with its target entries in fp32 (16-bit
@@ -25,7 +26,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# benchmarks/: the record writer (and the checkout's flce where none is installed)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "benchmarks"))
 import _records  # noqa: E402
 
 
