@@ -154,7 +154,7 @@ def _merge(results):
     return row
 
 
-def run(args, log=print, progress=None):
+def run(args, progress):
     """Measure every implementation of ``args`` (one configuration); returns one row dict per
     implementation. ``progress`` (a _records.Progress) gets a step per child process."""
     rows = {}
@@ -177,10 +177,7 @@ def run(args, log=print, progress=None):
                 if rows[name].get("status", "").startswith("failed"):
                     continue
                 tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
-                if progress is not None:
-                    progress.start(f"{describe(args)}: {name}{tag}")
-                else:
-                    log(f"  {name:8s}{tag} ...", end="", flush=True)
+                progress.start(f"{describe(args)}: {name}{tag}")
                 result = _peers.run_child(_spec(name, args), timeout=args.timeout)
                 if "error" in result:
                     rows[name]["status"] = f"failed: {result['error']}"
@@ -189,10 +186,7 @@ def run(args, log=print, progress=None):
                     results[name].append(result)
                     msg = (f"{result['time_median_s']:.3f} s (first {result['time_first_s']:.3f}"
                            f" s), {result['peak_mem_bytes'] / 2 ** 20:.0f} MB")
-                if progress is not None:
-                    progress.done(msg)
-                else:
-                    log(f" {msg}")
+                progress.done(msg)
     after = os.getloadavg()[0]
     from flce.check import device_name
 
@@ -334,7 +328,7 @@ def main(argv=None, distill=False):
     progress = _records.Progress(runnable * args.rounds)
     all_rows = []
     for cfg in configs:
-        rows = run(cfg, progress=progress)
+        rows = run(cfg, progress)
         print()
         print(format_table(rows, cfg), flush=True)
         print()

@@ -110,6 +110,10 @@ def _where(r):
     return ", ".join(bits)
 
 
+def _source(r):
+    return r.get("source", "unknown")
+
+
 # ---- the configurations --------------------------------------------------------------------
 
 def step_table(r):
@@ -148,8 +152,7 @@ def step_table(r):
         extra = (f"; jsd at beta {r['beta']:g}; `flce`: linear_cross_entropy on the student "
                  f"alone; peak memory includes the student's gradients, "
                  f"{fmt_mem(r['grad_gib'])}")
-    caption = (f"**{title}, {_dtype(r)}, {_shape(r)}** ({_where(r)}{extra}). "
-               f"Source: {r.get('source', 'unknown')}.")
+    caption = f"**{title}, {_dtype(r)}, {_shape(r)}** ({_where(r)}{extra}). Source: {_source(r)}."
     not_run = r.get("skipped") or {}
     if not_run:
         caption += " Not run: " + "; ".join(f"`{k}` ({v})" for k, v in not_run.items()) + "."
@@ -164,15 +167,14 @@ def collapse_table(r):
     caption = (f"**The loss at large target margins**: |mean loss - float64 reference| / "
                f"reference for {r['n']} tokens whose target logit exceeds every other by the "
                f"margin, {r['dtype']}, V = {r['v']}, D = {r['d']} ({_where(r)}). Source: "
-               f"{r.get('source', 'unknown')}.")
+               f"{_source(r)}.")
     return caption + "\n\n" + table(["margin"] + [f"`{i}`" for i in impls], rows)
 
 
 def tests_line(r):
     counts = ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "skipped")
                        if r.get(k) is not None)
-    return (f"**Tests on the device** ({_where(r)}): {counts}. Source: "
-            f"{r.get('source', 'unknown')}.")
+    return f"**Tests on the device** ({_where(r)}): {counts}. Source: {_source(r)}."
 
 
 def accumulation_table(recs):
@@ -185,7 +187,7 @@ def accumulation_table(recs):
              f"{r['date']}, {r.get('commit')}"] for r in recs]
     caption = (f"**dW accumulated over row groups** (the CUDA single pass's arithmetic on the "
                f"CPU), relative error (norm) against float64, V = {r0['v']}, D = {r0['d']}. "
-               f"Source: {r0.get('source', 'unknown')}.")
+               f"Source: {_source(r0)}.")
     return caption + "\n\n" + table(["dtype", "N", "groups", "across groups", "accumulated",
                                      "ideal", "rounding floor", "x ideal", "date, commit"], rows)
 
@@ -198,7 +200,7 @@ def parallel_table(recs):
             for r in recs for row in r["rows"]]
     caption = (f"**Vocab-parallel collectives per step** ({recs[0].get('backend')}, each rank's "
                f"collectives alone, median of {recs[0].get('repeats')}, D = {recs[0]['d']}). "
-               f"Source: {recs[0].get('source', 'unknown')}.")
+               f"Source: {_source(recs[0])}.")
     head = ["ranks", "N", "flce: 1 all-gather", "Megatron: 3 all-reduces", "Megatron / flce",
             "dE all-reduce (both)", "date, commit"]
     return caption + "\n\n" + table(head, rows)
@@ -209,7 +211,7 @@ GROUPED = {"dw_accumulation": accumulation_table, "vocab_parallel_collectives": 
 
 def other_line(r):
     return (f"**`{r['op']}`** ({_where(r)}): see the record in `benchmarks/results/` "
-            f"(source: {r.get('source', 'unknown')}).")
+            f"(source: {_source(r)}).")
 
 
 def results_region(records):
@@ -421,6 +423,12 @@ def _speed_sets(records):
     return [(dev, [r for r in recs if r["device"] == dev]) for dev in devices]
 
 
+def _bar(ax, x, height, width, impl, label):
+    """One implementation's bar, its value written above it."""
+    ax.bar(x, height, width, color=COLORS[impl])
+    ax.text(x, height, label, ha="center", va="bottom", fontsize=6.5, rotation=90)
+
+
 def plot_speed_memory(records, path):
     sets = _speed_sets(records)
     if not sets:
@@ -443,14 +451,11 @@ def plot_speed_memory(records, path):
                 floor = r["ms"].get(r.get("floor") or "gemm3")  # bench.py: the faster engine
                 t = r["ms"].get(impl)
                 if t is not None and floor:
-                    ax_t.bar(x, t / floor, width, color=COLORS[impl])
-                    ax_t.text(x, t / floor, f"{t:.0f}" if t >= 100 else f"{t:.1f}",
-                              ha="center", va="bottom", fontsize=6.5, rotation=90)
+                    _bar(ax_t, x, t / floor, width, impl, f"{t:.0f}" if t >= 100 else f"{t:.1f}")
                 mem = r.get("peak_gib", {}).get(impl)
                 if mem is not None:
-                    ax_m.bar(x, mem, width, color=COLORS[impl])
-                    ax_m.text(x, mem, f"{mem * 1024:.0f} MB" if mem < 1 else f"{mem:.2f} G",
-                              ha="center", va="bottom", fontsize=6.5, rotation=90)
+                    _bar(ax_m, x, mem, width, impl,
+                         f"{mem * 1024:.0f} MB" if mem < 1 else f"{mem:.2f} G")
         ax_t.axhline(1.0, color="k", lw=1, ls="--")
         handles = [Patch(color=COLORS[i], label=LABELS[i]) for i in bars]
         handles.append(Line2D([], [], color="k", lw=1, ls="--", label="3 GEMMs alone (floor) = 1"))
