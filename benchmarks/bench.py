@@ -399,7 +399,8 @@ def ce_main(argv=None):
             print(ce_table(n, v, dt, rate, floor_ms, res, args.device), flush=True)
             if args.record:
                 rec = ce_record(n, v, dt, rate, floor_ms, res, args.device)
-                rec["complete"] = True
+                rec.update(complete=True, source=" ".join(
+                    ["benchmarks/run.py ce"] + (sys.argv[2:] if argv is None else list(argv))))
                 _records.finish(args.record, partial, rec)
     return 0
 
