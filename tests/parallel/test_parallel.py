@@ -50,7 +50,7 @@ def test_predicted_tokens(world):
 
 
 # The vocab-parallel fuzzer (fuzz_parallel.py): a short seeded run per world size, the same cases
-# every run (about 5 s each); the long run is on demand.
+# every run; the long run is on demand.
 @pytest.mark.parametrize("world", [2, 3])
 def test_fuzz_short_run(world):
     import fuzz_parallel
