@@ -15,7 +15,7 @@ FLCE_CUDA_HOST_RACECHECK=1 builds the kernels with the shared-memory race detect
 FLCE_CUDA_HOST_MUTANT=PATH builds it with one launch-sequence file (csrc/cuda/NAME.cpp) replaced by
 PATH, a mutated copy (tests/cuda/test_driver_mutations.py). FLCE_CUDA_HOST_CMAKE_BUILD=DIR (CI: the
 C++ tests' CMake build directory) takes the kernel and runtime objects from that build, where they
-are newer than every source, instead of compiling them again.
+are up to date, instead of compiling them again.
 """
 import contextlib
 import fcntl
@@ -83,10 +83,9 @@ def load():
     except FileNotFoundError as e:
         raise Unavailable(str(e)) from None
     binding = _binding_sources()
-    kernels = [p for top in ("csrc", TOOLS) for ext in ("*.h", "*.cuh")
-               for p in glob.glob(os.path.join(ROOT, top, "**", ext), recursive=True)] + \
+    sources = [p for top in ("csrc", TOOLS) for ext in ("*.h", "*.cuh")
+               for p in glob.glob(os.path.join(ROOT, top, "**", ext), recursive=True)] + binding + \
         info["kernel_sources"] + info["runtime_sources"]
-    sources = kernels + binding
     # One build directory per source state: the kernels' and runtime's objects are rebuilt by
     # their own timestamps only, and ninja does not see header changes through them.
     digest = _digest(sources)
@@ -112,7 +111,7 @@ def load():
             with _locked(seed):
                 _seed(seed, build_dir)
         os.makedirs(build_dir, exist_ok=True)
-        return _build_and_import(bi, info, binding, build_dir, _cmake_objects(config, kernels))
+        return _build_and_import(bi, info, binding, build_dir, _cmake_objects(config))
 
 
 @contextlib.contextmanager
@@ -123,12 +122,13 @@ def _locked(build_dir):
         yield
 
 
-def _cmake_objects(config, sources):
+def _cmake_objects(config):
     """The runtime and kernel objects of ``config`` in the CMake build FLCE_CUDA_HOST_CMAKE_BUILD
     names (tests/cuda_host/CMakeLists.txt compiles them with build_info.py's flags), or None
-    where there is none to take: CMake's own flags not only an optimization level (build_info's
-    -O, later on the command line, wins) and -DNDEBUG (the kernels and runtime have no assert),
-    another compiler than the one this build links with, or an object older than a source."""
+    where there is none to take: a build of another source tree, CMake's own flags not only an
+    optimization level (build_info's -O, later on the command line, wins) and -DNDEBUG (the
+    kernels and runtime have no assert), another compiler than the one this build links with,
+    or an object older than a file its compiler's dependency list (OBJECT.d) names."""
     import json
     import shutil
 
@@ -142,11 +142,17 @@ def _cmake_objects(config, sources):
                    for o in cfg[key][config].split(";") if o]
         ours = shutil.which(os.environ.get("CXX", "c++"))
         if (not objects or ours is None
+                or os.path.realpath(cfg["source_root"]) != os.path.realpath(ROOT)
                 or os.path.realpath(ours) != os.path.realpath(cfg["compiler"])
-                or not set(cfg["cxx_flags"].split()) <= {"-O1", "-O2", "-O3", "-DNDEBUG"}
-                or min(map(os.path.getmtime, objects)) < max(map(os.path.getmtime, sources))):
+                or not set(cfg["cxx_flags"].split()) <= {"-O1", "-O2", "-O3", "-DNDEBUG"}):
             return None
-    except (OSError, KeyError, ValueError):
+        for obj in objects:
+            with open(obj + ".d") as f:  # "OBJECT: SOURCE HEADER ..." (make syntax)
+                text = f.read().replace("\\\n", " ")
+            deps = [d.rstrip(":") for d in text.split(":", 1)[1].split()]
+            if not deps or os.path.getmtime(obj) < max(map(os.path.getmtime, deps)):
+                return None
+    except (OSError, KeyError, ValueError, IndexError):
         return None
     return objects
 
