@@ -395,12 +395,11 @@ def ce_main(argv=None):
                               else f"failed: {r.get('error')}")
                 if args.record:  # what is measured so far, should the run be cut
                     _records.write_partial(partial, ce_record(n, v, dt, rate, floor_ms, res,
-                                                                args.device))
+                                                                args.device, argv))
             print(ce_table(n, v, dt, rate, floor_ms, res, args.device), flush=True)
             if args.record:
-                rec = ce_record(n, v, dt, rate, floor_ms, res, args.device)
-                rec.update(complete=True, source=" ".join(
-                    ["benchmarks/run.py ce"] + (sys.argv[2:] if argv is None else list(argv))))
+                rec = ce_record(n, v, dt, rate, floor_ms, res, args.device, argv)
+                rec["complete"] = True
                 _records.finish(args.record, partial, rec)
     return 0
 
@@ -422,9 +421,9 @@ def ce_table(n, v, dt, rate, floor_ms, res, device):
     return "\n".join(lines)
 
 
-def ce_record(n, v, dt, rate, floor_ms, res, device="cuda"):
+def ce_record(n, v, dt, rate, floor_ms, res, device="cuda", argv=None):
     """The (shape, dtype)'s ``op: "cross_entropy"`` record, in gpu.jsonl's format ("complete":
-    false until done)."""
+    false until done); ``source``: the command, as `run.py linear`'s records name theirs."""
     rec = _records.environment()
     if device == "cpu":  # the measured device, not the machine's GPU
         from flce.check import device_name
@@ -439,7 +438,8 @@ def ce_record(n, v, dt, rate, floor_ms, res, device="cuda"):
                skipped={k: r["skipped"] for k, r in res.items() if "skipped" in r},
                errors={k: str(r["error"])[:300] for k, r in res.items() if "error" in r},
                copy_gb_s=round(rate / 1e9, 1),
-               repeats=next((r["repeats"] for r in ok.values()), None), complete=False)
+               repeats=next((r["repeats"] for r in ok.values()), None), complete=False,
+               source="benchmarks/run.py ce" + (f" {' '.join(argv)}" if argv else ""))
     rec["ms"]["bytes"] = round(floor_ms, 4)
     return rec
 
